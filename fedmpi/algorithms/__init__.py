@@ -1,0 +1,23 @@
+"""FL methods. ``build_algorithm`` maps ``algorithm.name`` to its class."""
+from __future__ import annotations
+
+from ..errors import ConfigError
+from .base import Algorithm, ClientTask, RoundInfo, Stat
+from .fedavg import FedAvg
+from .weighting import Weighting, build_weighting
+
+ALGORITHMS: dict[str, type[Algorithm]] = {"fedavg": FedAvg}
+
+
+def build_algorithm(cfg, layout, num_clients: int) -> Algorithm:
+    name = cfg.algorithm.name
+    try:
+        cls = ALGORITHMS[name]
+    except KeyError:
+        raise ConfigError(f"config key 'algorithm.name': {name!r} is not implemented in this "
+                          f"version; available: {', '.join(sorted(ALGORITHMS))}") from None
+    return cls(cfg, layout, num_clients)
+
+
+__all__ = ["Algorithm", "ClientTask", "RoundInfo", "Stat", "Weighting", "build_algorithm",
+           "build_weighting", "ALGORITHMS"]

@@ -1,0 +1,132 @@
+"""The seam every FL method plugs into (DESIGN.md §3–4).
+
+A method is a subclass of :class:`Algorithm` that declares
+
+* its **uplink statistics** (:class:`Stat`): vectors each client produces.
+  ``combine="weighted"`` statistics are combined with the aggregation weights
+  s_k of ``aggregation.weighting``; ``combine="sum"`` ones are summed plainly.
+  When the weighting can be computed on the worker (``samples``,
+  ``uniform``) the worker pre-reduces ``Σ_k w̃_k x_k`` and one MPI ``Reduce``
+  brings it to rank 0; when it needs every client model on rank 0 (FedVG),
+  weighted statistics travel per client by ``Gatherv``;
+* its **downlink extras**: a vector appended to the global state in the one
+  ``Bcast`` of the round (SCAFFOLD's c, FedGPS prototypes, ...);
+* its **client rule** (:meth:`Algorithm.client_update`, usually just
+  :class:`~fedmpi.train.StepHooks` on the shared local loop) and its
+  **server rule** (:meth:`Algorithm.server_update`).
+
+The base class *is* FedAvg (McMahan et al. 2017):
+``θ ← θ + η_g Σ_k s_k (θ_k − θ)`` with s_k from the weighting
+(``samples``: n_k/Σn; ``uniform``: 1/|S|) and η_g = ``algorithm.server_lr``
+(1 gives exactly ``θ ← Σ_k s_k θ_k``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from ..flat import FlatModel
+from ..train import LocalTrainer, SGDConfig, StepHooks, TrainResult
+
+
+@dataclass(frozen=True)
+class Stat:
+    """One per-client uplink statistic of ``size`` float32 entries."""
+
+    name: str
+    size: int
+    combine: Literal["weighted", "sum"] = "weighted"
+
+
+@dataclass
+class ClientTask:
+    """What a worker needs to train client ``client`` in round ``round``."""
+
+    client: int
+    round: int
+    indices: torch.Tensor        # training-pool indices on the training device
+    seed: int                    # RNG stream of (seed, client, round)
+    flip_labels: bool = False    # label_flip adversary
+
+
+@dataclass
+class RoundInfo:
+    """What the server knows when it aggregates round ``round``."""
+
+    round: int
+    clients: np.ndarray          # ids of participants whose update is accepted
+    weights: np.ndarray          # s_k of those clients (sum 1)
+    num_samples: np.ndarray      # n_k of those clients
+    steps: np.ndarray            # τ_k of those clients
+    num_clients: int             # N, all clients of the federation
+    num_selected: int            # |S_t| including excluded clients
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def sgd_config(cfg) -> SGDConfig:
+    t = cfg.train
+    return SGDConfig(lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay,
+                     grad_clip=t.grad_clip, batch_size=t.batch_size,
+                     local_epochs=t.local_epochs, local_steps=t.local_steps)
+
+
+class Algorithm:
+    """FedAvg; the base of every method (see module docstring)."""
+
+    name = "fedavg"
+
+    def __init__(self, cfg, layout: FlatModel, num_clients: int) -> None:
+        self.cfg = cfg
+        self.state_size = layout.size          # D: parameters + float buffers
+        self.num_params = layout.num_params    # P
+        self.num_clients = num_clients
+        self.sgd = sgd_config(cfg)
+        self.server_lr = float(cfg.algorithm.server_lr)
+
+    # ----------------------------------------------------------- declarations
+    def uplink_stats(self) -> list[Stat]:
+        """Per-client statistics; ``delta`` = θ_k − θ over the whole state."""
+        return [Stat("delta", self.state_size, "weighted")]
+
+    def downlink_size(self) -> int:
+        return 0
+
+    # ----------------------------------------------------------------- client
+    def hooks(self, task: ClientTask, state: torch.Tensor, extras: torch.Tensor) -> StepHooks:
+        return StepHooks()
+
+    def client_update(self, task: ClientTask, trainer: LocalTrainer, state: torch.Tensor,
+                      extras: torch.Tensor, out: dict[str, torch.Tensor]) -> TrainResult:
+        """Train from the global ``state`` and write the statistics into ``out``."""
+        trainer.flat.load(state)
+        result = trainer.train(task.indices, self.sgd, task.seed,
+                               self.hooks(task, state, extras), task.flip_labels)
+        torch.sub(trainer.flat.vector, state, out=out["delta"])
+        return result
+
+    # ----------------------------------------------------------------- server
+    def fill_downlink(self, extras: torch.Tensor, round: int) -> None:
+        """Write this round's downlink extras (server side)."""
+
+    def server_update(self, state: torch.Tensor, agg: dict[str, torch.Tensor],
+                      info: RoundInfo) -> None:
+        """FedAvg: θ ← θ + η_g Σ_k s_k Δ_k (in place on ``state``)."""
+        state.add_(agg["delta"], alpha=self.server_lr)
+
+    # ------------------------------------------------------------------ state
+    def server_state(self) -> dict[str, torch.Tensor]:
+        """Server-side tensors to checkpoint (optimizer moments, c, h, ...)."""
+        return {}
+
+    def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
+        pass
+
+    def client_state(self, client: int) -> dict[str, torch.Tensor]:
+        """Per-client tensors kept on the hosting worker (checkpointed by id)."""
+        return {}
+
+    def load_client_state(self, client: int, state: dict[str, torch.Tensor]) -> None:
+        pass

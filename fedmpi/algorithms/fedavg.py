@@ -1,0 +1,12 @@
+"""FedAvg (McMahan et al., 2017): the weighted average of client models.
+
+The rule lives in :class:`~fedmpi.algorithms.base.Algorithm`, which every other
+method extends; this module only names it.
+"""
+from __future__ import annotations
+
+from .base import Algorithm
+
+
+class FedAvg(Algorithm):
+    name = "fedavg"

@@ -1,0 +1,48 @@
+"""Aggregation weights s_k (``aggregation.weighting``).
+
+``samples``  s_k = n_k / Σ_{j∈S} n_j           (FedAvg)
+``uniform``  s_k = 1 / |S|
+
+Both are *reducible*: s_k ∝ w̃_k with w̃_k known on the worker, so the worker
+sends Σ_k w̃_k x_k and rank 0 divides by Σ_k w̃_k over the accepted clients.
+Weightings that must see every client model on rank 0 (FedVG) set
+``per_client = True`` and implement :meth:`Weighting.weights`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import ConfigError
+
+
+class Weighting:
+    name = "samples"
+    per_client = False
+
+    def __init__(self, num_samples: np.ndarray) -> None:
+        # Normalising by the pool size keeps Σ w̃_k Δ_k at the scale of Δ in float32.
+        self.num_samples = np.asarray(num_samples, dtype=np.float64)
+        self._scale = 1.0 / max(1.0, float(self.num_samples.sum()))
+
+    def raw(self, client: int) -> float:
+        """Unnormalised weight w̃_k."""
+        return float(self.num_samples[client]) * self._scale
+
+
+class Uniform(Weighting):
+    name = "uniform"
+
+    def raw(self, client: int) -> float:
+        return 1.0
+
+
+WEIGHTINGS: dict[str, type[Weighting]] = {"samples": Weighting, "uniform": Uniform}
+
+
+def build_weighting(name: str, num_samples: np.ndarray) -> Weighting:
+    try:
+        cls = WEIGHTINGS[name]
+    except KeyError:
+        raise ConfigError(f"config key 'aggregation.weighting': {name!r} is not implemented in this "
+                          f"version; available: {', '.join(sorted(WEIGHTINGS))}") from None
+    return cls(num_samples)

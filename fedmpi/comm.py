@@ -1,0 +1,221 @@
+"""The only module of fedmpi that touches MPI.
+
+Buffer (uppercase) mpi4py calls only, on contiguous host numpy arrays (or
+device arrays when the MPI library is CUDA-aware); nothing is pickled.
+
+Every collective is issued non-blocking and completed by :meth:`Comm._wait`,
+a *sleeping* poll: ``Test()``, then ``sleep`` with exponential back-off up to
+``max_sleep``. MPICH and Open MPI spin in blocking calls, which on a node where
+the aggregator and workers share cores would steal CPU from local training;
+the sleeping poll costs at most ``max_sleep`` of latency per collective.
+A collective that does not complete within ``timeout`` seconds raises
+:class:`CommTimeout` (the runtime then aborts the whole job).
+
+Messages over ``CHUNK`` elements are split (MPI counts are C ints; APPFL hit
+the 2^31 limit with large models).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+CHUNK = 1 << 30  # elements per MPI call; below the 2**31 - 1 count limit
+
+
+class CommTimeout(RuntimeError):
+    """A collective did not complete within ``runtime.round_timeout``."""
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank moved through MPI, by operation."""
+
+    sent: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def add(self, op: str, nbytes: int, seconds: float) -> None:
+        self.sent[op] = self.sent.get(op, 0) + int(nbytes)
+        self.seconds[op] = self.seconds.get(op, 0.0) + seconds
+
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+
+def _mpi():
+    from mpi4py import MPI  # imported lazily: `fedmpi check` works without MPI
+
+    return MPI
+
+
+class Comm:
+    """Collectives over ``MPI.COMM_WORLD`` (or a given communicator).
+
+    Parameters
+    ----------
+    timeout:
+        Seconds after which a pending collective raises :class:`CommTimeout`.
+    max_sleep:
+        Upper bound of the poll interval in seconds.
+    """
+
+    def __init__(self, comm=None, timeout: float = 600.0, max_sleep: float = 2e-3) -> None:
+        MPI = _mpi()
+        self.MPI = MPI
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.rank: int = self.comm.Get_rank()
+        self.size: int = self.comm.Get_size()
+        self.timeout = timeout
+        self.max_sleep = max_sleep
+        self.traffic = Traffic()
+
+    # ------------------------------------------------------------------ waits
+    def _wait(self, requests: list, what: str) -> None:
+        """Complete ``requests`` with a sleeping poll (never a busy spin)."""
+        MPI = self.MPI
+        deadline = time.monotonic() + self.timeout
+        delay = 1e-5
+        while not MPI.Request.Testall(requests):
+            if time.monotonic() > deadline:
+                raise CommTimeout(
+                    f"rank {self.rank}: {what} did not complete within runtime.round_timeout="
+                    f"{self.timeout:g}s (a rank died or hangs)")
+            time.sleep(delay)
+            delay = min(delay * 2.0, self.max_sleep)
+
+    @staticmethod
+    def _chunks(n: int):
+        for start in range(0, max(n, 1), CHUNK):
+            yield slice(start, min(start + CHUNK, n))
+
+    # ------------------------------------------------------------ collectives
+    def bcast(self, buf: np.ndarray, root: int = 0, what: str = "Bcast") -> None:
+        """In-place broadcast of ``buf`` from ``root``."""
+        if self.size == 1:
+            return
+        t0 = time.perf_counter()
+        flat = buf.reshape(-1)
+        reqs = [self.comm.Ibcast(flat[s], root=root) for s in self._chunks(flat.size)]
+        self._wait(reqs, what)
+        sent = flat.nbytes * (self.size - 1) if self.rank == root else 0
+        self.traffic.add("bcast", sent, time.perf_counter() - t0)
+
+    def reduce_sum(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int = 0,
+                   what: str = "Reduce") -> None:
+        """``recvbuf = Σ_ranks sendbuf`` on ``root`` (``recvbuf`` ignored elsewhere)."""
+        if self.size == 1:
+            np.copyto(recvbuf, sendbuf)
+            return
+        t0 = time.perf_counter()
+        send = sendbuf.reshape(-1)
+        recv = recvbuf.reshape(-1) if self.rank == root else None
+        reqs = [self.comm.Ireduce(send[s], recv[s] if recv is not None else None,
+                                  op=self.MPI.SUM, root=root) for s in self._chunks(send.size)]
+        self._wait(reqs, what)
+        self.traffic.add("reduce", 0 if self.rank == root else send.nbytes, time.perf_counter() - t0)
+
+    def gatherv_rows(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, rows: list[int],
+                     root: int = 0, what: str = "Gatherv") -> None:
+        """Gather row blocks: rank ``r`` sends ``rows[r]`` rows of width ``P``.
+
+        ``sendbuf`` is ``[rows[rank], P]``; on ``root`` ``recvbuf`` is
+        ``[sum(rows), P]`` in rank order. Messages larger than ``CHUNK``
+        elements are sent in column blocks (staged through a copy).
+        """
+        width = sendbuf.shape[1]
+        if self.size == 1:
+            np.copyto(recvbuf[: rows[0]], sendbuf)
+            return
+        t0 = time.perf_counter()
+        mpi_type = self.MPI._typedict[sendbuf.dtype.char]
+        step = width if sum(rows) * width <= CHUNK else max(1, CHUNK // max(1, sum(rows)))
+        for c0 in range(0, width, step):
+            c1 = min(width, c0 + step)
+            direct = c0 == 0 and c1 == width
+            part = sendbuf if direct else np.ascontiguousarray(sendbuf[:, c0:c1])
+            counts = [r * (c1 - c0) for r in rows]
+            displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+            out = None
+            if self.rank == root:
+                out = recvbuf if direct else np.empty((sum(rows), c1 - c0), dtype=sendbuf.dtype)
+                req = self.comm.Igatherv([part, mpi_type], [out, counts, displs, mpi_type], root=root)
+            else:
+                req = self.comm.Igatherv([part, mpi_type], None, root=root)
+            self._wait([req], what)
+            if out is not None and not direct:
+                recvbuf[:, c0:c1] = out
+        self.traffic.add("gatherv", 0 if self.rank == root else sendbuf.nbytes, time.perf_counter() - t0)
+
+    def gather_fixed(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int = 0,
+                     what: str = "Gather") -> None:
+        """Fixed-size gather: ``recvbuf[r] = sendbuf of rank r`` on ``root``."""
+        if self.size == 1:
+            np.copyto(recvbuf.reshape(1, -1), sendbuf.reshape(1, -1))
+            return
+        t0 = time.perf_counter()
+        req = self.comm.Igather(sendbuf, recvbuf if self.rank == root else None, root=root)
+        self._wait([req], what)
+        self.traffic.add("gather", 0 if self.rank == root else sendbuf.nbytes, time.perf_counter() - t0)
+
+    def max_int(self, value: int, what: str = "Allreduce") -> int:
+        """Max of an integer over all ranks (setup agreement on error codes)."""
+        if self.size == 1:
+            return int(value)
+        send = np.array([value], dtype=np.int64)
+        recv = np.zeros(1, dtype=np.int64)
+        self._wait([self.comm.Iallreduce(send, recv, op=self.MPI.MAX)], what)
+        return int(recv[0])
+
+    def node_local(self) -> tuple[int, int]:
+        """(local rank, local size) among the ranks sharing this node."""
+        if self.size == 1:
+            return 0, 1
+        local = self.comm.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.rank)
+        try:
+            return local.Get_rank(), local.Get_size()
+        finally:
+            local.Free()
+
+    def barrier(self, what: str = "Barrier") -> None:
+        if self.size > 1:
+            self._wait([self.comm.Ibarrier()], what)
+
+    def abort(self, code: int = 1) -> None:
+        """Terminate every rank of the job (used after an unrecoverable error)."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if self.size > 1:
+            self.comm.Abort(code)
+        os._exit(code)
+
+
+def mpi_library_version() -> str:
+    """The MPI library's version string (first line)."""
+    try:
+        return _mpi().Get_library_version().strip().splitlines()[0]
+    except Exception as exc:  # noqa: BLE001 - informational only
+        return f"unavailable ({exc.__class__.__name__}: {exc})"
+
+
+def cuda_aware_mpi() -> bool | None:
+    """Whether the MPI library reports CUDA support (``None`` if unknown).
+
+    Open MPI exposes ``MPIX_Query_cuda_support``; MPICH reports GPU support
+    through the environment (``MPIR_CVAR_ENABLE_GPU``). This is a best effort:
+    a library built without such query functions gives ``None``.
+    """
+    try:
+        MPI = _mpi()
+        query = getattr(MPI, "Query_cuda_support", None)
+        if query is not None:
+            return bool(query())
+    except Exception:  # noqa: BLE001
+        return None
+    version = mpi_library_version().lower()
+    if "mpich" in version:
+        flag = os.environ.get("MPIR_CVAR_ENABLE_GPU")
+        return None if flag is None else flag not in ("0", "false", "no")
+    return None

@@ -1,0 +1,597 @@
+"""Run configuration: typed schema, YAML loading, ``--set`` overrides, validation.
+
+Every config key is one entry of :data:`SCHEMA`, a flat mapping from a dotted
+key (``"train.lr"``) to a :class:`Field` that declares its type, default,
+allowed choices and range. Adding a key is one line there; the loader, the
+validator, :meth:`Config.to_dict` and the nested attribute access pick it up.
+
+Sources are applied in this order, later ones winning::
+
+    defaults  <  YAML file  <  --set KEY=VALUE overrides
+
+and the merged result is validated once: unknown keys, wrong types and
+out-of-range values per field, then the cross-field rules of
+:func:`_cross_checks`. Every problem raises :class:`~fedmpi.errors.ConfigError`
+with a one-line message that names the dotted key (or the file) and says what
+is expected.
+
+Typing rules: an integer is accepted where a float is expected (and stored as
+float); ``bool`` is never an integer; a string is never a number; lists are
+typed (``list[int]``, ``list[float]``); ``null`` is accepted only for fields
+whose type is ``X | None``.
+
+YAML is read with a safe loader that also recognises exponent floats without
+a decimal point (``1e-8``), which plain YAML 1.1 would read as a string.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fedmpi.errors import ConfigError
+
+__all__ = ["SCHEMA", "Field", "Section", "Config", "load_config", "config_from_dict"]
+
+
+# --------------------------------------------------------------------------- #
+# Schema
+# --------------------------------------------------------------------------- #
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "a boolean"}
+_ITEM_NAMES = {int: "integers", float: "numbers", str: "strings", bool: "booleans"}
+
+
+@dataclass(frozen=True)
+class Field:
+    """Declaration of one config key.
+
+    Args:
+        type: ``int``, ``float``, ``str``, ``bool``, ``list[int]``, ``list[float]``,
+            ``list[str]``, each optionally ``| None`` (then ``null`` is allowed).
+        default: value used when no source sets the key.
+        help: one-line description for humans.
+        choices: allowed values (strings). Together with ``pattern``, a value
+            is accepted if it is one of the choices *or* fully matches the
+            pattern.
+        pattern: regular expression (``re.fullmatch``) for accepted strings.
+        pattern_help: how to describe ``pattern`` in error messages.
+        ge, gt, le, lt: inclusive / exclusive bounds for numbers (for lists:
+            for each item).
+        file: the value is a file path; a relative path is resolved against
+            the config file's directory when it exists there, else the CWD,
+            and stored absolute.
+    """
+
+    type: Any
+    default: Any
+    help: str = ""
+    choices: tuple[str, ...] | None = None
+    pattern: str | None = None
+    pattern_help: str | None = None
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    file: bool = False
+    # Derived from ``type`` in __post_init__.
+    base: type = field(init=False, repr=False, compare=False)
+    item: type | None = field(init=False, repr=False, compare=False)
+    optional: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        tp, optional = self.type, False
+        if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            if len(args) != 1:
+                raise TypeError(f"unsupported field type {tp!r}")
+            tp, optional = args[0], True
+        item = None
+        if typing.get_origin(tp) is list:
+            (item,) = typing.get_args(tp)
+            tp = list
+        if tp not in (int, float, str, bool, list) or item not in (None, int, float, str, bool):
+            raise TypeError(f"unsupported field type {self.type!r}")
+        object.__setattr__(self, "base", tp)
+        object.__setattr__(self, "item", item)
+        object.__setattr__(self, "optional", optional)
+
+    @property
+    def type_name(self) -> str:
+        """Human name of the accepted type, e.g. ``'a list of integers or null'``."""
+        name = f"a list of {_ITEM_NAMES[self.item]}" if self.base is list else _TYPE_NAMES[self.base]
+        return name + (" or null" if self.optional else "")
+
+    @property
+    def range_text(self) -> str | None:
+        """Accepted range in words, e.g. ``'in [0, 1)'`` or ``'> 0'``; None if unbounded."""
+        lo = ("[", self.ge) if self.ge is not None else ("(", self.gt) if self.gt is not None else None
+        hi = ("]", self.le) if self.le is not None else (")", self.lt) if self.lt is not None else None
+        if lo and hi:
+            return f"in {lo[0]}{_fmt(lo[1])}, {_fmt(hi[1])}{hi[0]}"
+        if lo:
+            return (">= " if lo[0] == "[" else "> ") + _fmt(lo[1])
+        if hi:
+            return ("<= " if hi[0] == "]" else "< ") + _fmt(hi[1])
+        return None
+
+    def in_range(self, x: float) -> bool:
+        """Whether number ``x`` satisfies the bounds (NaN never does if any bound is set)."""
+        return not (
+            (self.ge is not None and not x >= self.ge)
+            or (self.gt is not None and not x > self.gt)
+            or (self.le is not None and not x <= self.le)
+            or (self.lt is not None and not x < self.lt)
+        )
+
+
+def _fmt(x: float) -> str:
+    return repr(x) if isinstance(x, int) else f"{x:g}"
+
+
+_DATASETS = ("digits", "mnist", "fashionmnist", "cifar10", "cifar100", "svhn", "stl10",
+             "imagefolder", "hdf5")
+_MEDMNIST = dict(pattern=r"medmnist:\S+", pattern_help="medmnist:<flag>")
+_ALGORITHMS = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedprox", "scaffold", "feddyn",
+               "fednova", "elastic", "fedgps", "fedlagc", "heterofl", "fedrolex", "fiarse")
+
+#: Every config key, in the order :meth:`Config.to_dict` writes them.
+SCHEMA: dict[str, Field] = {
+    "name": Field(str, "quickstart", "run name; output goes to runtime.out_dir/<name>/",
+                  pattern=r"(?!\.\.?$)[^/\\]+", pattern_help="a non-empty name without '/'"),
+    "seed": Field(int, 0, "master seed: sampling, client RNG streams, surrogate data", ge=0),
+    # data
+    "data.dataset": Field(str, "digits", "dataset name", choices=_DATASETS, **_MEDMNIST),
+    "data.root": Field(str, "./data", "directory holding (or receiving) dataset files"),
+    "data.download": Field(bool, False, "download torchvision datasets if missing"),
+    "data.num_clients": Field(int, 10, "number of logical clients (silos)", ge=1),
+    "data.augment": Field(bool, False, "random crop + flip on 32x32 RGB datasets"),
+    "data.partition.method": Field(str, "dirichlet", "how the training pool is split",
+                                   choices=("iid", "dirichlet", "shards", "file")),
+    "data.partition.alpha": Field(float, 0.5, "Dirichlet concentration", gt=0),
+    "data.partition.classes_per_client": Field(int, 2, "classes per client (shards)", ge=1),
+    "data.partition.min_size": Field(int, 10, "minimum samples per client", ge=0),
+    "data.partition.file": Field(str | None, None, "JSON partition file (method: file)", file=True),
+    "data.partition.seed": Field(int | None, None, "partition seed; null = top-level seed", ge=0),
+    "data.validation.fraction": Field(float, 0.1, "server hold-out share of the pool (0 = none)",
+                                      ge=0, lt=1),
+    "data.validation.source": Field(str, "holdout", "'holdout' or an external dataset name",
+                                    choices=("holdout",) + _DATASETS, **_MEDMNIST),
+    # model
+    "model.name": Field(str, "cnn", "architecture",
+                        choices=("lenet", "cnn", "resnet18", "resnet34", "resnet50",
+                                 "vit_s16", "vit_b16")),
+    "model.norm": Field(str, "bn", "normalisation layers", choices=("bn", "static_bn", "gn")),
+    # train (client side)
+    "train.rounds": Field(int, 30, "communication rounds", ge=1),
+    "train.clients_per_round": Field(int | None, None, "participants per round; null = all",
+                                     ge=1),
+    "train.local_epochs": Field(int, 1, "local epochs per round", ge=1),
+    "train.local_steps": Field(int | None, None, "local steps per round; overrides epochs",
+                               ge=1),
+    "train.batch_size": Field(int, 32, "client batch size", ge=1),
+    "train.lr": Field(float, 0.05, "client learning rate", gt=0),
+    "train.momentum": Field(float, 0.0, "client SGD momentum", ge=0, lt=1),
+    "train.weight_decay": Field(float, 0.0, "client weight decay", ge=0),
+    "train.grad_clip": Field(float | None, None, "max gradient norm; null = no clipping", gt=0),
+    # algorithm (server rule and method parameters)
+    "algorithm.name": Field(str, "fedavg", "federated method", choices=_ALGORITHMS),
+    "algorithm.server_lr": Field(float, 1.0, "server learning rate", gt=0),
+    "algorithm.mu": Field(float, 0.01, "FedProx proximal coefficient", ge=0),
+    # aggregation weights
+    "aggregation.weighting": Field(str, "samples", "client weights in the server average",
+                                   choices=("samples", "uniform", "fedvg", "fedvg_avg")),
+    "aggregation.fedvg.norm": Field(str, "l1", "FedVG gradient norm",
+                                    choices=("l1", "l2", "spectral", "delta")),
+    "aggregation.fedvg.granularity": Field(str, "model", "FedVG weight per model/layer/block",
+                                           choices=("model", "layer", "block")),
+    "aggregation.fedvg.eps": Field(float, 1e-8, "FedVG epsilon in 1/(G + eps)", gt=0),
+    # ECGR
+    "ecgr.enabled": Field(bool, False, "rewrite client updates with ECGR"),
+    "ecgr.beta": Field(float, 0.2, "ECGR damping", ge=0, le=1),
+    "ecgr.memory_budget": Field(int, 1 << 30, "ECGR memory budget in bytes", ge=0),
+    # system heterogeneity (FedLAGC, HeteroFL, ...)
+    "system.levels": Field(list[float] | None, None, "resource levels r in (0, 1]", gt=0, le=1),
+    "system.allocation": Field(list[int] | None, None, "clients per resource level", ge=0),
+    # adversaries
+    "adversary.clients": Field(list[int], [], "ids of misbehaving clients"),
+    "adversary.kind": Field(str, "nan", "attack type (crash: local training raises, to exercise "
+                            "the failure path)",
+                            choices=("nan", "scale", "sign_flip", "label_flip", "crash")),
+    "adversary.factor": Field(float, 10.0, "attack strength (scale factor)"),
+    # evaluation
+    "eval.every": Field(int, 1, "evaluate every N rounds", ge=1),
+    "eval.batch_size": Field(int, 1024, "evaluation batch size", ge=1),
+    # runtime
+    "runtime.device": Field(str, "auto", "torch device", choices=("auto", "cpu"),
+                            pattern=r"cuda(:\d+)?", pattern_help="cuda[:N]"),
+    "runtime.out_dir": Field(str, "runs", "parent directory of run outputs"),
+    "runtime.checkpoint_every": Field(int, 0, "checkpoint every N rounds (0 = only at exit)",
+                                      ge=0),
+    "runtime.round_timeout": Field(float, 600.0, "abort if a round takes longer (seconds)", gt=0),
+    "runtime.progress": Field(bool, True, "show a progress bar"),
+    "runtime.threads": Field(int | None, None, "torch threads per rank; null = torch default",
+                             ge=1),
+}
+
+
+def _sections() -> set[str]:
+    """Dotted names of every section (``"data"``, ``"data.partition"``, ...)."""
+    return {key.rsplit(".", i)[0] for key in SCHEMA for i in range(1, key.count(".") + 1)}
+
+
+# --------------------------------------------------------------------------- #
+# Per-field validation
+# --------------------------------------------------------------------------- #
+def _got(value: Any) -> str:
+    return "got null" if value is None else f"got {value!r} ({type(value).__name__})"
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _coerce_scalar(tp: type, x: Any) -> tuple[bool, Any]:
+    """Return ``(ok, value)`` for scalar ``x`` against type ``tp`` (int -> float widening)."""
+    if tp is float:
+        return (_is_int(x) or isinstance(x, float)), (float(x) if _is_int(x) else x)
+    if tp is int:
+        return _is_int(x), x
+    return isinstance(x, tp), x
+
+
+def _suggest(word: str, options: Sequence[str]) -> str:
+    match = difflib.get_close_matches(word, options, n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def _check_value(key: str, f: Field, value: Any) -> Any:
+    """Validate one value against its field; return it normalised (floats, tuples)."""
+    if value is None:
+        if f.optional:
+            return None
+        raise ConfigError(f"config key {key!r} expects {f.type_name}, got null")
+    if f.base is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key {key!r} expects {f.type_name}, {_got(value)}")
+        items = []
+        for i, x in enumerate(value):
+            ok, x = _coerce_scalar(f.item, x)
+            if not ok:
+                raise ConfigError(f"config key {key!r} expects {f.type_name}; item {i} is "
+                                  f"{'null' if x is None else f'{x!r} ({type(x).__name__})'}")
+            if f.item in (int, float) and not f.in_range(x):
+                raise ConfigError(
+                    f"config key {key!r} items must each be {f.range_text}; item {i} is {x!r}")
+            items.append(x)
+        return tuple(items)
+    ok, value = _coerce_scalar(f.base, value)
+    if not ok:
+        raise ConfigError(f"config key {key!r} expects {f.type_name}, {_got(value)}")
+    if f.base in (int, float) and not f.in_range(value):
+        raise ConfigError(f"config key {key!r} must be {f.range_text}, got {value!r}")
+    if f.choices is not None or f.pattern is not None:
+        if not ((f.choices and value in f.choices)
+                or (f.pattern and re.fullmatch(f.pattern, value))):
+            allowed = ", ".join(f.choices or ())
+            if f.pattern:
+                alt = f.pattern_help or f"a string matching {f.pattern}"
+                allowed = f"{allowed} or {alt}" if allowed else alt
+            hint = _suggest(value, f.choices) if f.choices else ""
+            raise ConfigError(
+                f"config key {key!r} expects one of {allowed}, got {value!r}{hint}"
+                if f.choices else f"config key {key!r} expects {allowed}, got {value!r}")
+    return value
+
+
+# --------------------------------------------------------------------------- #
+# Flattening sources into dotted keys
+# --------------------------------------------------------------------------- #
+def _unknown_key(key: str) -> ConfigError:
+    hint = _suggest(key, list(SCHEMA) + sorted(_sections()))
+    if not hint:  # e.g. 'lr' -> 'train.lr': same last component in some section
+        last = key.rsplit(".", 1)[-1]
+        same = [k for k in SCHEMA if k.rsplit(".", 1)[-1] == last]
+        hint = f" (did you mean {same[0]!r}?)" if same else ""
+    return ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+    """Write the leaves of ``value`` (placed at dotted ``prefix``) into ``out``.
+
+    ``prefix`` may be a leaf key, a section (then ``value`` must be a mapping,
+    or null for an empty section) or ``""`` for the top level.
+    """
+    if prefix in SCHEMA:
+        out[prefix] = value
+        return
+    if prefix and prefix not in _sections() and not (isinstance(value, Mapping) and value):
+        raise _unknown_key(prefix)
+    if value is None and prefix:
+        return  # "train:" with every entry commented out
+    if not isinstance(value, Mapping):
+        where = f"config section {prefix!r}" if prefix else "the top level of the config"
+        raise ConfigError(f"{where} expects a mapping of keys, {_got(value)}")
+    for k, v in value.items():
+        _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-8`` / ``3E5`` as floats (YAML 1.2 style)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _parse_override(item: str, out: dict[str, Any]) -> None:
+    """Apply one ``KEY=VALUE`` item (VALUE parsed as YAML) to the flat dict ``out``."""
+    if not isinstance(item, str) or "=" not in item:
+        raise ConfigError(f"--set expects KEY=VALUE (e.g. train.lr=0.1), got {item!r}")
+    key, text = (s.strip() for s in item.split("=", 1))
+    if not key:
+        raise ConfigError(f"--set expects KEY=VALUE with a non-empty dotted key, got {item!r}")
+    try:
+        value = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ConfigError(f"cannot parse value {text!r} for config key {key!r}: {problem}") from None
+    f = SCHEMA.get(key)
+    if f is not None and f.base is str and value is not None and not isinstance(value, str):
+        value = text  # command-line text for a string key is a string: name=2024 -> "2024"
+    _flatten(key, value, out)
+
+
+# --------------------------------------------------------------------------- #
+# Config objects
+# --------------------------------------------------------------------------- #
+class Section:
+    """Read-only view of one section of a :class:`Config` (``cfg.data.partition``).
+
+    Attribute access returns a leaf value or a nested :class:`Section`; list
+    values come back as fresh lists.
+    """
+
+    def __init__(self, values: Mapping[str, Any], prefix: str = "") -> None:
+        object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "_prefix", prefix)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self.get(name)
+        except KeyError as exc:
+            raise AttributeError(exc.args[0]) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("config objects are immutable; use Config.replace()")
+
+    def __dir__(self) -> list[str]:
+        start = self._prefix + "." if self._prefix else ""
+        names = {k[len(start):].split(".")[0] for k in SCHEMA if k.startswith(start)}
+        return sorted(set(super().__dir__()) | names)
+
+    def get(self, dotted: str, default: Any = ...) -> Any:
+        """Value (or :class:`Section`) at ``dotted``, relative to this section.
+
+        Raises ``KeyError`` (with a suggestion) for an unknown key unless a
+        ``default`` is given.
+        """
+        key = f"{self._prefix}.{dotted}" if self._prefix else dotted
+        if key in SCHEMA:
+            value = self._values[key]
+            return list(value) if isinstance(value, tuple) else value
+        if key in _sections():
+            return Section(self._values, key)
+        if default is not ...:
+            return default
+        raise KeyError(str(_unknown_key(key)))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Nested plain dict of this section (lists as lists), in schema order."""
+        out: dict[str, Any] = {}
+        start = self._prefix + "." if self._prefix else ""
+        for key, value in self._values.items():
+            if not key.startswith(start):
+                continue
+            *parents, leaf = key[len(start):].split(".")
+            node = out
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Section):
+            return NotImplemented
+        return self.to_dict() == other.to_dict()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._prefix or 'root'}: {self.to_dict()!r})"
+
+
+class Config(Section):
+    """A resolved, validated run configuration.
+
+    Build one with :func:`load_config` or :func:`config_from_dict`. Access
+    values as attributes (``cfg.train.lr``, ``cfg.data.partition.alpha``) or
+    by dotted key (``cfg.get("train.lr")``).
+    """
+
+    def __init__(self, values: Mapping[str, Any], base_dir: str | os.PathLike | None = None):
+        """Internal: ``values`` must already be complete and validated; see :func:`_build`."""
+        super().__init__(dict(values))
+        object.__setattr__(self, "_base_dir", base_dir)
+
+    def to_flat_dict(self) -> dict[str, Any]:
+        """All values keyed by dotted name, in schema order."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self._values.items()}
+
+    def to_yaml(self) -> str:
+        """The full config (defaults filled in) as YAML; loads back to an equal config."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def replace(self, **dotted_overrides: Any) -> Config:
+        """A copy with some keys changed, revalidated: ``cfg.replace(**{"train.lr": 0.1})``."""
+        given = {k: v for k, v in self._values.items()}
+        for key, value in dotted_overrides.items():
+            _flatten(key, value, given)
+        return _build(given, self._base_dir)
+
+    def __repr__(self) -> str:
+        return f"Config({self.to_dict()!r})"
+
+
+def _resolve_files(values: dict[str, Any], base_dir: str | os.PathLike | None) -> None:
+    """Make ``file`` fields absolute: relative to ``base_dir`` if the file exists there, else CWD."""
+    for key, f in SCHEMA.items():
+        if f.file and values[key] is not None:
+            path = Path(values[key]).expanduser()
+            if not path.is_absolute():
+                there = Path(base_dir) / path if base_dir is not None else None
+                path = there if there is not None and there.exists() else Path.cwd() / path
+            values[key] = str(path.resolve())
+
+
+def _cross_checks(cfg: Config) -> None:
+    """Rules that involve more than one key; raise ConfigError on the first violation."""
+    n = cfg.data.num_clients
+    k = cfg.train.clients_per_round
+    if k is not None and k > n:
+        raise ConfigError(
+            f"config key 'train.clients_per_round' must be <= data.num_clients ({n}), got {k}")
+
+    part = cfg.data.partition
+    if part.method == "file":
+        if part.file is None:
+            raise ConfigError("config key 'data.partition.file' is required when "
+                              "data.partition.method is 'file'")
+        if not Path(part.file).is_file():
+            raise ConfigError(f"config key 'data.partition.file': file not found: {part.file}")
+
+    levels, alloc = cfg.system.levels, cfg.system.allocation
+    if (levels is None) != (alloc is None):
+        missing, given = ("system.allocation", "system.levels") if alloc is None else \
+            ("system.levels", "system.allocation")
+        raise ConfigError(f"config key {missing!r} must be set when {given!r} is set "
+                          "(one client count per resource level)")
+    if levels is not None:
+        if len(levels) != len(alloc):
+            raise ConfigError(
+                f"config key 'system.allocation' must have one entry per system.levels entry "
+                f"({len(levels)}), got {len(alloc)}")
+        if sum(alloc) != n:
+            raise ConfigError(
+                f"config key 'system.allocation' must sum to data.num_clients ({n}), "
+                f"got {alloc} (sum {sum(alloc)})")
+
+    for c in cfg.adversary.clients:
+        if not 0 <= c < n:
+            raise ConfigError(f"config key 'adversary.clients' has client id {c} outside "
+                              f"[0, {n}) (data.num_clients = {n})")
+    if len(set(cfg.adversary.clients)) != len(cfg.adversary.clients):
+        raise ConfigError(f"config key 'adversary.clients' lists a client twice: "
+                          f"{cfg.adversary.clients}")
+
+    agg, val = cfg.aggregation, cfg.data.validation
+    if (agg.weighting in ("fedvg", "fedvg_avg") and agg.fedvg.norm != "delta"
+            and val.source == "holdout" and val.fraction == 0):
+        raise ConfigError(
+            f"config key 'data.validation.fraction' must be > 0 for aggregation.weighting "
+            f"{agg.weighting!r} (FedVG scores on a server validation set), or set "
+            "data.validation.source to an external dataset")
+
+
+def _build(given: Mapping[str, Any], base_dir: str | os.PathLike | None) -> Config:
+    """Fill defaults, validate every field, resolve file paths, run cross-checks."""
+    values = {key: _check_value(key, f, given[key]) if key in given else
+              _check_value(key, f, f.default) for key, f in SCHEMA.items()}
+    _resolve_files(values, base_dir)
+    cfg = Config(values, base_dir)
+    _cross_checks(cfg)
+    return cfg
+
+
+# --------------------------------------------------------------------------- #
+# Public entry points
+# --------------------------------------------------------------------------- #
+def config_from_dict(d: Mapping[str, Any] | None, overrides: Sequence[str] = (),
+                     base_dir: str | os.PathLike | None = None) -> Config:
+    """Build a :class:`Config` from a nested dict plus ``KEY=VALUE`` overrides.
+
+    Args:
+        d: nested mapping as read from YAML (``{"train": {"lr": 0.1}}``);
+            None or ``{}`` gives all defaults.
+        overrides: ``"train.lr=0.1"``-style items, applied after ``d``.
+        base_dir: directory against which relative file paths are tried first.
+    """
+    given: dict[str, Any] = {}
+    _flatten("", {} if d is None else d, given)
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    for item in overrides:
+        _parse_override(item, given)
+    return _build(given, base_dir)
+
+
+def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (),
+                base_dir: str | os.PathLike | None = None) -> Config:
+    """Load a YAML config file, apply ``--set`` overrides and validate.
+
+    Args:
+        path: YAML file, or None for all defaults.
+        overrides: ``"KEY=VALUE"`` items; VALUE is parsed as YAML
+            (``"adversary.clients=[1,2]"``, ``"train.clients_per_round=null"``).
+        base_dir: where relative file paths in the config are looked up first;
+            defaults to the config file's directory.
+    """
+    data: Any = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise ConfigError(f"cannot read config file {path}: {reason}") from None
+        try:
+            data = yaml.load(text, Loader=_Loader)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            raise ConfigError(f"invalid YAML in config file {path}{where}: {problem}") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"config file {path} must contain a mapping of keys at the top "
+                              f"level, {_got(data)}")
+        if base_dir is None:
+            base_dir = path.parent
+    return config_from_dict(data, overrides, base_dir)
+
+
+def _check_schema() -> None:
+    """Import-time sanity check: defaults are valid and no key shadows a Config method."""
+    for key, f in SCHEMA.items():
+        _check_value(key, f, f.default)
+        for part in key.split("."):
+            if hasattr(Config, part) or not part.isidentifier():
+                raise TypeError(f"config key {key!r}: {part!r} is not usable as an attribute")
+
+
+_check_schema()

@@ -1,0 +1,100 @@
+"""A model whose state lives in one contiguous vector.
+
+Every parameter and every floating-point buffer (BatchNorm running statistics)
+of the model becomes a view into ``FlatModel.vector``; every parameter's
+``.grad`` is a view into ``FlatModel.grad``. Layout::
+
+    vector = [ p_1 | p_2 | ... | p_m | b_1 | ... | b_n ]      (size D)
+    grad   = [ g_1 | g_2 | ... | g_m ]                        (size P ≤ D)
+
+so that
+
+* a Bcast of the global state lands directly in the model (no copy),
+* the SGD step, FedProx's proximal term, SCAFFOLD's correction, ECGR's
+  displacement record and FedLAGC's masks are single vector operations,
+* FedAvg's update ``θ ← θ + Σ_k w_k (θ_k − θ)`` covers parameters and float
+  buffers alike (integer buffers such as ``num_batches_tracked`` stay local).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One tensor of the flat layout."""
+
+    name: str
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+    is_param: bool
+
+    @property
+    def slice(self) -> slice:
+        return slice(self.offset, self.offset + self.numel)
+
+
+class FlatModel:
+    """Wraps ``model`` so that its state is ``self.vector`` (see module doc).
+
+    The model must already be on ``device``; do not call ``model.to`` later
+    (that would replace the views).
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.model = model.to(device)
+        params = [(n, p) for n, p in self.model.named_parameters()]
+        buffers = [(n, b) for n, b in self.model.named_buffers() if b.is_floating_point()]
+        self.num_params = sum(p.numel() for _, p in params)
+        self.size = self.num_params + sum(b.numel() for _, b in buffers)
+        self.device = torch.device(device)
+        self.vector = torch.empty(self.size, dtype=dtype, device=self.device)
+        self.grad = torch.zeros(self.num_params, dtype=dtype, device=self.device)
+        segments: list[Segment] = []
+        offset = 0
+        with torch.no_grad():
+            for name, p in params:
+                n = p.numel()
+                view = self.vector[offset:offset + n].view_as(p)
+                view.copy_(p)
+                p.data = view
+                p.grad = self.grad[offset:offset + n].view_as(p)
+                segments.append(Segment(name, offset, n, tuple(p.shape), True))
+                offset += n
+            for name, b in buffers:
+                n = b.numel()
+                view = self.vector[offset:offset + n].view_as(b)
+                view.copy_(b)
+                module_name, _, attr = name.rpartition(".")
+                owner = self.model.get_submodule(module_name) if module_name else self.model
+                owner._buffers[attr] = view
+                segments.append(Segment(name, offset, n, tuple(b.shape), False))
+                offset += n
+        self.segments: tuple[Segment, ...] = tuple(segments)
+
+    @property
+    def params(self) -> torch.Tensor:
+        """The parameter part of :attr:`vector` (a view)."""
+        return self.vector[: self.num_params]
+
+    @property
+    def param_segments(self) -> tuple[Segment, ...]:
+        return tuple(s for s in self.segments if s.is_param)
+
+    def load(self, state: torch.Tensor) -> None:
+        """Copy a flat state vector (size D) into the model."""
+        self.vector.copy_(state[: self.size], non_blocking=True)
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+
+    def segment(self, name: str) -> Segment:
+        for s in self.segments:
+            if s.name == name:
+                return s
+        raise KeyError(name)

@@ -1,0 +1,194 @@
+"""Model zoo. Every model is ``classifier(features(x))``.
+
+``features(x)`` returns the penultimate representation ``[B, feature_dim]``
+(FedGPS aligns these) and ``classifier`` is a single ``nn.Linear`` head.
+Models adapt to the input size: pooling uses ``ceil_mode`` and the head sits on
+an adaptive average pool, so the 8×8 ``digits`` images work with every model.
+
+``norm`` selects the normalisation layer: ``bn`` (BatchNorm with running
+statistics), ``static_bn`` (BatchNorm without running statistics, as in
+HeteroFL/FedLAGC: batch statistics in training *and* evaluation) or ``gn``
+(GroupNorm).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .errors import ConfigError
+
+NormFactory = Callable[[int], nn.Module]
+
+
+def norm_layer(kind: str) -> NormFactory:
+    """Return a constructor ``f(channels) -> nn.Module`` for ``model.norm``."""
+    if kind == "bn":
+        return nn.BatchNorm2d
+    if kind == "static_bn":
+        return lambda c: nn.BatchNorm2d(c, track_running_stats=False)
+    if kind == "gn":
+        return lambda c: nn.GroupNorm(min(32, c // 2) or 1, c)
+    raise ConfigError(f"config key 'model.norm' expects one of bn|static_bn|gn, got {kind!r}")
+
+
+class FeatureModel(nn.Module):
+    """Base class: ``forward(x) = classifier(features(x))``."""
+
+    feature_dim: int
+    classifier: nn.Linear
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+    def head_parameter_names(self) -> list[str]:
+        """Names of the classifier's parameters (the FedVG "head block")."""
+        return [f"classifier.{n}" for n, _ in self.classifier.named_parameters()]
+
+
+class LeNet(FeatureModel):
+    """LeNet-5 style: conv(6,5)–pool–conv(16,5)–pool–fc120–fc84–head.
+
+    Convolutions are padded ("same") so inputs as small as 8×8 work; on 28×28
+    MNIST this is the usual padded LeNet. No normalisation layers.
+    """
+
+    def __init__(self, in_channels: int, num_classes: int, image_size: int) -> None:
+        super().__init__()
+        self.conv = nn.Sequential(
+            nn.Conv2d(in_channels, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2, ceil_mode=True),
+            nn.Conv2d(6, 16, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2, ceil_mode=True),
+        )
+        side = -(-(-(-image_size // 2)) // 2)  # two ceil-mode halvings
+        self.fc = nn.Sequential(nn.Flatten(), nn.Linear(16 * side * side, 120), nn.ReLU(),
+                                nn.Linear(120, 84), nn.ReLU())
+        self.feature_dim = 84
+        self.classifier = nn.Linear(84, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.conv(x))
+
+
+class CNN(FeatureModel):
+    """The ECGR paper's CNN: four blocks conv3×3 → norm → ReLU → max-pool with
+    32, 64, 128, 256 channels, global average pool, linear head."""
+
+    def __init__(self, in_channels: int, num_classes: int, norm: NormFactory,
+                 widths: tuple[int, ...] = (32, 64, 128, 256)) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        c = in_channels
+        for w in widths:
+            layers += [nn.Conv2d(c, w, 3, padding=1, bias=False), norm(w), nn.ReLU(inplace=True),
+                       nn.MaxPool2d(2, ceil_mode=True)]
+            c = w
+        self.body = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.feature_dim = c
+        self.classifier = nn.Linear(c, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+class BasicBlock(nn.Module):
+    expansion = 1
+
+    def __init__(self, cin: int, cout: int, stride: int, norm: NormFactory) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = norm(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = norm(cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), norm(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return torch.relu(out + self.shortcut(x))
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, cin: int, width: int, stride: int, norm: NormFactory) -> None:
+        super().__init__()
+        cout = width * self.expansion
+        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
+        self.bn1 = norm(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+        self.bn2 = norm(width)
+        self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
+        self.bn3 = norm(cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), norm(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = torch.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return torch.relu(out + self.shortcut(x))
+
+
+class ResNet(FeatureModel):
+    """ResNet with the CIFAR stem (3×3 conv, stride 1, no max-pool).
+
+    Each residual block is a child of ``layer1``…``layer4``; FedVG's ``block``
+    granularity groups parameters by these module paths.
+    """
+
+    def __init__(self, block: type, depths: tuple[int, int, int, int], in_channels: int,
+                 num_classes: int, norm: NormFactory) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False)
+        self.bn1 = norm(64)
+        cin = 64
+        stages = []
+        for i, (width, depth) in enumerate(zip((64, 128, 256, 512), depths)):
+            blocks = []
+            for j in range(depth):
+                stride = 2 if (i > 0 and j == 0) else 1
+                blocks.append(block(cin, width, stride, norm))
+                cin = width * block.expansion
+            stages.append(nn.Sequential(*blocks))
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.feature_dim = cin
+        self.classifier = nn.Linear(cin, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.layer4(self.layer3(self.layer2(self.layer1(out))))
+        return torch.flatten(self.pool(out), 1)
+
+
+MODEL_NAMES = ("lenet", "cnn", "resnet18", "resnet34", "resnet50")
+
+
+def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int,
+                norm: str = "bn") -> FeatureModel:
+    """Build ``model.name`` for inputs of shape ``(C, H, W)``.
+
+    Parameter initialisation uses the global torch RNG; callers seed it so that
+    every rank builds the identical initial model.
+    """
+    c, h, _ = input_shape
+    if name == "lenet":
+        return LeNet(c, num_classes, h)
+    nf = norm_layer(norm)
+    if name == "cnn":
+        return CNN(c, num_classes, nf)
+    if name == "resnet18":
+        return ResNet(BasicBlock, (2, 2, 2, 2), c, num_classes, nf)
+    if name == "resnet34":
+        return ResNet(BasicBlock, (3, 4, 6, 3), c, num_classes, nf)
+    if name == "resnet50":
+        return ResNet(Bottleneck, (3, 4, 6, 3), c, num_classes, nf)
+    raise ConfigError(f"config key 'model.name': model {name!r} is not available; "
+                      f"choose one of {', '.join(MODEL_NAMES)}")

@@ -1,0 +1,492 @@
+"""The round protocol (DESIGN.md §3): one code path for every rank and method.
+
+Roles. Rank 0 is the aggregator. With W = world_size − 1 ≥ 1 workers, client c
+lives on rank 1 + c mod W for the whole run; with world_size 1 rank 0 hosts
+every client itself. Every rank runs :meth:`Federation.round` in lock-step; the
+collectives below are the only synchronisation:
+
+1. ``Bcast`` header (int64 [4+K]): command, round, participant mask. The
+   participants are drawn on rank 0 from an RNG seeded by (seed, round).
+2. ``Bcast`` of the flat global state θ (parameters and float buffers) with the
+   method's downlink extras appended: one buffer.
+3. Local work: each hosted participant trains with its own RNG stream
+   (seed, client, round), so results do not depend on the rank layout.
+4. Uplink: ``Reduce`` of the per-client metadata rows [K, F] (status word,
+   weight, loss, steps, time); ``Gather`` of a fixed-size error text per rank;
+   ``Reduce`` of the pre-reduced statistics Σ_k w̃_k x_k; ``Gatherv`` of the
+   per-client statistics when the weighting needs them (FedVG).
+5. Rank 0 excludes non-finite updates, computes weights, applies the method's
+   server rule, evaluates, and writes one HDF5 row.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from . import __version__
+from .adversary import Adversary
+from .algorithms import Algorithm, ClientTask, RoundInfo, Stat, build_algorithm, build_weighting
+from .comm import Comm, CommTimeout
+from .data import Dataset, Partition, load_dataset, make_partition
+from .errors import ConfigError, UserError
+from .flat import FlatModel
+from .models import build_model
+from .train import LocalTrainer, evaluate
+
+STATUS_IDLE, STATUS_OK, STATUS_NONFINITE, STATUS_FAILED = 0, 1, 2, 3
+CMD_ROUND, CMD_STOP, CMD_ABORT = 0, 1, 2
+META_FIELDS = ("status", "raw_weight", "loss_sum", "samples_seen", "steps", "train_seconds")
+M_STATUS, M_RAW, M_LOSS, M_SEEN, M_STEPS, M_TIME = range(len(META_FIELDS))
+ERR_BYTES = 1024
+HEADER = 4
+
+
+class JobFailed(RuntimeError):
+    """A client raised during local training; the whole job stops."""
+
+
+def stream_seed(*keys: int) -> int:
+    """A 63-bit seed derived from integer keys (e.g. (seed, client, round))."""
+    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def resolve_device(spec: str, local_rank: int) -> torch.device:
+    """``runtime.device``: auto → CUDA if available else CPU; ``cuda`` picks
+    GPU ``local_rank mod #GPUs`` (one rank per GPU on a node)."""
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"config key 'runtime.device' is {spec!r} but no CUDA device is available "
+                          "(use 'auto' or 'cpu')")
+    if spec == "cuda":
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device(spec)
+
+
+class Mirror:
+    """A host buffer that MPI reads/writes and its twin on the compute device.
+
+    On CPU both are the same memory; on CUDA the host side is pinned and
+    :meth:`pull`/:meth:`push` copy between them.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        if device.type == "cpu":
+            self.dev = torch.zeros(shape, dtype=dtype)
+            self.host_t = self.dev
+        else:
+            self.dev = torch.zeros(shape, dtype=dtype, device=device)
+            self.host_t = torch.zeros(shape, dtype=dtype, pin_memory=True)
+        self.host = self.host_t.numpy()
+        self.shared = device.type == "cpu"
+
+    def pull(self) -> None:
+        """device → host."""
+        if not self.shared:
+            self.host_t.copy_(self.dev)
+
+    def push(self) -> None:
+        """host → device."""
+        if not self.shared:
+            self.dev.copy_(self.host_t, non_blocking=True)
+
+
+@dataclass
+class Layout:
+    """Where each uplink statistic sits in the reduce buffer or a gather row."""
+
+    reduced: list[tuple[Stat, int]]
+    gathered: list[tuple[Stat, int]]
+    reduce_size: int
+    row_size: int
+
+
+def plan_layout(stats: list[Stat], per_client_weighting: bool) -> Layout:
+    reduced, gathered, r, g = [], [], 0, 0
+    for s in stats:
+        if s.combine == "weighted" and per_client_weighting:
+            gathered.append((s, g))
+            g += s.size
+        else:
+            reduced.append((s, r))
+            r += s.size
+    return Layout(reduced, gathered, r, g)
+
+
+class Federation:
+    """Sets up one rank of a run and executes rounds (see module docstring)."""
+
+    def __init__(self, cfg, comm: Comm, out_dir: Optional[Path] = None) -> None:
+        self.cfg = cfg
+        self.comm = comm
+        self.rank, self.size = comm.rank, comm.size
+        self.is_server = self.rank == 0
+        local_rank, local_size = comm.node_local()
+        threads = cfg.runtime.threads or max(1, (os.cpu_count() or 1) // local_size)
+        torch.set_num_threads(threads)
+        self.device = resolve_device(cfg.runtime.device, local_rank)
+
+        # Data and partition: computed identically on every rank (deterministic).
+        self.data: Dataset = load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.download,
+                                          augment=cfg.data.augment)
+        p = cfg.data.partition
+        self.partition: Partition = make_partition(
+            self.data.y_train.numpy(), cfg.data.num_clients, p.method,
+            seed=cfg.seed if p.seed is None else p.seed, alpha=p.alpha,
+            classes_per_client=p.classes_per_client, min_size=p.min_size, file=p.file,
+            validation_fraction=cfg.data.validation.fraction, num_classes=self.data.num_classes)
+        self.K = cfg.data.num_clients
+        self.num_samples = np.array([len(ix) for ix in self.partition.client_indices], dtype=np.int64)
+        self.data = self.data.to(self.device)
+
+        # Model: every rank builds the same initial model from the seed.
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg.model.name, self.data.input_shape, self.data.num_classes, cfg.model.norm)
+        self.flat = FlatModel(model, self.device)
+        self.D = self.flat.size
+
+        self.algo: Algorithm = build_algorithm(cfg, self.flat, self.K)
+        self.weighting = build_weighting(cfg.aggregation.weighting, self.num_samples)
+        self.adversary = Adversary(cfg.adversary.clients, cfg.adversary.kind, cfg.adversary.factor)
+        self.stats = self.algo.uplink_stats()
+        self.layout = plan_layout(self.stats, self.weighting.per_client)
+        self.E = self.algo.downlink_size()
+
+        # Client placement and the clients this rank hosts.
+        self.W = max(1, self.size - 1)
+        self.host = np.array([0 if self.size == 1 else 1 + k % self.W for k in range(self.K)])
+        self.my_clients = [k for k in range(self.K) if self.host[k] == self.rank]
+        self.client_idx = {k: torch.as_tensor(self.partition.client_indices[k], device=self.device)
+                           for k in self.my_clients}
+        self.trainer = LocalTrainer(self.flat, self.data) if self.my_clients else None
+        self.m = cfg.train.clients_per_round or self.K
+
+        # Preallocated communication buffers, reused every round.
+        self.header = np.zeros(HEADER + self.K, dtype=np.int64)
+        self.state = Mirror((self.D + self.E,), torch.float32, self.device)
+        self.meta_send = np.zeros((self.K, len(META_FIELDS)), dtype=np.float64)
+        self.meta_recv = np.zeros_like(self.meta_send)
+        self.err_send = np.zeros(ERR_BYTES, dtype=np.uint8)
+        self.err_recv = np.zeros((self.size, ERR_BYTES), dtype=np.uint8)
+        self.red_send = Mirror((self.layout.reduce_size,), torch.float32, self.device)
+        self.red_recv = (Mirror((self.layout.reduce_size,), torch.float32, self.device)
+                         if self.is_server else None)
+        max_local = min(self.m, len(self.my_clients))
+        self.rows_send = Mirror((max_local, self.layout.row_size), torch.float32, self.device)
+        self.rows_recv = (Mirror((self.m, self.layout.row_size), torch.float32, self.device)
+                          if self.is_server and self.layout.row_size else None)
+        self.scratch = {s.name: torch.zeros(s.size, device=self.device) for s in self.stats}
+        if self.is_server:
+            self.state.dev[: self.D].copy_(self.flat.vector)
+
+        self.writer = None
+        self.out_dir = out_dir
+        self.stop_reason: Optional[str] = None   # set by a signal handler (operations issue)
+        self.failure: Optional[str] = None
+        self.history: list[dict] = []
+
+    # ------------------------------------------------------------------ plan
+    def participants(self, t: int) -> np.ndarray:
+        """Boolean mask of S_t: m of K clients without replacement, RNG (seed, t)."""
+        rng = np.random.default_rng(np.random.SeedSequence([self.cfg.seed, 0x5E1EC7, t]))
+        mask = np.zeros(self.K, dtype=bool)
+        mask[rng.choice(self.K, size=self.m, replace=False)] = True
+        return mask
+
+    def _gather_rows(self, mask: np.ndarray) -> list[int]:
+        """Rows each rank contributes to the per-client Gatherv (participants it hosts)."""
+        return [int(np.sum(mask & (self.host == r))) for r in range(self.size)]
+
+    # ----------------------------------------------------------------- round
+    def round(self, t: int) -> int:
+        """Run round ``t`` on this rank; returns the command that was broadcast."""
+        comm = self.comm
+        t_start = time.perf_counter()
+        if self.is_server:
+            cmd = CMD_ROUND
+            if self.failure is not None:
+                cmd = CMD_ABORT
+            elif self.stop_reason is not None or t >= self.cfg.train.rounds:
+                cmd = CMD_STOP
+            self.header[0], self.header[1] = cmd, t
+            if cmd == CMD_ROUND:
+                self.header[HEADER:] = self.participants(t)
+                if self.E:
+                    self.algo.fill_downlink(self.state.dev[self.D:], t)
+        comm.bcast(self.header, what=f"round {t} header Bcast")
+        cmd = int(self.header[0])
+        if cmd != CMD_ROUND:
+            return cmd
+        mask = self.header[HEADER:].astype(bool)
+
+        if self.is_server:
+            self.state.pull()
+        comm.bcast(self.state.host, what=f"round {t} state Bcast")
+        if not self.is_server:
+            self.state.push()
+
+        t_train = time.perf_counter()
+        self._local_work(t, mask)
+        t_up = time.perf_counter()
+
+        comm.reduce_sum(self.meta_send, self.meta_recv, what=f"round {t} metadata Reduce")
+        comm.gather_fixed(self.err_send, self.err_recv, what=f"round {t} error Gather")
+        if self.layout.reduce_size:
+            self.red_send.pull()
+            comm.reduce_sum(self.red_send.host, self.red_recv.host if self.red_recv else None,
+                            what=f"round {t} statistics Reduce")
+        if self.layout.row_size:
+            rows = self._gather_rows(mask)
+            send = self.rows_send.host[: rows[self.rank]]
+            self.rows_send.pull()
+            recv = self.rows_recv.host[: sum(rows)] if self.rows_recv is not None else None
+            comm.gatherv_rows(send, recv, rows, what=f"round {t} per-client Gatherv")
+        if self.is_server:
+            self._server_round(t, mask, t_start, t_train, t_up)
+        return CMD_ROUND
+
+    def _local_work(self, t: int, mask: np.ndarray) -> None:
+        """Train this rank's participants and fill the uplink buffers."""
+        self.meta_send.fill(0.0)
+        self.err_send.fill(0)
+        if self.layout.reduce_size:
+            self.red_send.dev.zero_()
+        state, extras = self.state.dev[: self.D], self.state.dev[self.D:]
+        mine = [k for k in self.my_clients if mask[k]]
+        for row, k in enumerate(mine):
+            t0 = time.perf_counter()
+            task = ClientTask(k, t, self.client_idx[k], stream_seed(self.cfg.seed, k, t),
+                              self.adversary.flips_labels(k))
+            meta = self.meta_send[k]
+            try:
+                self.adversary.check_crash(k, t)
+                result = self.algo.client_update(task, self.trainer, state, extras, self.scratch)
+            except Exception as exc:  # noqa: BLE001 - reported to rank 0, then the job stops
+                text = f"rank {self.rank} client {k}: {type(exc).__name__}: {exc}"
+                print(f"fedmpi: error: {text}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+                raw = text.encode()[: ERR_BYTES - 1]
+                self.err_send[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+                meta[M_STATUS] = STATUS_FAILED
+                continue
+            self.adversary.corrupt(k, self.scratch["delta"])
+            finite = all(bool(torch.isfinite(v).all()) for v in self.scratch.values())
+            raw_w = self.weighting.raw(k)
+            meta[:] = (STATUS_OK if finite else STATUS_NONFINITE, raw_w, result.loss_sum,
+                       result.samples, result.steps, 0.0)
+            if finite:
+                for stat, off in self.layout.reduced:
+                    alpha = raw_w if stat.combine == "weighted" else 1.0
+                    self.red_send.dev[off:off + stat.size].add_(self.scratch[stat.name], alpha=alpha)
+            for stat, off in self.layout.gathered:
+                self.rows_send.dev[row, off:off + stat.size].copy_(self.scratch[stat.name])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            meta[M_TIME] = time.perf_counter() - t0
+
+    # ---------------------------------------------------------------- server
+    def _server_round(self, t: int, mask: np.ndarray, t_start: float, t_train: float,
+                      t_up: float) -> None:
+        meta = self.meta_recv
+        status = meta[:, M_STATUS].astype(int)
+        failed = np.flatnonzero(mask & (status == STATUS_FAILED))
+        if failed.size:
+            texts = [bytes(self.err_recv[r]).rstrip(b"\0").decode(errors="replace")
+                     for r in range(self.size) if self.err_recv[r].any()]
+            self.failure = "; ".join(texts) or f"clients {failed.tolist()} failed"
+            for k in failed:
+                self._event(t, int(self.host[k]), int(k), f"local training failed: {self.failure}")
+            return
+        t_agg = time.perf_counter()
+        accepted = np.flatnonzero(mask & (status == STATUS_OK))
+        excluded = mask & (status != STATUS_OK)
+        for k in np.flatnonzero(excluded):
+            self._event(t, int(self.host[k]), int(k), "update excluded: non-finite values")
+        weights = np.full(self.K, np.nan)
+        weights[mask] = 0.0
+        if accepted.size == 0:
+            self._event(t, 0, -1, "no update accepted; global model unchanged")
+        else:
+            s = self._aggregate(t, mask, accepted)
+            weights[accepted] = s
+        t_eval = time.perf_counter()
+        test_loss, test_acc = self._maybe_evaluate(t)
+        t_end = time.perf_counter()
+
+        seen = meta[accepted, M_SEEN].sum()
+        train_loss = meta[accepted, M_LOSS].sum() / seen if seen else float("nan")
+        per_worker = np.bincount(self.host, weights=meta[:, M_TIME], minlength=self.size)
+        train_seconds = float(per_worker.max())
+        wall = t_end - t_start
+        agg_seconds, eval_seconds = t_eval - t_agg, t_end - t_eval
+        row_bytes = 4 * sum(s.size for s in self.stats)
+        scalars = {
+            "test_accuracy": test_acc, "test_loss": test_loss, "train_loss": train_loss,
+            "wall_seconds": wall, "bytes_up": int(mask.sum()) * row_bytes,
+            "bytes_down": int(mask.sum()) * 4 * (self.D + self.E),
+            "train_seconds": train_seconds, "aggregate_seconds": agg_seconds,
+            "eval_seconds": eval_seconds,
+            "overhead_seconds": max(0.0, wall - train_seconds - agg_seconds - eval_seconds),
+            "num_accepted": float(accepted.size),
+        }
+        per_client = {
+            "selected": mask.copy(), "weight": weights, "excluded": excluded,
+            "train_loss": np.where(mask, meta[:, M_LOSS] / np.maximum(meta[:, M_SEEN], 1), np.nan),
+            "local_steps": np.where(mask, meta[:, M_STEPS], np.nan),
+            "train_seconds": np.where(mask, meta[:, M_TIME], np.nan),
+        }
+        self.history.append({"round": t, **scalars})
+        if self.writer is not None:
+            self.writer.append_round(t, scalars, per_client)
+
+    def _aggregate(self, t: int, mask: np.ndarray, accepted: np.ndarray) -> np.ndarray:
+        """Weights s_k of the accepted clients, combine statistics, server rule."""
+        meta = self.meta_recv
+        agg: dict[str, torch.Tensor] = {}
+        if self.layout.reduce_size:
+            self.red_recv.push()
+        if self.weighting.per_client:
+            order = [k for r in range(self.size) for k in np.flatnonzero(mask & (self.host == r))]
+            pos = np.array([order.index(k) for k in accepted])
+            self.rows_recv.push()
+            rows = self.rows_recv.dev[pos]
+            s = np.asarray(self.weighting.weights(self, accepted, rows), dtype=np.float64)
+            sw = torch.as_tensor(s, dtype=torch.float32, device=self.device)
+            for stat, off in self.layout.gathered:
+                agg[stat.name] = sw @ rows[:, off:off + stat.size]
+        else:
+            raw = meta[accepted, M_RAW]
+            s = raw / raw.sum()
+        total_raw = meta[accepted, M_RAW].sum()
+        for stat, off in self.layout.reduced:
+            v = self.red_recv.dev[off:off + stat.size]
+            agg[stat.name] = v / total_raw if stat.combine == "weighted" else v
+        info = RoundInfo(round=t, clients=accepted, weights=s, num_samples=self.num_samples[accepted],
+                         steps=meta[accepted, M_STEPS], num_clients=self.K,
+                         num_selected=int(mask.sum()))
+        self.algo.server_update(self.state.dev[: self.D], agg, info)
+        return s
+
+    def _maybe_evaluate(self, t: int) -> tuple[float, float]:
+        last = t == self.cfg.train.rounds - 1
+        if (t + 1) % self.cfg.eval.every and not last:
+            return float("nan"), float("nan")
+        return self.evaluate()
+
+    def evaluate(self) -> tuple[float, float]:
+        """(test loss, test accuracy) of the global model."""
+        self.flat.load(self.state.dev[: self.D])
+        loss, correct, n = evaluate(self.flat.model, self.data, self.data.x_test, self.data.y_test,
+                                    self.cfg.eval.batch_size)
+        return loss / n, correct / n
+
+    def _event(self, t: int, rank: int, client: int, message: str) -> None:
+        if self.writer is not None:
+            self.writer.event(t, rank, client, message)
+        print(f"fedmpi: round {t}: client {client}: {message}", file=sys.stderr, flush=True)
+
+    @property
+    def global_state(self) -> torch.Tensor:
+        """θ on rank 0 (parameters and float buffers)."""
+        return self.state.dev[: self.D]
+
+
+def _open_log(fed: Federation, path: Path):
+    from .log import LogWriter
+
+    return LogWriter(path, config_yaml=fed.cfg.to_yaml(), world_size=fed.size, num_clients=fed.K,
+                     num_samples=fed.num_samples, class_counts=fed.partition.class_counts,
+                     fedmpi_version=__version__)
+
+
+def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None) -> Optional[float]:
+    """Run a whole experiment on this rank; returns the final test accuracy on rank 0.
+
+    Raises :class:`UserError` (same on every rank) for bad input, and exits the
+    whole job non-zero when a rank fails or a collective times out.
+    """
+    comm = comm or Comm(timeout=cfg.runtime.round_timeout)
+    out = Path(out_dir) if out_dir else Path(cfg.runtime.out_dir) / cfg.name
+    error: Optional[BaseException] = None
+    fed = None
+    try:
+        fed = Federation(cfg, comm, out)
+        if comm.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            fed.writer = _open_log(fed, out / "log.h5")
+            (out / "config.yaml").write_text(cfg.to_yaml())
+    except UserError as exc:
+        error = exc
+    except Exception as exc:  # noqa: BLE001 - any setup failure must stop every rank
+        error = exc
+        traceback.print_exc()
+    code = 2 if isinstance(error, UserError) else (1 if error else 0)
+    if comm.max_int(code, what="setup agreement") != 0:
+        if error is not None:
+            raise error
+        raise SystemExit(1)   # another rank failed; it printed why
+
+    progress = None
+    if comm.rank == 0 and cfg.runtime.progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=cfg.train.rounds, desc=cfg.name, unit="round", file=sys.stderr,
+                        dynamic_ncols=True)
+    status = "completed"
+    try:
+        t = 0
+        while True:
+            cmd = fed.round(t)
+            if cmd != CMD_ROUND:
+                break
+            if progress is not None and fed.history:
+                h = fed.history[-1]
+                progress.set_postfix(acc=f"{h['test_accuracy']:.4f}", loss=f"{h['train_loss']:.4f}",
+                                     refresh=False)
+                progress.update(1)
+            t += 1
+        if cmd == CMD_ABORT:
+            status = "failed"
+        elif fed.stop_reason is not None:
+            status = "interrupted"
+    except CommTimeout as exc:
+        print(f"fedmpi: error: {exc}", file=sys.stderr, flush=True)
+        if fed.writer is not None:
+            fed.writer.event(t, comm.rank, -1, str(exc))
+            fed.writer.set_status("failed")
+            fed.writer.close()
+        comm.abort(1)
+    except Exception as exc:  # noqa: BLE001 - a rank outside local training failed
+        print(f"fedmpi: error: rank {comm.rank}: {type(exc).__name__}: {exc}", file=sys.stderr,
+              flush=True)
+        traceback.print_exc()
+        if fed.writer is not None:
+            fed.writer.event(t, comm.rank, -1, f"{type(exc).__name__}: {exc}")
+            fed.writer.set_status("failed")
+            fed.writer.close()
+        comm.abort(1)
+    finally:
+        if progress is not None:
+            progress.close()
+
+    if comm.rank != 0:
+        if status == "failed":
+            raise SystemExit(1)
+        return None
+    fed.writer.set_status(status)
+    fed.writer.close()
+    if status == "failed":
+        print(f"fedmpi: error: {fed.failure}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+    final = next((h["test_accuracy"] for h in reversed(fed.history)
+                  if not np.isnan(h["test_accuracy"])), float("nan"))
+    return final

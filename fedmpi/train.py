@@ -1,0 +1,166 @@
+"""Local training and evaluation on flat models.
+
+The optimizer is SGD written on the flat vectors of :class:`~fedmpi.flat.FlatModel`
+with exactly ``torch.optim.SGD``'s semantics (dampening 0)::
+
+    g ← ∇ℓ(θ) (+ method hook, e.g. FedProx μ(θ − θ_g))   then clip, then
+    g ← g + wd·θ
+    b ← g                      (first step of the round)
+    b ← m·b + g                (later steps)
+    θ ← θ − lr·b
+
+One fused update on a preallocated momentum buffer per worker: no per-step or
+per-round allocation of model-sized tensors. Methods plug in through
+:class:`StepHooks` without copying the loop.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .data import Dataset
+from .flat import FlatModel
+
+GradHook = Callable[[FlatModel], None]
+StepHook = Callable[[torch.Tensor, float], None]
+LossFn = Callable[[FlatModel, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class StepHooks:
+    """Extension points of the local loop.
+
+    grad_hook(flat):           edit ``flat.grad`` in place after backward
+                               (FedProx, SCAFFOLD, FedDyn, FedLAGC).
+    step_hook(update, lr):     called after each step with the momentum-smoothed
+                               direction ``b`` (the step was ``θ ← θ − lr·b``); ECGR
+                               records ``lr·b``.
+    loss_fn(flat, x, y):       replaces cross-entropy (FedGPS).
+    """
+
+    grad_hook: Optional[GradHook] = None
+    step_hook: Optional[StepHook] = None
+    loss_fn: Optional[LossFn] = None
+
+
+@dataclass
+class TrainResult:
+    loss_sum: float = 0.0      # Σ over steps of (batch mean loss × batch size)
+    samples: int = 0           # samples seen (with repetition over epochs)
+    steps: int = 0             # τ_k, number of optimizer steps
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SGDConfig:
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    grad_clip: Optional[float] = None
+    batch_size: int = 32
+    local_epochs: int = 1
+    local_steps: Optional[int] = None
+
+
+def num_local_steps(n: int, cfg: SGDConfig) -> int:
+    """τ_k: ``local_steps`` if set, else ``local_epochs·⌈n/batch_size⌉``."""
+    if cfg.local_steps is not None:
+        return cfg.local_steps
+    return cfg.local_epochs * math.ceil(n / cfg.batch_size)
+
+
+class LocalTrainer:
+    """Trains clients one after another on one reusable :class:`FlatModel`."""
+
+    def __init__(self, flat: FlatModel, data: Dataset) -> None:
+        self.flat = flat
+        self.data = data
+        self.momentum_buf = torch.zeros_like(flat.grad)
+        self.device = flat.device
+        self._device_gen = torch.Generator(device=self.device)
+
+    def batches(self, indices: torch.Tensor, cfg: SGDConfig, gen: torch.Generator):
+        """Yield index batches: fresh permutation per epoch, last batch partial."""
+        n = indices.numel()
+        steps = num_local_steps(n, cfg)
+        done = 0
+        while done < steps:
+            perm = torch.randperm(n, generator=gen).to(self.device, non_blocking=True)
+            order = indices[perm]
+            for start in range(0, n, cfg.batch_size):
+                yield order[start:start + cfg.batch_size]
+                done += 1
+                if done == steps:
+                    return
+
+    def train(self, indices: torch.Tensor, cfg: SGDConfig, seed: int,
+              hooks: StepHooks = StepHooks(), flip_labels: bool = False) -> TrainResult:
+        """Run τ_k local SGD steps on the samples ``indices`` of the training pool.
+
+        ``seed`` drives the batch order, augmentation and any other randomness,
+        so the result depends only on (seed, client, round), not on the rank.
+        """
+        flat, data = self.flat, self.data
+        gen = torch.Generator().manual_seed(seed)
+        self._device_gen.manual_seed(seed)
+        torch.manual_seed(seed)
+        model = flat.model
+        model.train()
+        params, grad, buf = flat.params, flat.grad, self.momentum_buf
+        result = TrainResult()
+        loss_total = torch.zeros((), device=self.device)  # summed on device: no sync per step
+        num_classes = data.num_classes
+        for batch in self.batches(indices, cfg, gen):
+            x = data.prepare(data.x_train[batch], train=True, generator=self._device_gen)
+            y = data.y_train[batch]
+            if flip_labels:
+                y = num_classes - 1 - y
+            flat.zero_grad()
+            if hooks.loss_fn is not None:
+                loss = hooks.loss_fn(flat, x, y)
+            else:
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            with torch.no_grad():
+                if hooks.grad_hook is not None:
+                    hooks.grad_hook(flat)
+                if cfg.grad_clip is not None:
+                    norm = torch.linalg.vector_norm(grad)
+                    grad.mul_(torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0))
+                if cfg.weight_decay:
+                    grad.add_(params, alpha=cfg.weight_decay)
+                if cfg.momentum:
+                    if result.steps == 0:
+                        buf.copy_(grad)
+                    else:
+                        buf.mul_(cfg.momentum).add_(grad)
+                    direction = buf
+                else:
+                    direction = grad
+                params.add_(direction, alpha=-cfg.lr)
+                if hooks.step_hook is not None:
+                    hooks.step_hook(direction, cfg.lr)
+            loss_total += loss.detach() * y.numel()
+            result.samples += y.numel()
+            result.steps += 1
+        result.loss_sum = float(loss_total)
+        return result
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: Dataset, x: torch.Tensor, y: torch.Tensor,
+             batch_size: int) -> tuple[float, int, int]:
+    """Return (Σ cross-entropy, #correct, #samples) of ``model`` on (x, y)."""
+    model.eval()
+    loss_sum, correct = 0.0, 0
+    for start in range(0, y.numel(), batch_size):
+        xb = data.prepare(x[start:start + batch_size], train=False)
+        yb = y[start:start + batch_size]
+        out = model(xb)
+        loss_sum += float(F.cross_entropy(out, yb, reduction="sum"))
+        correct += int((out.argmax(1) == yb).sum())
+    return loss_sum, correct, int(y.numel())
