@@ -178,8 +178,10 @@ class Federation:
         self.meta_recv = np.zeros_like(self.meta_send)
         self.err_send = np.zeros(ERR_BYTES, dtype=np.uint8)
         self.err_recv = np.zeros((self.size, ERR_BYTES), dtype=np.uint8)
-        self.red_send = Mirror((self.layout.reduce_size,), torch.float32, self.device)
-        self.red_recv = (Mirror((self.layout.reduce_size,), torch.float32, self.device)
+        # float64 sums: partial sums from any rank layout round to the same float32
+        # result, which is what makes the global model independent of world size.
+        self.red_send = Mirror((self.layout.reduce_size,), torch.float64, self.device)
+        self.red_recv = (Mirror((self.layout.reduce_size,), torch.float64, self.device)
                          if self.is_server else None)
         max_local = min(self.m, len(self.my_clients))
         self.rows_send = Mirror((max_local, self.layout.row_size), torch.float32, self.device)
@@ -369,7 +371,7 @@ class Federation:
         total_raw = meta[accepted, M_RAW].sum()
         for stat, off in self.layout.reduced:
             v = self.red_recv.dev[off:off + stat.size]
-            agg[stat.name] = v / total_raw if stat.combine == "weighted" else v
+            agg[stat.name] = (v / total_raw if stat.combine == "weighted" else v).to(torch.float32)
         info = RoundInfo(round=t, clients=accepted, weights=s, num_samples=self.num_samples[accepted],
                          steps=meta[accepted, M_STEPS], num_clients=self.K,
                          num_selected=int(mask.sum()))
@@ -482,6 +484,8 @@ def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None) 
         if status == "failed":
             raise SystemExit(1)
         return None
+    fed.flat.load(fed.global_state)
+    torch.save(fed.flat.model.state_dict(), out / "model.pt")
     fed.writer.set_status(status)
     fed.writer.close()
     if status == "failed":

@@ -1,0 +1,17 @@
+"""Datasets (raw tensors + on-device preprocessing) and federated partitions."""
+from __future__ import annotations
+
+from fedmpi.data.base import Dataset
+from fedmpi.data.datasets import DATASET_NAMES, load_dataset, synthetic_dataset
+from fedmpi.data.partition import PARTITION_METHODS, Partition, make_partition, stratified_holdout
+
+__all__ = [
+    "DATASET_NAMES",
+    "PARTITION_METHODS",
+    "Dataset",
+    "Partition",
+    "load_dataset",
+    "make_partition",
+    "stratified_holdout",
+    "synthetic_dataset",
+]

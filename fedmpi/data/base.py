@@ -1,0 +1,174 @@
+"""The in-memory :class:`Dataset` container and its batch preprocessing.
+
+A dataset is held as four tensors (training pool and test set, images and
+labels) in their *raw* storage type: ``uint8`` pixels for image datasets,
+``float32`` for ``digits`` and the synthetic blobs. Conversion to the
+network's input happens per batch, on the batch's device, in
+:meth:`Dataset.prepare`; this keeps the resident copy 4x smaller than a
+float copy and lets the whole pool sit on the GPU next to the model.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from fedmpi.data.augment import random_crop_flip
+
+__all__ = ["Dataset", "channel_stats"]
+
+
+@dataclass(eq=False)
+class Dataset:
+    r"""A classification dataset as resident tensors.
+
+    Attributes
+    ----------
+    name:
+        Dataset name as given to :func:`~fedmpi.data.load_dataset`.
+    x_train, y_train:
+        Training pool: raw images ``[N, C, H, W]`` and ``int64`` labels ``[N]``.
+        Partitioning (clients and the server hold-out) indexes into this pool.
+    x_test, y_test:
+        Test set, same layout.
+    num_classes:
+        Number of classes :math:`C`; labels lie in ``[0, C)``.
+    mean, std:
+        Per-channel mean :math:`\mu_c` and standard deviation
+        :math:`\sigma_c` of the training images in units *after* scaling to
+        :math:`[0, 1]`.
+    scale:
+        Factor :math:`s` mapping a raw value to :math:`[0, 1]`
+        (``1/255`` for ``uint8`` images, ``1/16`` for ``digits``).
+    augment:
+        Apply random crop (4-px zero padding) and horizontal flip to training
+        batches in :meth:`prepare`. Meant for natural 32x32 RGB images.
+    """
+
+    name: str
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    num_classes: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    scale: float
+    augment: bool = False
+    # Per-device (gain, offset) of the affine normalisation; not part of the value.
+    _affine: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        channels = self.x_train.shape[1] if self.x_train.dim() == 4 else -1
+        if not (len(self.mean) == len(self.std) == channels):
+            raise ValueError(
+                f"dataset {self.name!r}: x_train must be [N, C, H, W] with C = "
+                f"len(mean) = len(std), got shape {tuple(self.x_train.shape)}, "
+                f"{len(self.mean)} means, {len(self.std)} stds"
+            )
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        """``(C, H, W)`` of one input image."""
+        c, h, w = self.x_train.shape[1:]
+        return (int(c), int(h), int(w))
+
+    @property
+    def num_train(self) -> int:
+        """Size :math:`N` of the training pool."""
+        return int(self.y_train.shape[0])
+
+    @property
+    def num_test(self) -> int:
+        """Size of the test set."""
+        return int(self.y_test.shape[0])
+
+    # ---------------------------------------------------------------- devices
+    def to(self, device: torch.device | str) -> Dataset:
+        """Return a copy whose four tensors live on ``device`` (no copy if already there)."""
+        return dataclasses.replace(
+            self,
+            x_train=self.x_train.to(device),
+            y_train=self.y_train.to(device),
+            x_test=self.x_test.to(device),
+            y_test=self.y_test.to(device),
+        )
+
+    # ---------------------------------------------------------- preprocessing
+    def _gain_offset(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""Cached ``[1, C, 1, 1]`` tensors :math:`a_c = s/\sigma_c`, :math:`b_c = -\mu_c/\sigma_c`."""
+        cached = self._affine.get(device)
+        if cached is None:
+            mean = torch.tensor(self.mean, dtype=torch.float64)
+            std = torch.tensor(self.std, dtype=torch.float64)
+            gain = (self.scale / std).to(torch.float32).view(1, -1, 1, 1).to(device)
+            offset = (-mean / std).to(torch.float32).view(1, -1, 1, 1).to(device)
+            cached = (gain, offset)
+            self._affine[device] = cached
+        return cached
+
+    def prepare(
+        self,
+        x: torch.Tensor,
+        train: bool,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        r"""Turn a raw batch into network input.
+
+        .. math::
+
+            y_{b,c,h,w} = \frac{s\,x_{b,c,h,w} - \mu_c}{\sigma_c}
+
+        computed in ``float32`` on ``x.device``. When ``train`` and
+        :attr:`augment` are both true the raw batch first goes through
+        :func:`~fedmpi.data.augment.random_crop_flip` (4-px padding with raw 0,
+        i.e. black, as torchvision pads before normalising).
+
+        Parameters
+        ----------
+        x:
+            Raw batch ``[B, C, H, W]`` (a slice of :attr:`x_train` or :attr:`x_test`).
+        train:
+            Whether this is a training batch (enables augmentation).
+        generator:
+            Generator on ``x.device`` driving the augmentation; ``None`` uses
+            torch's global RNG. Unused without augmentation.
+        """
+        if train and self.augment:
+            x = random_crop_flip(x, padding=4, generator=generator)
+        gain, offset = self._gain_offset(x.device)
+        return torch.addcmul(offset, x.to(torch.float32), gain)
+
+
+def channel_stats(
+    x: torch.Tensor, scale: float, chunk: int = 8192
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    r"""Per-channel mean and (population) standard deviation of ``s * x``.
+
+    .. math::
+
+        \mu_c = \frac{1}{NHW}\sum_{n,h,w} s\,x_{n,c,h,w}, \qquad
+        \sigma_c = \Big(\frac{1}{NHW}\sum_{n,h,w} (s\,x_{n,c,h,w})^2 - \mu_c^2\Big)^{1/2}
+
+    accumulated in ``float64`` over chunks of ``chunk`` images, so a large
+    ``uint8`` pool is never expanded to floating point all at once.
+    A constant channel gets :math:`\sigma_c = 1` to keep normalisation finite.
+    """
+    if x.dim() != 4 or x.shape[0] == 0:
+        raise ValueError(f"expected a non-empty [N, C, H, W] tensor, got shape {tuple(x.shape)}")
+    c = x.shape[1]
+    total = torch.zeros(c, dtype=torch.float64)
+    total_sq = torch.zeros(c, dtype=torch.float64)
+    for start in range(0, x.shape[0], chunk):
+        part = x[start : start + chunk].to(torch.float64) * scale
+        total += part.sum(dim=(0, 2, 3)).cpu()
+        total_sq += part.square().sum(dim=(0, 2, 3)).cpu()
+    count = x.shape[0] * x.shape[2] * x.shape[3]
+    mean = total / count
+    var = (total_sq / count - mean.square()).clamp_min(0.0)
+    std = torch.where(var > 0, var.sqrt(), torch.ones_like(var))
+    return tuple(float(m) for m in mean), tuple(float(s) for s in std)

@@ -1,0 +1,51 @@
+"""Shared fixtures: MPI launches of the CLI and small configs on digits."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def mpiexec_path() -> str | None:
+    for cand in (BIN / "mpiexec", shutil.which("mpiexec")):
+        if cand and Path(cand).exists():
+            return str(cand)
+    return None
+
+
+def fedmpi_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "fedmpi", *args]
+
+
+def run_fedmpi(args: list[str], n: int = 1, timeout: float = 300, env: dict | None = None,
+               check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``fedmpi ARGS`` alone (n=0) or under ``mpiexec -n n``."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if n >= 1:
+        mpi = mpiexec_path()
+        if mpi is None:
+            pytest.skip("mpiexec not found (pip install -e .[mpich])")
+        cmd = [mpi, "-n", str(n), *fedmpi_cmd(*args)]
+    else:
+        cmd = fedmpi_cmd(*args)
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} exited {proc.returncode}\nstdout:\n{proc.stdout}\n"
+                             f"stderr:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+SMALL = [
+    "--set", "data.num_clients=6", "--set", "train.clients_per_round=4",
+    "--set", "train.rounds=3", "--set", "model.name=cnn", "--set", "train.local_epochs=1",
+    "--set", "train.batch_size=64", "--set", "runtime.progress=false",
+    "--set", "runtime.round_timeout=120",
+]
