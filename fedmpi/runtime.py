@@ -191,6 +191,8 @@ class Federation:
         if self.is_server:
             self.state.dev[: self.D].copy_(self.flat.vector)
 
+        self.algo.bind(self)
+        self.weighting.bind(self)
         self.writer = None
         self.out_dir = out_dir
         self.stop_reason: Optional[str] = None   # set by a signal handler (operations issue)
@@ -346,9 +348,10 @@ class Federation:
             "local_steps": np.where(mask, meta[:, M_STEPS], np.nan),
             "train_seconds": np.where(mask, meta[:, M_TIME], np.nan),
         }
+        arrays = {**self.algo.log_arrays(), **self.weighting.log_arrays()}
         self.history.append({"round": t, **scalars})
         if self.writer is not None:
-            self.writer.append_round(t, scalars, per_client)
+            self.writer.append_round(t, scalars, per_client, arrays)
 
     def _aggregate(self, t: int, mask: np.ndarray, accepted: np.ndarray) -> np.ndarray:
         """Weights s_k of the accepted clients, combine statistics, server rule."""

@@ -86,6 +86,14 @@ class Algorithm:
         self.sgd = sgd_config(cfg)
         self.server_lr = float(cfg.algorithm.server_lr)
 
+    def bind(self, fed) -> None:
+        """Called once by the runtime with the :class:`~fedmpi.runtime.Federation`
+        (data, partition, device, hosted clients) before the first round."""
+
+    def log_arrays(self) -> dict[str, "np.ndarray"]:
+        """Per-round arrays for the HDF5 log, e.g. ``{"ecgr/selected": a}`` (rank 0)."""
+        return {}
+
     # ----------------------------------------------------------- declarations
     def uplink_stats(self) -> list[Stat]:
         """Per-client statistics; ``delta`` = θ_k − θ over the whole state."""

@@ -28,6 +28,18 @@ class Weighting:
         """Unnormalised weight w̃_k."""
         return float(self.num_samples[client]) * self._scale
 
+    def bind(self, fed) -> None:
+        """Called once with the :class:`~fedmpi.runtime.Federation` (rank 0 holds
+        the validation set FedVG scores on)."""
+
+    def weights(self, fed, clients: "np.ndarray", rows) -> "np.ndarray":
+        """Per-client weighting only: s_k for ``clients`` from their gathered rows."""
+        raise TypeError(f"weighting {self.name!r} is reducible; it has no per-client weights")
+
+    def log_arrays(self) -> dict[str, "np.ndarray"]:
+        """Per-round arrays for the HDF5 log (e.g. ``fedvg/grad_norm``)."""
+        return {}
+
 
 class Uniform(Weighting):
     name = "uniform"
