@@ -108,12 +108,24 @@ class Algorithm:
 
     def client_update(self, task: ClientTask, trainer: LocalTrainer, state: torch.Tensor,
                       extras: torch.Tensor, out: dict[str, torch.Tensor]) -> TrainResult:
-        """Train from the global ``state`` and write the statistics into ``out``."""
+        """Train from the global ``state`` and write the statistics into ``out``.
+
+        The one local-training path of every method: methods customise it via
+        :meth:`hooks` (inside the loop) and :meth:`finish_client` (after it,
+        with the actual final model in ``trainer.flat``); client-side update
+        transforms (ECGR) rewrite ``out["delta"]`` last.
+        """
         trainer.flat.load(state)
         result = trainer.train(task.indices, self.sgd, task.seed,
                                self.hooks(task, state, extras), task.flip_labels)
         torch.sub(trainer.flat.vector, state, out=out["delta"])
+        self.finish_client(task, trainer, state, extras, out, result)
         return result
+
+    def finish_client(self, task: ClientTask, trainer: LocalTrainer, state: torch.Tensor,
+                      extras: torch.Tensor, out: dict[str, torch.Tensor], result: TrainResult) -> None:
+        """After local training: update per-client state (SCAFFOLD c_k, FedDyn h_k),
+        write further statistics into ``out``. ``out["delta"]`` = θ_k − θ already."""
 
     # ----------------------------------------------------------------- server
     def fill_downlink(self, extras: torch.Tensor, round: int) -> None:
