@@ -15,7 +15,6 @@ per-round allocation of model-sized tensors. Methods plug in through
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -66,11 +65,24 @@ class SGDConfig:
     local_steps: Optional[int] = None
 
 
+def epoch_bounds(n: int, batch_size: int) -> list[int]:
+    """Batch boundaries of one epoch over ``n`` samples.
+
+    Batches of ``batch_size``; the last one is partial (no sample is dropped),
+    except that a remainder of exactly one sample joins the previous batch:
+    BatchNorm cannot normalise a batch of one (at 1×1 spatial size it raises).
+    """
+    bounds = list(range(0, n, batch_size)) + [n]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+        del bounds[-2]
+    return bounds
+
+
 def num_local_steps(n: int, cfg: SGDConfig) -> int:
-    """τ_k: ``local_steps`` if set, else ``local_epochs·⌈n/batch_size⌉``."""
+    """τ_k: ``local_steps`` if set, else ``local_epochs`` × batches per epoch."""
     if cfg.local_steps is not None:
         return cfg.local_steps
-    return cfg.local_epochs * math.ceil(n / cfg.batch_size)
+    return cfg.local_epochs * (len(epoch_bounds(n, cfg.batch_size)) - 1)
 
 
 class LocalTrainer:
@@ -87,12 +99,13 @@ class LocalTrainer:
         """Yield index batches: fresh permutation per epoch, last batch partial."""
         n = indices.numel()
         steps = num_local_steps(n, cfg)
+        bounds = epoch_bounds(n, cfg.batch_size)
         done = 0
         while done < steps:
             perm = torch.randperm(n, generator=gen).to(self.device, non_blocking=True)
             order = indices[perm]
-            for start in range(0, n, cfg.batch_size):
-                yield order[start:start + cfg.batch_size]
+            for start, stop in zip(bounds[:-1], bounds[1:]):
+                yield order[start:stop]
                 done += 1
                 if done == steps:
                     return

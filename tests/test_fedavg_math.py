@@ -93,3 +93,14 @@ def test_participants_deterministic_and_sized():
     a, b = fed.participants(5), fed.participants(5)
     assert a.sum() == 2 and (a == b).all()
     assert any((fed.participants(t) != a).any() for t in range(6, 12))
+
+
+def test_epoch_bounds_never_leave_a_batch_of_one():
+    from fedmpi.train import epoch_bounds
+    assert epoch_bounds(10, 4) == [0, 4, 8, 10]
+    assert epoch_bounds(9, 4) == [0, 4, 9]          # remainder 1 joins the previous batch
+    assert epoch_bounds(1, 4) == [0, 1]
+    assert epoch_bounds(8, 4) == [0, 4, 8]
+    for n in range(2, 40):
+        b = epoch_bounds(n, 4)
+        assert b[0] == 0 and b[-1] == n and min(np.diff(b)) >= 2
