@@ -33,7 +33,8 @@ import torch
 
 from . import __version__
 from .adversary import Adversary
-from .algorithms import Algorithm, ClientTask, RoundInfo, Stat, build_algorithm, build_weighting
+from .algorithms import (Algorithm, ClientTask, RoundInfo, Stat, algorithm_class, build_algorithm,
+                         build_weighting)
 from .comm import Comm, CommTimeout
 from .data import Dataset, Partition, load_dataset, make_partition
 from .errors import ConfigError, UserError
@@ -151,7 +152,8 @@ class Federation:
 
         # Model: every rank builds the same initial model from the seed.
         torch.manual_seed(cfg.seed)
-        model = build_model(cfg.model.name, self.data.input_shape, self.data.num_classes, cfg.model.norm)
+        outputs = algorithm_class(cfg).num_outputs(cfg, self.data.num_classes)  # FedGPS: 2C
+        model = build_model(cfg.model.name, self.data.input_shape, outputs, cfg.model.norm)
         self.flat = FlatModel(model, self.device)
         self.D = self.flat.size
 
@@ -238,6 +240,7 @@ class Federation:
         comm.bcast(self.state.host, what=f"round {t} state Bcast")
         if not self.is_server:
             self.state.push()
+        self.algo.begin_round(t, mask, self.state.dev[: self.D], self.state.dev[self.D:])
 
         t_train = time.perf_counter()
         self._local_work(t, mask)
@@ -391,7 +394,7 @@ class Federation:
         """(test loss, test accuracy) of the global model."""
         self.flat.load(self.state.dev[: self.D])
         loss, correct, n = evaluate(self.flat.model, self.data, self.data.x_test, self.data.y_test,
-                                    self.cfg.eval.batch_size)
+                                    self.cfg.eval.batch_size, num_logits=self.algo.eval_logits())
         return loss / n, correct / n
 
     def _event(self, t: int, rank: int, client: int, message: str) -> None:

@@ -166,14 +166,20 @@ class LocalTrainer:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: Dataset, x: torch.Tensor, y: torch.Tensor,
-             batch_size: int) -> tuple[float, int, int]:
-    """Return (Σ cross-entropy, #correct, #samples) of ``model`` on (x, y)."""
+             batch_size: int, num_logits: Optional[int] = None) -> tuple[float, int, int]:
+    """Return (Σ cross-entropy, #correct, #samples) of ``model`` on (x, y).
+
+    ``num_logits``: score only the first N outputs (FedGPS's 2C-way head is
+    evaluated on the C real classes); None = all outputs.
+    """
     model.eval()
     loss_sum, correct = 0.0, 0
     for start in range(0, y.numel(), batch_size):
         xb = data.prepare(x[start:start + batch_size], train=False)
         yb = y[start:start + batch_size]
         out = model(xb)
+        if num_logits is not None:
+            out = out[:, :num_logits]
         loss_sum += float(F.cross_entropy(out, yb, reduction="sum"))
         correct += int((out.argmax(1) == yb).sum())
     return loss_sum, correct, int(y.numel())

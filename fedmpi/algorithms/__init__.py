@@ -9,15 +9,19 @@ from .weighting import Weighting, build_weighting
 ALGORITHMS: dict[str, type[Algorithm]] = {"fedavg": FedAvg}
 
 
-def build_algorithm(cfg, layout, num_clients: int) -> Algorithm:
+def algorithm_class(cfg) -> type[Algorithm]:
+    """The class of ``algorithm.name`` (ConfigError if not implemented)."""
     name = cfg.algorithm.name
     try:
-        cls = ALGORITHMS[name]
+        return ALGORITHMS[name]
     except KeyError:
         raise ConfigError(f"config key 'algorithm.name': {name!r} is not implemented in this "
                           f"version; available: {', '.join(sorted(ALGORITHMS))}") from None
-    return cls(cfg, layout, num_clients)
 
 
-__all__ = ["Algorithm", "ClientTask", "RoundInfo", "Stat", "Weighting", "build_algorithm",
+def build_algorithm(cfg, layout, num_clients: int) -> Algorithm:
+    return algorithm_class(cfg)(cfg, layout, num_clients)
+
+
+__all__ = ["Algorithm", "ClientTask", "RoundInfo", "Stat", "Weighting", "algorithm_class", "build_algorithm",
            "build_weighting", "ALGORITHMS"]

@@ -77,6 +77,7 @@ class Algorithm:
     """FedAvg; the base of every method (see module docstring)."""
 
     name = "fedavg"
+    default_server_lr = 1.0
 
     def __init__(self, cfg, layout: FlatModel, num_clients: int) -> None:
         self.cfg = cfg
@@ -84,11 +85,27 @@ class Algorithm:
         self.num_params = layout.num_params    # P
         self.num_clients = num_clients
         self.sgd = sgd_config(cfg)
-        self.server_lr = float(cfg.algorithm.server_lr)
+        lr = cfg.algorithm.server_lr     # null = the method's default (FedAdam/FedYogi: 0.1)
+        self.server_lr = self.default_server_lr if lr is None else float(lr)
+
+    @classmethod
+    def num_outputs(cls, cfg, num_classes: int) -> int:
+        """Width of the model's classifier head (FedGPS: 2C, surrogate classes
+        get labels C..2C−1). Called by the runtime before the model is built."""
+        return num_classes
+
+    def eval_logits(self) -> "int | None":
+        """Evaluate on the first N logits only (FedGPS: C of 2C); None = all."""
+        return None
 
     def bind(self, fed) -> None:
         """Called once by the runtime with the :class:`~fedmpi.runtime.Federation`
         (data, partition, device, hosted clients) before the first round."""
+
+    def begin_round(self, round: int, mask: "np.ndarray", state: torch.Tensor,
+                    extras: torch.Tensor) -> None:
+        """Called on every rank right after the round's state Bcast, whether or
+        not the rank hosts a participant (FedGPS keeps θ^{t−1} to form θ^t − θ^{t−1})."""
 
     def log_arrays(self) -> dict[str, "np.ndarray"]:
         """Per-round arrays for the HDF5 log, e.g. ``{"ecgr/selected": a}`` (rank 0)."""
@@ -106,6 +123,10 @@ class Algorithm:
     def hooks(self, task: ClientTask, state: torch.Tensor, extras: torch.Tensor) -> StepHooks:
         return StepHooks()
 
+    def local_sgd(self, task: ClientTask) -> SGDConfig:
+        """The client optimizer of ``task`` (FedDyn: per-client weight decay α_k + wd)."""
+        return self.sgd
+
     def client_update(self, task: ClientTask, trainer: LocalTrainer, state: torch.Tensor,
                       extras: torch.Tensor, out: dict[str, torch.Tensor]) -> TrainResult:
         """Train from the global ``state`` and write the statistics into ``out``.
@@ -116,7 +137,7 @@ class Algorithm:
         transforms (ECGR) rewrite ``out["delta"]`` last.
         """
         trainer.flat.load(state)
-        result = trainer.train(task.indices, self.sgd, task.seed,
+        result = trainer.train(task.indices, self.local_sgd(task), task.seed,
                                self.hooks(task, state, extras), task.flip_labels)
         torch.sub(trainer.flat.vector, state, out=out["delta"])
         self.finish_client(task, trainer, state, extras, out, result)
