@@ -1,4 +1,4 @@
-"""Command line: ``fedmpi run | check | info``.
+"""Command line: ``fedmpi run | check | info | report | compare | partition``.
 
 Bad input (a :class:`~fedmpi.errors.UserError`) prints one line
 ``fedmpi: error: ...`` naming the key or file, and exits with status 2.
@@ -31,6 +31,35 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
     sub.add_parser("info", help="versions, MPI library, CUDA-aware MPI, GPUs")
+
+    report = sub.add_parser("report", help="PNG plots and summary.md of one run log")
+    report.add_argument("log", help="run log (log.h5), also one still being written")
+    report.add_argument("--out", default=None, help="output directory (default <log dir>/report)")
+    report.add_argument("--target-accuracy", type=float, default=None, metavar="X",
+                        help="target test accuracy as a fraction, e.g. 0.8")
+
+    compare = sub.add_parser("compare", help="table across runs: mean ± std over seeds, "
+                                             "rounds to a target, speed-up")
+    compare.add_argument("logs", nargs="+", help="run logs (log.h5)")
+    compare.add_argument("--target-accuracy", type=float, default=None, metavar="X",
+                         help="target test accuracy as a fraction (default: the baseline's "
+                              "best accuracy, lowest over its runs)")
+    compare.add_argument("--group-by", action="append", default=[], metavar="KEY",
+                         help="dotted config key or alias (algorithm, weighting, alpha, dataset, "
+                              "model, partition, clients, ecgr); repeatable; default: the "
+                              "config keys that differ between the logs, seeds excluded")
+    compare.add_argument("--baseline", default=None, metavar="GROUP",
+                         help="group for the speed-up, by label or value (default: the fedavg "
+                              "group if there is exactly one)")
+    compare.add_argument("--out", default=None,
+                         help="also write compare.md, compare.csv and runs.csv into this directory")
+
+    part = sub.add_parser("partition", help="partition preview without training: class-count "
+                                            "heatmap and client sizes")
+    part.add_argument("config", help="YAML config file")
+    part.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    part.add_argument("--out", default=None,
+                      help="output directory (default runtime.out_dir/<name>)")
     return p
 
 
@@ -85,7 +114,49 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": _cmd_run, "check": _cmd_check, "info": _cmd_info}
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    for path in write_report(args.log, args.out, args.target_accuracy):
+        print(path)
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .compare import compare
+
+    table = compare(args.logs, target=args.target_accuracy, group_by=args.group_by,
+                    baseline=args.baseline)
+    md = table.markdown()
+    sys.stdout.write(md)
+    if args.out is not None:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compare.md").write_text(md, encoding="utf-8")
+        (out / "compare.csv").write_text(table.csv(), encoding="utf-8")
+        (out / "runs.csv").write_text(table.runs_csv(), encoding="utf-8")
+    return 0
+
+
+def _cmd_partition(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .config import load_config
+    from .data import build_partition, load_dataset
+    from .report import partition_preview
+
+    cfg = load_config(args.config, args.overrides)
+    data = load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.download)
+    out = Path(args.out) if args.out is not None else Path(cfg.runtime.out_dir) / cfg.name
+    for line in partition_preview(build_partition(cfg, data), out, cfg.name):
+        print(line)
+    return 0
+
+
+COMMANDS = {"run": _cmd_run, "check": _cmd_check, "info": _cmd_info, "report": _cmd_report,
+            "compare": _cmd_compare, "partition": _cmd_partition}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -36,7 +36,7 @@ from .adversary import Adversary
 from .algorithms import (Algorithm, ClientTask, RoundInfo, Stat, algorithm_class, build_algorithm,
                          build_weighting)
 from .comm import Comm, CommTimeout
-from .data import Dataset, Partition, load_dataset, make_partition
+from .data import Dataset, Partition, build_partition, load_dataset
 from .errors import ConfigError, UserError
 from .flat import FlatModel
 from .models import build_model
@@ -140,12 +140,7 @@ class Federation:
         # Data and partition: computed identically on every rank (deterministic).
         self.data: Dataset = load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.download,
                                           augment=cfg.data.augment)
-        p = cfg.data.partition
-        self.partition: Partition = make_partition(
-            self.data.y_train.numpy(), cfg.data.num_clients, p.method,
-            seed=cfg.seed if p.seed is None else p.seed, alpha=p.alpha,
-            classes_per_client=p.classes_per_client, min_size=p.min_size, file=p.file,
-            validation_fraction=cfg.data.validation.fraction, num_classes=self.data.num_classes)
+        self.partition: Partition = build_partition(cfg, self.data)   # = `fedmpi partition`
         self.K = cfg.data.num_clients
         self.num_samples = np.array([len(ix) for ix in self.partition.client_indices], dtype=np.int64)
         self.data = self.data.to(self.device)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from fedmpi.data.base import Dataset
+from fedmpi.data.build import build_partition
 from fedmpi.data.datasets import DATASET_NAMES, load_dataset, synthetic_dataset
 from fedmpi.data.partition import PARTITION_METHODS, Partition, make_partition, stratified_holdout
 
@@ -10,6 +11,7 @@ __all__ = [
     "PARTITION_METHODS",
     "Dataset",
     "Partition",
+    "build_partition",
     "load_dataset",
     "make_partition",
     "stratified_holdout",

@@ -1,0 +1,394 @@
+r"""``fedmpi compare``: a paper-style table across runs (FedGPS Table 1 columns).
+
+Per run (one HDF5 log, read with :func:`fedmpi.log.read`), from the test
+accuracies :math:`a_t` of the evaluated rounds :math:`t` (rounds are numbered
+from 0 as in the log; rounds without evaluation hold NaN and are skipped):
+
+- **final accuracy**: :math:`a_{t_{last}}`, the last evaluated round;
+- **best accuracy**: :math:`\max_t a_t` ("ACC" of FedGPS Table 1), and the
+  round :math:`t^\star` where it is first reached;
+- **rounds to target** :math:`\tau`: :math:`\min\{t + 1 : a_t \ge
+  \text{target}\}`, the number of communication rounds completed when the
+  target is first met ("ROUND"); NaN when never reached.
+
+Per group (runs sharing the values of the grouping keys, e.g. several seeds
+or several partition scenarios of one method), over its :math:`n` runs:
+
+- mean and standard deviation of final and best accuracy, with the
+  *population* standard deviation :math:`\sqrt{\frac1n\sum_i (x_i-\bar x)^2}`
+  (``numpy.std``, ddof=0; 0 for a single run);
+- rounds to target: mean ± std of :math:`\tau_i` **only if every run of the
+  group reached the target** (otherwise NaN, shown as "not reached", and the
+  ``reached`` column says how many did): averaging only the runs that got
+  there would flatter a method that often fails;
+- **speed-up** ("SpeedUp") :math:`\bar\tau_{\text{baseline}} / \bar\tau_{\text{group}}`.
+
+Target accuracy: ``--target-accuracy`` if given. Otherwise, with a baseline
+group, FedGPS's rule ("the target accuracy set as the best performance of
+FedAvg", FedGPS Sec. 5.1) generalised to several seeds: the *lowest* best
+accuracy among the baseline's runs, so that every baseline run reaches it
+(with one baseline run this is exactly FedGPS's rule). Without either, the
+rounds and speed-up columns are left out.
+
+Grouping: ``--group-by KEY`` (repeatable; dotted config keys such as
+``algorithm.name`` or the aliases of :data:`ALIASES`). By default the runs
+are grouped by every config key whose value differs between the logs, except
+those in :data:`IGNORED_KEYS` (seeds, names, paths and runtime settings), so
+seeds and partition scenarios of one setting fall into one group.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fedmpi.errors import UserError
+from fedmpi.log import RunLog, read
+
+__all__ = ["ALIASES", "IGNORED_KEYS", "GroupRow", "RunMetrics", "Table", "compare",
+           "compare_logs", "config_value", "flatten_config", "rounds_to_target",
+           "run_metrics"]
+
+#: Short names accepted by ``--group-by``.
+ALIASES: dict[str, str] = {
+    "algorithm": "algorithm.name",
+    "weighting": "aggregation.weighting",
+    "alpha": "data.partition.alpha",
+    "partition": "data.partition.method",
+    "dataset": "data.dataset",
+    "model": "model.name",
+    "clients": "data.num_clients",
+    "ecgr": "ecgr.enabled",
+}
+
+#: Config keys (or prefixes ending in ".") never used for default grouping.
+IGNORED_KEYS: tuple[str, ...] = ("name", "seed", "data.partition.seed", "data.partition.file",
+                                 "data.root", "data.download", "runtime.")
+
+
+# -- per run ---------------------------------------------------------------------
+
+def rounds_to_target(rounds: np.ndarray, accuracy: np.ndarray, target: float) -> float:
+    r"""Rounds completed when ``accuracy`` first reaches ``target``: :math:`t + 1` of the
+    first logged round :math:`t` with :math:`a_t \ge` target; NaN if never (NaN
+    accuracies, i.e. rounds without evaluation, never count)."""
+    acc = np.asarray(accuracy, dtype=np.float64)
+    hit = np.flatnonzero(np.nan_to_num(acc, nan=-np.inf) >= target)
+    return float(rounds[hit[0]] + 1) if hit.size else math.nan
+
+
+@dataclass
+class RunMetrics:
+    """Summary numbers of one run (accuracies are fractions in [0, 1])."""
+
+    path: str
+    status: str
+    rounds_logged: int
+    rounds_configured: int | None
+    final_accuracy: float
+    final_round: int | None
+    best_accuracy: float
+    best_round: int | None
+    rounds_to_target: float = math.nan
+
+
+def run_metrics(log: RunLog, target: float | None = None) -> RunMetrics:
+    """Final/best accuracy, round of best and rounds to ``target`` of one log."""
+    rounds = np.asarray(log.rounds.get("round", np.empty(0, dtype=np.int64)))
+    acc = np.asarray(log.rounds.get("test_accuracy", np.full(len(rounds), np.nan)), dtype=np.float64)
+    evaluated = np.flatnonzero(np.isfinite(acc))
+    configured = config_value(log.config, "train.rounds")
+    m = RunMetrics(path=log.path, status=str(log.status), rounds_logged=len(rounds),
+                   rounds_configured=int(configured) if configured is not None else None,
+                   final_accuracy=math.nan, final_round=None, best_accuracy=math.nan,
+                   best_round=None)
+    if evaluated.size:
+        last = evaluated[-1]
+        best = evaluated[int(np.argmax(acc[evaluated]))]
+        m.final_accuracy, m.final_round = float(acc[last]), int(rounds[last])
+        m.best_accuracy, m.best_round = float(acc[best]), int(rounds[best])
+    if target is not None:
+        m.rounds_to_target = rounds_to_target(rounds, acc, target)
+    return m
+
+
+# -- config helpers ----------------------------------------------------------------
+
+def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested config mapping -> ``{"dotted.key": value}`` (lists stay values)."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten_config(value, dotted + "."))
+        else:
+            out[dotted] = value
+    return out
+
+
+def config_value(config: Mapping[str, Any], dotted: str, default: Any = None) -> Any:
+    """Value at ``dotted`` (e.g. ``"train.rounds"``) of a nested config, or ``default``."""
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def _fmt_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_fmt_value(v) for v in value) + "]"
+    return "none" if value is None else str(value)
+
+
+def _ignored(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in IGNORED_KEYS)
+
+
+def _group_keys(flat_configs: Sequence[Mapping[str, Any]], group_by: Sequence[str]) -> list[str]:
+    if group_by:
+        keys = [ALIASES.get(k, k) for k in group_by]
+        for k, given in zip(keys, group_by):
+            if not any(k in c for c in flat_configs):
+                raise UserError(f"--group-by {given}: no log has config key {k!r} "
+                                f"(aliases: {', '.join(sorted(ALIASES))})")
+        return keys
+    union = sorted({k for c in flat_configs for k in c})
+    return [k for k in union if not _ignored(k)
+            and len({_fmt_value(c[k]) if k in c else "<unset>" for c in flat_configs}) > 1]
+
+
+# -- per group -------------------------------------------------------------------
+
+def _mean_std(values: Iterable[float]) -> tuple[float, float]:
+    a = np.asarray(list(values), dtype=np.float64)
+    if a.size == 0 or not np.all(np.isfinite(a)):
+        return math.nan, math.nan
+    return float(a.mean()), float(a.std())
+
+
+@dataclass
+class GroupRow:
+    """One row of the table: a group of runs and its statistics."""
+
+    label: str
+    values: dict[str, str]
+    runs: list[RunMetrics]
+    final: tuple[float, float]
+    best: tuple[float, float]
+    rounds: tuple[float, float] = (math.nan, math.nan)
+    reached: int = 0
+    speedup: float = math.nan
+    baseline: bool = False
+
+    @property
+    def incomplete(self) -> int:
+        """Runs whose log status is not ``completed``."""
+        return sum(r.status != "completed" for r in self.runs)
+
+
+@dataclass
+class Table:
+    """Result of :func:`compare`: rows, and the settings that produced them."""
+
+    keys: list[str]
+    rows: list[GroupRow]
+    target: float | None
+    target_source: str = ""
+    baseline: str | None = None
+    runs: list[RunMetrics] = field(default_factory=list)
+
+    def markdown(self) -> str:
+        """The table in GitHub markdown (accuracies in percent)."""
+        with_rounds = self.target is not None
+        with_speedup = with_rounds and self.baseline is not None
+        head = ["group", "runs", "final acc (%)", "best acc (%)"]
+        if with_rounds:
+            head += ["rounds to target", "reached"]
+        if with_speedup:
+            head += ["speed-up"]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for row in self.rows:
+            label = row.label + (" (baseline)" if row.baseline else "")
+            runs = f"{len(row.runs)}" + (f" ({row.incomplete} incomplete)" if row.incomplete else "")
+            cells = [label, runs, _pm(row.final, 100, 2), _pm(row.best, 100, 2)]
+            if with_rounds:
+                cells += [_pm(row.rounds, 1, 1) if row.reached == len(row.runs) else "not reached",
+                          f"{row.reached}/{len(row.runs)}"]
+            if with_speedup:
+                cells += ["—" if math.isnan(row.speedup) else f"{row.speedup:.2f}×"]
+            lines.append("| " + " | ".join(cells) + " |")
+        notes = ["", "Mean ± std (population std, ddof=0) over the runs of each group; "
+                     "final = last evaluated round, best = maximum over evaluated rounds."]
+        if with_rounds:
+            notes.append(f"Target accuracy {100 * self.target:.2f}% ({self.target_source}); "
+                         "rounds to target = rounds completed when a run first reaches it, "
+                         "averaged only when every run of the group reaches it.")
+        if with_speedup:
+            notes.append(f"Speed-up = mean rounds of the baseline ({self.baseline}) ÷ "
+                         "mean rounds of the group.")
+        return "\n".join(lines + notes) + "\n"
+
+    def csv(self) -> str:
+        """One row per group; raw numbers (accuracies as fractions, NaN when undefined)."""
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(["group", *self.keys, "runs", "incomplete", "final_mean", "final_std",
+                    "best_mean", "best_std", "target", "rounds_mean", "rounds_std", "reached",
+                    "speedup", "baseline"])
+        for row in self.rows:
+            w.writerow([row.label, *(row.values.get(k, "") for k in self.keys), len(row.runs),
+                        row.incomplete, *map(_num, (*row.final, *row.best)),
+                        _num(self.target), *map(_num, row.rounds), row.reached,
+                        _num(row.speedup), int(row.baseline)])
+        return buf.getvalue()
+
+    def runs_csv(self) -> str:
+        """One row per run (log path, status, final/best accuracy, rounds to target)."""
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(["path", "group", "status", "rounds_logged", "rounds_configured",
+                    "final_accuracy", "final_round", "best_accuracy", "best_round",
+                    "rounds_to_target"])
+        for row in self.rows:
+            for m in row.runs:
+                w.writerow([m.path, row.label, m.status, m.rounds_logged,
+                            "" if m.rounds_configured is None else m.rounds_configured,
+                            _num(m.final_accuracy), "" if m.final_round is None else m.final_round,
+                            _num(m.best_accuracy), "" if m.best_round is None else m.best_round,
+                            _num(m.rounds_to_target)])
+        return buf.getvalue()
+
+
+def _num(x: float | None) -> str:
+    return "" if x is None else repr(float(x))
+
+
+def _pm(ms: tuple[float, float], scale: float, digits: int) -> str:
+    mean, std = ms
+    if math.isnan(mean):
+        return "—"
+    return f"{scale * mean:.{digits}f} ± {scale * std:.{digits}f}"
+
+
+def compare_logs(logs: Sequence[RunLog], *, target: float | None = None,
+                 group_by: Sequence[str] = (), baseline: str | None = None) -> Table:
+    """Group ``logs`` and compute the table (see the module docstring for the math).
+
+    Parameters
+    ----------
+    logs
+        Run logs, e.g. from :func:`fedmpi.log.read`.
+    target
+        Target accuracy as a fraction in (0, 1]; ``None`` derives it from the
+        baseline (lowest best accuracy among its runs) if there is one.
+    group_by
+        Dotted config keys or :data:`ALIASES`; empty: the keys that differ.
+    baseline
+        Group for the speed-up: its label, or one of its grouping values
+        (e.g. ``fedavg``). ``None``: the group whose runs all have
+        ``algorithm.name: fedavg`` if exactly one group does and there are
+        several groups.
+
+    Raises
+    ------
+    UserError
+        Unknown grouping key, no or ambiguous baseline match, target out of range.
+    """
+    if not logs:
+        raise UserError("compare: no logs given")
+    if target is not None and not 0.0 < target <= 1.0:
+        raise UserError(f"--target-accuracy {target}: expected a fraction in (0, 1], "
+                        "e.g. 0.8 for 80%")
+    flats = [flatten_config(log.config) for log in logs]
+    keys = _group_keys(flats, group_by)
+
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, flat in enumerate(flats):
+        groups.setdefault(tuple(_fmt_value(flat.get(k)) for k in keys), []).append(i)
+
+    def label(values: tuple[str, ...]) -> str:
+        if not keys:
+            return "all"
+        if len(keys) == 1:
+            return values[0]
+        return ", ".join(f"{k.rsplit('.', 1)[-1] if _unique_leaf(k, keys) else k}={v}"
+                         for k, v in zip(keys, values))
+
+    members = list(groups.items())
+    base_idx = _find_baseline(members, keys, flats, baseline, label)
+
+    source = "--target-accuracy"
+    if target is None and base_idx is not None:
+        bests = [run_metrics(logs[i]).best_accuracy for i in members[base_idx][1]]
+        if all(math.isfinite(b) for b in bests):
+            target = min(bests)
+            source = (f"best accuracy of the baseline "
+                      f"{'(lowest over its runs)' if len(bests) > 1 else ''}").rstrip()
+
+    rows: list[GroupRow] = []
+    all_runs: list[RunMetrics] = []
+    for values, idx in members:
+        ms = [run_metrics(logs[i], target) for i in idx]
+        all_runs += ms
+        row = GroupRow(label=label(values), values=dict(zip(keys, values)), runs=ms,
+                       final=_mean_std(m.final_accuracy for m in ms),
+                       best=_mean_std(m.best_accuracy for m in ms))
+        if target is not None:
+            taus = [m.rounds_to_target for m in ms]
+            row.reached = sum(math.isfinite(t) for t in taus)
+            row.rounds = _mean_std(taus)
+        rows.append(row)
+
+    base_label = None
+    if base_idx is not None:
+        base = rows[base_idx]
+        base.baseline = True
+        base_label = base.label
+        for row in rows:
+            if target is not None and row.rounds[0] > 0 and math.isfinite(base.rounds[0]):
+                row.speedup = base.rounds[0] / row.rounds[0]
+    return Table(keys=keys, rows=rows, target=target, target_source=source,
+                 baseline=base_label, runs=all_runs)
+
+
+def _unique_leaf(key: str, keys: Sequence[str]) -> bool:
+    leaf = key.rsplit(".", 1)[-1]
+    return sum(k.rsplit(".", 1)[-1] == leaf for k in keys) == 1
+
+
+def _find_baseline(members, keys, flats, baseline, label) -> int | None:
+    if baseline is not None:
+        exact = [i for i, (values, _) in enumerate(members) if label(values) == baseline]
+        if len(exact) == 1:
+            return exact[0]
+        loose = [i for i, (values, _) in enumerate(members) if baseline in values]
+        if len(loose) == 1:
+            return loose[0]
+        known = "; ".join(label(v) for v, _ in members)
+        what = "matches no group" if not loose else "matches several groups"
+        raise UserError(f"--baseline {baseline!r} {what}; groups: {known}")
+    if len(members) < 2:
+        return None
+    fedavg = [i for i, (_, idx) in enumerate(members)
+              if all(flats[j].get("algorithm.name") == "fedavg" for j in idx)]
+    return fedavg[0] if len(fedavg) == 1 else None
+
+
+def compare(paths: Sequence[str | os.PathLike], *, target: float | None = None,
+            group_by: Sequence[str] = (), baseline: str | None = None) -> Table:
+    """Read the logs at ``paths`` and :func:`compare_logs` them.
+
+    Raises :class:`~fedmpi.errors.LogFormatError` naming the first unreadable file.
+    """
+    return compare_logs([read(p) for p in paths], target=target, group_by=group_by,
+                        baseline=baseline)

@@ -1,0 +1,23 @@
+"""The partition of a run, computed from its config: the one code path shared by
+:class:`fedmpi.runtime.Federation` and ``fedmpi partition`` (so the preview is
+exactly the partition a run with the same config trains on)."""
+from __future__ import annotations
+
+from typing import Any
+
+from fedmpi.data.base import Dataset
+from fedmpi.data.partition import Partition, make_partition
+
+__all__ = ["build_partition"]
+
+
+def build_partition(cfg: Any, dataset: Dataset) -> Partition:
+    """:func:`~fedmpi.data.partition.make_partition` of ``dataset``'s training pool
+    with the ``data.partition.*`` and ``data.validation.fraction`` keys of ``cfg``
+    (``data.partition.seed``, or the top-level ``seed`` when it is null)."""
+    p = cfg.data.partition
+    return make_partition(
+        dataset.y_train.cpu().numpy(), cfg.data.num_clients, p.method,
+        seed=cfg.seed if p.seed is None else p.seed, alpha=p.alpha,
+        classes_per_client=p.classes_per_client, min_size=p.min_size, file=p.file,
+        validation_fraction=cfg.data.validation.fraction, num_classes=dataset.num_classes)

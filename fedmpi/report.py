@@ -1,0 +1,540 @@
+r"""``fedmpi report``: PNG plots and ``summary.md`` from one run log.
+
+Plots (each written only when the log holds the data it needs; rounds on the
+x axis are the round numbers of the log, counted from 0):
+
+=========================  =====================================================
+``accuracy.png``           test accuracy (%) and test/train loss vs round
+``client_weights.png``     aggregation weight :math:`s_k` of every client in every
+                           round (FedVG paper Fig. 8); grey = not selected,
+                           red x = update excluded
+``fedvg_grad_norm.png``    per-client, per-layer validation-gradient norms
+                           :math:`\|g_{k,l}\|` at the first and the last round
+                           logged (FedVG paper Fig. A.1), log colour scale;
+                           needs ``/fedvg/grad_norm`` [R, K, L]
+``partition.png``          class counts per client and client sizes
+                           (FedVG paper Fig. A.2); also ``fedmpi partition``
+``level_accuracy.png``     test accuracy of every submodel level vs round
+                           (FedLAGC); needs ``/submodel/level_accuracy`` [R, V]
+``time_per_round.png``     wall time per round split into local training,
+                           communication + other, aggregation, evaluation
+``bytes_per_round.png``    bytes sent up/down per round and cumulative
+=========================  =====================================================
+
+The time split uses the log's ``train_seconds`` (slowest worker),
+``aggregate_seconds``, ``eval_seconds`` and ``overhead_seconds`` (= wall time
+minus the other three: communication, waiting and bookkeeping).
+
+Matplotlib is imported lazily (the ``plot`` extra) and used through
+:class:`matplotlib.figure.Figure` with the Agg canvas only, so the module never
+touches pyplot's global backend (safe inside notebooks and on headless nodes).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from fedmpi.compare import config_value, flatten_config, run_metrics
+from fedmpi.errors import UserError
+from fedmpi.log import RunLog, read
+
+__all__ = ["PLOTS", "partition_preview", "plot_partition", "summary_markdown", "write_report"]
+
+#: File names of the plots, in the order the summary lists them.
+PLOTS: tuple[str, ...] = ("accuracy.png", "client_weights.png", "fedvg_grad_norm.png",
+                          "partition.png", "level_accuracy.png", "time_per_round.png",
+                          "bytes_per_round.png")
+
+_DPI = 120
+_MAX_EVENTS = 50
+
+
+def _mpl() -> Any:
+    """``matplotlib`` (for ``Figure``, ``colors``), or a UserError saying how to install it."""
+    try:
+        import matplotlib
+        import matplotlib.colors  # noqa: F401
+        import matplotlib.figure  # noqa: F401
+    except ImportError:
+        raise UserError("plots need matplotlib, which is not installed: "
+                        "pip install 'fedmpi[plot]' (or pip install matplotlib)") from None
+    return matplotlib
+
+
+def _figure(w: float, h: float):
+    return _mpl().figure.Figure(figsize=(w, h), dpi=_DPI, layout="constrained")
+
+
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path)   # Figure without pyplot: the Agg canvas, no global backend state
+    return path
+
+
+def _title(log: RunLog) -> str:
+    name = config_value(log.config, "name", "") or Path(log.path).parent.name
+    status = "" if log.status == "completed" else f" [{log.status}]"
+    return f"{name}{status}"
+
+
+def _client_ticks(ax, k: int, axis: str = "y") -> None:
+    step = max(1, math.ceil(k / 25))
+    ticks = np.arange(0, k, step)
+    (ax.set_yticks if axis == "y" else ax.set_xticks)(ticks)
+
+
+def _masked(a: np.ndarray) -> np.ma.MaskedArray:
+    return np.ma.masked_invalid(np.asarray(a, dtype=np.float64))
+
+
+def _cmap(name: str):
+    cmap = _mpl().colormaps[name].copy()
+    cmap.set_bad("#d9d9d9")
+    return cmap
+
+
+# -- individual plots ---------------------------------------------------------------
+
+def plot_accuracy(log: RunLog, path: Path, target: float | None = None) -> Path | None:
+    """Test accuracy and losses vs round; the best round is marked."""
+    r = log.rounds.get("round")
+    acc = log.rounds.get("test_accuracy")
+    if r is None or acc is None or not np.isfinite(acc).any():
+        return None
+    fig = _figure(10, 4)
+    ax_acc, ax_loss = fig.subplots(1, 2)
+    ok = np.isfinite(acc)
+    ax_acc.plot(r[ok], 100 * acc[ok], marker="o" if ok.sum() <= 60 else None, ms=3,
+                color="C0", label="test accuracy")
+    best = np.flatnonzero(ok)[np.argmax(acc[ok])]
+    ax_acc.plot([r[best]], [100 * acc[best]], "*", ms=12, color="C3",
+                label=f"best {100 * acc[best]:.2f}% (round {r[best]})")
+    if target is not None:
+        ax_acc.axhline(100 * target, ls="--", color="0.4", lw=1,
+                       label=f"target {100 * target:.2f}%")
+    ax_acc.set(xlabel="round", ylabel="test accuracy (%)", title="Test accuracy")
+    ax_acc.grid(alpha=0.3)
+    ax_acc.legend(loc="lower right", fontsize=8)
+
+    plotted = []
+    for name, style in (("test_loss", "C0"), ("train_loss", "C1")):
+        v = log.rounds.get(name)
+        if v is None:
+            continue
+        good = np.isfinite(v)
+        if good.any():
+            ax_loss.plot(r[good], v[good], color=style, marker="o" if good.sum() <= 60 else None,
+                         ms=3, label=name.replace("_", " "))
+            plotted.append(v[good])
+    if plotted:
+        allv = np.concatenate(plotted)
+        if (allv > 0).all() and allv.max() / allv.min() > 10:
+            ax_loss.set_yscale("log")
+        ax_loss.legend(fontsize=8)
+    ax_loss.set(xlabel="round", ylabel="cross-entropy loss", title="Loss")
+    ax_loss.grid(alpha=0.3, which="both")
+    fig.suptitle(_title(log))
+    return _save(fig, path)
+
+
+def plot_client_weights(log: RunLog, path: Path) -> Path | None:
+    """Heatmap of the aggregation weights, clients x rounds (FedVG Fig. 8)."""
+    w = log.clients.get("weight")
+    r = log.rounds.get("round")
+    if w is None or r is None or w.size == 0 or not np.isfinite(w).any():
+        return None
+    k = w.shape[1]
+    fig = _figure(min(14, 4 + 0.12 * len(r)), min(10, 2 + 0.3 * k))
+    ax = fig.subplots()
+    extent = (r[0] - 0.5, r[-1] + 0.5, k - 0.5, -0.5)
+    im = ax.imshow(_masked(w.T), aspect="auto", interpolation="nearest", cmap=_cmap("viridis"),
+                   extent=extent, vmin=0.0)
+    fig.colorbar(im, ax=ax, label="aggregation weight $s_k$")
+    exc = log.clients.get("excluded")
+    if exc is not None and exc.any():
+        rr, kk = np.nonzero(exc)
+        ax.plot(r[rr], kk, "x", color="red", ms=6, mew=1.5, label="update excluded")
+        ax.legend(loc="upper right", fontsize=8, framealpha=0.8)
+    _client_ticks(ax, k)
+    ax.set(xlabel="round", ylabel="client",
+           title=f"Client aggregation weights ({_weighting(log)}); grey = not selected")
+    fig.suptitle(_title(log))
+    return _save(fig, path)
+
+
+def _weighting(log: RunLog) -> str:
+    return str(config_value(log.config, "aggregation.weighting", "samples"))
+
+
+def plot_grad_norm(log: RunLog, path: Path) -> Path | None:
+    """Per-client, per-layer validation-gradient norms at two rounds (FedVG Fig. A.1)."""
+    g = log.arrays.get("fedvg/grad_norm")
+    r = log.rounds.get("round")
+    if g is None or r is None or g.ndim != 3 or not np.isfinite(g).any():
+        return None
+    n_layers = g.shape[2]
+    names = log.arrays.get("fedvg/layer_names")
+    names = ([str(s) for s in names] if names is not None and len(names) == n_layers
+             else [f"layer {i}" for i in range(n_layers)])
+    rows = [i for i in range(g.shape[0]) if np.isfinite(g[i]).any()]
+    shown = sorted({rows[0], rows[-1]})
+    finite = g[shown][np.isfinite(g[shown])]
+    mcolors = _mpl().colors
+    norm = (mcolors.LogNorm(vmin=finite.min(), vmax=finite.max())
+            if (finite > 0).all() and finite.max() > finite.min() else None)
+    k = g.shape[1]
+    fig = _figure(min(16, 3 + 0.35 * n_layers * len(shown) + 1.5), min(10, 2.5 + 0.3 * k))
+    axes = np.atleast_1d(fig.subplots(1, len(shown), sharey=True, squeeze=False)[0])
+    im = None
+    for ax, i in zip(axes, shown):
+        im = ax.imshow(_masked(g[i]), aspect="auto", interpolation="nearest",
+                       cmap=_cmap("magma"), norm=norm)
+        step = max(1, math.ceil(n_layers / 30))
+        ax.set_xticks(np.arange(0, n_layers, step))
+        ax.set_xticklabels(names[::step], rotation=90, fontsize=7)
+        _client_ticks(ax, k)
+        ax.set(title=f"round {r[i]}", xlabel="layer")
+    axes[0].set_ylabel("client")
+    fig.colorbar(im, ax=list(axes), label="validation-gradient norm" + (" (log)" if norm else ""))
+    fig.suptitle(f"{_title(log)}: per-layer gradient norms (grey = not selected)")
+    return _save(fig, path)
+
+
+def plot_partition(class_counts: np.ndarray, path: str | os.PathLike, title: str = "",
+                   class_names: Sequence[str] | None = None) -> Path:
+    """Class counts of every client (heatmap, FedVG Fig. A.2) and client sizes (bars).
+
+    Used by ``fedmpi report`` (from ``/partition/class_counts``) and by
+    ``fedmpi partition`` (from the config, without training).
+    """
+    counts = np.asarray(class_counts, dtype=np.int64)
+    k, c = counts.shape
+    fig = _figure(min(14, 5 + 0.35 * c), min(12, 2 + 0.28 * k))
+    ax_h, ax_b = fig.subplots(1, 2, sharey=True, width_ratios=(max(c, 3), 3))
+    im = ax_h.imshow(counts, aspect="auto", interpolation="nearest", cmap="Blues")
+    if k * c <= 400:
+        vmax = counts.max() if counts.size else 0
+        for (i, j), v in np.ndenumerate(counts):
+            if v:
+                ax_h.text(j, i, str(v), ha="center", va="center", fontsize=7,
+                          color="white" if v > 0.6 * vmax else "black")
+    step = max(1, math.ceil(c / 40))
+    ax_h.set_xticks(np.arange(0, c, step))
+    if class_names is not None:
+        ax_h.set_xticklabels(list(class_names)[::step], rotation=90, fontsize=7)
+    _client_ticks(ax_h, k)
+    ax_h.set(xlabel="class", ylabel="client", title="Samples per class")
+    fig.colorbar(im, ax=ax_h, label="samples", location="left", pad=0.12)
+    sizes = counts.sum(axis=1)
+    ax_b.barh(np.arange(k), sizes, color="C0")
+    ax_b.set(xlabel="samples", title="Client size")
+    ax_b.grid(axis="x", alpha=0.3)
+    ax_b.set_ylim(k - 0.5, -0.5)
+    fig.suptitle(title or f"Partition: {k} clients, {c} classes, {int(sizes.sum())} samples")
+    return _save(fig, Path(path))
+
+
+def plot_level_accuracy(log: RunLog, path: Path) -> Path | None:
+    """Test accuracy of each submodel level vs round (FedLAGC)."""
+    la = log.arrays.get("submodel/level_accuracy")
+    r = log.rounds.get("round")
+    if la is None or r is None or la.ndim != 2 or not np.isfinite(la).any():
+        return None
+    levels = log.arrays.get("submodel/levels")
+    labels = ([f"level {v:g}" for v in np.asarray(levels, dtype=float)]
+              if levels is not None and len(levels) == la.shape[1]
+              else [f"level {i}" for i in range(la.shape[1])])
+    fig = _figure(7, 4.5)
+    ax = fig.subplots()
+    cmap = _mpl().colormaps["viridis"]
+    for v in range(la.shape[1]):
+        ok = np.isfinite(la[:, v])
+        ax.plot(r[ok], 100 * la[ok, v], marker="o" if ok.sum() <= 60 else None, ms=3,
+                color=cmap(v / max(1, la.shape[1] - 1)), label=labels[v])
+    acc = log.rounds.get("test_accuracy")
+    if acc is not None and np.isfinite(acc).any():
+        ok = np.isfinite(acc)
+        ax.plot(r[ok], 100 * acc[ok], ls="--", color="0.3", label="global model")
+    ax.set(xlabel="round", ylabel="test accuracy (%)", title="Accuracy per submodel level")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(_title(log))
+    return _save(fig, path)
+
+
+_TIME_PARTS = (("train_seconds", "local training (slowest worker)", "C0"),
+               ("overhead_seconds", "communication + other", "C1"),
+               ("aggregate_seconds", "aggregation", "C2"),
+               ("eval_seconds", "evaluation", "C3"))
+
+
+def plot_time(log: RunLog, path: Path) -> Path | None:
+    """Stacked bars: time per round split into training/communication/aggregation/evaluation."""
+    r = log.rounds.get("round")
+    if r is None or len(r) == 0:
+        return None
+    parts = [(name, label, color) for name, label, color in _TIME_PARTS if name in log.rounds]
+    wall = log.rounds.get("wall_seconds")
+    if not parts and wall is None:
+        return None
+    fig = _figure(min(14, 5 + 0.08 * len(r)), 4.5)
+    ax = fig.subplots()
+    bottom = np.zeros(len(r))
+    for name, label, color in parts:
+        v = np.nan_to_num(log.rounds[name].astype(np.float64))
+        ax.bar(r, v, bottom=bottom, width=0.85 if len(r) < 200 else 1.0, color=color,
+               label=f"{label} (mean {v.mean():.3g} s)")
+        bottom += v
+    if wall is not None:
+        ax.plot(r, wall, "k_" if len(r) <= 60 else "k-", ms=10, lw=0.8,
+                label=f"wall (mean {np.nanmean(wall):.3g} s)")
+    ax.set(xlabel="round", ylabel="seconds", title="Time per round")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle(_title(log))
+    return _save(fig, path)
+
+
+def plot_bytes(log: RunLog, path: Path) -> Path | None:
+    """Bytes sent per round (up/down) and cumulative traffic."""
+    r = log.rounds.get("round")
+    series = [(n, log.rounds[n]) for n in ("bytes_up", "bytes_down") if n in log.rounds]
+    if r is None or len(r) == 0 or not series:
+        return None
+    unit, scale = _byte_unit(max(float(np.max(v)) for _, v in series))
+    cum_unit, cum_scale = _byte_unit(max(float(np.sum(v)) for _, v in series))
+    fig = _figure(10, 4)
+    ax, ax_c = fig.subplots(1, 2)
+    for i, (name, v) in enumerate(series):
+        label = {"bytes_up": "uplink (clients → server)",
+                 "bytes_down": "downlink (server → clients)"}[name]
+        ax.plot(r, v / scale, marker="o" if len(r) <= 60 else None, ms=3, color=f"C{i}",
+                label=label)
+        ax_c.plot(r, np.cumsum(v) / cum_scale, color=f"C{i}",
+                  label=f"{label}: {np.sum(v) / cum_scale:.3g} {cum_unit}")
+    vals = np.concatenate([v[v > 0] for _, v in series]) if any((v > 0).any() for _, v in series) \
+        else np.empty(0)
+    if vals.size and vals.max() / vals.min() > 100:
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0)
+    ax.set(xlabel="round", ylabel=unit, title="Bytes per round")
+    ax_c.set(xlabel="round", ylabel=cum_unit, title="Cumulative bytes")
+    ax_c.set_ylim(bottom=0)
+    for a in (ax, ax_c):
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    fig.suptitle(_title(log))
+    return _save(fig, path)
+
+
+def _byte_unit(x: float) -> tuple[str, float]:
+    for unit, scale in (("GiB", 2.0 ** 30), ("MiB", 2.0 ** 20), ("KiB", 2.0 ** 10)):
+        if x >= scale:
+            return unit, scale
+    return "bytes", 1.0
+
+
+# -- summary --------------------------------------------------------------------------
+
+#: Config keys listed in the summary's digest (when present in the log's config).
+DIGEST_KEYS: tuple[str, ...] = (
+    "seed", "data.dataset", "data.num_clients", "data.partition.method", "data.partition.alpha",
+    "data.partition.classes_per_client", "data.validation.fraction", "model.name", "model.norm",
+    "aggregation.weighting", "ecgr.enabled", "train.rounds", "train.clients_per_round",
+    "train.local_epochs", "train.local_steps", "train.batch_size", "train.lr", "train.momentum",
+    "train.weight_decay", "eval.every")
+
+
+def _pct(x: float) -> str:
+    return "—" if x is None or not math.isfinite(x) else f"{100 * x:.2f}%"
+
+
+def summary_markdown(log: RunLog, target: float | None = None,
+                     plots: Sequence[str] = ()) -> str:
+    """``summary.md``: config digest, accuracies, rounds to target, timing, exclusions, events."""
+    m = run_metrics(log, target)
+    flat = flatten_config(log.config)
+    digest = hashlib.sha256(str(log.attrs.get("config_yaml", "")).encode()).hexdigest()[:12]
+    name = flat.get("name", Path(log.path).parent.name)
+    out = [f"# Run report: {name}", "",
+           f"- log: `{log.path}`",
+           f"- status: **{log.status}**, {m.rounds_logged} of "
+           f"{m.rounds_configured if m.rounds_configured is not None else '?'} rounds logged",
+           f"- fedmpi {log.attrs.get('fedmpi_version', '?')}, world size "
+           f"{log.attrs.get('world_size', '?')}"
+           + (f" (resumed with world sizes {log.attrs['resumed_world_sizes']})"
+              if "resumed_world_sizes" in log.attrs else ""),
+           "", "## Configuration", "",
+           f"Config digest `sha256:{digest}` (of the resolved YAML stored in the log).", "",
+           "| key | value |", "|---|---|"]
+    algo = sorted(k for k in flat if k.startswith("algorithm."))
+    for key in [*DIGEST_KEYS[:9], *algo, *DIGEST_KEYS[9:]]:
+        if key in flat and flat[key] is not None:
+            out.append(f"| {key} | {flat[key]} |")
+
+    out += ["", "## Results", "", "| metric | value |", "|---|---|"]
+    out.append(f"| final test accuracy | {_pct(m.final_accuracy)}"
+               + (f" (round {m.final_round})" if m.final_round is not None else "") + " |")
+    out.append(f"| best test accuracy | {_pct(m.best_accuracy)}"
+               + (f" (round {m.best_round})" if m.best_round is not None else "") + " |")
+    if target is not None:
+        tau = m.rounds_to_target
+        out.append(f"| rounds to {_pct(target)} | "
+                   + (f"{int(tau)}" if math.isfinite(tau) else "not reached") + " |")
+    loss = log.rounds.get("test_loss")
+    if loss is not None and np.isfinite(loss).any():
+        out.append(f"| final test loss | {loss[np.isfinite(loss)][-1]:.4f} |")
+    wall = log.rounds.get("wall_seconds")
+    if wall is not None and len(wall):
+        out.append(f"| mean time per round | {np.nanmean(wall):.3f} s "
+                   f"(total {np.nansum(wall):.1f} s) |")
+        for key, label, _ in _TIME_PARTS:
+            if key in log.rounds:
+                v = np.nanmean(log.rounds[key])
+                share = v / np.nanmean(wall) if np.nanmean(wall) > 0 else math.nan
+                out.append(f"| &nbsp;&nbsp;{label} | {v:.3f} s ({100 * share:.1f}%) |")
+    for key, label in (("bytes_up", "uplink"), ("bytes_down", "downlink")):
+        if key in log.rounds and len(log.rounds[key]):
+            total = float(np.sum(log.rounds[key]))
+            unit, scale = _byte_unit(total)
+            out.append(f"| {label} bytes (total) | {total / scale:.3g} {unit} |")
+
+    out += ["", "## Clients", ""]
+    out += _client_lines(log)
+    out += ["", "## Events", ""]
+    out += _event_lines(log)
+    if plots:
+        out += ["", "## Plots", ""]
+        out += [f"![{p}]({p})" for p in plots]
+    if m.rounds_logged == 0:
+        out.insert(5, "- **no complete round in the log** (the run stopped or is still in its "
+                      "first round)")
+    return "\n".join(out) + "\n"
+
+
+def _client_lines(log: RunLog) -> list[str]:
+    lines = []
+    sel = log.clients.get("selected")
+    exc = log.clients.get("excluded")
+    n = log.clients["num_samples"]
+    lines.append(f"{len(n)} clients, {int(n.sum())} training samples "
+                 f"(min {int(n.min()) if len(n) else 0}, max {int(n.max()) if len(n) else 0}).")
+    if sel is not None and sel.size:
+        never = np.flatnonzero(~sel.any(axis=0))
+        counts = sel.sum(axis=0)
+        lines.append(f"Selected {counts.min()}–{counts.max()} times per client"
+                     + (f"; never selected: {never.tolist()}." if never.size else "."))
+    if exc is not None and exc.any():
+        lines += ["", "Excluded updates (non-finite or rejected):", "",
+                  "| client | times excluded | rounds |", "|---|---|---|"]
+        r = log.rounds["round"]
+        for k in np.flatnonzero(exc.any(axis=0)):
+            rounds = r[exc[:, k]].tolist()
+            shown = ", ".join(map(str, rounds[:20])) + (" …" if len(rounds) > 20 else "")
+            lines.append(f"| {k} | {len(rounds)} | {shown} |")
+    else:
+        lines.append("No client update was excluded.")
+    return lines
+
+
+def _event_lines(log: RunLog) -> list[str]:
+    ev = log.events
+    n = len(ev.get("round", []))
+    if n == 0:
+        return ["No events."]
+    lines = ["| round | rank | client | message |", "|---|---|---|---|"]
+    for i in range(min(n, _MAX_EVENTS)):
+        client = int(ev["client"][i])
+        msg = str(ev["message"][i]).replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {int(ev['round'][i])} | {int(ev['rank'][i])} | "
+                     f"{client if client >= 0 else '—'} | {msg} |")
+    if n > _MAX_EVENTS:
+        lines.append(f"\n… {n - _MAX_EVENTS} more events (`fedmpi.log.read(path).events`).")
+    return lines
+
+
+def partition_preview(partition: Any, out_dir: str | os.PathLike, name: str = "") -> list[str]:
+    """``fedmpi partition``: write ``partition.png`` and ``partition.csv`` into
+    ``out_dir`` and return the lines to print (per-client sizes, hold-out, files).
+
+    ``partition`` is a :class:`fedmpi.data.Partition` (from
+    :func:`fedmpi.data.build_partition`, the function a run uses).
+    ``partition.csv`` has one row per client: ``client, size, class_0, ...``.
+    """
+    _mpl()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    counts = np.asarray(partition.class_counts, dtype=np.int64)
+    sizes = counts.sum(axis=1)
+    k, c = counts.shape
+    png = plot_partition(counts, out / "partition.png",
+                         f"{name + ': ' if name else ''}partition of {int(sizes.sum())} samples "
+                         f"into {k} clients ({len(partition.validation_indices)} held out)")
+    csv_path = out / "partition.csv"
+    rows = ["client,size," + ",".join(f"class_{j}" for j in range(c))]
+    rows += [f"{i},{sizes[i]}," + ",".join(map(str, counts[i])) for i in range(k)]
+    csv_path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    present = (counts > 0).sum(axis=1)
+    lines = ["client  size  classes  largest class share"]
+    for i in range(k):
+        share = counts[i].max() / sizes[i] if sizes[i] else math.nan
+        lines.append(f"{i:6d}  {sizes[i]:4d}  {present[i]:7d}  {share:.2f}")
+    lines += [f"clients: {k}, samples: {int(sizes.sum())} (min {sizes.min()}, max {sizes.max()}, "
+              f"mean {sizes.mean():.1f}), server hold-out: {len(partition.validation_indices)}",
+              str(png), str(csv_path)]
+    return lines
+
+
+# -- entry point ------------------------------------------------------------------------
+
+def write_report(log: RunLog | str | os.PathLike, out_dir: str | os.PathLike | None = None,
+                 target: float | None = None) -> list[Path]:
+    """Write every applicable plot and ``summary.md`` into ``out_dir``.
+
+    ``out_dir`` defaults to ``<log directory>/report``. Returns the files
+    written (``summary.md`` last). Works on a log that is still being written
+    or whose run failed (what is in the log up to its last complete round).
+
+    Raises
+    ------
+    LogFormatError
+        The file is not a readable fedmpi log.
+    UserError
+        ``target`` out of (0, 1], or matplotlib is missing.
+    """
+    if not isinstance(log, RunLog):
+        log = read(log)
+    if target is not None and not 0.0 < target <= 1.0:
+        raise UserError(f"--target-accuracy {target}: expected a fraction in (0, 1], "
+                        "e.g. 0.8 for 80%")
+    out = Path(out_dir) if out_dir is not None else Path(log.path).resolve().parent / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    _mpl()
+    written: list[Path] = []
+    makers = {
+        "accuracy.png": lambda p: plot_accuracy(log, p, target),
+        "client_weights.png": lambda p: plot_client_weights(log, p),
+        "fedvg_grad_norm.png": lambda p: plot_grad_norm(log, p),
+        "partition.png": lambda p: (plot_partition(log.arrays["partition/class_counts"], p,
+                                                   f"{_title(log)}: partition")
+                                    if "partition/class_counts" in log.arrays else None),
+        "level_accuracy.png": lambda p: plot_level_accuracy(log, p),
+        "time_per_round.png": lambda p: plot_time(log, p),
+        "bytes_per_round.png": lambda p: plot_bytes(log, p),
+    }
+    for name in PLOTS:
+        path = out / name
+        made = makers[name](path)
+        if made is not None:
+            written.append(made)
+        elif path.exists():
+            path.unlink()   # stale plot from an earlier report of this directory
+    summary = out / "summary.md"
+    summary.write_text(summary_markdown(log, target, [p.name for p in written]), encoding="utf-8")
+    written.append(summary)
+    return written
