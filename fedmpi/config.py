@@ -203,6 +203,15 @@ SCHEMA: dict[str, Field] = {
     "algorithm.fedgps.surrogate_std": Field(float, 0.5, "std of the class Gaussians in the latent", gt=0),
     "algorithm.fedgps.eval_logits": Field(str, "first", "evaluate on the first C logits or all 2C",
                                           choices=("first", "all")),
+    # FedLAGC and submodel baselines (fedmpi/algorithms/submodel.py, fedlagc.py)
+    "algorithm.fedlagc.correction": Field(bool, True, "FedLAGC gradient correction (false = w/o GC)"),
+    "algorithm.fedlagc.beta": Field(float, 0.1, "FedLAGC correction accumulation rate beta", gt=0),
+    "algorithm.fedlagc.correction_fraction": Field(float, 0.25, "h(t)=1 for t < floor(fraction*T)",
+                                                   ge=0, le=1),
+    "algorithm.fedlagc.importance": Field(str, "mean", "layer importance S_l of |theta_l|",
+                                          choices=("mean", "max", "equal")),
+    "algorithm.fedlagc.log_normalize": Field(bool, True, "S~_l = log(1+S_l)/sum (false: S_l/sum)"),
+    "algorithm.submodel.ste": Field(bool, True, "STE gradient factor (fedlagc, fiarse)"),
     # aggregation weights
     "aggregation.weighting": Field(str, "samples", "client weights in the server average",
                                    choices=("samples", "uniform", "fedvg", "fedvg_avg")),

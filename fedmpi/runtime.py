@@ -330,11 +330,11 @@ class Federation:
         train_seconds = float(per_worker.max())
         wall = t_end - t_start
         agg_seconds, eval_seconds = t_eval - t_agg, t_end - t_eval
-        row_bytes = 4 * sum(s.size for s in self.stats)
+        sel = [int(k) for k in np.flatnonzero(mask)]
         scalars = {
             "test_accuracy": test_acc, "test_loss": test_loss, "train_loss": train_loss,
-            "wall_seconds": wall, "bytes_up": int(mask.sum()) * row_bytes,
-            "bytes_down": int(mask.sum()) * 4 * (self.D + self.E),
+            "wall_seconds": wall, "bytes_up": sum(self.algo.uplink_bytes(k, t) for k in sel),
+            "bytes_down": sum(self.algo.downlink_bytes(k, t) for k in sel),
             "train_seconds": train_seconds, "aggregate_seconds": agg_seconds,
             "eval_seconds": eval_seconds,
             "overhead_seconds": max(0.0, wall - train_seconds - agg_seconds - eval_seconds),
@@ -386,7 +386,11 @@ class Federation:
         return self.evaluate()
 
     def evaluate(self) -> tuple[float, float]:
-        """(test loss, test accuracy) of the global model."""
+        """(test loss, test accuracy) of the global model (or the method's own
+        evaluation, e.g. the mean over FedLAGC resource levels)."""
+        custom = self.algo.evaluate(self)
+        if custom is not None:
+            return custom
         self.flat.load(self.state.dev[: self.D])
         loss, correct, n = evaluate(self.flat.model, self.data, self.data.x_test, self.data.y_test,
                                     self.cfg.eval.batch_size, num_logits=self.algo.eval_logits())

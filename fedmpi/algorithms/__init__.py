@@ -8,6 +8,13 @@ from .weighting import Weighting, build_weighting
 
 ALGORITHMS: dict[str, type[Algorithm]] = {"fedavg": FedAvg}
 
+from .fedlagc import FedLAGC  # noqa: E402
+from .fedrolex import FedRolex  # noqa: E402
+from .fiarse import FIARSE  # noqa: E402
+from .heterofl import HeteroFL  # noqa: E402
+
+ALGORITHMS.update({c.name: c for c in (FedLAGC, FIARSE, HeteroFL, FedRolex)})
+
 
 def algorithm_class(cfg) -> type[Algorithm]:
     """The class of ``algorithm.name`` (ConfigError if not implemented)."""

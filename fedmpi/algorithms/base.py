@@ -119,6 +119,21 @@ class Algorithm:
     def downlink_size(self) -> int:
         return 0
 
+    def uplink_bytes(self, client: int, round: int) -> int:
+        """Bytes a real deployment uploads for ``client`` in ``round`` (rank 0;
+        default: every uplink statistic as float32). Submodel methods count
+        only their kept entries."""
+        return 4 * sum(s.size for s in self.uplink_stats())
+
+    def downlink_bytes(self, client: int, round: int) -> int:
+        """Bytes sent to ``client`` in ``round`` (default: state + extras, float32)."""
+        return 4 * (self.state_size + self.downlink_size())
+
+    def evaluate(self, fed) -> "tuple[float, float] | None":
+        """Replace the global-model evaluation: (test loss, test accuracy), or
+        None for the default (submodel methods: mean over resource levels)."""
+        return None
+
     # ----------------------------------------------------------------- client
     def hooks(self, task: ClientTask, state: torch.Tensor, extras: torch.Tensor) -> StepHooks:
         return StepHooks()

@@ -1,0 +1,509 @@
+"""Submodel extraction for system-heterogeneous FL: the ONE mask module behind
+FedLAGC, FIARSE, HeteroFL and FedRolex (ALGORITHMS.md "FedLAGC").
+
+Resource levels and clients
+    ``system.levels`` r_1 … r_V ∈ (0, 1] and ``system.allocation`` N_1 … N_V
+    (Σ N_v = K). Client → level is the deterministic block map: clients
+    0 … N_1−1 sit at level 0, the next N_2 at level 1, and so on (client ids
+    are exchangeable under the partitioners, so blocks are as good as a draw).
+
+A submodel is a 0/1 mask M over the flat state vector θ (parameters and float
+buffers, :class:`~fedmpi.flat.FlatModel`). Every mask is a pure function of
+(θ, r, round), so every rank computes it from the broadcast θ: no mask ever
+travels.
+
+Layers. Each parameter tensor is a layer. The *critical* set, always kept, is
+(FedLAGC §"Layer-adaptive Submodel Extraction"): the input layer (first
+parameter tensor with ≥ 2 dims), the output layer (the classifier head), every
+normalisation layer and every bias (all 1-d tensors); its size is d̃. The other
+tensors are *prunable*. Float buffers (BN running statistics) are always kept by
+the magnitude rules.
+
+Rules (``rule`` of :class:`Extractor`):
+
+``layer_adaptive`` (FedLAGC)
+    S_l = mean_i |θ_{l,i}| (``algorithm.layer_importance``: ``mean``; ``max``
+    and ``equal`` are the paper's Fig. 3(a) ablations),
+    S̃_l = log(1 + S_l) / Σ_j log(1 + S_j) (``algorithm.log_normalize``),
+    r_l = S̃_l (d_n − d̃) / Σ_j S̃_j d_j with d_n = ⌊r·d⌋ (d = #parameters),
+    the paper's allocation formula (Sec. "Layer-adaptive Submodel
+    Extraction"). **Clipping** (the paper assumes r_l ≤ 1 and is silent
+    otherwise): ratios above 1 are set to 1 and the budget they could not use
+    is redistributed over the remaining layers in proportion to S̃_l d_l
+    (i.e. the formula re-applied to the unclipped layers with the remaining
+    budget), repeated until no ratio exceeds 1 — water-filling; Σ_l r_l d_l
+    stays d_n − d̃. Integer counts k_l: ⌊r_l d_l⌋ plus one for the layers with
+    the largest fractional parts (ties: lower layer index) until
+    Σ k_l = d_n − d̃ exactly. Mask: the top-k_l |θ_l| entries of each prunable
+    layer; threshold θ̃_l = the smallest kept |θ_l|. d_n ≤ d̃ is rejected.
+``global`` (FIARSE, Wu et al. 2024)
+    One magnitude threshold across all prunable entries: the top (d_n − d̃)
+    |θ| entries, θ̃ = the smallest kept. (Deviation, recorded: FIARSE here
+    uses the same critical set as FedLAGC, so the two differ only in how the
+    budget is spread over layers.)
+``nested`` (HeteroFL, Diao et al. 2021)
+    Width factor w = √r (a width-w network has ≈ r of the parameters, which is
+    how {1, 1/4, 1/16, 1/64} map to HeteroFL's widths {1, 1/2, 1/4, 1/8}); every
+    channel dimension c keeps its first ⌈w·c⌉ entries (output dim of weights,
+    biases, norm parameters and buffers, input dim of weights), except the
+    input channels of the input layer and the classes of the output layer.
+``rolling`` (FedRolex, Alam et al. 2022)
+    As ``nested`` but the kept window of every dimension of size c starts at
+    (round mod c) and wraps around: it advances one channel per round.
+
+Masking the full-width network is exactly the narrow network for ``nested`` and
+``rolling`` with static BN or running-stat BN: a channel whose weights, bias and
+norm affine parameters are all 0 outputs 0. (Deviation: HeteroFL's output
+"scaler" 1/w is not applied; models that flatten a conv map into a linear layer,
+such as ``lenet``, slice the flattened features rather than whole channels.)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..flat import FlatModel, Segment
+
+RULES = ("layer_adaptive", "global", "nested", "rolling")
+_NORMS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
+
+
+def client_levels(levels: Optional[list[float]], allocation: Optional[list[int]],
+                  num_clients: int, method: str) -> np.ndarray:
+    """Level index of each client: the block map of ``system.allocation``."""
+    if levels is None or allocation is None:
+        raise ConfigError(f"algorithm.name {method!r} needs config keys 'system.levels' and "
+                          "'system.allocation' (e.g. levels [1, 0.25] with allocation [5, 5])")
+    if sum(allocation) != num_clients:  # also checked by the config validator
+        raise ConfigError(f"config key 'system.allocation' must sum to data.num_clients "
+                          f"({num_clients}), got {allocation}")
+    return np.repeat(np.arange(len(levels)), allocation).astype(np.int64)
+
+
+def layer_importance(theta: torch.Tensor, segments: list[Segment], kind: str = "mean",
+                     log_normalize: bool = True) -> np.ndarray:
+    """S̃_l of the given layers: S_l = mean|θ_l| (or max|θ_l|, or 1 for
+    ``equal``), then S̃_l = log(1+S_l)/Σ_j log(1+S_j) (or S_l/Σ_j S_j without
+    the log)."""
+    if kind == "equal":
+        s = np.ones(len(segments))
+    else:
+        red = torch.mean if kind == "mean" else torch.amax
+        s = np.array([float(red(theta[seg.slice].abs().double())) for seg in segments])
+    s = np.log1p(s) if log_normalize else s
+    total = s.sum()
+    return s / total if total > 0 else np.full(len(segments), 1.0 / max(1, len(segments)))
+
+
+def keep_ratios(scores: np.ndarray, sizes: np.ndarray, budget: float) -> np.ndarray:
+    """r_l = S̃_l·B / Σ_j S̃_j d_j, clipped at 1 with water-filling redistribution.
+
+    ``budget`` B = d_n − d̃ must satisfy 0 < B ≤ Σ d_l. Returns r with
+    0 ≤ r_l ≤ 1 and Σ r_l d_l = B (up to float rounding).
+    """
+    scores = np.asarray(scores, dtype=np.float64)
+    sizes = np.asarray(sizes, dtype=np.float64)
+    if not 0 < budget <= sizes.sum() * (1 + 1e-12):
+        raise ValueError(f"budget {budget} outside (0, {sizes.sum()}]")
+    r = np.zeros_like(scores)
+    free = np.ones(len(scores), dtype=bool)
+    remaining = float(budget)
+    while free.any():
+        weight = scores[free] * sizes[free]
+        denom = weight.sum()
+        if denom > 0:
+            r[free] = scores[free] * remaining / denom
+        else:  # every free layer scores 0: spread uniformly
+            r[free] = remaining / sizes[free].sum()
+        over = free & (r > 1)
+        if not over.any():
+            break
+        r[over] = 1.0
+        remaining -= sizes[over].sum()
+        free &= ~over
+    return np.minimum(r, 1.0)
+
+
+def integer_counts(ratios: np.ndarray, sizes: np.ndarray, total: int) -> np.ndarray:
+    """k_l = ⌊r_l d_l⌋ plus largest remainders so that Σ k_l = ``total``, k_l ≤ d_l."""
+    x = np.asarray(ratios, dtype=np.float64) * sizes
+    k = np.minimum(np.floor(x + 1e-9), sizes).astype(np.int64)
+    short = int(total - k.sum())
+    if short > 0:
+        frac = np.where(k < sizes, x - k, -np.inf)
+        for i in np.argsort(-frac, kind="stable"):
+            if short == 0:
+                break
+            if k[i] < sizes[i]:
+                k[i] += 1
+                short -= 1
+    elif short < 0:
+        for i in np.argsort(x - np.floor(x), kind="stable"):
+            if short == 0:
+                break
+            if k[i] > 0:
+                k[i] -= 1
+                short += 1
+    return k
+
+
+def ste_factor(theta: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """1 + 2|θ|θ̃ / (|θ| + θ̃)² (FIARSE's straight-through estimator; FedLAGC
+    footnote 2). θ̃ = 0 (critical entries) gives exactly 1."""
+    a = theta.abs()
+    return 1 + 2 * a * threshold / (a + threshold).square().clamp_min(1e-30)
+
+
+@dataclass
+class Submodel:
+    """One level's submodel: ``mask`` over the whole state [D] (float 0/1),
+    ``threshold`` θ̃ per parameter entry [P] (0 on critical entries; None for
+    the width rules, which use no STE), ``kept`` entries per parameter tensor."""
+
+    mask: torch.Tensor
+    threshold: Optional[torch.Tensor]
+    kept: np.ndarray
+
+    @property
+    def num_kept(self) -> int:
+        """Kept entries of the whole state (parameters and buffers)."""
+        return int(self.mask.sum())
+
+
+class Extractor:
+    """Computes :class:`Submodel` masks for one model layout (see module doc)."""
+
+    def __init__(self, flat: FlatModel, rule: str, importance: str = "mean",
+                 log_normalize: bool = True) -> None:
+        if rule not in RULES:
+            raise ValueError(f"unknown submodel rule {rule!r}")
+        self.rule, self.importance, self.log_normalize = rule, importance, log_normalize
+        self.device = flat.device
+        self.D, self.P = flat.size, flat.num_params
+        self.segments = list(flat.param_segments)
+        self.buffers = [s for s in flat.segments if not s.is_param]
+        model = flat.model
+        norm_params: set[str] = set()
+        for mname, mod in model.named_modules():
+            if isinstance(mod, _NORMS):
+                norm_params |= {f"{mname}.{p}" if mname else p for p, _ in mod.named_parameters()}
+        head = set(model.head_parameter_names()) if hasattr(model, "head_parameter_names") else set()
+        multi = [s for s in self.segments if len(s.shape) >= 2]
+        self.input_name = multi[0].name if multi else None
+        if not head and multi:
+            head = {multi[-1].name}
+        self.head = head
+        self.critical = [s.name in norm_params or s.name in head or len(s.shape) < 2
+                         or s.name == self.input_name for s in self.segments]
+        self.prunable = [s for s, c in zip(self.segments, self.critical) if not c]
+        self.critical_size = sum(s.numel for s, c in zip(self.segments, self.critical) if c)
+        self.prunable_sizes = np.array([s.numel for s in self.prunable], dtype=np.float64)
+        self.layer_names = [s.name for s in self.segments]
+        # base mask: critical parameters and (for magnitude rules) all buffers kept
+        self._base = torch.zeros(self.D, device=self.device)
+        for s, c in zip(self.segments, self.critical):
+            if c:
+                self._base[s.slice] = 1.0
+        for s in self.buffers:
+            self._base[s.slice] = 1.0
+
+    # ------------------------------------------------------------- budgets
+    def budget(self, level: float) -> int:
+        """d_n − d̃ with d_n = ⌊r·d⌋ (d = number of parameters)."""
+        return int(math.floor(level * self.P + 1e-9)) - self.critical_size
+
+    def check_levels(self, levels: list[float], model_name: str) -> None:
+        """Reject a level whose budget is not above the critical size (magnitude rules)."""
+        if self.rule not in ("layer_adaptive", "global"):
+            return
+        for r in levels:
+            if self.budget(r) <= 0:
+                raise ConfigError(
+                    f"config key 'system.levels': level {r:g} gives a submodel of "
+                    f"{int(math.floor(r * self.P + 1e-9))} parameters, not more than the "
+                    f"{self.critical_size} always-kept critical parameters (input/output layers, "
+                    f"normalisation layers, biases) of model {model_name!r} with {self.P} "
+                    f"parameters; use a level above {self.critical_size / self.P:.4g}")
+
+    def ratios(self, theta: torch.Tensor, level: float) -> np.ndarray:
+        """Per-prunable-layer keep ratios r_l of the ``layer_adaptive`` rule."""
+        scores = layer_importance(theta, self.prunable, self.importance, self.log_normalize)
+        return keep_ratios(scores, self.prunable_sizes, self.budget(level))
+
+    # --------------------------------------------------------------- masks
+    def extract(self, theta: torch.Tensor, level: float, round: int) -> Submodel:
+        """The submodel of resource level ``level`` for the global state ``theta`` [D]."""
+        if self.rule in ("nested", "rolling"):
+            return self._width(level, round)
+        mask = self._base.clone()
+        thr = torch.zeros(self.P, device=self.device)
+        kept = np.array([s.numel if c else 0 for s, c in zip(self.segments, self.critical)],
+                        dtype=np.int64)
+        index = {s.name: i for i, s in enumerate(self.segments)}
+        if not self.prunable:
+            return Submodel(mask, thr, kept)
+        if self.rule == "layer_adaptive":
+            counts = integer_counts(self.ratios(theta, level), self.prunable_sizes,
+                                    self.budget(level))
+            for s, k in zip(self.prunable, counts):
+                k = int(k)
+                kept[index[s.name]] = k
+                if k == 0:
+                    continue
+                mag = theta[s.slice].abs()
+                vals, idx = torch.topk(mag, k, sorted=False)
+                mask[s.offset + idx] = 1.0
+                thr[s.slice] = vals.min()
+        else:  # global threshold
+            mag = torch.cat([theta[s.slice].abs() for s in self.prunable])
+            vals, idx = torch.topk(mag, self.budget(level), sorted=False)
+            t = vals.min()
+            sub = torch.zeros_like(mag)
+            sub[idx] = 1.0
+            start = 0
+            for s in self.prunable:
+                part = sub[start:start + s.numel]
+                mask[s.slice] = part
+                kept[index[s.name]] = int(part.sum())
+                thr[s.slice] = t
+                start += s.numel
+        return Submodel(mask, thr, kept)
+
+    def _window(self, c: int, width: float, round: int) -> torch.Tensor:
+        k = min(c, max(1, math.ceil(width * c - 1e-9)))
+        start = round % c if self.rule == "rolling" else 0
+        return (start + torch.arange(k, device=self.device)) % c
+
+    def _width(self, level: float, round: int) -> Submodel:
+        width = math.sqrt(level)
+        mask = torch.zeros(self.D, device=self.device)
+        kept = np.zeros(len(self.segments), dtype=np.int64)
+        for i, s in enumerate(list(self.segments) + self.buffers):
+            m = torch.ones(s.shape, device=self.device)
+            is_head = s.name in self.head
+            if len(s.shape) >= 2:
+                if not is_head:
+                    sel = torch.zeros(s.shape[0], device=self.device)
+                    sel[self._window(s.shape[0], width, round)] = 1.0
+                    m = m * sel.view(-1, *([1] * (len(s.shape) - 1)))
+                if s.name != self.input_name:
+                    sel = torch.zeros(s.shape[1], device=self.device)
+                    sel[self._window(s.shape[1], width, round)] = 1.0
+                    m = m * sel.view(1, -1, *([1] * (len(s.shape) - 2)))
+            elif len(s.shape) == 1 and not is_head:
+                m = torch.zeros(s.shape, device=self.device)
+                m[self._window(s.shape[0], width, round)] = 1.0
+            mask[s.slice] = m.reshape(-1)
+            if i < len(self.segments):
+                kept[i] = int(m.sum())
+        return Submodel(mask, None, kept)
+
+
+# --------------------------------------------------------------------------- #
+# The method seam shared by FedLAGC, FIARSE, HeteroFL and FedRolex
+# --------------------------------------------------------------------------- #
+from ..train import StepHooks, evaluate as _evaluate  # noqa: E402
+from .base import Algorithm, ClientTask, RoundInfo, Stat  # noqa: E402
+
+
+class SubmodelMethod(Algorithm):
+    """Clients train level-sized submodels; rank 0 aggregates overlap-aware.
+
+    Client n at level r in round t (every rank derives M = M(θ^t, r, t) itself):
+
+    * starts from θ^t ⊙ M and trains with the masked gradient
+      g ⊙ M (⊙ (1 + 2|θ|θ̃/(|θ|+θ̃)²) with ``ste``; FedLAGC footnote 2), so
+      pruned entries stay exactly 0 (weight decay and momentum act on zeros);
+    * uploads the reducible ``"sum"`` statistic M ⊙ Δ_n (Δ_n = θ_n − θ^t).
+
+    Server (overlap-aware aggregation, FedLAGC §Overview, unweighted as FIARSE):
+    rank 0 computes C = Σ_{n accepted} M_n itself (masks are functions of θ^t
+    and the known levels, so no count travels) and sets
+    θ_i ← θ_i + η_g (Σ_n M_{n,i} Δ_{n,i}) / C_i where C_i > 0; coordinates no
+    client trained keep their value. ``aggregation.weighting`` does not enter
+    this rule (the per-client weights in the log are informational only).
+
+    Bytes: a client sends and receives only its kept entries (4 bytes each);
+    the mask itself is not counted because both sides can compute it from θ
+    and r (a deployment that does not broadcast θ would add a D/8-byte bitmap
+    to the downlink).
+
+    Evaluation: every level's submodel θ ⊙ M(θ, r_v, t+1) on the global test
+    set; the run's ``test_accuracy``/``test_loss`` are the means over levels.
+    """
+
+    rule = "layer_adaptive"
+    use_ste = False
+    dynamic_mask = False
+
+    def __init__(self, cfg, layout: FlatModel, num_clients: int) -> None:
+        super().__init__(cfg, layout, num_clients)
+        a = cfg.algorithm
+        self.levels = [float(r) for r in (cfg.system.levels or [])]
+        self.client_level = client_levels(cfg.system.levels, cfg.system.allocation, num_clients,
+                                          self.name)
+        self.extractor = Extractor(layout, self.rule, a.fedlagc.importance, a.fedlagc.log_normalize)
+        self.extractor.check_levels(self.levels, cfg.model.name)
+        self.ste = self.use_ste and bool(a.submodel.ste)
+        self.P = layout.num_params
+        self._cache: dict[tuple[int, int], Submodel] = {}
+        self._masked: Optional[torch.Tensor] = None
+        self._shadow: Optional[torch.Tensor] = None
+        self._sub: Optional[Submodel] = None
+        V, L = len(self.levels), len(self.extractor.segments)
+        self._kept_round = -1
+        self._kept_entries = np.zeros(V, dtype=np.int64)
+        self._keep_ratio = np.full((V, L), np.nan)
+        self._level_acc = np.full(V, np.nan)
+        self._eval_round = 0
+        self._fed = None
+        self._static_written = False
+
+    # ------------------------------------------------------------------ masks
+    def submodel(self, state: torch.Tensor, level: int, round: int) -> Submodel:
+        """M(θ^t, r_level, t), cached for the round (every rank computes it)."""
+        key = (round, level)
+        if key not in self._cache:
+            if any(k[0] != round for k in self._cache):
+                self._cache.clear()
+            self._cache[key] = self.extractor.extract(state, self.levels[level], round)
+        return self._cache[key]
+
+    def uplink_stats(self) -> list[Stat]:
+        return [Stat("delta", self.state_size, "sum")]
+
+    def bind(self, fed) -> None:
+        self._fed = fed
+
+    # ----------------------------------------------------------------- client
+    def client_update(self, task: ClientTask, trainer, state: torch.Tensor,
+                      extras: torch.Tensor, out: dict[str, torch.Tensor]):
+        """Train θ^t ⊙ M through the shared local loop (base client_update)."""
+        self._sub = self.submodel(state, int(self.client_level[task.client]), task.round)
+        if self._masked is None:
+            self._masked = torch.empty_like(state)
+        torch.mul(state, self._sub.mask, out=self._masked)
+        self._flat = trainer.flat
+        return super().client_update(task, trainer, self._masked, extras, out)
+
+    def correction(self, task: ClientTask) -> tuple[Optional[torch.Tensor], float]:
+        """(λ_n, h(t)) of the gradient correction; none for the baselines."""
+        return None, 0.0
+
+    def hooks(self, task: ClientTask, state: torch.Tensor, extras: torch.Tensor) -> StepHooks:
+        """g ← (g ⊙ factor − h(t) λ) ⊙ M; FIARSE also re-masks the forward weights."""
+        sub, P = self._sub, self.P
+        mask = sub.mask[:P]
+        lam, h = self.correction(task)
+        flat = self._flat
+        if not self.dynamic_mask:
+            def grad_hook(f: FlatModel) -> None:
+                g = f.grad
+                if self.ste:
+                    g.mul_(ste_factor(f.params, sub.threshold))
+                if lam is not None and h:
+                    g.sub_(lam, alpha=h)
+                g.mul_(mask)
+            return StepHooks(grad_hook=grad_hook)
+
+        # FIARSE: the forward uses θ ⊙ 1[|θ| ≥ θ̃] recomputed after every step,
+        # the full values θ live in ``shadow``; the gradient reaches every entry
+        # of the sent submodel (straight-through), so masked entries can recover.
+        if self._shadow is None:
+            self._shadow = torch.empty(P, device=flat.device)
+        shadow = self._shadow
+        shadow.copy_(flat.params)
+
+        def grad_hook(f: FlatModel) -> None:
+            g = f.grad
+            if self.ste:
+                g.mul_(ste_factor(shadow, sub.threshold))
+            if lam is not None and h:
+                g.sub_(lam, alpha=h)
+            g.mul_(mask)
+            f.params.copy_(shadow)          # the step acts on the full values
+
+        def step_hook(direction: torch.Tensor, lr: float) -> None:
+            shadow.copy_(flat.params)
+            flat.params.mul_(mask * (shadow.abs() >= sub.threshold))
+
+        return StepHooks(grad_hook=grad_hook, step_hook=step_hook)
+
+    def finish_client(self, task, trainer, state, extras, out, result) -> None:
+        """Upload M ⊙ Δ (FIARSE: Δ of the full values, not the re-masked ones)."""
+        delta = out["delta"]
+        if self.dynamic_mask:
+            torch.sub(self._shadow, state[: self.P], out=delta[: self.P])
+            trainer.flat.params.copy_(self._shadow)
+        delta.mul_(self._sub.mask)
+
+    # ----------------------------------------------------------------- server
+    def coverage(self, state: torch.Tensor, clients: np.ndarray, round: int) -> torch.Tensor:
+        """C = Σ_n M_n over ``clients`` (how many clients trained each coordinate)."""
+        count = torch.zeros(self.state_size, device=state.device)
+        per_level = np.bincount(self.client_level[np.asarray(clients, dtype=np.int64)],
+                                minlength=len(self.levels))
+        for v, n in enumerate(per_level):
+            if n:
+                count.add_(self.submodel(state, v, round).mask, alpha=float(n))
+        return count
+
+    def _record(self, state: torch.Tensor, round: int) -> None:
+        seg_sizes = np.array([s.numel for s in self.extractor.segments], dtype=np.float64)
+        for v in range(len(self.levels)):
+            sub = self.submodel(state, v, round)
+            self._kept_entries[v] = sub.num_kept
+            self._keep_ratio[v] = sub.kept / seg_sizes
+        self._kept_round = round
+
+    def server_update(self, state: torch.Tensor, agg: dict[str, torch.Tensor],
+                      info: RoundInfo) -> None:
+        """θ ← θ + η_g Σ_n M_n⊙Δ_n / max(C, 1) (overlap-aware; see class doc)."""
+        self._record(state, info.round)
+        count = self.coverage(state, info.clients, info.round)
+        state.add_(agg["delta"] / count.clamp_min(1.0), alpha=self.server_lr)
+        self._eval_round = info.round + 1
+
+    def uplink_bytes(self, client: int, round: int) -> int:
+        """4 bytes per kept entry of the client's submodel."""
+        if self._kept_round != round and self._fed is not None:
+            self._record(self._fed.global_state, round)   # no update accepted: θ unchanged
+        return 4 * int(self._kept_entries[self.client_level[client]])
+
+    def downlink_bytes(self, client: int, round: int) -> int:
+        return self.uplink_bytes(client, round)
+
+    # ------------------------------------------------------------- evaluation
+    def evaluate(self, fed) -> Optional[tuple[float, float]]:
+        """Mean (loss, accuracy) over levels of θ ⊙ M(θ, r_v) on the test set."""
+        theta = fed.global_state
+        losses, accs = [], []
+        for r in self.levels:
+            sub = self.extractor.extract(theta, r, self._eval_round)
+            fed.flat.load(theta)
+            fed.flat.vector.mul_(sub.mask)
+            loss, correct, n = _evaluate(fed.flat.model, fed.data, fed.data.x_test,
+                                         fed.data.y_test, fed.cfg.eval.batch_size)
+            losses.append(loss / n)
+            accs.append(correct / n)
+        fed.flat.load(theta)
+        self._level_acc = np.array(accs)
+        return float(np.mean(losses)), float(np.mean(accs))
+
+    def log_arrays(self) -> dict[str, np.ndarray]:
+        if not self._static_written and self._fed is not None and self._fed.writer is not None:
+            w = self._fed.writer
+            w.write_static("submodel/levels", np.array(self.levels, dtype=np.float64))
+            w.write_static("submodel/layer_names", np.array(self.extractor.layer_names, dtype=object))
+            w.write_static("clients/level", self.client_level)
+            self._static_written = True
+        out = {"submodel/level_accuracy": self._level_acc.copy(),
+               "submodel/keep_ratio": self._keep_ratio.copy()}
+        self._level_acc[:] = np.nan
+        return out
