@@ -164,6 +164,12 @@ SCHEMA: dict[str, Field] = {
                                       ge=0, lt=1),
     "data.validation.source": Field(str, "holdout", "'holdout' or an external dataset name",
                                     choices=("holdout",) + _DATASETS, **_MEDMNIST),
+    "data.validation.per_class": Field(int | None, None, "external source: samples per target "
+                                       "class; null = paper count (stl10 550, cifar100 1200)", ge=1),
+    "data.validation.size_fraction": Field(float, 1.0, "keep this stratified share of the FedVG "
+                                           "validation set (FedVG A.7.1)", gt=0, le=1),
+    "data.validation.rho": Field(float | None, None, "class imbalance rho of the FedVG validation "
+                                 "set (Eqs. E.8-E.9); null = off", gt=0, le=1),
     # model
     "model.name": Field(str, "cnn", "architecture",
                         choices=("lenet", "cnn", "resnet18", "resnet34", "resnet50",
@@ -237,6 +243,8 @@ SCHEMA: dict[str, Field] = {
     "eval.every": Field(int, 1, "evaluate every N rounds", ge=1),
     "eval.batch_size": Field(int, 1024, "evaluation batch size", ge=1),
     # runtime
+    "aggregation.fedvg.batch_size": Field(int, 512, "FedVG scoring batch size", ge=1),
+    "aggregation.fedvg.bf16": Field(bool, False, "FedVG scoring under bf16 autocast (CUDA only)"),
     "runtime.device": Field(str, "auto", "torch device", choices=("auto", "cpu"),
                             pattern=r"cuda(:\d+)?", pattern_help="cuda[:N]"),
     "runtime.out_dir": Field(str, "runs", "parent directory of run outputs"),

@@ -365,7 +365,8 @@ class Federation:
             s = np.asarray(self.weighting.weights(self, accepted, rows), dtype=np.float64)
             sw = torch.as_tensor(s, dtype=torch.float32, device=self.device)
             for stat, off in self.layout.gathered:
-                agg[stat.name] = sw @ rows[:, off:off + stat.size]
+                if stat.combine == "weighted":
+                    agg[stat.name] = self.weighting.combine(s, rows[:, off:off + stat.size])
         else:
             raw = meta[accepted, M_RAW]
             s = raw / raw.sum()

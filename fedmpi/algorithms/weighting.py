@@ -36,6 +36,18 @@ class Weighting:
         """Per-client weighting only: s_k for ``clients`` from their gathered rows."""
         raise TypeError(f"weighting {self.name!r} is reducible; it has no per-client weights")
 
+    def combine(self, s: "np.ndarray", rows: "torch.Tensor") -> "torch.Tensor":
+        """Per-client weighting only: Σ_k s_k x_k of one gathered statistic.
+
+        ``rows`` is ``[n, size]`` (one row per client of ``s``). Weightings
+        with a weight per layer/block (FedVG ``layer``/``block``) override
+        this to apply their per-segment weights; every weighted statistic of
+        every method goes through here.
+        """
+        import torch
+
+        return torch.as_tensor(s, dtype=rows.dtype, device=rows.device) @ rows
+
     def log_arrays(self) -> dict[str, "np.ndarray"]:
         """Per-round arrays for the HDF5 log (e.g. ``fedvg/grad_norm``)."""
         return {}
@@ -49,6 +61,10 @@ class Uniform(Weighting):
 
 
 WEIGHTINGS: dict[str, type[Weighting]] = {"samples": Weighting, "uniform": Uniform}
+
+from .fedvg import FedVG, FedVGAvg  # noqa: E402  (subclasses of Weighting, defined above)
+
+WEIGHTINGS.update({"fedvg": FedVG, "fedvg_avg": FedVGAvg})
 
 
 def build_weighting(name: str, num_samples: np.ndarray) -> Weighting:
