@@ -187,10 +187,27 @@ SCHEMA: dict[str, Field] = {
     "train.momentum": Field(float, 0.0, "client SGD momentum", ge=0, lt=1),
     "train.weight_decay": Field(float, 0.0, "client weight decay", ge=0),
     "train.grad_clip": Field(float | None, None, "max gradient norm; null = no clipping", gt=0),
+    "train.lr_decay": Field(float, 1.0, "step decay: round t uses lr * lr_decay^floor(t / "
+                            "lr_decay_every) (ECGR paper: 0.5 every 10 rounds)", gt=0, le=1),
+    "train.lr_decay_every": Field(int, 0, "rounds per lr_decay step; 0 = constant lr", ge=0),
     # algorithm (server rule and method parameters)
     "algorithm.name": Field(str, "fedavg", "federated method", choices=_ALGORITHMS),
-    "algorithm.server_lr": Field(float, 1.0, "server learning rate", gt=0),
+    "algorithm.server_lr": Field(float | None, None, "server learning rate; null = method default "
+                                 "(1; fedadam/fedyogi 0.1)", gt=0),
     "algorithm.mu": Field(float, 0.01, "FedProx proximal coefficient", ge=0),
+    "algorithm.server_momentum": Field(float, 0.9, "FedAvgM server SGD momentum", ge=0, lt=1),
+    "algorithm.nesterov": Field(bool | None, None, "FedAvgM Nesterov momentum; null = on with "
+                                "weighting fedvg/fedvg_avg (FedVG code), else off"),
+    "algorithm.beta1": Field(float, 0.9, "FedAdam/FedYogi first-moment decay", ge=0, lt=1),
+    "algorithm.beta2": Field(float, 0.99, "FedAdam/FedYogi second-moment decay", ge=0, lt=1),
+    "algorithm.tau": Field(float, 1e-3, "FedAdam/FedYogi adaptivity tau (also v_0 = tau^2)", gt=0),
+    "algorithm.alpha": Field(float, 0.1, "FedDyn regularisation alpha", gt=0),
+    "algorithm.max_grad_norm": Field(float | None, 10.0, "FedDyn local gradient clip (official "
+                                     "code: 10); null = train.grad_clip", gt=0),
+    "algorithm.elastic_mu": Field(float, 0.95, "Elastic sensitivity EMA decay mu", ge=0, lt=1),
+    "algorithm.elastic_tau": Field(float, 0.5, "Elastic zeta = 1 + tau - s_agg/s_max", ge=0),
+    "algorithm.elastic_sample": Field(float, 0.3, "Elastic share of client data measured per round",
+                                      gt=0, le=1),
     # FedGPS (fedmpi/algorithms/fedgps.py)
     "algorithm.fedgps.static": Field(bool, True, "FedGPS surrogate-alignment objective (Eq. 6)"),
     "algorithm.fedgps.dynamic": Field(bool, True, "FedGPS non-self-gradient rectification (Eq. 7-8)"),
@@ -226,6 +243,8 @@ SCHEMA: dict[str, Field] = {
     "aggregation.fedvg.granularity": Field(str, "model", "FedVG weight per model/layer/block",
                                            choices=("model", "layer", "block")),
     "aggregation.fedvg.eps": Field(float, 1e-8, "FedVG epsilon in 1/(G + eps)", gt=0),
+    "aggregation.fedvg.batch_size": Field(int, 512, "FedVG scoring batch size", ge=1),
+    "aggregation.fedvg.bf16": Field(bool, False, "FedVG scoring under bf16 autocast (CUDA only)"),
     # ECGR
     "ecgr.enabled": Field(bool, False, "rewrite client updates with ECGR"),
     "ecgr.beta": Field(float, 0.2, "ECGR damping", ge=0, le=1),
@@ -243,8 +262,6 @@ SCHEMA: dict[str, Field] = {
     "eval.every": Field(int, 1, "evaluate every N rounds", ge=1),
     "eval.batch_size": Field(int, 1024, "evaluation batch size", ge=1),
     # runtime
-    "aggregation.fedvg.batch_size": Field(int, 512, "FedVG scoring batch size", ge=1),
-    "aggregation.fedvg.bf16": Field(bool, False, "FedVG scoring under bf16 autocast (CUDA only)"),
     "runtime.device": Field(str, "auto", "torch device", choices=("auto", "cpu"),
                             pattern=r"cuda(:\d+)?", pattern_help="cuda[:N]"),
     "runtime.out_dir": Field(str, "runs", "parent directory of run outputs"),
@@ -540,6 +557,11 @@ def _cross_checks(cfg: Config) -> None:
     if len(set(cfg.adversary.clients)) != len(cfg.adversary.clients):
         raise ConfigError(f"config key 'adversary.clients' lists a client twice: "
                           f"{cfg.adversary.clients}")
+
+    steps = cfg.train.local_steps
+    if cfg.ecgr.enabled and steps is not None and steps < 2:
+        raise ConfigError(f"config key 'train.local_steps' must be >= 2 when ecgr.enabled is true "
+                          f"(ECGR selects half of the local steps), got {steps}")
 
     agg, val = cfg.aggregation, cfg.data.validation
     if (agg.weighting in ("fedvg", "fedvg_avg") and agg.fedvg.norm != "delta"

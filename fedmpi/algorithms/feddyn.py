@@ -1,0 +1,125 @@
+"""FedDyn (Acar et al. 2021), the rule of the official code.
+
+Client k with n_k samples (Σn over all N clients) uses the adaptive
+coefficient α_k = α / (N·n_k/Σn) (official ``alpha_coef / weight_list``) and
+minimises
+
+    ℓ_k(w) + α_k ⟨w, −θ + h_k⟩ + ((α_k + wd)/2)‖w‖²
+
+i.e. every local step adds α_k (h_k − θ) to the gradient (``grad_hook``), the
+gradient is clipped to ``algorithm.max_grad_norm`` (10, official code and FedVG
+Table A.2), then weight decay α_k + wd is applied (``local_sgd``; the
+optimizer's weight decay, after the clip, as in the official code). After
+training, from the actual final model θ_k (``finish_client``):
+
+    h_k ← h_k + (θ_k − θ)                                  (h_k = 0 initially)
+
+Server (rank 0 keeps H = Σ_{all N} h_k, updated by the "sum" statistic
+Σ_{k∈S} (θ_k − θ), so no h_k ever travels):
+
+    θ ← θ + Σ_{k∈S} s_k (θ_k − θ) + (1/N)·H    ( = mean_S θ_k + mean_N h_k )
+
+α = ``algorithm.alpha`` (0.1, FedVG Table A.2). With ``weighting: fedvg`` the
+averaging step takes FedVG's weights and the h correction is unchanged (FedVG
+Table A.8); h is never reweighted because its statistic is "sum".
+
+Deviations: the official code averages the θ_k uniformly; here s_k follows
+``aggregation.weighting`` (``uniform`` reproduces it). The official scripts
+report the accuracy of several models (the plain average, the average of all
+clients, the h-corrected cloud model); we evaluate the h-corrected θ that the
+clients receive. h_k and H cover the parameters only; BN running statistics
+are averaged. ``algorithm.server_lr`` is not used (FedDyn has no server lr).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from ..flat import FlatModel
+from ..train import LocalTrainer, SGDConfig, StepHooks, TrainResult
+from .base import Algorithm, ClientTask, RoundInfo, Stat
+
+
+class FedDyn(Algorithm):
+    name = "feddyn"
+
+    def __init__(self, cfg, layout, num_clients: int) -> None:
+        super().__init__(cfg, layout, num_clients)
+        self.alpha = float(cfg.algorithm.alpha)
+        clip = cfg.algorithm.max_grad_norm
+        self.clip = self.sgd.grad_clip if clip is None else float(clip)
+        self.alpha_k = np.full(num_clients, self.alpha)   # replaced in bind (needs n_k)
+        self.h_local: dict[int, torch.Tensor] = {}         # h_k of hosted clients (worker)
+        self.h_sum: torch.Tensor | None = None             # H = Σ_N h_k (rank 0)
+        self._lin: torch.Tensor | None = None
+        self.device = torch.device("cpu")
+
+    def bind(self, fed) -> None:
+        super().bind(fed)
+        self.device = fed.device
+        self.alpha_k = self.adaptive_alpha(self.alpha, np.asarray(fed.num_samples))
+        if fed.is_server:
+            self.h_sum = torch.zeros(self.num_params, device=fed.device)
+
+    @staticmethod
+    def adaptive_alpha(alpha: float, num_samples: np.ndarray) -> np.ndarray:
+        """α_k = α / (N·n_k/Σn); an empty client gets α."""
+        n = num_samples.astype(np.float64)
+        rel = n * len(n) / max(n.sum(), 1.0)
+        return np.where(rel > 0, alpha / np.maximum(rel, 1e-300), alpha)
+
+    def uplink_stats(self) -> list[Stat]:
+        return [Stat("delta", self.state_size, "weighted"), Stat("dh", self.num_params, "sum")]
+
+    # ----------------------------------------------------------------- client
+    def _h_k(self, client: int, device: torch.device) -> torch.Tensor:
+        if client not in self.h_local:
+            self.h_local[client] = torch.zeros(self.num_params, device=device)
+        return self.h_local[client]
+
+    def local_sgd(self, task: ClientTask) -> SGDConfig:
+        a_k = float(self.alpha_k[task.client])
+        return dataclasses.replace(self.sgd, weight_decay=a_k + self.sgd.weight_decay,
+                                   grad_clip=self.clip)
+
+    def hooks(self, task: ClientTask, state: torch.Tensor, extras: torch.Tensor) -> StepHooks:
+        P = self.num_params
+        if self._lin is None:
+            self._lin = torch.empty(P, device=state.device)
+        lin = torch.sub(self._h_k(task.client, state.device), state[:P], out=self._lin)
+        lin.mul_(float(self.alpha_k[task.client]))       # ∇ of α_k⟨w, −θ + h_k⟩
+
+        def linear_term(flat: FlatModel) -> None:
+            flat.grad.add_(lin)
+
+        return StepHooks(grad_hook=linear_term)
+
+    def finish_client(self, task: ClientTask, trainer: LocalTrainer, state: torch.Tensor,
+                      extras: torch.Tensor, out: dict[str, torch.Tensor], result: TrainResult) -> None:
+        dh = out["dh"]
+        dh.copy_(out["delta"][: self.num_params])
+        if bool(torch.isfinite(dh).all()):
+            self._h_k(task.client, state.device).add_(dh)
+
+    # ----------------------------------------------------------------- server
+    def server_update(self, state: torch.Tensor, agg: dict[str, torch.Tensor],
+                      info: RoundInfo) -> None:
+        self.h_sum.add_(agg["dh"])
+        state.add_(agg["delta"])
+        state[: self.num_params].add_(self.h_sum, alpha=1.0 / info.num_clients)
+
+    # ------------------------------------------------------------------ state
+    def server_state(self) -> dict[str, torch.Tensor]:
+        return {"h_sum": self.h_sum} if self.h_sum is not None else {}
+
+    def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.h_sum.copy_(state["h_sum"])
+
+    def client_state(self, client: int) -> dict[str, torch.Tensor]:
+        return {"h": self.h_local[client]} if client in self.h_local else {}
+
+    def load_client_state(self, client: int, state: dict[str, torch.Tensor]) -> None:
+        if "h" in state:
+            self.h_local[client] = state["h"].to(self.device, torch.float32).clone()

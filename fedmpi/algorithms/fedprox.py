@@ -1,0 +1,38 @@
+"""FedProx (Li et al. 2020): a proximal term in the local objective.
+
+Local loss ℓ_k(w) + (μ/2)‖w − θ‖² over the parameters, so every local step
+adds μ(w − θ) to the gradient (the ``grad_hook`` on ``flat.grad``, before
+clipping and weight decay). Server: FedAvg (weighted average with s_k from
+``aggregation.weighting``; ``fedvg`` substitutes FedVG's weights, FedVG Table
+A.8). μ = ``algorithm.mu`` (0.01 FedVG; 0.125 FedGPS; 0.1 ECGR code). μ = 0 is
+FedAvg exactly (adding 0·(w − θ) leaves every gradient bit-identical).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..flat import FlatModel
+from ..train import StepHooks
+from .base import Algorithm, ClientTask
+
+
+class FedProx(Algorithm):
+    name = "fedprox"
+
+    def __init__(self, cfg, layout, num_clients: int) -> None:
+        super().__init__(cfg, layout, num_clients)
+        self.mu = float(cfg.algorithm.mu)
+        self._diff: torch.Tensor | None = None   # P-sized scratch on the worker
+
+    def hooks(self, task: ClientTask, state: torch.Tensor, extras: torch.Tensor) -> StepHooks:
+        P, mu = self.num_params, self.mu
+        anchor = state[:P]
+        if self._diff is None:
+            self._diff = torch.empty(P, device=state.device)
+        diff = self._diff
+
+        def prox(flat: FlatModel) -> None:
+            torch.sub(flat.params, anchor, out=diff)
+            flat.grad.add_(diff, alpha=mu)
+
+        return StepHooks(grad_hook=prox)

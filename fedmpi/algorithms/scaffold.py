@@ -1,0 +1,109 @@
+"""SCAFFOLD (Karimireddy et al. 2020), control variates with option II.
+
+Client k (K_k local steps, local lr η_l), with server variate c (downlink
+extra) and its own c_k (zero until its first participation; kept only on the
+worker that hosts k):
+
+    every local step:  g ← ∇ℓ_k(w) − c_k + c           (``grad_hook``, Eq. 3)
+    afterwards:        c_k⁺ = c_k − c + (θ − θ_k)/(K_k η_l)   (option II, Eq. 4)
+
+computed from the actual final local model θ_k. Uplink: Δ_k = θ_k − θ
+("weighted") and δc_k = c_k⁺ − c_k ("sum": it is *not* reweighted by FedVG).
+Server (Eq. 5, Algorithm 1):
+
+    θ ← θ + η_g Σ_k s_k Δ_k          (s_k: ``aggregation.weighting``)
+    c ← c + (1/N) Σ_{k∈S} δc_k       (= c + |S|/N · mean_k δc_k)
+
+η_g = ``algorithm.server_lr`` (1.0, FedVG Table A.2). With ``weighting:
+fedvg`` only the model update takes FedVG's weights; the c update is
+unchanged (FedVG Table A.8).
+
+Deviations: the paper averages Δ_k uniformly; here s_k follows
+``aggregation.weighting`` (``uniform`` reproduces the paper). With client
+momentum or weight decay, option II still divides by K_k η_l (as the official
+and FL-bench code do). c and c_k cover the parameters only (BN running
+statistics are averaged as in FedAvg). A client whose update is excluded by
+the server (non-finite) keeps its locally updated c_k only if that c_k is
+finite.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..flat import FlatModel
+from ..train import LocalTrainer, StepHooks, TrainResult
+from .base import Algorithm, ClientTask, RoundInfo, Stat
+
+
+class Scaffold(Algorithm):
+    name = "scaffold"
+
+    def __init__(self, cfg, layout, num_clients: int) -> None:
+        super().__init__(cfg, layout, num_clients)
+        self.c_local: dict[int, torch.Tensor] = {}     # c_k of hosted clients (worker)
+        self.c: torch.Tensor | None = None             # server variate (rank 0)
+        self._corr: torch.Tensor | None = None         # c − c_k of the client in training
+        self.device = torch.device("cpu")
+
+    def uplink_stats(self) -> list[Stat]:
+        return [Stat("delta", self.state_size, "weighted"), Stat("dc", self.num_params, "sum")]
+
+    def downlink_size(self) -> int:
+        return self.num_params
+
+    def bind(self, fed) -> None:
+        super().bind(fed)
+        self.device = fed.device
+        if fed.is_server:
+            self.c = torch.zeros(self.num_params, device=fed.device)
+
+    # ----------------------------------------------------------------- client
+    def _c_k(self, client: int, device: torch.device) -> torch.Tensor:
+        if client not in self.c_local:
+            self.c_local[client] = torch.zeros(self.num_params, device=device)
+        return self.c_local[client]
+
+    def hooks(self, task: ClientTask, state: torch.Tensor, extras: torch.Tensor) -> StepHooks:
+        if self._corr is None:
+            self._corr = torch.empty(self.num_params, device=state.device)
+        corr = torch.sub(extras, self._c_k(task.client, state.device), out=self._corr)
+
+        def correct(flat: FlatModel) -> None:
+            flat.grad.add_(corr)
+
+        return StepHooks(grad_hook=correct)
+
+    def finish_client(self, task: ClientTask, trainer: LocalTrainer, state: torch.Tensor,
+                      extras: torch.Tensor, out: dict[str, torch.Tensor], result: TrainResult) -> None:
+        P = self.num_params
+        c_k = self._c_k(task.client, state.device)
+        scale = 1.0 / (max(result.steps, 1) * self.local_sgd(task).lr)
+        # δc_k = c_k⁺ − c_k = −c + (θ − θ_k)/(K η_l) = −c − Δ_k/(K η_l)
+        dc = out["dc"]
+        torch.mul(out["delta"][:P], -scale, out=dc)
+        dc.sub_(extras)
+        if bool(torch.isfinite(dc).all()):
+            c_k.add_(dc)
+
+    # ----------------------------------------------------------------- server
+    def fill_downlink(self, extras: torch.Tensor, round: int) -> None:
+        extras.copy_(self.c)
+
+    def server_update(self, state: torch.Tensor, agg: dict[str, torch.Tensor],
+                      info: RoundInfo) -> None:
+        state.add_(agg["delta"], alpha=self.server_lr)
+        self.c.add_(agg["dc"], alpha=1.0 / info.num_clients)
+
+    # ------------------------------------------------------------------ state
+    def server_state(self) -> dict[str, torch.Tensor]:
+        return {"c": self.c} if self.c is not None else {}
+
+    def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.c.copy_(state["c"])
+
+    def client_state(self, client: int) -> dict[str, torch.Tensor]:
+        return {"c": self.c_local[client]} if client in self.c_local else {}
+
+    def load_client_state(self, client: int, state: dict[str, torch.Tensor]) -> None:
+        if "c" in state:
+            self.c_local[client] = state["c"].to(self.device, torch.float32).clone()
