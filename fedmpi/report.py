@@ -60,6 +60,7 @@ def _mpl() -> Any:
         import matplotlib
         import matplotlib.colors  # noqa: F401
         import matplotlib.figure  # noqa: F401
+        import matplotlib.ticker  # noqa: F401
     except ImportError:
         raise UserError("plots need matplotlib, which is not installed: "
                         "pip install 'fedmpi[plot]' (or pip install matplotlib)") from None
@@ -87,14 +88,17 @@ def _client_ticks(ax, k: int, axis: str = "y") -> None:
     (ax.set_yticks if axis == "y" else ax.set_xticks)(ticks)
 
 
+def _round_axis(ax) -> None:
+    """Integer ticks on the round (x) axis."""
+    ax.xaxis.set_major_locator(_mpl().ticker.MaxNLocator(integer=True))
+
+
 def _masked(a: np.ndarray) -> np.ma.MaskedArray:
     return np.ma.masked_invalid(np.asarray(a, dtype=np.float64))
 
 
 def _cmap(name: str):
-    cmap = _mpl().colormaps[name].copy()
-    cmap.set_bad("#d9d9d9")
-    return cmap
+    return _mpl().colormaps[name].with_extremes(bad="#d9d9d9")
 
 
 # -- individual plots ---------------------------------------------------------------
@@ -117,6 +121,7 @@ def plot_accuracy(log: RunLog, path: Path, target: float | None = None) -> Path 
         ax_acc.axhline(100 * target, ls="--", color="0.4", lw=1,
                        label=f"target {100 * target:.2f}%")
     ax_acc.set(xlabel="round", ylabel="test accuracy (%)", title="Test accuracy")
+    _round_axis(ax_acc)
     ax_acc.grid(alpha=0.3)
     ax_acc.legend(loc="lower right", fontsize=8)
 
@@ -136,6 +141,7 @@ def plot_accuracy(log: RunLog, path: Path, target: float | None = None) -> Path 
             ax_loss.set_yscale("log")
         ax_loss.legend(fontsize=8)
     ax_loss.set(xlabel="round", ylabel="cross-entropy loss", title="Loss")
+    _round_axis(ax_loss)
     ax_loss.grid(alpha=0.3, which="both")
     fig.suptitle(_title(log))
     return _save(fig, path)
@@ -148,7 +154,7 @@ def plot_client_weights(log: RunLog, path: Path) -> Path | None:
     if w is None or r is None or w.size == 0 or not np.isfinite(w).any():
         return None
     k = w.shape[1]
-    fig = _figure(min(14, 4 + 0.12 * len(r)), min(10, 2 + 0.3 * k))
+    fig = _figure(min(14, 6.5 + 0.12 * len(r)), min(10, 2.5 + 0.3 * k))
     ax = fig.subplots()
     extent = (r[0] - 0.5, r[-1] + 0.5, k - 0.5, -0.5)
     im = ax.imshow(_masked(w.T), aspect="auto", interpolation="nearest", cmap=_cmap("viridis"),
@@ -160,9 +166,10 @@ def plot_client_weights(log: RunLog, path: Path) -> Path | None:
         ax.plot(r[rr], kk, "x", color="red", ms=6, mew=1.5, label="update excluded")
         ax.legend(loc="upper right", fontsize=8, framealpha=0.8)
     _client_ticks(ax, k)
-    ax.set(xlabel="round", ylabel="client",
-           title=f"Client aggregation weights ({_weighting(log)}); grey = not selected")
-    fig.suptitle(_title(log))
+    ax.set(xlabel="round", ylabel="client")
+    _round_axis(ax)
+    ax.set_title(f"{_title(log)}: aggregation weights ({_weighting(log)} weighting)\n"
+                 "grey = client not selected", fontsize=10)
     return _save(fig, path)
 
 
@@ -228,10 +235,16 @@ def plot_partition(class_counts: np.ndarray, path: str | os.PathLike, title: str
         ax_h.set_xticklabels(list(class_names)[::step], rotation=90, fontsize=7)
     _client_ticks(ax_h, k)
     ax_h.set(xlabel="class", ylabel="client", title="Samples per class")
-    fig.colorbar(im, ax=ax_h, label="samples", location="left", pad=0.12)
+    fig.colorbar(im, ax=ax_h, label="samples of the class", location="bottom", shrink=0.6,
+                 aspect=40)
     sizes = counts.sum(axis=1)
     ax_b.barh(np.arange(k), sizes, color="C0")
+    if k <= 40:
+        for i, v in enumerate(sizes):
+            ax_b.text(v, i, f" {v}", va="center", fontsize=7)
+    ax_b.set_xlim(0, 1.25 * max(int(sizes.max()) if k else 1, 1))
     ax_b.set(xlabel="samples", title="Client size")
+    ax_b.set_axisbelow(True)
     ax_b.grid(axis="x", alpha=0.3)
     ax_b.set_ylim(k - 0.5, -0.5)
     fig.suptitle(title or f"Partition: {k} clients, {c} classes, {int(sizes.sum())} samples")
@@ -254,12 +267,13 @@ def plot_level_accuracy(log: RunLog, path: Path) -> Path | None:
     for v in range(la.shape[1]):
         ok = np.isfinite(la[:, v])
         ax.plot(r[ok], 100 * la[ok, v], marker="o" if ok.sum() <= 60 else None, ms=3,
-                color=cmap(v / max(1, la.shape[1] - 1)), label=labels[v])
+                color=cmap(0.85 * v / max(1, la.shape[1] - 1)), label=labels[v])
     acc = log.rounds.get("test_accuracy")
     if acc is not None and np.isfinite(acc).any():
         ok = np.isfinite(acc)
         ax.plot(r[ok], 100 * acc[ok], ls="--", color="0.3", label="global model")
     ax.set(xlabel="round", ylabel="test accuracy (%)", title="Accuracy per submodel level")
+    _round_axis(ax)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.suptitle(_title(log))
@@ -281,22 +295,30 @@ def plot_time(log: RunLog, path: Path) -> Path | None:
     wall = log.rounds.get("wall_seconds")
     if not parts and wall is None:
         return None
-    fig = _figure(min(14, 5 + 0.08 * len(r)), 4.5)
+    fig = _figure(min(14, 6 + 0.08 * len(r)), 5)
     ax = fig.subplots()
     bottom = np.zeros(len(r))
     for name, label, color in parts:
         v = np.nan_to_num(log.rounds[name].astype(np.float64))
         ax.bar(r, v, bottom=bottom, width=0.85 if len(r) < 200 else 1.0, color=color,
-               label=f"{label} (mean {v.mean():.3g} s)")
+               label=f"{label}: mean {_seconds(v.mean())}")
         bottom += v
     if wall is not None:
         ax.plot(r, wall, "k_" if len(r) <= 60 else "k-", ms=10, lw=0.8,
-                label=f"wall (mean {np.nanmean(wall):.3g} s)")
+                label=f"wall time: mean {_seconds(np.nanmean(wall))}")
     ax.set(xlabel="round", ylabel="seconds", title="Time per round")
+    _round_axis(ax)
+    ax.set_axisbelow(True)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=2, fontsize=8)
     fig.suptitle(_title(log))
     return _save(fig, path)
+
+
+def _seconds(x: float) -> str:
+    if not math.isfinite(x):
+        return "—"
+    return f"{x:.3g} s" if x >= 1 else f"{1e3 * x:.3g} ms"
 
 
 def plot_bytes(log: RunLog, path: Path) -> Path | None:
@@ -312,9 +334,10 @@ def plot_bytes(log: RunLog, path: Path) -> Path | None:
     for i, (name, v) in enumerate(series):
         label = {"bytes_up": "uplink (clients → server)",
                  "bytes_down": "downlink (server → clients)"}[name]
-        ax.plot(r, v / scale, marker="o" if len(r) <= 60 else None, ms=3, color=f"C{i}",
-                label=label)
-        ax_c.plot(r, np.cumsum(v) / cum_scale, color=f"C{i}",
+        style = dict(color=f"C{i}", ls="-" if i == 0 else "--", lw=2.5 if i == 0 else 1.5)
+        ax.plot(r, v / scale, marker=("o" if i == 0 else "s") if len(r) <= 60 else None,
+                ms=5 if i == 0 else 3, label=label, **style)
+        ax_c.plot(r, np.cumsum(v) / cum_scale, **style,
                   label=f"{label}: {np.sum(v) / cum_scale:.3g} {cum_unit}")
     vals = np.concatenate([v[v > 0] for _, v in series]) if any((v > 0).any() for _, v in series) \
         else np.empty(0)
@@ -326,6 +349,7 @@ def plot_bytes(log: RunLog, path: Path) -> Path | None:
     ax_c.set(xlabel="round", ylabel=cum_unit, title="Cumulative bytes")
     ax_c.set_ylim(bottom=0)
     for a in (ax, ax_c):
+        _round_axis(a)
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
     fig.suptitle(_title(log))
