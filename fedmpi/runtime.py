@@ -115,7 +115,7 @@ class Layout:
 def plan_layout(stats: list[Stat], per_client_weighting: bool) -> Layout:
     reduced, gathered, r, g = [], [], 0, 0
     for s in stats:
-        if s.combine == "weighted" and per_client_weighting:
+        if s.combine == "client" or (s.combine == "weighted" and per_client_weighting):
             gathered.append((s, g))
             g += s.size
         else:
@@ -153,9 +153,10 @@ class Federation:
         self.D = self.flat.size
 
         self.algo: Algorithm = build_algorithm(cfg, self.flat, self.K)
+        self.algo.set_client_sizes(self.num_samples)   # before uplink_stats (ECGR sizes τ_max)
         self.weighting = build_weighting(cfg.aggregation.weighting, self.num_samples)
         self.adversary = Adversary(cfg.adversary.clients, cfg.adversary.kind, cfg.adversary.factor)
-        self.stats = self.algo.uplink_stats()
+        self.stats = self.algo.uplink_stats() + self.algo.transform_stats()
         self.layout = plan_layout(self.stats, self.weighting.per_client)
         self.E = self.algo.downlink_size()
 
@@ -195,6 +196,7 @@ class Federation:
         self.stop_reason: Optional[str] = None   # set by a signal handler (operations issue)
         self.failure: Optional[str] = None
         self.history: list[dict] = []
+        self.client_arrays: dict[str, np.ndarray] = {}   # "client" stats of the round, for the log
 
     # ------------------------------------------------------------------ plan
     def participants(self, t: int) -> np.ndarray:
@@ -346,7 +348,8 @@ class Federation:
             "local_steps": np.where(mask, meta[:, M_STEPS], np.nan),
             "train_seconds": np.where(mask, meta[:, M_TIME], np.nan),
         }
-        arrays = {**self.algo.log_arrays(), **self.weighting.log_arrays()}
+        arrays = {**self.algo.log_arrays(), **self.weighting.log_arrays(), **self.client_arrays}
+        self.client_arrays = {}
         self.history.append({"round": t, **scalars})
         if self.writer is not None:
             self.writer.append_round(t, scalars, per_client, arrays)
@@ -370,6 +373,17 @@ class Federation:
         else:
             raw = meta[accepted, M_RAW]
             s = raw / raw.sum()
+        client_stats = [(st, off) for st, off in self.layout.gathered if st.combine == "client"]
+        if client_stats:   # per-client diagnostics: [K, size], NaN rows for non-participants
+            order = [k for r in range(self.size) for k in np.flatnonzero(mask & (self.host == r))]
+            if not self.weighting.per_client:
+                self.rows_recv.push()
+            where = torch.as_tensor(order, dtype=torch.long, device=self.device)
+            for stat, off in client_stats:
+                full = torch.full((self.K, stat.size), float("nan"), device=self.device)
+                full[where] = self.rows_recv.dev[: len(order), off:off + stat.size]
+                agg[stat.name] = full
+                self.client_arrays[stat.name] = full.cpu().numpy()
         total_raw = meta[accepted, M_RAW].sum()
         for stat, off in self.layout.reduced:
             v = self.red_recv.dev[off:off + stat.size]

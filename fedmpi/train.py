@@ -52,6 +52,7 @@ class TrainResult:
     samples: int = 0           # samples seen (with repetition over epochs)
     steps: int = 0             # τ_k, number of optimizer steps
     extra: dict = field(default_factory=dict)
+    lr: float = 0.0            # learning rate of this client-round (after train.lr_decay)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,17 @@ def epoch_bounds(n: int, batch_size: int) -> list[int]:
     if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
         del bounds[-2]
     return bounds
+
+
+def step_decay_lr(lr: float, round: int, decay: float, every: int) -> float:
+    """Learning rate of round ``round`` under step decay (``train.lr_decay``,
+    ``train.lr_decay_every``): lr·decay^⌊round/every⌋; ``every`` = 0 keeps lr.
+
+    ECGR paper §4.1: lr 0.001 halved every 10 rounds (decay 0.5, every 10).
+    """
+    if every <= 0 or decay == 1.0:
+        return lr
+    return lr * decay ** (round // every)
 
 
 def num_local_steps(n: int, cfg: SGDConfig) -> int:
@@ -124,7 +136,7 @@ class LocalTrainer:
         model = flat.model
         model.train()
         params, grad, buf = flat.params, flat.grad, self.momentum_buf
-        result = TrainResult()
+        result = TrainResult(lr=cfg.lr)
         loss_total = torch.zeros((), device=self.device)  # summed on device: no sync per step
         num_classes = data.num_classes
         for batch in self.batches(indices, cfg, gen):

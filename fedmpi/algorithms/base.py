@@ -8,7 +8,11 @@ A method is a subclass of :class:`Algorithm` that declares
   When the weighting can be computed on the worker (``samples``,
   ``uniform``) the worker pre-reduces ``Σ_k w̃_k x_k`` and one MPI ``Reduce``
   brings it to rank 0; when it needs every client model on rank 0 (FedVG),
-  weighted statistics travel per client by ``Gatherv``;
+  weighted statistics travel per client by ``Gatherv``; ``combine="client"``
+  ones are never combined: they travel per client by ``Gatherv``, reach
+  :meth:`Algorithm.server_update` as ``agg[name]`` of shape [K, size] (NaN
+  rows for non-participants) and are logged as ``/<name>`` [R, K, size]
+  (small diagnostics such as ECGR's ``ecgr/selected``);
 * its **downlink extras**: a vector appended to the global state in the one
   ``Bcast`` of the round (SCAFFOLD's c, FedGPS prototypes, ...);
 * its **client rule** (:meth:`Algorithm.client_update`, usually just
@@ -22,14 +26,15 @@ The base class *is* FedAvg (McMahan et al. 2017):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from ..flat import FlatModel
-from ..train import LocalTrainer, SGDConfig, StepHooks, TrainResult
+from ..train import LocalTrainer, SGDConfig, StepHooks, TrainResult, step_decay_lr
+from .ecgr import ECGR, SELECTED_STAT
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,7 @@ class Stat:
 
     name: str
     size: int
-    combine: Literal["weighted", "sum"] = "weighted"
+    combine: Literal["weighted", "sum", "client"] = "weighted"
 
 
 @dataclass
@@ -87,6 +92,14 @@ class Algorithm:
         self.sgd = sgd_config(cfg)
         lr = cfg.algorithm.server_lr     # null = the method's default (FedAdam/FedYogi: 0.1)
         self.server_lr = self.default_server_lr if lr is None else float(lr)
+        self.ecgr: ECGR | None = None    # set by set_client_sizes when ecgr.enabled
+
+    def set_client_sizes(self, num_samples: "np.ndarray") -> None:
+        """Called by the runtime right after construction with n_k of all K
+        clients, before :meth:`uplink_stats`: ECGR sizes its τ_max×P step
+        buffer and its selection uplink from τ_k (the same on every rank)."""
+        if self.cfg.ecgr.enabled:
+            self.ecgr = ECGR(self.cfg, self.num_params, num_samples, self.sgd)
 
     @classmethod
     def num_outputs(cls, cfg, num_classes: int) -> int:
@@ -116,6 +129,15 @@ class Algorithm:
         """Per-client statistics; ``delta`` = θ_k − θ over the whole state."""
         return [Stat("delta", self.state_size, "weighted")]
 
+    def transform_stats(self) -> list[Stat]:
+        """Diagnostics of client-side transforms, uplinked after the method's
+        own statistics (not counted in :meth:`uplink_bytes`: a deployment would
+        not send them): ECGR's per-client selection row ``ecgr/selected``
+        [τ_max] (1 convergent, 0 exploratory, −1 no such step)."""
+        if self.ecgr is None:
+            return []
+        return [Stat(SELECTED_STAT, self.ecgr.stat_size(), "client")]
+
     def downlink_size(self) -> int:
         return 0
 
@@ -139,8 +161,15 @@ class Algorithm:
         return StepHooks()
 
     def local_sgd(self, task: ClientTask) -> SGDConfig:
-        """The client optimizer of ``task`` (FedDyn: per-client weight decay α_k + wd)."""
-        return self.sgd
+        """The client optimizer of ``task`` (FedDyn: per-client weight decay α_k + wd).
+
+        Its lr is the round's: ``train.lr`` under the step decay of
+        ``train.lr_decay``/``train.lr_decay_every``
+        (:func:`~fedmpi.train.step_decay_lr`); overrides start from
+        ``super().local_sgd(task)`` to keep it."""
+        t = self.cfg.train
+        lr = step_decay_lr(self.sgd.lr, task.round, t.lr_decay, t.lr_decay_every)
+        return self.sgd if lr == self.sgd.lr else replace(self.sgd, lr=lr)
 
     def client_update(self, task: ClientTask, trainer: LocalTrainer, state: torch.Tensor,
                       extras: torch.Tensor, out: dict[str, torch.Tensor]) -> TrainResult:
@@ -150,12 +179,27 @@ class Algorithm:
         :meth:`hooks` (inside the loop) and :meth:`finish_client` (after it,
         with the actual final model in ``trainer.flat``); client-side update
         transforms (ECGR) rewrite ``out["delta"]`` last.
+
+        The learning rate is :meth:`local_sgd`'s (step decay by round; the
+        value used is ``result.lr``). With ``ecgr.enabled`` the local steps are
+        recorded, and after ``finish_client`` (which sees the actual final
+        model) the parameter part of ``out["delta"]`` is replaced by ECGR's
+        re-aggregated update at the norm the method uploads (see
+        :mod:`fedmpi.algorithms.ecgr`); float buffers stay from the final model.
         """
+        sgd = self.local_sgd(task)
         trainer.flat.load(state)
-        result = trainer.train(task.indices, self.local_sgd(task), task.seed,
-                               self.hooks(task, state, extras), task.flip_labels)
+        hooks = self.hooks(task, state, extras)
+        if self.ecgr is not None:
+            hooks = self.ecgr.hooks(hooks, state.device)
+        result = trainer.train(task.indices, sgd, task.seed, hooks, task.flip_labels)
         torch.sub(trainer.flat.vector, state, out=out["delta"])
+        P = self.num_params
+        if self.ecgr is not None:
+            self.ecgr.combine(out["delta"][:P], out.get(SELECTED_STAT))
         self.finish_client(task, trainer, state, extras, out, result)
+        if self.ecgr is not None:
+            self.ecgr.apply(out["delta"][:P])
         return result
 
     def finish_client(self, task: ClientTask, trainer: LocalTrainer, state: torch.Tensor,

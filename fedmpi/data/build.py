@@ -20,4 +20,13 @@ def build_partition(cfg: Any, dataset: Dataset) -> Partition:
         dataset.y_train.cpu().numpy(), cfg.data.num_clients, p.method,
         seed=cfg.seed if p.seed is None else p.seed, alpha=p.alpha,
         classes_per_client=p.classes_per_client, min_size=p.min_size, file=p.file,
-        validation_fraction=cfg.data.validation.fraction, num_classes=dataset.num_classes)
+        validation_fraction=cfg.data.validation.fraction, num_classes=dataset.num_classes,
+        min_batches=_ecgr_min_batches(cfg), batch_size=cfg.train.batch_size)
+
+
+def _ecgr_min_batches(cfg: Any) -> int:
+    """ECGR needs τ_k ≥ 2 local steps (paper §4.1: "a minimum data size of two
+    batches"): with one local epoch every client gets ≥ 2 batches; with
+    ``train.local_steps`` the config check requires ≥ 2 steps instead."""
+    t = cfg.train
+    return 2 if cfg.ecgr.enabled and t.local_steps is None and t.local_epochs < 2 else 0
