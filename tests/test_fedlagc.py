@@ -1,0 +1,346 @@
+"""FedLAGC and the submodel baselines against hand-checkable math.
+
+In-process tests use tiny models; the MPI test checks world-size invariance,
+the per-level log and the byte accounting of a whole run on digits.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import run_fedmpi
+from fedmpi.algorithms import ClientTask, RoundInfo
+from fedmpi.algorithms.fedlagc import FedLAGC
+from fedmpi.algorithms.heterofl import HeteroFL
+from fedmpi.algorithms.submodel import (Extractor, Submodel, integer_counts, keep_ratios,
+                                        layer_importance, ste_factor)
+from fedmpi.comm import Comm
+from fedmpi.config import config_from_dict
+from fedmpi.errors import ConfigError
+from fedmpi.flat import FlatModel
+from fedmpi.log import read
+from fedmpi.models import build_model
+from fedmpi.runtime import Federation, stream_seed
+
+LEVELS = [1.0, 0.25, 0.0625]
+
+
+class Tiny(nn.Module):
+    """input Linear(4→6) · norm · Linear(6→5) (prunable) · head Linear(5→3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 6)
+        self.norm = nn.LayerNorm(6)
+        self.mid = nn.Linear(6, 5)
+        self.classifier = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.relu(self.mid(torch.relu(self.norm(self.inp(x))))))
+
+    def head_parameter_names(self) -> list[str]:
+        return ["classifier.weight", "classifier.bias"]
+
+
+def cfg(**over):
+    d = {"name": "lagc", "seed": 1, "runtime": {"progress": False, "device": "cpu", "threads": 1},
+         "data": {"num_clients": 3, "partition": {"method": "iid", "min_size": 5},
+                  "validation": {"fraction": 0.0}},
+         "model": {"name": "cnn", "norm": "static_bn"},
+         "train": {"rounds": 8, "local_steps": 2, "batch_size": 16, "lr": 0.05, "momentum": 0.5},
+         "algorithm": {"name": "fedlagc"},
+         "system": {"levels": LEVELS, "allocation": [1, 1, 1]}}
+    for key, value in over.items():
+        node = d
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return config_from_dict(d)
+
+
+# --------------------------------------------------------------------- budgets
+def test_keep_ratios_clip_and_redistribute_by_hand():
+    """S̃ = [.6,.3,.1], d = [10,100,1000], B = 500: r = S̃·500/136 = [2.21, 1.10, .37];
+    clip layer 0 → 490 left over S̃d = 130: r_1 = .3·490/130 = 1.13 → clip;
+    390 left for layer 2: r_2 = .39. Σ r d = 500."""
+    r = keep_ratios(np.array([0.6, 0.3, 0.1]), np.array([10, 100, 1000]), 500)
+    np.testing.assert_allclose(r, [1.0, 1.0, 0.39], rtol=1e-12)
+    # no clipping needed: exactly the paper's formula
+    r = keep_ratios(np.array([0.5, 0.5]), np.array([100, 300]), 100)
+    np.testing.assert_allclose(r, [0.25, 0.25])
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        s = rng.dirichlet(np.ones(6)) ** 3
+        d = rng.integers(5, 500, 6).astype(float)
+        budget = float(rng.uniform(1, d.sum()))
+        r = keep_ratios(s / s.sum(), d, budget)
+        assert (r <= 1).all() and (r >= 0).all()
+        assert abs((r * d).sum() - budget) < 1e-6 * budget
+        k = integer_counts(r, d, int(budget))
+        assert k.sum() == int(budget) and (k <= d).all() and (k >= 0).all()
+
+
+def test_layer_importance_log_normalisation():
+    theta = torch.tensor([1.0, -1.0, 3.0, -3.0, 3.0])
+    flat = FlatModel(nn.Linear(1, 1))  # only for Segment objects
+    from fedmpi.flat import Segment
+    segs = [Segment("a", 0, 2, (2,), True), Segment("b", 2, 3, (3,), True)]
+    s = layer_importance(theta, segs)
+    np.testing.assert_allclose(s, [math.log(2) / (math.log(2) + math.log(4)),
+                                   math.log(4) / (math.log(2) + math.log(4))])
+    np.testing.assert_allclose(layer_importance(theta, segs, log_normalize=False), [0.25, 0.75])
+    np.testing.assert_allclose(layer_importance(theta, segs, "equal"), [0.5, 0.5])
+    del flat
+
+
+def _cnn_flat(seed: int = 0) -> FlatModel:
+    torch.manual_seed(seed)
+    return FlatModel(build_model("cnn", (1, 8, 8), 10, "static_bn"))
+
+
+def test_layer_adaptive_masks_exact_counts_and_critical_set():
+    flat = _cnn_flat()
+    theta = flat.vector.clone()
+    ex = Extractor(flat, "layer_adaptive")
+    names = [s.name for s in ex.prunable]
+    assert names == ["body.4.weight", "body.8.weight", "body.12.weight"]   # not input, head, BN
+    for r in LEVELS + [0.1]:
+        sub = ex.extract(theta, r, 0)
+        budget = math.floor(r * flat.num_params) - ex.critical_size
+        counts = integer_counts(ex.ratios(theta, r), ex.prunable_sizes, budget)
+        ratios = ex.ratios(theta, r)
+        assert abs((ratios * ex.prunable_sizes).sum() - budget) < 1e-6 * budget
+        assert int(sub.mask.sum()) == math.floor(r * flat.num_params)
+        for seg, critical in zip(ex.segments, ex.critical):
+            m = sub.mask[seg.slice]
+            if critical:
+                assert bool((m == 1).all()), seg.name
+                continue
+            k = int(counts[names.index(seg.name)])
+            assert int(m.sum()) == k
+            mag = theta[seg.slice].abs()
+            if 0 < k < seg.numel:    # top-k by magnitude, threshold = smallest kept
+                assert float(mag[m == 1].min()) >= float(mag[m == 0].max())
+                assert float(sub.threshold[seg.offset]) == float(mag[m == 1].min())
+
+
+def test_global_threshold_masks_fiarse():
+    flat = _cnn_flat(1)
+    theta = flat.vector.clone()
+    ex = Extractor(flat, "global")
+    sub = ex.extract(theta, 0.25, 0)
+    assert int(sub.mask.sum()) == math.floor(0.25 * flat.num_params)
+    kept = torch.cat([theta[s.slice].abs()[sub.mask[s.slice] == 1] for s in ex.prunable])
+    dropped = torch.cat([theta[s.slice].abs()[sub.mask[s.slice] == 0] for s in ex.prunable])
+    assert float(kept.min()) >= float(dropped.max())
+    assert float(sub.threshold[ex.prunable[0].offset]) == float(kept.min())
+
+
+def test_width_masks_nested_and_rolling():
+    flat = _cnn_flat()
+    seg = flat.segment("body.4.weight")          # [64, 32, 3, 3]
+    nested = Extractor(flat, "nested")
+    m = nested.extract(flat.vector, 0.25, 0).mask[seg.slice].view(64, 32, 3, 3)
+    assert int(m.sum()) == 32 * 16 * 9 and bool(m[:32, :16].all())
+    small = nested.extract(flat.vector, 0.0625, 5).mask
+    assert bool((small <= nested.extract(flat.vector, 0.25, 5).mask).all())   # nested
+    head = flat.segment("classifier.weight")      # [10, 256]: all classes, first 128 features
+    mh = nested.extract(flat.vector, 0.25, 0).mask[head.slice].view(10, 256)
+    assert bool(mh[:, :128].all()) and not bool(mh[:, 128:].any())
+    rolling = Extractor(flat, "rolling")
+    r3 = rolling.extract(flat.vector, 0.25, 3).mask[seg.slice].view(64, 32, 3, 3)
+    assert bool(r3[3:35, 3:19].all()) and int(r3.sum()) == 32 * 16 * 9
+    r30 = rolling.extract(flat.vector, 0.25, 30).mask[seg.slice].view(64, 32, 3, 3)
+    assert bool(r30[30:62][:, list(range(30, 32)) + list(range(0, 14))].all())   # wraps in 32
+    assert int(r30.sum()) == 32 * 16 * 9
+
+
+def test_impossible_budget_rejected():
+    flat = _cnn_flat()
+    with pytest.raises(ConfigError, match=r"system\.levels.*level 0\.001 .*critical"):
+        FedLAGC(cfg(**{"system.levels": [1.0, 0.25, 0.001]}), flat, 3)
+    with pytest.raises(ConfigError, match="system.levels"):
+        FedLAGC(cfg(**{"system.levels": None, "system.allocation": None}), flat, 3)
+    # the boundary: a budget of exactly one prunable entry is accepted
+    ex = Extractor(flat, "layer_adaptive")
+    r = (ex.critical_size + 1) / flat.num_params
+    ex.check_levels([r], "cnn")
+    assert int(ex.extract(flat.vector, r, 0).mask.sum()) == ex.critical_size + 1
+    with pytest.raises(ConfigError):
+        ex.check_levels([ex.critical_size / flat.num_params], "cnn")
+
+
+# ------------------------------------------------------------- client rule
+def _tiny_algo(**over) -> tuple[FedLAGC, FlatModel]:
+    torch.manual_seed(0)
+    flat = FlatModel(Tiny())
+    c = cfg(**{"system.levels": [1.0, 0.85], "system.allocation": [1, 2], **over})
+    return FedLAGC(c, flat, 3), flat
+
+
+def test_ste_gradient_and_correction_match_autograd():
+    """grad_hook gives (∇F(θ⊙M) ⊙ M ⊙ (1 + 2|θ|θ̃/(|θ|+θ̃)²) − h λ) ⊙ M; the STE part is
+    checked against autograd of (θ + φ(θ) − φ(θ))⊙M (φ detached once, so the value is θ⊙M
+    and the gradient φ'(θ)⊙M) with φ' = the factor:
+    φ(w) = w + sgn(w)·(2θ̃ log(|w|+θ̃) + 2θ̃²/(|w|+θ̃))."""
+    algo, flat = _tiny_algo()
+    state = flat.vector.clone()
+    sub = algo.submodel(state, 1, 0)
+    mid = flat.segment("mid.weight")
+    m = sub.mask[mid.slice]
+    assert 0 < int(m.sum()) < mid.numel          # the tiny prunable layer is really pruned
+    thr = float(sub.threshold[mid.offset])
+    x, y = torch.randn(7, 4), torch.tensor([0, 1, 2, 0, 1, 2, 0])
+
+    # reference by autograd on an independent module
+    ref = Tiny()
+    ref.load_state_dict(flat.model.state_dict())
+    w = state[mid.slice].view(5, 6).clone().requires_grad_(True)
+    mm = m.view(5, 6)
+    phi = w + torch.sign(w) * (2 * thr * torch.log(w.abs() + thr) + 2 * thr ** 2 / (w.abs() + thr))
+    w_eff = (w.detach() + phi - phi.detach()) * mm      # value θ⊙M, gradient φ'⊙M
+    h = torch.relu(ref.norm(ref.inp(x)))
+    out = ref.classifier(torch.relu(F.linear(h, w_eff, ref.mid.bias)))
+    F.cross_entropy(out, y).backward()
+    expected_ste = w.grad.reshape(-1)
+    # the closed form agrees with autograd of the antiderivative
+    a = state[mid.slice].abs()
+    torch.testing.assert_close(ste_factor(state[mid.slice], sub.threshold[mid.slice]),
+                               1 + 2 * a * thr / (a + thr) ** 2)
+
+    # the method's hook on the flat model
+    lam = torch.randn(flat.num_params)
+    algo._lam[0] = lam.clone()
+    task = ClientTask(0, 1, torch.arange(3), 0)
+    algo._sub, algo._flat = sub, flat
+    flat.load(state * sub.mask)
+    flat.zero_grad()
+    F.cross_entropy(flat.model(x), y).backward()
+    hooks = algo.hooks(task, state * sub.mask, torch.zeros(0))
+    with torch.no_grad():
+        hooks.grad_hook(flat)
+    got = flat.grad[mid.slice]
+    h_t = algo.h(1)
+    assert h_t == 1.0
+    torch.testing.assert_close(got, (expected_ste - h_t * lam[mid.slice]) * m, atol=1e-6, rtol=1e-5)
+    # critical entries: plain gradient minus correction (factor 1, mask 1)
+    inp = flat.segment("inp.weight")
+    flat.zero_grad()
+    F.cross_entropy(flat.model(x), y).backward()
+    plain = flat.grad[inp.slice].clone()
+    with torch.no_grad():
+        hooks.grad_hook(flat)
+    torch.testing.assert_close(flat.grad[inp.slice], plain - lam[inp.slice])
+
+
+def test_h_switches_off_at_quarter_of_rounds():
+    for rounds, switch in ((8, 2), (9, 2), (12, 3), (3, 0)):
+        algo, _ = _tiny_algo(**{"train.rounds": rounds})
+        assert [algo.h(t) for t in range(rounds)] == [1.0] * switch + [0.0] * (rounds - switch)
+
+
+def test_lambda_update_rule_and_pruned_entries_stay_zero():
+    """After local training λ ← λ + β (θ_after − θ⊙M) ⊙ M, and θ_after is 0 off M."""
+    fed = Federation(cfg(), Comm())
+    algo = fed.algo
+    state = fed.global_state.clone()
+    out = {"delta": torch.zeros(fed.D)}
+    for rnd in (0, 1):
+        k = 2    # level 1/16
+        before = algo._lam.get(k, torch.zeros(fed.flat.num_params)).clone()
+        task = ClientTask(k, rnd, fed.client_idx[k], stream_seed(1, k, rnd))
+        algo.client_update(task, fed.trainer, state, torch.zeros(0), out)
+        sub = algo.submodel(state, 2, rnd)
+        theta_after = fed.flat.vector.clone()
+        assert bool((theta_after[sub.mask == 0] == 0).all())     # pruned entries stay 0
+        moved = (theta_after - state * sub.mask) * sub.mask
+        torch.testing.assert_close(out["delta"], moved)
+        assert float(moved.abs().sum()) > 0
+        P = fed.flat.num_params
+        torch.testing.assert_close(algo._lam[k], before + 0.1 * moved[:P])
+        assert bool((algo._lam[k][sub.mask[:P] == 0] == before[sub.mask[:P] == 0]).all())
+    # w/o GC: no λ at all
+    fed2 = Federation(cfg(**{"algorithm.fedlagc.correction": False}), Comm())
+    task = ClientTask(2, 0, fed2.client_idx[2], stream_seed(1, 2, 0))
+    fed2.algo.client_update(task, fed2.trainer, fed2.global_state.clone(), torch.zeros(0), out)
+    assert fed2.algo.client_state(2) == {}
+
+
+# ------------------------------------------------------------- server rule
+def test_overlap_aware_average_three_clients_by_hand():
+    """θ_i ← θ_i + Σ_n M_{n,i} Δ_{n,i} / #{n: M_{n,i} = 1}; untouched where no mask."""
+    torch.manual_seed(0)
+    flat = FlatModel(Tiny())
+    c = cfg(**{"algorithm.name": "heterofl", "system.levels": [1.0, 0.5, 0.25],
+               "system.allocation": [1, 1, 1]})
+    algo = HeteroFL(c, flat, 3)
+    D = flat.size
+    theta = torch.randn(D)
+    g = torch.Generator().manual_seed(5)
+    masks = [(torch.rand(D, generator=g) < p).float() for p in (0.9, 0.5, 0.3)]
+    masks[0][:3] = 1; masks[1][:3] = 1; masks[2][:3] = 1        # coordinates 0-2: all three
+    masks[0][3] = 1; masks[1][3] = 0; masks[2][3] = 0            # coordinate 3: client 0 only
+    for m in masks:
+        m[4] = 0                                                  # coordinate 4: nobody
+    deltas = [torch.randn(D, generator=g) for _ in range(3)]
+    for v, m in enumerate(masks):        # inject the masks: level v for client v in round 0
+        algo._cache[(0, v)] = Submodel(m, None, np.zeros(len(algo.extractor.segments), int))
+    agg = {"delta": sum(m * d for m, d in zip(masks, deltas))}
+    info = RoundInfo(round=0, clients=np.array([0, 1, 2]), weights=np.full(3, 1 / 3),
+                     num_samples=np.ones(3), steps=np.ones(3), num_clients=3, num_selected=3)
+    new = theta.clone()
+    algo.server_update(new, agg, info)
+    expected = theta.numpy().astype(np.float64).copy()
+    for i in range(D):
+        trained = [float(deltas[n][i]) for n in range(3) if masks[n][i] == 1]
+        if trained:
+            expected[i] += sum(trained) / len(trained)
+    np.testing.assert_allclose(new.numpy(), expected, atol=1e-6)
+    np.testing.assert_allclose(float(new[0]), float(theta[0] + (deltas[0][0] + deltas[1][0]
+                                                                 + deltas[2][0]) / 3), atol=1e-6)
+    assert float(new[3]) == pytest.approx(float(theta[3] + deltas[0][3]), abs=1e-6)
+    assert float(new[4]) == float(theta[4])
+
+
+# ------------------------------------------------------------------- MPI run
+@pytest.mark.mpi
+def test_world_size_invariance_and_log(tmp_path):
+    args = ["run", "configs/fedlagc_digits.yaml", "--set", "train.rounds=3",
+            "--set", "data.num_clients=6", "--set", "system.allocation=[1,2,1,2]",
+            "--set", "train.clients_per_round=4", "--set", "train.local_epochs=1",
+            "--set", "runtime.threads=1", "--set", "runtime.progress=false"]
+    logs, models = {}, {}
+    for n in (1, 3):
+        out = tmp_path / f"n{n}"
+        run_fedmpi([*args, "--out", str(out)], n=n)
+        logs[n] = read(out / "log.h5")
+        models[n] = torch.load(out / "model.pt", weights_only=True)
+    for key, ref in models[1].items():
+        if ref.is_floating_point():
+            torch.testing.assert_close(models[3][key], ref, atol=1e-5, rtol=0, msg=key)
+    log = logs[1]
+    lv = log.arrays["submodel/level_accuracy"]
+    np.testing.assert_allclose(logs[3].arrays["submodel/level_accuracy"], lv, atol=1e-5)
+    assert lv.shape == (3, 4)
+    np.testing.assert_allclose(log.rounds["test_accuracy"], lv.mean(axis=1), atol=1e-12)
+    np.testing.assert_array_equal(log.arrays["submodel/levels"], [1, 0.25, 0.0625, 0.015625])
+    np.testing.assert_array_equal(log.clients["level"], [0, 1, 1, 2, 3, 3])
+    # bytes: 4 × kept entries of each selected client's level (static BN: no buffers)
+    kr = log.arrays["submodel/keep_ratio"]                     # [R, V, L]
+    names = [n.decode() if isinstance(n, bytes) else n for n in log.arrays["submodel/layer_names"]]
+    sizes = np.array([models[1][n].numel() for n in names])
+    kept = np.rint(kr * sizes).sum(axis=2)                     # [R, V]
+    sel = log.clients["selected"]
+    expect = [4 * kept[t, log.clients["level"][sel[t]]].sum() for t in range(3)]
+    np.testing.assert_array_equal(log.rounds["bytes_up"], expect)
+    np.testing.assert_array_equal(log.rounds["bytes_down"], expect)
+    full = 4 * sizes.sum() * sel.sum(axis=1)
+    assert (log.rounds["bytes_up"] < full).all()
+    np.testing.assert_allclose(kept[:, 0], sizes.sum())        # level 1 keeps everything
+    assert log.rounds["test_accuracy"][-1] > 0.3
