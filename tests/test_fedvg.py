@@ -1,0 +1,369 @@
+"""FedVG weighting against hand-computed math, validation-set options, composition, MPI."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import SMALL, run_fedmpi
+from fedmpi.algorithms import ALGORITHMS
+from fedmpi.algorithms.fedvg import FedVG, block_of, fedvg_scores, layer_norms
+from fedmpi.comm import Comm
+from fedmpi.config import config_from_dict
+from fedmpi.data import synthetic_dataset
+from fedmpi.data.validation import (CIFAR100_CLASSES, CLASS_MAPS, build_validation,
+                                    imbalanced_counts)
+from fedmpi.errors import ConfigError, DataError
+from fedmpi.log import read
+from fedmpi.runtime import Federation
+
+
+def cfg_dict(**over) -> dict:
+    d = {"name": "fedvg", "seed": 5, "runtime": {"progress": False, "device": "cpu", "threads": 1},
+         "data": {"num_clients": 4, "partition": {"method": "dirichlet", "alpha": 0.5, "min_size": 5},
+                  "validation": {"fraction": 0.1}},
+         "model": {"name": "lenet"},
+         "aggregation": {"weighting": "fedvg"},
+         "train": {"rounds": 1, "local_steps": 2, "batch_size": 16, "lr": 0.1}}
+    for key, value in over.items():
+        node = d
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return d
+
+
+def make_fed(**over) -> Federation:
+    return Federation(config_from_dict(cfg_dict(**over)), Comm())
+
+
+def rows_from(fed: Federation, deltas: torch.Tensor) -> torch.Tensor:
+    """Gather-row layout for the algorithm's per-client stats with only ``delta`` filled."""
+    rows = torch.zeros(deltas.shape[0], fed.layout.row_size)
+    off = next(o for s, o in fed.layout.gathered if s.name == "delta")
+    rows[:, off:off + fed.D] = deltas
+    return rows
+
+
+def hand_val_norms(fed: Federation, theta_k: torch.Tensor) -> np.ndarray:
+    """l1 norm per parameter tensor of ∇ mean-CE over the whole validation set (one batch)."""
+    model = copy.deepcopy(fed.flat.model)
+    with torch.no_grad():
+        for (_, p), seg in zip(model.named_parameters(), fed.flat.param_segments):
+            p.copy_(theta_k[seg.slice].view(seg.shape))
+    model.train()
+    idx = torch.as_tensor(fed.partition.validation_indices)
+    x = fed.data.prepare(fed.data.x_train[idx], train=False)
+    loss = F.cross_entropy(model(x), fed.data.y_train[idx])
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    return np.array([float(g.abs().sum()) for g in grads])
+
+
+# ------------------------------------------------------------------ weights
+def test_identical_client_models_get_uniform_weights():
+    fed = make_fed()
+    delta = 0.01 * torch.randn(fed.D, generator=torch.Generator().manual_seed(0))
+    s = fed.weighting.weights(fed, np.arange(4), rows_from(fed, delta.repeat(4, 1)))
+    np.testing.assert_allclose(s, 0.25, atol=1e-12)
+
+
+def test_weights_match_hand_formula_and_larger_norm_gets_smaller_weight():
+    """s_k = (1/(Ḡ_k+ε)) / Σ_j 1/(Ḡ_j+ε), Ḡ_k = mean_ℓ ‖∇_ℓ L_val(θ + Δ_k)‖₁ (Eqs. 4–5)."""
+    fed = make_fed()
+    gen = torch.Generator().manual_seed(1)
+    theta = fed.global_state.clone()
+    deltas = torch.stack([0.02 * torch.randn(fed.D, generator=gen) * (k + 1) for k in range(3)])
+    clients = np.array([0, 2, 3])
+    s = fed.weighting.weights(fed, clients, rows_from(fed, deltas))
+    gbar = np.array([hand_val_norms(fed, theta + d).mean() for d in deltas])
+    inv = 1.0 / (gbar + 1e-8)
+    np.testing.assert_allclose(s, inv / inv.sum(), rtol=1e-4)
+    assert s.sum() == pytest.approx(1.0)
+    order = np.argsort(gbar)                       # larger Ḡ → strictly smaller weight
+    assert np.all(np.diff(s[order]) < 0)
+    logged = fed.weighting.log_arrays()["fedvg/grad_norm"]
+    assert np.isnan(logged[1]).all() and np.isfinite(logged[clients]).all()
+    np.testing.assert_allclose(logged[clients].mean(1), gbar, rtol=1e-4)
+    assert np.isnan(fed.weighting.log_arrays()["fedvg/grad_norm"]).all()   # reset per round
+
+
+def test_fedvg_avg_mixes_sample_weights():
+    fed = make_fed(**{"aggregation.weighting": "fedvg_avg"})
+    gen = torch.Generator().manual_seed(2)
+    deltas = torch.stack([0.05 * torch.randn(fed.D, generator=gen) for _ in range(4)])
+    s = fed.weighting.weights(fed, np.arange(4), rows_from(fed, deltas))
+    ref = make_fed()
+    s_vg = ref.weighting.weights(ref, np.arange(4), rows_from(ref, deltas))
+    nk = fed.num_samples / fed.num_samples.sum()
+    np.testing.assert_allclose(s, (s_vg + nk) / 2, rtol=1e-6)
+
+
+def test_scores_formula_and_nonfinite():
+    np.testing.assert_allclose(fedvg_scores(np.array([[1.0], [3.0]]), 0.0)[:, 0], [0.75, 0.25])
+    s = fedvg_scores(np.array([[1.0, np.inf], [np.nan, np.inf]]), 1e-8)
+    np.testing.assert_allclose(s, [[1.0, 0.5], [0.0, 0.5]])
+
+
+@pytest.mark.parametrize("granularity", ["layer", "block"])
+def test_layer_and_block_weights_sum_to_one_and_apply_per_segment(granularity):
+    fed = make_fed(**{"model.name": "cnn", "aggregation.fedvg.granularity": granularity})
+    w = fed.weighting
+    gen = torch.Generator().manual_seed(3)
+    deltas = torch.stack([0.05 * torch.randn(fed.D, generator=gen) * (1 + k) for k in range(3)])
+    clients = np.array([0, 1, 3])
+    s = w.weights(fed, clients, rows_from(fed, deltas))
+    S = w._S
+    assert S.shape == (3, w.G)
+    np.testing.assert_allclose(S.sum(0), 1.0, atol=1e-12)       # per layer/block
+    np.testing.assert_allclose(s, S.mean(1))
+    assert s.sum() == pytest.approx(1.0)
+    # by hand: the group mean of the logged layer norms, then E.14–E.15 / E.19–E.20
+    norms = w._norms[clients]
+    names = w.layer_names
+    groups = names if granularity == "layer" else [block_of(fed.flat.model, n) for n in names]
+    for g, gname in enumerate(w.group_names):
+        members = [i for i, n in enumerate(groups) if n == gname]
+        inv = 1.0 / (norms[:, members].mean(1) + 1e-8)
+        np.testing.assert_allclose(S[:, g], inv / inv.sum(), rtol=1e-9)
+    if granularity == "block":
+        assert w.group_names == ["stage1", "stage2", "stage3", "stage4", "head"]
+    # combination: every segment (params and BN buffers) gets its group's weights
+    agg = w.combine(s, deltas)
+    col = {n: g for g, n in enumerate(w.group_names)}
+    for seg in fed.flat.segments:
+        if granularity == "layer":
+            owner = seg.name if seg.is_param else seg.name.rpartition(".")[0] + ".weight"
+        else:
+            owner = block_of(fed.flat.model, seg.name)
+        sk = torch.as_tensor(S[:, col[owner]], dtype=torch.float32)
+        torch.testing.assert_close(agg[seg.slice], sk @ deltas[:, seg.slice], atol=1e-7, rtol=1e-6)
+    # a non-layout statistic (other size) uses the summary weight s_k
+    other = torch.randn(3, 7, generator=gen)
+    torch.testing.assert_close(w.combine(s, other), torch.as_tensor(s, dtype=torch.float32) @ other)
+
+
+def test_resnet_blocks():
+    fed = make_fed(**{"model.name": "resnet18", "aggregation.fedvg.granularity": "block",
+                      "aggregation.fedvg.norm": "delta"})
+    assert fed.weighting.group_names == ["stem", "layer1.0", "layer1.1", "layer2.0", "layer2.1",
+                                         "layer3.0", "layer3.1", "layer4.0", "layer4.1", "head"]
+
+
+def test_delta_norm_needs_no_validation_pass(monkeypatch):
+    fed = make_fed(**{"aggregation.fedvg.norm": "delta", "data.validation.fraction": 0.0})
+    w = fed.weighting
+    assert w.val is None
+    monkeypatch.setattr(w.scratch.model, "forward", lambda *a: pytest.fail("forward called"))
+    gen = torch.Generator().manual_seed(4)
+    deltas = torch.stack([0.1 * torch.randn(fed.D, generator=gen) * (k + 1) for k in range(4)])
+    s = w.weights(fed, np.arange(4), rows_from(fed, deltas))
+    gbar = np.array([np.mean([float(d[seg.slice].abs().sum()) for seg in fed.flat.param_segments])
+                     for d in deltas])
+    inv = 1 / (gbar + 1e-8)
+    np.testing.assert_allclose(s, inv / inv.sum(), rtol=1e-5)
+    assert np.all(np.diff(s) < 0)
+
+
+def test_l2_and_spectral_norms():
+    from fedmpi.flat import Segment
+
+    v = torch.tensor([3.0, 4.0, 1.0, 0.0, 0.0, 2.0, -1.0])
+    segs = (Segment("a", 0, 2, (2,), True), Segment("b", 2, 4, (2, 2), True),
+            Segment("c", 6, 1, (1,), True))
+    np.testing.assert_allclose(layer_norms(v, segs, "l2").numpy(), [5.0, 5 ** 0.5, 1.0], rtol=1e-6)
+    np.testing.assert_allclose(layer_norms(v, segs, "l1").numpy(), [7.0, 3.0, 1.0], rtol=1e-6)
+    # [[1, 0], [0, 2]] has largest singular value 2; 1-d tensors use l2
+    np.testing.assert_allclose(layer_norms(v, segs, "spectral").numpy(), [5.0, 2.0, 1.0], rtol=1e-6)
+
+
+def test_scoring_leaves_global_bn_statistics_unchanged():
+    fed = make_fed(**{"model.name": "cnn", "aggregation.fedvg.batch_size": 50})
+    theta = fed.global_state.clone()
+    bufs = [s for s in fed.flat.segments if not s.is_param]
+    assert bufs  # the CNN has BN running statistics
+    gen = torch.Generator().manual_seed(6)
+    deltas = torch.stack([0.1 * torch.randn(fed.D, generator=gen) for _ in range(2)])
+    fed.weighting.weights(fed, np.arange(2), rows_from(fed, deltas))
+    torch.testing.assert_close(fed.global_state, theta, atol=0, rtol=0)
+    scratch = fed.weighting.scratch.vector            # the scored θ_k's buffers too
+    for seg in bufs:
+        torch.testing.assert_close(scratch[seg.slice], (theta + deltas[1])[seg.slice])
+    # and a whole round keeps buffers = Σ_k s_k (buffers of θ_k), nothing else
+    fed.round(0)
+    assert torch.isfinite(fed.global_state).all()
+
+
+def test_scale_adversary_gets_smallest_weight():
+    """Δ_2 ← 10·Δ_2 (model-boosting attack): its validation gradient is the largest."""
+    fed = make_fed(**{"adversary.clients": [2], "adversary.kind": "scale",
+                      "adversary.factor": 10.0, "train.local_steps": 5})
+    captured = {}
+    orig = fed.weighting.weights
+
+    def spy(f, clients, rows):
+        s = orig(f, clients, rows)
+        captured["s"], captured["clients"] = s, list(clients)
+        return s
+
+    fed.weighting.weights = spy
+    fed.round(0)
+    s = captured["s"]
+    assert captured["clients"] == [0, 1, 2, 3]
+    assert int(np.argmin(s)) == 2 and s[2] < 0.5 * np.delete(s, 2).min()
+
+
+# ------------------------------------------------------------- composition
+COMPOSABLE = ["fedavg", "fedprox", "fedavgm", "scaffold", "feddyn", "elastic"]
+
+
+@pytest.mark.parametrize("algo", COMPOSABLE)
+@pytest.mark.parametrize("granularity", ["model", "layer"])
+def test_fedvg_substitutes_weights_of_every_weighted_stat(algo, granularity):
+    """Every weighted statistic of the method reaches server_update as Σ_k s_k^{(g)} x_k."""
+    if algo not in ALGORITHMS:
+        pytest.skip(f"{algo} not implemented in this tree")
+    fed = make_fed(**{"algorithm.name": algo, "model.name": "cnn",
+                      "aggregation.fedvg.granularity": granularity})
+    weighted = [s for s, _ in fed.layout.gathered]
+    assert any(s.name == "delta" for s in weighted)
+    seen = {}
+    orig_w, orig_u = fed.weighting.weights, fed.algo.server_update
+
+    def spy_w(f, clients, rows):
+        s = orig_w(f, clients, rows)
+        seen["rows"], seen["s"], seen["S"] = rows.clone(), s, fed.weighting._S.copy()
+        return s
+
+    def spy_u(state, agg, info):
+        seen["agg"] = {k: v.clone() for k, v in agg.items()}
+        seen["info"] = info
+        return orig_u(state, agg, info)
+
+    fed.weighting.weights, fed.algo.server_update = spy_w, spy_u
+    fed.round(0)
+    np.testing.assert_allclose(seen["info"].weights, seen["s"])
+    rows, S = seen["rows"], seen["S"]
+    for stat, off in fed.layout.gathered:
+        x = rows[:, off:off + stat.size]
+        got = seen["agg"][stat.name]
+        if granularity == "model" or stat.size not in (fed.D, fed.flat.num_params):
+            want = torch.as_tensor(seen["s"], dtype=torch.float32) @ x
+        else:
+            want = torch.empty(stat.size)
+            for a, b, g in fed.weighting.spans:
+                if a < stat.size:
+                    Sg = S[:, g] if g < S.shape[1] else S.mean(1)
+                    want[a:min(b, stat.size)] = torch.as_tensor(Sg, dtype=torch.float32) @ x[:, a:min(b, stat.size)]
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=f"{algo}: {stat.name}")
+
+
+# -------------------------------------------------------- validation set
+def test_holdout_validation_is_the_partition_holdout():
+    fed = make_fed()
+    val = fed.weighting.val
+    idx = fed.partition.validation_indices
+    assert len(val) == len(idx) > 0 and val.source == "holdout"
+    torch.testing.assert_close(val.x, fed.data.prepare(fed.data.x_train[torch.as_tensor(idx)], train=False))
+    assert not set(idx) & set(np.concatenate(fed.partition.client_indices))
+
+
+def test_size_fraction_and_imbalance():
+    cfg = config_from_dict(cfg_dict(**{"data.validation.fraction": 0.3,
+                                       "data.validation.size_fraction": 0.5}))
+    fed_full = make_fed(**{"data.validation.fraction": 0.3})
+    full = fed_full.weighting.val
+    data = fed_full.data
+    half = build_validation(cfg, data, fed_full.partition.validation_indices, torch.device("cpu"))
+    np.testing.assert_array_less(np.abs(half.class_counts - full.class_counts / 2), 1.01)
+    # ρ = 0.5 over 10 classes, N' = ⌊|D_val|/2⌋: s_i = ⌊0.5^i / Σ_j 0.5^j · N'⌋ (clipped)
+    assert list(imbalanced_counts(np.full(4, 100), 0.5, 150)) == [80, 40, 20, 10]
+    assert list(imbalanced_counts(np.array([30, 100, 100, 100]), 0.5, 150)) == [30, 40, 20, 10]
+    cfg = config_from_dict(cfg_dict(**{"data.validation.fraction": 0.3, "data.validation.rho": 0.5}))
+    imb = build_validation(cfg, data, fed_full.partition.validation_indices, torch.device("cpu"))
+    want = imbalanced_counts(full.class_counts, 0.5, len(full) // 2)
+    np.testing.assert_array_equal(imb.class_counts, want)
+    assert want[1] > want[2] > want[3] and want[0] == full.class_counts[0]  # class 0 clipped
+
+
+def _fake_loader(num_classes: int, name: str, size: int = 16, per_class: int = 30):
+    def load(source, root, download):
+        d = synthetic_dataset(num_train=per_class * num_classes, num_test=num_classes * 2,
+                              num_classes=num_classes, shape=(3, size, size), seed=7)
+        d.name = name
+        return d
+    return load
+
+
+def test_external_stl10_maps_to_cifar10_balanced():
+    assert CLASS_MAPS[("stl10", "cifar10")] == {0: 0, 2: 1, 1: 2, 3: 3, 4: 4, 5: 5, 6: 7, 8: 8, 9: 9}
+    cifar = synthetic_dataset(num_train=200, num_test=20, num_classes=10, shape=(3, 8, 8), seed=1)
+    cifar.name = "cifar10"
+    cfg = config_from_dict(cfg_dict(**{"data.validation.source": "stl10",
+                                       "data.validation.per_class": 12,
+                                       "data.dataset": "cifar10"}))
+    val = build_validation(cfg, cifar, np.zeros(0, dtype=np.int64), torch.device("cpu"),
+                           loader=_fake_loader(10, "stl10"))
+    assert val.x.shape[1:] == (3, 8, 8)                       # resized to the federation's size
+    assert list(val.class_counts) == [12, 12, 12, 12, 12, 12, 0, 12, 12, 12]   # no frog
+    with pytest.raises(DataError, match="per_class"):
+        build_validation(cfg.replace(**{"data.validation.per_class": 10_000}), cifar,
+                         np.zeros(0, dtype=np.int64), torch.device("cpu"),
+                         loader=_fake_loader(10, "stl10"))
+
+
+def test_external_cifar100_map():
+    assert list(CIFAR100_CLASSES) == sorted(CIFAR100_CLASSES) and len(CIFAR100_CLASSES) == 100
+    m = CLASS_MAPS[("cifar100", "cifar10")]
+    named = {CIFAR100_CLASSES[s]: t for s, t in m.items()}
+    assert named == {"bus": 1, "motorcycle": 1, "leopard": 3, "lion": 3, "tiger": 3,
+                     "wolf": 5, "fox": 5}
+    cifar = synthetic_dataset(num_train=200, num_test=20, num_classes=10, shape=(3, 8, 8), seed=1)
+    cifar.name = "cifar10"
+    cfg = config_from_dict(cfg_dict(**{"data.validation.source": "cifar100", "data.dataset": "cifar10",
+                                       "data.validation.per_class": 20}))
+    val = build_validation(cfg, cifar, np.zeros(0, dtype=np.int64), torch.device("cpu"),
+                           loader=_fake_loader(100, "cifar100", size=8, per_class=10))
+    assert list(np.flatnonzero(val.class_counts)) == [1, 3, 5]
+    assert set(val.class_counts[[1, 3, 5]]) == {20}
+
+
+def test_bad_validation_configs_are_user_errors(tmp_path):
+    with pytest.raises(ConfigError, match="data.validation.source"):
+        build_validation(config_from_dict(cfg_dict(**{"data.validation.source": "digits"})),
+                         synthetic_dataset(), np.zeros(0, dtype=np.int64), torch.device("cpu"))
+    with pytest.raises(ConfigError, match="bf16"):
+        make_fed(**{"aggregation.fedvg.bf16": True})
+    proc = run_fedmpi(["run", "configs/quickstart.yaml", "--set", "aggregation.weighting=fedvg",
+                       "--set", "data.validation.rho=1.5", "--out", str(tmp_path / "x")],
+                      n=0, check=False)
+    assert proc.returncode == 2 and "data.validation.rho" in proc.stderr
+
+
+# --------------------------------------------------------------------- MPI
+@pytest.mark.mpi
+def test_world_size_invariance_with_fedvg(tmp_path):
+    """Same weights, trajectory and final model under -n 1 and -n 3 (1e-5)."""
+    logs, models = {}, {}
+    for n in (1, 3):
+        out = tmp_path / f"n{n}"
+        run_fedmpi(["run", "configs/fedvg_digits.yaml", *SMALL, "--set", "runtime.threads=1",
+                    "--set", "aggregation.fedvg.granularity=block", "--out", str(out)], n=n)
+        logs[n] = read(out / "log.h5")
+        models[n] = torch.load(out / "model.pt", weights_only=True)
+    np.testing.assert_allclose(logs[3].clients["weight"], logs[1].clients["weight"], atol=1e-5)
+    np.testing.assert_allclose(logs[3].rounds["test_accuracy"], logs[1].rounds["test_accuracy"],
+                               atol=1e-5)
+    for key, ref in models[1].items():
+        if ref.is_floating_point():
+            torch.testing.assert_close(models[3][key], ref, atol=1e-5, rtol=0, msg=key)
+    w = logs[1].clients["weight"]
+    np.testing.assert_allclose(np.nansum(w, 1), 1.0, atol=1e-9)
+    assert not np.allclose(w[~np.isnan(w)], 0.25)      # FedVG weights, not uniform
+    gn = logs[1].arrays["fedvg/grad_norm"]
+    assert gn.shape[:2] == w.shape and (np.isnan(gn[..., 0]) == np.isnan(w)).all()
+    assert len(logs[1].arrays["fedvg/layer_names"]) == gn.shape[2]
+    np.testing.assert_allclose(logs[3].arrays["fedvg/grad_norm"], gn, rtol=1e-5, atol=1e-7)
