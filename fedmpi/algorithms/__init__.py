@@ -4,9 +4,10 @@ from __future__ import annotations
 from ..errors import ConfigError
 from .base import Algorithm, ClientTask, RoundInfo, Stat
 from .fedavg import FedAvg
+from .fedgps import FedGPS
 from .weighting import Weighting, build_weighting
 
-ALGORITHMS: dict[str, type[Algorithm]] = {"fedavg": FedAvg}
+ALGORITHMS: dict[str, type[Algorithm]] = {"fedavg": FedAvg, "fedgps": FedGPS}
 
 from .fedlagc import FedLAGC  # noqa: E402
 from .fedrolex import FedRolex  # noqa: E402

@@ -1,0 +1,305 @@
+"""FedGPS (issue 8) against math checked by hand: surrogate data, prototypes,
+the non-self gradient, the rectified step, evaluation on C of 2C logits, and
+world-size invariance under mpiexec."""
+from __future__ import annotations
+
+import copy
+import math
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import ROOT, mpiexec_path, run_fedmpi
+from fedmpi.algorithms import ClientTask
+from fedmpi.algorithms.fedgps import FedGPS, supcon_loss
+from fedmpi.comm import Comm
+from fedmpi.config import config_from_dict
+from fedmpi.data.surrogate import make_surrogate
+from fedmpi.errors import ConfigError
+from fedmpi.runtime import Federation, stream_seed
+from fedmpi.train import LocalTrainer, SGDConfig
+
+CFG = "configs/fedgps_digits.yaml"
+
+
+def make_fed(**over) -> Federation:
+    d = {"name": "gps", "seed": 3, "runtime": {"progress": False, "device": "cpu", "threads": 1},
+         "data": {"num_clients": 4, "partition": {"method": "dirichlet", "alpha": 1.0, "min_size": 20},
+                  "validation": {"fraction": 0.0}},
+         "model": {"name": "cnn"},
+         "train": {"rounds": 5, "local_steps": 2, "batch_size": 16, "lr": 0.05},
+         "algorithm": {"name": "fedgps", "fedgps": {"surrogate_per_class": 20,
+                                                    "surrogate_batch": 32}},
+         "aggregation": {"weighting": "uniform"}}
+    for key, value in over.items():
+        node = d
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return Federation(config_from_dict(d), Comm())
+
+
+def fixed_participants(fed: Federation, rounds: list[list[int]]) -> None:
+    """Replace the sampler: round t uses exactly the clients ``rounds[t]``."""
+    def participants(t: int) -> np.ndarray:
+        mask = np.zeros(fed.K, dtype=bool)
+        mask[rounds[t]] = True
+        return mask
+    fed.participants = participants
+    fed.m = len(rounds[0])
+
+
+# --------------------------------------------------------------------- surrogate
+def test_surrogate_deterministic_and_seed_dependent():
+    args = (10, (3, 16, 16), (0.5, 0.4, 0.3), (0.25, 0.2, 0.3))
+    a, b = make_surrogate(7, *args, per_class=30), make_surrogate(7, *args, per_class=30)
+    c = make_surrogate(8, *args, per_class=30)
+    assert a.x.shape == (300, 3, 16, 16) and a.x.dtype == torch.float32
+    assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
+    assert not torch.equal(a.x, c.x)
+    assert a.y.tolist() == np.repeat(np.arange(10), 30).tolist()
+    # the recipe: clamp to [0, 1] then (x − μ)/σ per channel
+    raw = a.x * torch.tensor(args[3]).view(1, 3, 1, 1) + torch.tensor(args[2]).view(1, 3, 1, 1)
+    assert raw.min() >= -1e-6 and raw.max() <= 1 + 1e-6
+    # class-specific: a class's samples are closer to their own mean than to another class's
+    means = torch.stack([raw[a.y == k].mean(0) for k in range(10)])
+    assert (means[0] - means[1]).abs().mean() > 0.1
+
+
+def test_surrogate_grayscale_luma_and_identity_upsampling():
+    """8×8 input: bilinear upsampling is the identity; 1 channel = luma of the 3."""
+    s3 = make_surrogate(1, 4, (3, 8, 8), (0.0,) * 3, (1.0,) * 3, per_class=5)
+    s1 = make_surrogate(1, 4, (1, 8, 8), (0.0,), (1.0,), per_class=5)
+    luma = 0.299 * s3.x[:, 0] + 0.587 * s3.x[:, 1] + 0.114 * s3.x[:, 2]
+    torch.testing.assert_close(s1.x[:, 0], luma, atol=1e-6, rtol=0)
+
+
+@pytest.mark.mpi
+def test_surrogate_bit_identical_across_ranks(tmp_path):
+    """Every rank of an mpiexec job generates byte-identical surrogate data."""
+    if mpiexec_path() is None:
+        pytest.skip("mpiexec not found")
+    script = tmp_path / "digest.py"
+    script.write_text(textwrap.dedent("""
+        import hashlib, numpy as np
+        from mpi4py import MPI
+        from fedmpi.data.surrogate import make_surrogate
+        s = make_surrogate(5, 10, (3, 32, 32), (0.49, 0.48, 0.45), (0.25, 0.24, 0.26))
+        d = np.frombuffer(hashlib.sha256(s.x.numpy().tobytes() + s.y.numpy().tobytes()).digest(),
+                          dtype=np.uint8).copy()
+        comm = MPI.COMM_WORLD
+        out = np.zeros((comm.Get_size(), 32), dtype=np.uint8) if comm.Get_rank() == 0 else None
+        comm.Gather(d, out, root=0)
+        if comm.Get_rank() == 0:
+            print("DIGESTS", len({bytes(r) for r in out}), out.shape[0])
+    """))
+    import subprocess
+    import sys
+    proc = subprocess.run([mpiexec_path(), "-n", "3", sys.executable, str(script)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "DIGESTS 1 3" in proc.stdout
+
+
+# ---------------------------------------------------------------------- SupCon
+def test_supcon_by_hand():
+    """z = [e1, e1, e2], labels [0, 0, 1], τ = 1: anchors 0 and 1 have one positive
+    with log-prob 1 − log(e + 1); anchor 2 has none (contributes 0)."""
+    z = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
+    got = supcon_loss(z, torch.tensor([0, 0, 1]), temperature=1.0)
+    expected = -(2 * (1 - math.log(math.e + 1))) / 3
+    assert float(got) == pytest.approx(expected, abs=1e-6)
+
+
+# ------------------------------------------------------------------ prototypes
+def test_prototype_aggregation_is_count_weighted_mean():
+    fed = make_fed(**{"train.local_steps": 1, "algorithm.fedgps.dynamic": False})
+    algo: FedGPS = fed.algo
+    sent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    finish = algo.finish_client
+
+    def record(task, trainer, state, extras, out, result):
+        finish(task, trainer, state, extras, out, result)
+        sent[task.client] = (out["proto_sum"].clone().view(algo.C, -1), out["proto_count"].clone())
+    algo.finish_client = record
+    theta0 = fed.global_state.clone()
+    model0 = copy.deepcopy(fed.flat.model)
+    extras = torch.zeros(algo.downlink_size())
+    algo.fill_downlink(extras, 0)
+    assert extras[0] == 0          # no prototypes in round 0
+    fed.round(0)
+    assert set(sent) == set(range(fed.K))
+
+    # client 0 by hand: one step, its features of the drawn surrogate batch at θ0
+    idx = fed.client_idx[0]
+    seed = stream_seed(fed.cfg.seed, 0, 0)
+    cfg = SGDConfig(lr=0.05, batch_size=16, local_steps=1)
+    (batch,) = list(LocalTrainer(fed.flat, fed.data).batches(idx, cfg, torch.Generator().manual_seed(seed)))
+    gen = algo.surrogate_generator(seed)
+    xs, ys = algo.draw_surrogate(gen)
+    model0.train()
+    feat = model0.features(torch.cat([fed.data.prepare(fed.data.x_train[batch], train=True), xs]))
+    fs = feat[batch.numel():].detach()
+    for c in range(algo.C):
+        torch.testing.assert_close(sent[0][0][c], fs[ys == c].sum(0), atol=1e-4, rtol=1e-5)
+        assert sent[0][1][c] == int((ys == c).sum())
+
+    # server: Σ_k n_kc·mean_kc / Σ_k n_kc over the clients' *means*
+    for c in range(algo.C):
+        counts = torch.stack([sent[k][1][c] for k in sent])
+        means = torch.stack([sent[k][0][c] / max(float(sent[k][1][c]), 1.0) for k in sent])
+        expected = (counts.unsqueeze(1) * means).sum(0) / counts.sum()
+        torch.testing.assert_close(algo.protos[c], expected, atol=1e-5, rtol=1e-5)
+    algo.fill_downlink(extras, 1)
+    assert extras[0] == 1
+    torch.testing.assert_close(extras[1:].view(algo.C, -1), algo.protos)
+    assert not torch.equal(fed.global_state, theta0)
+
+
+# ------------------------------------------------------------- non-self gradient
+def test_nonself_gradient_three_cases():
+    """Round 0: {0, 1}; round 1: {1, 2, 3}. In round 2 client 1 (took part in round 1)
+    gets (3Δ̄ − Δ_1)/2 = the mean of Δ_2, Δ_3; client 0 (took part earlier) gets Δ̄;
+    client 4 (never trained) gets none; nobody has one in round 0."""
+    fed = make_fed(**{"data.num_clients": 5, "algorithm.fedgps.static": False,
+                      "data.partition.min_size": 10})
+    fixed_participants(fed, [[0, 1], [1, 2, 3], [0, 1, 4]])
+    algo: FedGPS = fed.algo
+    P = fed.flat.num_params
+    fed.round(0)
+    assert all(algo.nonself_gradient(k, 0) is None for k in range(5))
+    theta1 = fed.global_state[:P].clone()
+    fed.round(1)
+    theta2 = fed.global_state[:P].clone()
+    d = {k: algo.last_delta[k].clone() for k in (1, 2, 3)}
+    assert algo.last_round == {0: 0, 1: 1, 2: 1, 3: 1}
+
+    mask2 = fed.participants(2)
+    algo.begin_round(2, mask2, fed.global_state, fed.state.dev[fed.D:])
+    dbar = theta2 - theta1
+    torch.testing.assert_close(dbar, (d[1] + d[2] + d[3]) / 3, atol=1e-6, rtol=0)
+
+    got1 = algo.nonself_gradient(1, 2).clone()
+    torch.testing.assert_close(got1, (3 * dbar - d[1]) / 2, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got1, (d[2] + d[3]) / 2, atol=1e-6, rtol=0)
+    got0 = algo.nonself_gradient(0, 2).clone()
+    torch.testing.assert_close(got0, dbar, atol=0, rtol=0)
+    assert algo.nonself_gradient(4, 2) is None
+    assert not algo.perturbation(4, 2)
+
+    # the step perturbation is λ_g·δ/‖δ‖ (global L2)
+    assert algo.perturbation(1, 2)
+    torch.testing.assert_close(algo._e, 0.5 * got1 / torch.linalg.vector_norm(got1), atol=1e-7, rtol=0)
+    assert float(torch.linalg.vector_norm(algo._e)) == pytest.approx(0.5, rel=1e-5)
+
+
+def test_per_tensor_sum_norm():
+    fed = make_fed(**{"algorithm.fedgps.norm": "per_tensor_sum", "algorithm.fedgps.static": False})
+    algo: FedGPS = fed.algo
+    v = torch.randn(fed.flat.num_params)
+    expected = sum(float(torch.linalg.vector_norm(v[s.slice])) for s in fed.flat.param_segments)
+    assert float(algo._norm(v)) == pytest.approx(expected, rel=1e-5)
+    assert float(algo._norm(v)) > float(torch.linalg.vector_norm(v))
+
+
+# ----------------------------------------------------------------- rectified step
+@pytest.mark.parametrize("static", [False, True])
+def test_rectified_step_is_exact(static):
+    """One step with perturbation e: θ_new = θ − lr·∇F(θ + e), bit for bit (no residue of e)."""
+    fed = make_fed(**{"algorithm.fedgps.static": static})
+    algo: FedGPS = fed.algo
+    theta = fed.flat.params.clone()
+    e = torch.randn(theta.numel(), generator=torch.Generator().manual_seed(0))
+    algo._e.copy_(0.5 * e / torch.linalg.vector_norm(e))
+    model = copy.deepcopy(fed.flat.model)
+    with torch.no_grad():
+        for p, seg in zip(model.parameters(), fed.flat.param_segments):
+            p.add_(algo._e[seg.slice].view_as(p))
+
+    idx, seed, lr = fed.client_idx[1], 17, 0.1
+    cfg = SGDConfig(lr=lr, batch_size=16, local_steps=1)
+    gen = algo.surrogate_generator(seed) if static else None
+    if static:
+        algo._psum.zero_()
+        algo._pcount.zero_()
+    fed.trainer.train(idx, cfg, seed, algo.step_hooks(True, gen, None))
+
+    (batch,) = list(fed.trainer.batches(idx, cfg, torch.Generator().manual_seed(seed)))
+    x, y = fed.data.prepare(fed.data.x_train[batch], train=True), fed.data.y_train[batch]
+    model.train()
+    if static:
+        xs, ys = algo.draw_surrogate(algo.surrogate_generator(seed))
+        loss, _ = algo.objective(model, x, y, xs, ys, None)
+    else:
+        loss = F.cross_entropy(model(x), y)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    # the loop's update is θ.add_(g, alpha=−lr); the same op here keeps it bit-exact
+    expected = torch.cat([t.add(g.reshape(-1), alpha=-lr) for t, g in
+                          zip(theta.split([s.numel for s in fed.flat.param_segments]), grads)])
+    assert torch.equal(fed.flat.params, expected)
+    assert not torch.equal(fed.flat.params, expected + algo._e)
+
+
+# ------------------------------------------------------------------- evaluation
+def test_evaluation_on_first_c_logits():
+    """Pushing the surrogate logits (C..2C−1) up changes nothing with 'first' and
+    makes every prediction wrong with 'all' (the code's quirk)."""
+    accs = {}
+    for mode in ("first", "all"):
+        fed = make_fed(**{"algorithm.fedgps.eval_logits": mode})
+        head = fed.flat.model.classifier
+        assert head.out_features == 2 * fed.data.num_classes
+        base = fed.evaluate()
+        with torch.no_grad():
+            head.bias[fed.data.num_classes:] += 1e4
+        fed.state.dev[: fed.D].copy_(fed.flat.vector)
+        accs[mode] = (base, fed.evaluate())
+    assert accs["first"][1] == accs["first"][0]
+    assert accs["all"][1][1] == 0.0
+
+
+def test_ablation_switches_and_errors():
+    dyn = make_fed(**{"algorithm.fedgps.static": False})
+    assert dyn.flat.model.classifier.out_features == 10 and dyn.algo.downlink_size() == 0
+    assert [s.name for s in dyn.algo.uplink_stats()] == ["delta"]
+    st = make_fed(**{"algorithm.fedgps.dynamic": False})
+    assert [s.name for s in st.algo.uplink_stats()] == ["delta", "proto_sum", "proto_count"]
+    st.round(0)
+    st.round(1)
+    assert st.algo.last_delta == {}      # static only keeps no update history
+    with pytest.raises(ConfigError, match="algorithm.fedgps.static"):
+        make_fed(**{"algorithm.fedgps.static": False, "algorithm.fedgps.dynamic": False})
+
+
+def test_bad_value_exits_2(tmp_path):
+    proc = run_fedmpi(["check", CFG, "--set", "algorithm.fedgps.norm=l3"], n=0, check=False)
+    assert proc.returncode == 2 and "algorithm.fedgps.norm" in proc.stderr
+
+
+# -------------------------------------------------------------- world size
+@pytest.mark.mpi
+def test_world_size_invariance_fedgps(tmp_path):
+    """-n 1 and -n 3: same trajectory and final model (1e-5), with prototypes and
+    perturbations in play (4 of 6 clients per round → some take part twice in a row)."""
+    from fedmpi.log import read
+
+    models, logs = {}, {}
+    for n in (1, 3):
+        out = tmp_path / f"n{n}"
+        run_fedmpi(["run", CFG, "--set", "data.num_clients=6", "--set", "train.clients_per_round=4",
+                    "--set", "train.rounds=3", "--set", "runtime.threads=1",
+                    "--set", "runtime.progress=false", "--set", "algorithm.fedgps.surrogate_per_class=50",
+                    "--set", "algorithm.fedgps.surrogate_batch=64", "--out", str(out)], n=n)
+        models[n] = torch.load(out / "model.pt", weights_only=True)
+        logs[n] = read(out / "log.h5")
+    np.testing.assert_allclose(logs[3].rounds["test_accuracy"], logs[1].rounds["test_accuracy"],
+                               atol=1e-5)
+    for key, ref in models[1].items():
+        if ref.is_floating_point():
+            torch.testing.assert_close(models[3][key], ref, atol=1e-5, rtol=0, msg=key)
+    assert models[1]["classifier.weight"].shape[0] == 20
+    assert logs[1].rounds["test_accuracy"][-1] > 0.2
