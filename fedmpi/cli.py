@@ -25,6 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key, e.g. --set train.lr=0.1 (repeatable)")
     run.add_argument("--out", default=None, help="output directory (default runtime.out_dir/<name>)")
+    run.add_argument("--resume", action="store_true",
+                     help="continue from <out>/checkpoint.pt and <out>/log.h5 (any number of ranks)")
 
     check = sub.add_parser("check", help="validate a config and print it resolved")
     check.add_argument("config")
@@ -68,7 +70,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from .runtime import run
 
     cfg = load_config(args.config, args.overrides)
-    final = run(cfg, args.out)
+    final = run(cfg, args.out, resume=args.resume)
     if final is not None:
         print(f"final test_accuracy={final:.6f}", flush=True)
     return 0

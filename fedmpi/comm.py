@@ -149,6 +149,29 @@ class Comm:
                 recvbuf[:, c0:c1] = out
         self.traffic.add("gatherv", 0 if self.rank == root else sendbuf.nbytes, time.perf_counter() - t0)
 
+    def scatterv_rows(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, rows: list[int],
+                      root: int = 0, what: str = "Scatterv") -> None:
+        """Inverse of :meth:`gatherv_rows`: rank ``r`` receives ``rows[r]`` rows.
+
+        On ``root`` ``sendbuf`` is ``[sum(rows), P]`` in rank order; ``recvbuf``
+        is ``[rows[rank], P]``. One MPI call: the caller keeps
+        ``sum(rows)·P ≤ CHUNK`` (checkpoint restore sends in blocks).
+        """
+        width = recvbuf.shape[1]
+        if sum(rows) * width > CHUNK:
+            raise ValueError(f"{what}: {sum(rows) * width} elements exceed one call ({CHUNK})")
+        if self.size == 1:
+            np.copyto(recvbuf, sendbuf[: rows[0]])
+            return
+        t0 = time.perf_counter()
+        mpi_type = self.MPI._typedict[recvbuf.dtype.char]
+        counts = [r * width for r in rows]
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+        send = [sendbuf, counts, displs, mpi_type] if self.rank == root else None
+        self._wait([self.comm.Iscatterv(send, [recvbuf, mpi_type], root=root)], what)
+        self.traffic.add("scatterv", sendbuf.nbytes if self.rank == root else 0,
+                         time.perf_counter() - t0)
+
     def gather_fixed(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int = 0,
                      what: str = "Gather") -> None:
         """Fixed-size gather: ``recvbuf[r] = sendbuf of rank r`` on ``root``."""

@@ -33,6 +33,7 @@ import torch
 
 from . import __version__
 from .adversary import Adversary
+from . import checkpoint, signals
 from .algorithms import (Algorithm, ClientTask, RoundInfo, Stat, algorithm_class, build_algorithm,
                          build_weighting)
 from .comm import Comm, CommTimeout
@@ -44,6 +45,8 @@ from .train import LocalTrainer, evaluate
 
 STATUS_IDLE, STATUS_OK, STATUS_NONFINITE, STATUS_FAILED = 0, 1, 2, 3
 CMD_ROUND, CMD_STOP, CMD_ABORT = 0, 1, 2
+# header[2] flags (operations): checkpoint before acting on the command; the stop is an interruption
+FLAG_CHECKPOINT, FLAG_INTERRUPTED = 1, 2
 META_FIELDS = ("status", "raw_weight", "loss_sum", "samples_seen", "steps", "train_seconds")
 M_STATUS, M_RAW, M_LOSS, M_SEEN, M_STEPS, M_TIME = range(len(META_FIELDS))
 ERR_BYTES = 1024
@@ -194,6 +197,7 @@ class Federation:
         self.writer = None
         self.out_dir = out_dir
         self.stop_reason: Optional[str] = None   # set by a signal handler (operations issue)
+        self.checkpoint_round = 0                 # rounds < this are in the newest checkpoint
         self.failure: Optional[str] = None
         self.history: list[dict] = []
         self.client_arrays: dict[str, np.ndarray] = {}   # "client" stats of the round, for the log
@@ -206,6 +210,25 @@ class Federation:
         mask[rng.choice(self.K, size=self.m, replace=False)] = True
         return mask
 
+    def _flags(self, cmd: int, t: int) -> int:
+        """Rank 0: header[2] for round ``t``. A checkpoint is taken at every stop
+        (completed or interrupted, never after a failure) and when
+        ``t % runtime.checkpoint_every == 0``, unless rounds < t are saved already."""
+        interrupted = cmd == CMD_STOP and self.stop_reason is not None and t < self.cfg.train.rounds
+        flags = FLAG_INTERRUPTED if interrupted else 0
+        every = self.cfg.runtime.checkpoint_every
+        due = cmd == CMD_STOP or (cmd == CMD_ROUND and every and t % every == 0)
+        if due and self.out_dir is not None and t != self.checkpoint_round:
+            flags |= FLAG_CHECKPOINT
+        return flags
+
+    def save_checkpoint(self, t: int) -> None:
+        """Collective: checkpoint "rounds < t are done" (:mod:`fedmpi.checkpoint`)."""
+        path = checkpoint.save(self, t, checkpoint.checkpoint_path(self.out_dir))
+        self.checkpoint_round = t
+        if path is not None and self.stop_reason is not None:
+            self._event(t, 0, -1, f"checkpoint of rounds < {t} written to {path}")
+
     def _gather_rows(self, mask: np.ndarray) -> list[int]:
         """Rows each rank contributes to the per-client Gatherv (participants it hosts)."""
         return [int(np.sum(mask & (self.host == r))) for r in range(self.size)]
@@ -217,17 +240,26 @@ class Federation:
         t_start = time.perf_counter()
         if self.is_server:
             cmd = CMD_ROUND
+            if self.stop_reason is None and signals.requested():
+                self.stop_reason = f"{signals.requested()} on rank 0"
+                self._event(t, 0, -1, f"stop requested ({self.stop_reason}); checkpoint and exit")
             if self.failure is not None:
                 cmd = CMD_ABORT
             elif self.stop_reason is not None or t >= self.cfg.train.rounds:
                 cmd = CMD_STOP
             self.header[0], self.header[1] = cmd, t
+            self.header[2] = self._flags(cmd, t)
             if cmd == CMD_ROUND:
                 self.header[HEADER:] = self.participants(t)
                 if self.E:
                     self.algo.fill_downlink(self.state.dev[self.D:], t)
         comm.bcast(self.header, what=f"round {t} header Bcast")
         cmd = int(self.header[0])
+        if self.header[2] & FLAG_INTERRUPTED and self.stop_reason is None:
+            self.stop_reason = "interrupted"
+        if self.header[2] & FLAG_CHECKPOINT:
+            self.save_checkpoint(t)
+            t_start = time.perf_counter()   # checkpoint time is not part of round t
         if cmd != CMD_ROUND:
             return cmd
         mask = self.header[HEADER:].astype(bool)
@@ -244,6 +276,7 @@ class Federation:
         t_up = time.perf_counter()
 
         comm.reduce_sum(self.meta_send, self.meta_recv, what=f"round {t} metadata Reduce")
+        self.err_send[-1] = signals.requested_signum()   # stop flag byte (fedmpi.signals)
         comm.gather_fixed(self.err_send, self.err_recv, what=f"round {t} error Gather")
         if self.layout.reduce_size:
             self.red_send.pull()
@@ -301,11 +334,16 @@ class Federation:
     def _server_round(self, t: int, mask: np.ndarray, t_start: float, t_train: float,
                       t_up: float) -> None:
         meta = self.meta_recv
+        stopping = np.flatnonzero(self.err_recv[:, -1])
+        if stopping.size and self.stop_reason is None:
+            r = int(stopping[0])
+            self.stop_reason = f"{signals.signal_name(int(self.err_recv[r, -1]))} on rank {r}"
+            self._event(t, r, -1, f"stop requested ({self.stop_reason}); checkpoint and exit")
         status = meta[:, M_STATUS].astype(int)
         failed = np.flatnonzero(mask & (status == STATUS_FAILED))
         if failed.size:
-            texts = [bytes(self.err_recv[r]).rstrip(b"\0").decode(errors="replace")
-                     for r in range(self.size) if self.err_recv[r].any()]
+            texts = [bytes(self.err_recv[r, :-1]).rstrip(b"\0").decode(errors="replace")
+                     for r in range(self.size) if self.err_recv[r, :-1].any()]
             self.failure = "; ".join(texts) or f"clients {failed.tolist()} failed"
             for k in failed:
                 self._event(t, int(self.host[k]), int(k), f"local training failed: {self.failure}")
@@ -422,29 +460,58 @@ class Federation:
         return self.state.dev[: self.D]
 
 
-def _open_log(fed: Federation, path: Path):
+def _open_log(fed: Federation, path: Path, resume_rounds: Optional[int] = None):
     from .log import LogWriter
 
     return LogWriter(path, config_yaml=fed.cfg.to_yaml(), world_size=fed.size, num_clients=fed.K,
                      num_samples=fed.num_samples, class_counts=fed.partition.class_counts,
-                     fedmpi_version=__version__)
+                     fedmpi_version=__version__, resume=resume_rounds is not None,
+                     resume_rounds=resume_rounds)
 
 
-def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None) -> Optional[float]:
+def _logged_history(path: Path, rounds: int) -> list[dict]:
+    """Rounds < ``rounds`` of an existing log as :attr:`Federation.history` rows."""
+    from .log import read
+
+    log = read(path)
+    keep = log.rounds["round"] < rounds
+    names = ("test_accuracy", "train_loss")
+    return [{"round": int(r), **{n: float(log.rounds[n][i]) for n in names if n in log.rounds}}
+            for i, r in enumerate(log.rounds["round"]) if keep[i]]
+
+
+def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
+        resume: bool = False) -> Optional[float]:
     """Run a whole experiment on this rank; returns the final test accuracy on rank 0.
 
     Raises :class:`UserError` (same on every rank) for bad input, and exits the
-    whole job non-zero when a rank fails or a collective times out.
+    whole job non-zero when a rank fails or a collective times out. ``resume``
+    continues from ``<out>/checkpoint.pt`` and the log (:mod:`fedmpi.checkpoint`).
+    SIGTERM/SIGUSR1/SIGINT on any rank: checkpoint after the current round,
+    log status ``interrupted``, every rank exits with
+    :data:`fedmpi.signals.EXIT_INTERRUPTED` (75).
     """
+    signals.install()
+    try:
+        return _run(cfg, out_dir, comm, resume)
+    finally:
+        signals.restore()
+
+
+def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool) -> Optional[float]:
     comm = comm or Comm(timeout=cfg.runtime.round_timeout)
     out = Path(out_dir) if out_dir else Path(cfg.runtime.out_dir) / cfg.name
     error: Optional[BaseException] = None
     fed = None
+    restored: Optional[checkpoint.Restored] = None
     try:
         fed = Federation(cfg, comm, out)
         if comm.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-            fed.writer = _open_log(fed, out / "log.h5")
+            if resume:
+                restored = checkpoint.load_server_side(fed, checkpoint.checkpoint_path(out))
+                fed.history = _logged_history(out / "log.h5", restored.round)
+            fed.writer = _open_log(fed, out / "log.h5", restored.round if restored else None)
             (out / "config.yaml").write_text(cfg.to_yaml())
     except UserError as exc:
         error = exc
@@ -452,20 +519,23 @@ def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None) 
         error = exc
         traceback.print_exc()
     code = 2 if isinstance(error, UserError) else (1 if error else 0)
-    if comm.max_int(code, what="setup agreement") != 0:
+    agreed = comm.max_int(code, what="setup agreement")
+    if agreed != 0:
         if error is not None:
             raise error
-        raise SystemExit(1)   # another rank failed; it printed why
+        raise SystemExit(agreed)   # another rank failed; it printed why
+    start = checkpoint.resume(fed, restored) if resume else 0
+    fed.checkpoint_round = start
 
     progress = None
     if comm.rank == 0 and cfg.runtime.progress:
         from tqdm import tqdm
 
-        progress = tqdm(total=cfg.train.rounds, desc=cfg.name, unit="round", file=sys.stderr,
-                        dynamic_ncols=True)
+        progress = tqdm(total=cfg.train.rounds, initial=min(start, cfg.train.rounds), desc=cfg.name,
+                        unit="round", file=sys.stderr, dynamic_ncols=True)
     status = "completed"
     try:
-        t = 0
+        t = start
         while True:
             cmd = fed.round(t)
             if cmd != CMD_ROUND:
@@ -478,7 +548,7 @@ def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None) 
             t += 1
         if cmd == CMD_ABORT:
             status = "failed"
-        elif fed.stop_reason is not None:
+        elif fed.stop_reason is not None and t < cfg.train.rounds:
             status = "interrupted"
     except CommTimeout as exc:
         print(f"fedmpi: error: {exc}", file=sys.stderr, flush=True)
@@ -503,6 +573,8 @@ def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None) 
     if comm.rank != 0:
         if status == "failed":
             raise SystemExit(1)
+        if status == "interrupted":
+            raise SystemExit(signals.EXIT_INTERRUPTED)
         return None
     fed.flat.load(fed.global_state)
     torch.save(fed.flat.model.state_dict(), out / "model.pt")
@@ -511,6 +583,11 @@ def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None) 
     if status == "failed":
         print(f"fedmpi: error: {fed.failure}", file=sys.stderr, flush=True)
         raise SystemExit(1)
+    if status == "interrupted":
+        print(f"fedmpi: interrupted ({fed.stop_reason}) after round {t - 1}; checkpoint "
+              f"{checkpoint.checkpoint_path(out)}; continue with: fedmpi run ... --resume",
+              file=sys.stderr, flush=True)
+        raise SystemExit(signals.EXIT_INTERRUPTED)
     final = next((h["test_accuracy"] for h in reversed(fed.history)
                   if not np.isnan(h["test_accuracy"])), float("nan"))
     return final

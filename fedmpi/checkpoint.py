@@ -1,0 +1,388 @@
+"""Checkpoints and resume (operations, issue 5; DESIGN.md §3 step 6).
+
+A checkpoint is taken *between* rounds, so everything in it belongs to the
+same point of the run: "rounds 0 … r−1 are done". It holds
+
+* ``round`` r, the next round to run (sampling is seeded by (seed, round) and
+  client RNG streams by (seed, client, round), so r *is* the RNG state of the
+  protocol; the process RNG states of rank 0 are stored anyway),
+* ``global_state``: θ on rank 0 (parameters and float buffers, [D] float32),
+* ``server_state``: :meth:`Algorithm.server_state` (optimizer moments, c, h …),
+* ``clients``: ``{client id: Algorithm.client_state(id)}`` for every client
+  with a non-empty state (SCAFFOLD c_k, FedDyn h_k, FedGPS last Δ_k, …),
+* ``rng``: torch / numpy / ``random`` states of rank 0, and identification
+  (``format``, ``version``, ``algorithm``, ``num_clients``, ``state_size``,
+  ``world_size``, ``config_yaml``).
+
+Client states live on the worker that hosts the client. :func:`save` brings
+them to rank 0 without pickle: each state dict is serialised to bytes in the
+safetensors layout (8-byte little-endian header length, a JSON header with
+dtype, shape and byte offsets per tensor, then the raw data; see
+:func:`encode_state`), a ``Reduce`` of the per-client byte counts and a
+``Bcast`` of them tell every rank the sizes, and ``Gatherv`` of ``uint8``
+blocks moves the bytes (in blocks of at most ``CHUNK/size`` bytes per rank, so
+MPI counts stay below 2^31). :func:`resume` does the reverse with
+``Scatterv`` to the clients' hosts under the *current* rank layout, so a run
+checkpointed under ``-n 5`` resumes under ``-n 2`` or alone.
+
+The file is written by rank 0 with ``torch.save`` into a temporary file in the
+same directory, ``fsync``-ed and renamed over ``checkpoint.pt`` (atomic on
+POSIX), and read with ``torch.load(weights_only=True)`` — tensors, numbers,
+strings and containers only, no code runs when a checkpoint is read. A
+truncated or foreign file raises :class:`~fedmpi.errors.UserError` naming it
+(exit status 2).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from .comm import CHUNK
+from .errors import UserError
+
+FORMAT = "fedmpi-checkpoint"
+VERSION = 1
+CHECKPOINT_NAME = "checkpoint.pt"
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
+    "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class CheckpointError(UserError):
+    """A checkpoint file is missing, truncated, corrupt or from another run."""
+
+
+# --------------------------------------------------------------------- bytes
+def encode_state(state: dict[str, torch.Tensor]) -> np.ndarray:
+    """Serialise a dict of tensors to ``uint8`` bytes (safetensors layout, no pickle).
+
+    ``[u64 little-endian N][N bytes JSON {name: {dtype, shape, offsets: [a, b]}}][data]``
+    """
+    header: dict[str, Any] = {}
+    parts: list[np.ndarray] = []
+    offset = 0
+    for name in sorted(state):
+        t = state[name]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"client state {name!r} is {type(t).__name__}, expected a tensor")
+        if t.dtype not in _DTYPE_NAMES:
+            raise TypeError(f"client state {name!r} has unsupported dtype {t.dtype}")
+        raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                        "offsets": [offset, offset + raw.size]}
+        parts.append(raw)
+        offset += raw.size
+    text = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+    size = np.frombuffer(np.array([text.size], dtype="<u8").tobytes(), dtype=np.uint8)
+    return np.concatenate([size, text, *parts]) if parts else np.concatenate([size, text])
+
+
+def decode_state(buf: np.ndarray) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`encode_state` (tensors on the CPU, owning their memory)."""
+    raw = np.ascontiguousarray(buf, dtype=np.uint8)
+    n = int(raw[:8].view("<u8")[0])
+    header = json.loads(bytes(raw[8:8 + n]).decode())
+    data = raw[8 + n:]
+    out: dict[str, torch.Tensor] = {}
+    for name, spec in header.items():
+        a, b = spec["offsets"]
+        chunk = torch.from_numpy(data[a:b].copy())
+        out[name] = chunk.view(_DTYPES[spec["dtype"]]).reshape(spec["shape"])
+    return out
+
+
+# ----------------------------------------------------------------- the file
+def checkpoint_path(out_dir: Path) -> Path:
+    return Path(out_dir) / CHECKPOINT_NAME
+
+
+def save_atomic(obj: dict[str, Any], path: Path) -> None:
+    """``torch.save`` to ``path`` atomically: temp file, fsync, rename, fsync dir."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    try:
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:   # some filesystems do not fsync directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """Load and check the container of a checkpoint file (no code execution)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no checkpoint to resume from (run without --resume, "
+                              "or set runtime.checkpoint_every)")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any load failure is a bad file
+        raise CheckpointError(f"{path}: truncated or corrupt checkpoint "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+                              ) from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a fedmpi checkpoint")
+    if ckpt.get("version") != VERSION:
+        raise CheckpointError(f"{path}: checkpoint version {ckpt.get('version')!r}, "
+                              f"this fedmpi reads version {VERSION}")
+    need = {"round": int, "algorithm": str, "num_clients": int, "state_size": int,
+            "global_state": torch.Tensor, "server_state": dict, "clients": dict, "rng": dict}
+    for key, tp in need.items():
+        if not isinstance(ckpt.get(key), tp):
+            raise CheckpointError(f"{path}: checkpoint entry {key!r} is missing or not "
+                                  f"{tp.__name__}")
+    return ckpt
+
+
+# ------------------------------------------------------------- RNG (rank 0)
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    py_version, py_state, py_gauss = random.getstate()
+    out: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy_keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
+        "numpy_pos": int(np_state[2]), "numpy_has_gauss": int(np_state[3]),
+        "numpy_cached_gaussian": float(np_state[4]),
+        "python": torch.tensor(py_state, dtype=torch.int64), "python_version": int(py_version),
+        "python_gauss": None if py_gauss is None else float(py_gauss),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def _set_rng_state(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(("MT19937", rng["numpy_keys"].numpy().astype(np.uint32),
+                         rng["numpy_pos"], rng["numpy_has_gauss"], rng["numpy_cached_gaussian"]))
+    random.setstate((rng["python_version"], tuple(int(x) for x in rng["python"].tolist()),
+                     rng["python_gauss"]))
+    if "cuda" in rng and torch.cuda.is_available():
+        states = rng["cuda"][: torch.cuda.device_count()]
+        torch.cuda.set_rng_state_all(states)
+
+
+# --------------------------------------------------------------- transport
+def _block(size: int) -> int:
+    """Bytes per rank per Gatherv/Scatterv call (total per call ≤ CHUNK)."""
+    return max(1, CHUNK // max(1, size))
+
+
+def _streams_layout(fed, lengths: np.ndarray) -> tuple[list[int], int]:
+    """Per-rank stream lengths (clients in id order) and the number of blocks."""
+    per_rank = [int(lengths[fed.host == r].sum()) for r in range(fed.size)]
+    block = _block(fed.size)
+    return per_rank, -(-max(per_rank) // block) if max(per_rank) else 0
+
+
+def _split(stream: np.ndarray, clients: list[int], lengths: np.ndarray) -> dict[int, np.ndarray]:
+    out, pos = {}, 0
+    for k in clients:
+        n = int(lengths[k])
+        if n:
+            out[k] = stream[pos:pos + n]
+        pos += n
+    return out
+
+
+def gather_client_states(fed) -> dict[int, dict[str, torch.Tensor]]:
+    """Collective: every client's :meth:`Algorithm.client_state` on rank 0, by id."""
+    comm, K = fed.comm, fed.K
+    blobs: dict[int, np.ndarray] = {}
+    lengths = np.zeros(K, dtype=np.int64)
+    for k in fed.my_clients:
+        state = fed.algo.client_state(k)
+        if state:
+            blobs[k] = encode_state(state)
+            lengths[k] = blobs[k].size
+    total = np.zeros(K, dtype=np.int64)
+    comm.reduce_sum(lengths, total if fed.is_server else None, what="checkpoint sizes Reduce")
+    comm.bcast(total, what="checkpoint sizes Bcast")
+    per_rank, blocks = _streams_layout(fed, total)
+    mine = [blobs[k] for k in fed.my_clients if k in blobs]
+    stream = np.concatenate(mine) if mine else np.zeros(0, dtype=np.uint8)
+    parts: list[list[np.ndarray]] = [[] for _ in range(fed.size)]
+    block = _block(fed.size)
+    for j in range(blocks):
+        rows = [max(0, min(block, n - j * block)) for n in per_rank]
+        send = stream[j * block: j * block + rows[fed.rank]].reshape(-1, 1)
+        recv = np.empty((sum(rows), 1), dtype=np.uint8) if fed.is_server else None
+        comm.gatherv_rows(send, recv, rows, what="checkpoint client-state Gatherv")
+        if fed.is_server:
+            pos = 0
+            for r, n in enumerate(rows):
+                parts[r].append(recv[pos:pos + n, 0])
+                pos += n
+    if not fed.is_server:
+        return {}
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for r in range(fed.size):
+        full = np.concatenate(parts[r]) if parts[r] else np.zeros(0, dtype=np.uint8)
+        hosted = [k for k in range(K) if fed.host[k] == r]
+        for k, blob in _split(full, hosted, total).items():
+            out[k] = decode_state(blob)
+    return out
+
+
+def scatter_client_states(fed, states: Optional[dict[int, dict[str, torch.Tensor]]]) -> int:
+    """Collective: rank 0's ``states`` to the clients' current hosts, loaded with
+    :meth:`Algorithm.load_client_state`; returns how many this rank loaded."""
+    comm, K = fed.comm, fed.K
+    lengths = np.zeros(K, dtype=np.int64)
+    blobs: dict[int, np.ndarray] = {}
+    if fed.is_server:
+        for k, state in (states or {}).items():
+            if state:
+                blobs[int(k)] = encode_state(state)
+                lengths[int(k)] = blobs[int(k)].size
+    comm.bcast(lengths, what="resume sizes Bcast")
+    per_rank, blocks = _streams_layout(fed, lengths)
+    block = _block(fed.size)
+    send_streams: list[np.ndarray] = []
+    if fed.is_server:
+        for r in range(fed.size):
+            hosted = [blobs[k] for k in range(K) if fed.host[k] == r and k in blobs]
+            send_streams.append(np.concatenate(hosted) if hosted else np.zeros(0, dtype=np.uint8))
+    received: list[np.ndarray] = []
+    for j in range(blocks):
+        rows = [max(0, min(block, n - j * block)) for n in per_rank]
+        send = None
+        if fed.is_server:
+            send = np.concatenate([s[j * block: j * block + rows[r]]
+                                   for r, s in enumerate(send_streams)]).reshape(-1, 1)
+        recv = np.empty((rows[fed.rank], 1), dtype=np.uint8)
+        comm.scatterv_rows(send, recv, rows, what="resume client-state Scatterv")
+        received.append(recv[:, 0])
+    stream = np.concatenate(received) if received else np.zeros(0, dtype=np.uint8)
+    loaded = 0
+    for k, blob in _split(stream, fed.my_clients, lengths).items():
+        state = {n: t.to(fed.device) for n, t in decode_state(blob).items()}
+        fed.algo.load_client_state(k, state)
+        loaded += 1
+    return loaded
+
+
+# -------------------------------------------------------------- save / load
+def _to_cpu(value: Any) -> Any:
+    """A detached CPU copy of a tensor (nested dicts/lists too); numbers unchanged."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
+def save(fed, round: int, path: Path) -> Optional[Path]:
+    """Collective: checkpoint "rounds < ``round`` are done" to ``path`` (rank 0 writes)."""
+    clients = gather_client_states(fed)
+    if not fed.is_server:
+        return None
+    ckpt = {
+        "format": FORMAT, "version": VERSION, "round": int(round),
+        "algorithm": str(fed.cfg.algorithm.name), "num_clients": int(fed.K),
+        "state_size": int(fed.D), "world_size": int(fed.size),
+        "config_yaml": fed.cfg.to_yaml(),
+        "global_state": fed.global_state.detach().to("cpu", copy=True),
+        "server_state": {n: _to_cpu(v) for n, v in fed.algo.server_state().items()},
+        "clients": clients,
+        "rng": _rng_state(),
+    }
+    save_atomic(ckpt, path)
+    return path
+
+
+@dataclass
+class Restored:
+    """What rank 0 read from a checkpoint and still has to hand to the workers."""
+
+    round: int
+    path: Path
+    clients: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+
+def load_server_side(fed, path: Path) -> Restored:
+    """Rank 0, not collective: read ``path``, check it fits this run, restore θ,
+    the server state and the RNG states. Raises :class:`CheckpointError`."""
+    ckpt = read_checkpoint(path)
+    checks = (("algorithm", str(fed.cfg.algorithm.name), "algorithm.name"),
+              ("num_clients", int(fed.K), "data.num_clients"),
+              ("state_size", int(fed.D), "model.name/model.norm"))
+    for key, mine, cfg_key in checks:
+        if ckpt[key] != mine:
+            raise CheckpointError(f"{path}: checkpoint has {key}={ckpt[key]!r} but this run has "
+                                  f"{mine!r} (config key {cfg_key!r} differs from the checkpointed run)")
+    g = ckpt["global_state"]
+    if g.shape != (fed.D,) or g.dtype != torch.float32:
+        raise CheckpointError(f"{path}: global_state has shape {tuple(g.shape)} {g.dtype}, "
+                              f"expected ({fed.D},) float32")
+    bad = [k for k in ckpt["clients"] if not isinstance(k, int) or not 0 <= k < fed.K]
+    if bad:
+        raise CheckpointError(f"{path}: client ids {bad[:5]} out of range 0..{fed.K - 1}")
+    if ckpt["round"] < 0:
+        raise CheckpointError(f"{path}: negative round {ckpt['round']}")
+    fed.state.dev[: fed.D].copy_(g.to(fed.device))
+    try:
+        fed.algo.load_server_state({n: _to_device(v, fed.device)
+                                    for n, v in ckpt["server_state"].items()})
+        _set_rng_state(ckpt["rng"])
+    except Exception as exc:  # noqa: BLE001 - a state that does not fit this run
+        raise CheckpointError(f"{path}: cannot restore server/RNG state "
+                              f"({type(exc).__name__}: {exc})") from None
+    return Restored(int(ckpt["round"]), Path(path), ckpt["clients"])
+
+
+def resume(fed, restored: Optional[Restored]) -> int:
+    """Collective after :func:`load_server_side`: client states to their hosts;
+    every rank returns the round to continue from. Any rank failing to load a
+    client state stops every rank (exit 2 with the message on that rank)."""
+    head = np.array([restored.round if restored else 0], dtype=np.int64)
+    fed.comm.bcast(head, what="resume round Bcast")
+    error: Optional[BaseException] = None
+    try:
+        scatter_client_states(fed, restored.clients if restored else None)
+    except Exception as exc:  # noqa: BLE001 - reported below, then every rank stops
+        where = restored.path if restored else checkpoint_path(fed.out_dir)
+        error = CheckpointError(f"{where}: cannot restore client state on rank {fed.rank} "
+                                f"({type(exc).__name__}: {exc})")
+    code = fed.comm.max_int(2 if error else 0, what="resume agreement")
+    if error is not None:
+        raise error
+    if code:
+        raise SystemExit(code)
+    return int(head[0])
