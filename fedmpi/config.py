@@ -137,7 +137,7 @@ def _fmt(x: float) -> str:
 
 
 _DATASETS = ("digits", "mnist", "fashionmnist", "cifar10", "cifar100", "svhn", "stl10",
-             "imagefolder", "hdf5")
+             "imagefolder", "hdf5", "synthetic")
 _MEDMNIST = dict(pattern=r"medmnist:\S+", pattern_help="medmnist:<flag>")
 _ALGORITHMS = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedprox", "scaffold", "feddyn",
                "fednova", "elastic", "fedgps", "fedlagc", "heterofl", "fedrolex", "fiarse")
@@ -153,6 +153,7 @@ SCHEMA: dict[str, Field] = {
     "data.download": Field(bool, False, "download torchvision datasets if missing"),
     "data.num_clients": Field(int, 10, "number of logical clients (silos)", ge=1),
     "data.augment": Field(bool, False, "random crop + flip on 32x32 RGB datasets"),
+    "data.image_size": Field(int, 32, "imagefolder: side images are resized/cropped to", ge=1),
     "data.partition.method": Field(str, "dirichlet", "how the training pool is split",
                                    choices=("iid", "dirichlet", "shards", "file")),
     "data.partition.alpha": Field(float, 0.5, "Dirichlet concentration", gt=0),
@@ -193,7 +194,7 @@ SCHEMA: dict[str, Field] = {
     # algorithm (server rule and method parameters)
     "algorithm.name": Field(str, "fedavg", "federated method", choices=_ALGORITHMS),
     "algorithm.server_lr": Field(float | None, None, "server learning rate; null = method default "
-                                 "(1; fedadam/fedyogi 0.1)", gt=0),
+                                 "(1; fedadam/fedyogi 0.01)", gt=0),
     "algorithm.mu": Field(float, 0.01, "FedProx proximal coefficient", ge=0),
     "algorithm.server_momentum": Field(float, 0.9, "FedAvgM server SGD momentum", ge=0, lt=1),
     "algorithm.nesterov": Field(bool | None, None, "FedAvgM Nesterov momentum; null = on with "

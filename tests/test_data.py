@@ -260,3 +260,27 @@ def test_mnist_layout_from_raw_files(tmp_path):
     np.testing.assert_array_equal(ds.x_test[:, 0].numpy(), x_te)
     assert ds.y_test.tolist() == [9, 8, 7] and ds.y_train.dtype == torch.int64
     assert ds.num_classes == 10 and ds.mean == (0.1307,)
+
+
+def test_hdf5_dataset_roundtrip_and_missing_file(tmp_path):
+    import h5py
+    from fedmpi.errors import DataError
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "silo.h5"
+    with h5py.File(path, "w") as f:
+        f["x_train"] = rng.integers(0, 256, (20, 3, 4, 4), dtype=np.uint8)
+        f["y_train"] = np.arange(20) % 3
+        f["x_test"] = rng.integers(0, 256, (6, 3, 4, 4), dtype=np.uint8)
+        f["y_test"] = np.arange(6) % 3
+    ds = load_dataset("hdf5", root=str(path))
+    assert ds.num_classes == 3 and ds.input_shape == (3, 4, 4) and ds.x_train.dtype == torch.uint8
+    x = ds.prepare(ds.x_train, train=False)
+    assert abs(float(x.mean())) < 1e-4 and abs(float(x.std()) - 1) < 0.05
+    with pytest.raises(DataError, match="nothere"):
+        load_dataset("hdf5", root=str(tmp_path / "nothere.h5"))
+
+
+def test_synthetic_dataset_by_name_is_32x32_rgb():
+    ds = load_dataset("synthetic")
+    assert ds.input_shape == (3, 32, 32) and ds.num_classes == 10

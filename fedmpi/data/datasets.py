@@ -20,7 +20,7 @@ __all__ = ["DATASET_NAMES", "Dataset", "load_dataset", "synthetic_dataset"]
 
 #: Names accepted by :func:`load_dataset` (``medmnist:<flag>`` takes any flag).
 DATASET_NAMES: tuple[str, ...] = (
-    "digits", *TORCHVISION_DATASETS, "medmnist:<flag>", "imagefolder",
+    "digits", *TORCHVISION_DATASETS, "medmnist:<flag>", "imagefolder", "hdf5", "synthetic",
 )
 
 
@@ -38,7 +38,8 @@ def load_dataset(
     name:
         ``digits``, ``mnist``, ``fashionmnist``, ``cifar10``, ``cifar100``,
         ``svhn``, ``stl10``, ``medmnist:<flag>`` (e.g. ``medmnist:dermamnist``)
-        or ``imagefolder``. Case-insensitive except for the MedMNIST flag,
+        ``imagefolder`` or ``synthetic`` (10 Gaussian classes of 3×32×32, for
+        benchmarks and smoke runs). Case-insensitive except for the MedMNIST flag,
         which is the file stem of ``root/<flag>.npz``.
     root:
         Directory holding the files (``data.root``); ``~`` is expanded.
@@ -71,6 +72,12 @@ def load_dataset(
                 f"e.g. 'medmnist:organamnist' (reads <data.root>/organamnist.npz)"
             )
         return load_medmnist(flag, root, augment=augment)
+    if lower == "hdf5":
+        return load_hdf5(root, augment=augment)
+    if lower == "synthetic":
+        # Benchmarks and smoke tests of 32×32 RGB models without any download.
+        return synthetic_dataset(num_train=10000, num_test=2000, num_classes=10,
+                                 shape=(3, image_size, image_size), noise=4.0)
     if lower == "imagefolder":
         if image_size < 1:
             raise DataError(f"imagefolder image_size must be >= 1, got {image_size}")
@@ -78,6 +85,44 @@ def load_dataset(
     raise DataError(
         f"unknown data.dataset {name!r}; expected one of: {', '.join(DATASET_NAMES)}"
     )
+
+
+def load_hdf5(root: str, augment: bool = False) -> Dataset:
+    """Arrays from one HDF5 file: ``data.root`` is the file, or a directory holding ``data.h5``.
+
+    Datasets ``x_train`` and ``x_test`` ([N, C, H, W], uint8 raw pixels or
+    float32), ``y_train`` and ``y_test`` ([N] integer labels). uint8 images are
+    scaled by 1/255; per-channel mean/std come from the training pool.
+    """
+    import h5py
+
+    path = root if os.path.isfile(root) else os.path.join(root, "data.h5")
+    if not os.path.isfile(path):
+        raise DataError(f"data.dataset='hdf5': file {path!r} not found; set data.root to an HDF5 "
+                        "file with x_train, y_train, x_test, y_test (or a directory holding data.h5)")
+    try:
+        with h5py.File(path, "r") as f:
+            missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in f]
+            if missing:
+                raise DataError(f"{path}: missing dataset(s) {', '.join(missing)} "
+                                "(expected x_train [N,C,H,W], y_train [N], x_test, y_test)")
+            arrays = {k: f[k][()] for k in ("x_train", "y_train", "x_test", "y_test")}
+    except OSError as exc:
+        raise DataError(f"{path}: not a readable HDF5 file ({exc})") from None
+    xtr, xte = arrays["x_train"], arrays["x_test"]
+    if xtr.ndim != 4 or xte.ndim != 4 or xtr.shape[1:] != xte.shape[1:]:
+        raise DataError(f"{path}: x_train/x_test must be [N, C, H, W] with the same C, H, W; "
+                        f"got {xtr.shape} and {xte.shape}")
+    scale = 1 / 255 if xtr.dtype == np.uint8 else 1.0
+    as_tensor = (lambda a: torch.from_numpy(np.ascontiguousarray(a))) if xtr.dtype == np.uint8 \
+        else (lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)))
+    x_train, x_test = as_tensor(xtr), as_tensor(xte)
+    y_train = torch.from_numpy(arrays["y_train"].astype(np.int64).reshape(-1))
+    y_test = torch.from_numpy(arrays["y_test"].astype(np.int64).reshape(-1))
+    mean, std = channel_stats(x_train, scale)
+    return Dataset("hdf5", x_train, y_train, x_test, y_test,
+                   num_classes=int(max(y_train.max(), y_test.max())) + 1, mean=mean, std=std,
+                   scale=scale, augment=augment)
 
 
 def synthetic_dataset(

@@ -1,0 +1,144 @@
+"""Where a federated round's time goes, and what fedmpi costs beyond the math.
+
+For each setting (model × world size) this runs ``fedmpi run`` under
+``mpiexec -n W`` and reads the per-round split from the HDF5 log
+(``/rounds/train_seconds`` = the slowest worker's local training,
+``aggregate_seconds``, ``eval_seconds``, ``overhead_seconds`` = everything else:
+communication, waiting, bookkeeping), skipping the first (warm-up) round.
+
+It then times a plain PyTorch loop (``torch.optim.SGD``, same model, batch size,
+data on the same device, same torch thread count as one fedmpi worker) and
+reports
+
+* ``throughput_ratio`` = plain-loop seconds per step ÷ fedmpi seconds per step
+  (1.0 = local training inside fedmpi is as fast as a bare loop),
+* ``overhead_fraction`` = overhead_seconds ÷ wall_seconds.
+
+Usage::
+
+    python bench/round_overhead.py [--rounds 6] [--settings cnn:1,cnn:3,resnet18:3]
+
+The last stdout line is one JSON object: ``{"settings": {name: {...}}, "machine": ...}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fedmpi.data import load_dataset  # noqa: E402
+from fedmpi.log import read  # noqa: E402
+from fedmpi.models import build_model  # noqa: E402
+
+SETTINGS = {
+    # name: (model, dataset, extra overrides)
+    "cnn": ("cnn", "digits", []),
+    "resnet18": ("resnet18", "synthetic", []),
+}
+
+
+def mpiexec() -> str:
+    cand = Path(sys.executable).parent / "mpiexec"
+    return str(cand) if cand.exists() else "mpiexec"
+
+
+def run_fedmpi(model: str, world: int, rounds: int, batch: int, out: Path, extra: list[str]) -> dict:
+    args = [sys.executable, "-m", "fedmpi", "run", str(ROOT / "configs/quickstart.yaml"),
+            "--set", f"model.name={model}", "--set", f"train.rounds={rounds}",
+            "--set", f"train.batch_size={batch}", "--set", "runtime.progress=false",
+            "--set", "train.clients_per_round=4", "--set", "train.local_epochs=1",
+            "--out", str(out), *extra]
+    cmd = [mpiexec(), "-n", str(world), *args] if world > 1 else args
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    total = time.perf_counter() - t0
+    log = read(out / "log.h5")
+    r = log.rounds
+    sl = slice(1, None)  # skip the warm-up round
+    steps = np.nansum(log.clients["local_steps"][sl])
+    client_seconds = np.nansum(log.clients["train_seconds"][sl])
+    wall = r["wall_seconds"][sl].sum()
+    return {
+        "world_size": world,
+        "rounds_measured": int(len(r["wall_seconds"][sl])),
+        "process_seconds": total,
+        "round_seconds": float(r["wall_seconds"][sl].mean()),
+        "split_seconds": {
+            "local_training": float(r["train_seconds"][sl].mean()),
+            "aggregation": float(r["aggregate_seconds"][sl].mean()),
+            "evaluation": float(r["eval_seconds"][sl].mean()),
+            "communication_and_overhead": float(r["overhead_seconds"][sl].mean()),
+        },
+        "fedmpi_seconds_per_step": float(client_seconds / steps),
+        "overhead_fraction": float(r["overhead_seconds"][sl].sum() / wall),
+        "threads_per_worker": max(1, (os.cpu_count() or 1) // world) if world > 1 else (os.cpu_count() or 1),
+    }
+
+
+def plain_loop_seconds_per_step(model_name: str, dataset: str, batch: int, threads: int,
+                                steps: int = 60) -> float:
+    """A bare PyTorch training loop on the same model/data/batch/threads."""
+    torch.set_num_threads(threads)
+    data = load_dataset(dataset)
+    torch.manual_seed(0)
+    model = build_model(model_name, data.input_shape, data.num_classes)
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.5)
+    model.train()
+    n = data.y_train.numel()
+    gen = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        idx = torch.randint(0, n, (batch,), generator=gen)
+        x = data.prepare(data.x_train[idx], train=True)
+        opt.zero_grad()
+        F.cross_entropy(model(x), data.y_train[idx]).backward()
+        opt.step()
+
+    for _ in range(5):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - t0) / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--settings", default="cnn:1,cnn:3,resnet18:3")
+    args = ap.parse_args()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for item in args.settings.split(","):
+            name, world = item.split(":")
+            model, dataset, extra = SETTINGS[name]
+            extra = extra + ["--set", f"data.dataset={dataset}"]
+            res = run_fedmpi(model, int(world), args.rounds, args.batch, Path(tmp) / item.replace(":", "_"),
+                             extra)
+            plain = plain_loop_seconds_per_step(model, dataset, args.batch, res["threads_per_worker"])
+            res["plain_seconds_per_step"] = plain
+            res["throughput_ratio"] = plain / res["fedmpi_seconds_per_step"]
+            results[f"{name}_n{world}"] = res
+            print(json.dumps({item: res}), flush=True)
+    print(json.dumps({"settings": results, "machine": {
+        "platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+        "device": "cpu"}}))
+
+
+if __name__ == "__main__":
+    main()
