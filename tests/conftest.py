@@ -13,6 +13,16 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` run only with FEDMPI_SLOW=1 (CI skips them)."""
+    if os.environ.get("FEDMPI_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow experiment; set FEDMPI_SLOW=1 to run")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 def mpiexec_path() -> str | None:
     for cand in (BIN / "mpiexec", shutil.which("mpiexec")):
         if cand and Path(cand).exists():
