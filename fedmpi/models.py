@@ -137,16 +137,24 @@ class Bottleneck(nn.Module):
 
 
 class ResNet(FeatureModel):
-    """ResNet with the CIFAR stem (3×3 conv, stride 1, no max-pool).
+    """ResNet with the CIFAR stem (3×3 conv, stride 1, no max-pool) or, with
+    ``stem="imagenet"``, torchvision's stem (7×7 conv stride 2, 3×3 max-pool
+    stride 2), as used for 64–224 px inputs (FedVG: Tiny-ImageNet, COVID19,
+    DermaMNIST with ResNet-50).
 
     Each residual block is a child of ``layer1``…``layer4``; FedVG's ``block``
     granularity groups parameters by these module paths.
     """
 
     def __init__(self, block: type, depths: tuple[int, int, int, int], in_channels: int,
-                 num_classes: int, norm: NormFactory) -> None:
+                 num_classes: int, norm: NormFactory, stem: str = "cifar") -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False)
+        if stem == "imagenet":
+            self.conv1 = nn.Conv2d(in_channels, 64, 7, 2, 3, bias=False)
+            self.maxpool: nn.Module = nn.MaxPool2d(3, 2, 1)
+        else:
+            self.conv1 = nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False)
+            self.maxpool = nn.Identity()
         self.bn1 = norm(64)
         cin = 64
         stages = []
@@ -168,7 +176,36 @@ class ResNet(FeatureModel):
         return torch.flatten(self.pool(out), 1)
 
 
-MODEL_NAMES = ("lenet", "cnn", "resnet18", "resnet34", "resnet50")
+class ViT(FeatureModel):
+    """Vision Transformer from torchvision (``VisionTransformer``, patch 16).
+
+    ``vit_s16``: 12 blocks, 6 heads, width 384, MLP 1536 (ViT-S/16);
+    ``vit_b16``: 12 blocks, 12 heads, width 768, MLP 3072 (ViT-B/16).
+    ``features(x)`` is the final-LayerNorm class token; ``classifier`` the head.
+    Inputs must be square with a side divisible by 16 (224 in the FedVG paper).
+    Randomly initialised (no pretrained weights are downloaded). For FedVG's
+    ``block`` granularity each ``encoder_layer_i`` is a block.
+    """
+
+    SPECS = {"vit_s16": (12, 6, 384, 1536), "vit_b16": (12, 12, 768, 3072)}
+
+    def __init__(self, name: str, in_channels: int, num_classes: int, image_size: int) -> None:
+        super().__init__()
+        from torchvision.models.vision_transformer import VisionTransformer
+
+        layers, heads, hidden, mlp = self.SPECS[name]
+        self.body = VisionTransformer(image_size, 16, layers, heads, hidden, mlp)
+        if in_channels != 3:
+            self.body.conv_proj = nn.Conv2d(in_channels, hidden, 16, 16)
+        self.body.heads = nn.Identity()
+        self.feature_dim = hidden
+        self.classifier = nn.Linear(hidden, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+MODEL_NAMES = ("lenet", "cnn", "resnet18", "resnet34", "resnet50", "vit_s16", "vit_b16")
 
 
 def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int,
@@ -178,17 +215,24 @@ def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int,
     Parameter initialisation uses the global torch RNG; callers seed it so that
     every rank builds the identical initial model.
     """
-    c, h, _ = input_shape
+    c, h, w = input_shape
     if name == "lenet":
         return LeNet(c, num_classes, h)
+    if name in ViT.SPECS:
+        if h != w or h % 16:
+            raise ConfigError(f"config key 'model.name': {name} needs square inputs with a side "
+                              f"divisible by 16 (e.g. 224), the data has {h}x{w}")
+        return ViT(name, c, num_classes, h)
+    # ResNets: torchvision's ImageNet stem from 64 px up, the CIFAR stem below.
+    stem = "imagenet" if min(h, w) >= 64 else "cifar"
     nf = norm_layer(norm)
     if name == "cnn":
         return CNN(c, num_classes, nf)
     if name == "resnet18":
-        return ResNet(BasicBlock, (2, 2, 2, 2), c, num_classes, nf)
+        return ResNet(BasicBlock, (2, 2, 2, 2), c, num_classes, nf, stem)
     if name == "resnet34":
-        return ResNet(BasicBlock, (3, 4, 6, 3), c, num_classes, nf)
+        return ResNet(BasicBlock, (3, 4, 6, 3), c, num_classes, nf, stem)
     if name == "resnet50":
-        return ResNet(Bottleneck, (3, 4, 6, 3), c, num_classes, nf)
+        return ResNet(Bottleneck, (3, 4, 6, 3), c, num_classes, nf, stem)
     raise ConfigError(f"config key 'model.name': model {name!r} is not available; "
                       f"choose one of {', '.join(MODEL_NAMES)}")

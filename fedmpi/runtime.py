@@ -142,7 +142,7 @@ class Federation:
 
         # Data and partition: computed identically on every rank (deterministic).
         self.data: Dataset = load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.download,
-                                          augment=cfg.data.augment)
+                                          augment=cfg.data.augment, image_size=cfg.data.image_size)
         self.partition: Partition = build_partition(cfg, self.data)   # = `fedmpi partition`
         self.K = cfg.data.num_clients
         self.num_samples = np.array([len(ix) for ix in self.partition.client_indices], dtype=np.int64)
@@ -404,7 +404,6 @@ class Federation:
             self.rows_recv.push()
             rows = self.rows_recv.dev[pos]
             s = np.asarray(self.weighting.weights(self, accepted, rows), dtype=np.float64)
-            sw = torch.as_tensor(s, dtype=torch.float32, device=self.device)
             for stat, off in self.layout.gathered:
                 if stat.combine == "weighted":
                     agg[stat.name] = self.weighting.combine(s, rows[:, off:off + stat.size])

@@ -367,3 +367,17 @@ def test_world_size_invariance_with_fedvg(tmp_path):
     assert gn.shape[:2] == w.shape and (np.isnan(gn[..., 0]) == np.isnan(w)).all()
     assert len(logs[1].arrays["fedvg/layer_names"]) == gn.shape[2]
     np.testing.assert_allclose(logs[3].arrays["fedvg/grad_norm"], gn, rtol=1e-5, atol=1e-7)
+
+
+def test_vit_and_resnet50_paper_models():
+    from fedmpi.models import build_model
+
+    vit = build_model("vit_s16", (3, 16, 16), 5)
+    assert vit(torch.zeros(2, 3, 16, 16)).shape == (2, 5) and vit.features(torch.zeros(1, 3, 16, 16)).shape == (1, 384)
+    blocks = list(dict.fromkeys(block_of(vit, n) for n, _ in vit.named_parameters()))
+    assert blocks == ["stem", *[f"encoder_layer_{i}" for i in range(12)], "final_norm", "head"]
+    r50 = build_model("resnet50", (3, 64, 64), 4)          # torchvision ImageNet stem from 64 px
+    assert r50.conv1.kernel_size == (7, 7) and r50(torch.zeros(2, 3, 64, 64)).shape == (2, 4)
+    assert build_model("resnet50", (3, 32, 32), 4).conv1.kernel_size == (3, 3)
+    with pytest.raises(ConfigError, match="divisible by 16"):
+        build_model("vit_b16", (1, 8, 8), 10)

@@ -106,7 +106,7 @@ def block_of(model: nn.Module, name: str) -> str:
         return ".".join(parts[:2]) if parts[0].startswith("layer") else "stem"
     if type(model).__name__ == "ViT":
         if parts[1:3] == ["encoder", "layers"]:
-            return ".".join(parts[:4])
+            return parts[3]
         if parts[1:3] == ["encoder", "ln"]:
             return "final_norm"
         return "stem"
