@@ -171,7 +171,7 @@ class ResNet(FeatureModel):
         self.classifier = nn.Linear(cin, num_classes)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.maxpool(torch.relu(self.bn1(self.conv1(x))))
         out = self.layer4(self.layer3(self.layer2(self.layer1(out))))
         return torch.flatten(self.pool(out), 1)
 
