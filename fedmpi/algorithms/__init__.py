@@ -16,6 +16,17 @@ from .heterofl import HeteroFL  # noqa: E402
 
 ALGORITHMS.update({c.name: c for c in (FedLAGC, FIARSE, HeteroFL, FedRolex)})
 
+from .elastic import Elastic  # noqa: E402
+from .fedavgm import FedAvgM  # noqa: E402
+from .feddyn import FedDyn  # noqa: E402
+from .fednova import FedNova  # noqa: E402
+from .fedopt import FedAdam, FedYogi  # noqa: E402
+from .fedprox import FedProx  # noqa: E402
+from .scaffold import Scaffold  # noqa: E402
+
+ALGORITHMS.update({c.name: c for c in (FedAvgM, FedAdam, FedYogi, FedProx, Scaffold, FedDyn,
+                                       FedNova, Elastic)})
+
 
 def algorithm_class(cfg) -> type[Algorithm]:
     """The class of ``algorithm.name`` (ConfigError if not implemented)."""

@@ -135,7 +135,7 @@ class Elastic(Algorithm):
         state[P:].add_(delta[P:], alpha=self.server_lr)
 
     def log_arrays(self) -> dict[str, np.ndarray]:
-        return {"elastic/zeta": self.last_zeta.astype(np.float64)}
+        return {**super().log_arrays(), "elastic/zeta": self.last_zeta.astype(np.float64)}
 
     # ------------------------------------------------------------------ state
     def client_state(self, client: int) -> dict[str, torch.Tensor]:

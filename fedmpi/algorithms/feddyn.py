@@ -81,8 +81,8 @@ class FedDyn(Algorithm):
 
     def local_sgd(self, task: ClientTask) -> SGDConfig:
         a_k = float(self.alpha_k[task.client])
-        return dataclasses.replace(self.sgd, weight_decay=a_k + self.sgd.weight_decay,
-                                   grad_clip=self.clip)
+        sgd = super().local_sgd(task)
+        return dataclasses.replace(sgd, weight_decay=a_k + sgd.weight_decay, grad_clip=self.clip)
 
     def hooks(self, task: ClientTask, state: torch.Tensor, extras: torch.Tensor) -> StepHooks:
         P = self.num_params

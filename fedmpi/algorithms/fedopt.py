@@ -8,7 +8,7 @@ Clients run the plain local loop (FedAvg clients); the server treats
     v_t = v_{t−1} − (1 − β2) Δ_t² sign(v_{t−1} − Δ_t²)     (FedYogi)
     θ  ← θ + η m_t / (√v_t + τ)
 
-η = ``algorithm.server_lr`` (default 0.1 for these methods), β1 =
+η = ``algorithm.server_lr`` (default 0.01 for these methods), β1 =
 ``algorithm.beta1`` (0.9), β2 = ``algorithm.beta2`` (0.99), τ =
 ``algorithm.tau`` (1e-3); m_{−1} = 0, v_{−1} = τ². The optimizer lives in
 :mod:`fedmpi.algorithms.server_opt` (shared with FedAvgM).
@@ -25,7 +25,7 @@ from .server_opt import ServerAdam, ServerOptAlgorithm
 
 class FedAdam(ServerOptAlgorithm):
     name = "fedadam"
-    default_server_lr = 0.1
+    default_server_lr = 0.01
     yogi = False
 
     def __init__(self, cfg, layout, num_clients: int) -> None:

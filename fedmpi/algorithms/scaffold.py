@@ -77,7 +77,7 @@ class Scaffold(Algorithm):
                       extras: torch.Tensor, out: dict[str, torch.Tensor], result: TrainResult) -> None:
         P = self.num_params
         c_k = self._c_k(task.client, state.device)
-        scale = 1.0 / (max(result.steps, 1) * self.local_sgd(task).lr)
+        scale = 1.0 / (max(result.steps, 1) * (result.lr or self.local_sgd(task).lr))
         # δc_k = c_k⁺ − c_k = −c + (θ − θ_k)/(K η_l) = −c − Δ_k/(K η_l)
         dc = out["dc"]
         torch.mul(out["delta"][:P], -scale, out=dc)
