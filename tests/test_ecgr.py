@@ -5,6 +5,7 @@ and the ``/ecgr/selected`` log.
 """
 from __future__ import annotations
 
+import h5py
 import numpy as np
 import pytest
 import torch
@@ -310,3 +311,7 @@ def test_world_size_invariance_with_ecgr(tmp_path):
         assert (row == 1).sum() == num_selected(tau)
         assert (row[:tau] >= 0).all() and (row[tau:] == -1).all()
     assert log.rounds["test_accuracy"][-1] > 0.3
+    with h5py.File(tmp_path / "n3" / "log.h5", "r") as f:     # storage of the step buffer
+        attrs = dict(f["ecgr"].attrs)
+    assert attrs["storage"] == "fp32" and not attrs["over_budget"]
+    assert attrs["tau_max"] == sel1.shape[2]

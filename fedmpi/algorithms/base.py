@@ -90,7 +90,7 @@ class Algorithm:
         self.num_params = layout.num_params    # P
         self.num_clients = num_clients
         self.sgd = sgd_config(cfg)
-        lr = cfg.algorithm.server_lr     # null = the method's default (FedAdam/FedYogi: 0.1)
+        lr = cfg.algorithm.server_lr     # null = the method's default (FedAdam/FedYogi: 0.01)
         self.server_lr = self.default_server_lr if lr is None else float(lr)
         self.ecgr: ECGR | None = None    # set by set_client_sizes when ecgr.enabled
 
@@ -113,7 +113,11 @@ class Algorithm:
 
     def bind(self, fed) -> None:
         """Called once by the runtime with the :class:`~fedmpi.runtime.Federation`
-        (data, partition, device, hosted clients) before the first round."""
+        (data, partition, device, hosted clients) before the first round.
+        Overrides call ``super().bind(fed)`` (ECGR chooses its storage here)."""
+        if self.ecgr is not None:
+            self.ecgr.setup(fed.device)
+            self._ecgr_log = fed if fed.is_server else None
 
     def begin_round(self, round: int, mask: "np.ndarray", state: torch.Tensor,
                     extras: torch.Tensor) -> None:
@@ -121,7 +125,17 @@ class Algorithm:
         not the rank hosts a participant (FedGPS keeps θ^{t−1} to form θ^t − θ^{t−1})."""
 
     def log_arrays(self) -> dict[str, "np.ndarray"]:
-        """Per-round arrays for the HDF5 log, e.g. ``{"ecgr/selected": a}`` (rank 0)."""
+        """Per-round arrays for the HDF5 log, e.g. ``{"fedvg/grad_norm": a}`` (rank 0).
+        Overrides call ``super().log_arrays()`` (it writes ECGR's ``/ecgr``
+        attributes — storage of the step buffer — once)."""
+        fed = getattr(self, "_ecgr_log", None)
+        if fed is not None and fed.writer is not None:
+            info = self.ecgr.describe()
+            for key, value in info.items():
+                fed.writer.set_attr("ecgr", key, value)
+            fed.writer.event(0, 0, -1, "ecgr: step buffer " + ", ".join(
+                f"{k}={v}" for k, v in info.items()))
+            self._ecgr_log = None
         return {}
 
     # ----------------------------------------------------------- declarations

@@ -44,7 +44,8 @@ largest τ_k of the federation, the same on every rank): float32 on the
 training device if it fits; else bfloat16 on the device if that fits; else
 float32 in (pinned) host memory on CUDA — on CPU, host memory *is* the
 device memory, so there the buffer stays bfloat16 and the log says it is over
-budget. Which one is used is the ``/ecgr`` attribute ``storage`` of the log.
+budget. Which one is used is the ``/ecgr`` attribute ``storage`` of the log (with
+``buffer_bytes``, ``over_budget``, ...; also an event of round 0).
 In the bf16/host modes G and v are accumulated in float32 chunks of columns.
 
 Deviations from the paper / official code (all recorded here):
@@ -164,9 +165,22 @@ class ECGR:
         """Columns per float32 chunk in the bf16/host modes (rank-invariant)."""
         return int(min(self.P, max(1024, CHUNK_BYTES // max(1, 4 * self.tau_max))))
 
+    def setup(self, device: torch.device) -> None:
+        """Choose the storage for the training device (:func:`choose_storage`);
+        the same on every rank (τ_max is the federation's)."""
+        self.device = torch.device(device)
+        self.storage = choose_storage(self.tau_max, self.P, self.budget, self.device)
+
+    def describe(self) -> dict[str, object]:
+        """What the log records under ``/ecgr`` (attributes)."""
+        return {"storage": self.storage, "tau_max": self.tau_max, "num_params": self.P,
+                "buffer_bytes": self.buffer_bytes, "memory_budget": self.budget,
+                "over_budget": self.buffer_bytes > self.budget and self.storage != "host",
+                "beta": self.beta}
+
     def _allocate(self, device: torch.device) -> None:
-        self.device = device
-        self.storage = choose_storage(self.tau_max, self.P, self.budget, device)
+        if self.storage is None or self.device != torch.device(device):
+            self.setup(device)
         if self.storage == "fp32":
             self._X = torch.zeros(self.tau_max, self.P, device=device)
         elif self.storage == "bf16":
