@@ -162,9 +162,11 @@ def _group_keys(flat_configs: Sequence[Mapping[str, Any]], group_by: Sequence[st
                 raise UserError(f"--group-by {given}: no log has config key {k!r} "
                                 f"(aliases: {', '.join(sorted(ALIASES))})")
         return keys
+    # A key that some logs lack (added to the schema later) varies only if the
+    # logs that have it disagree.
     union = sorted({k for c in flat_configs for k in c})
     return [k for k in union if not _ignored(k)
-            and len({_fmt_value(c[k]) if k in c else "<unset>" for c in flat_configs}) > 1]
+            and len({_fmt_value(c[k]) for c in flat_configs if k in c}) > 1]
 
 
 # -- per group -------------------------------------------------------------------
@@ -321,8 +323,7 @@ def compare_logs(logs: Sequence[RunLog], *, target: float | None = None,
             return "all"
         if len(keys) == 1:
             return values[0]
-        return ", ".join(f"{k.rsplit('.', 1)[-1] if _unique_leaf(k, keys) else k}={v}"
-                         for k, v in zip(keys, values))
+        return ", ".join(f"{_short(k, keys)}={v}" for k, v in zip(keys, values))
 
     members = list(groups.items())
     base_idx = _find_baseline(members, keys, flats, baseline, label)
@@ -332,8 +333,8 @@ def compare_logs(logs: Sequence[RunLog], *, target: float | None = None,
         bests = [run_metrics(logs[i]).best_accuracy for i in members[base_idx][1]]
         if all(math.isfinite(b) for b in bests):
             target = min(bests)
-            source = (f"best accuracy of the baseline "
-                      f"{'(lowest over its runs)' if len(bests) > 1 else ''}").rstrip()
+            source = ("lowest best accuracy among the baseline's runs" if len(bests) > 1
+                      else "best accuracy of the baseline")
 
     rows: list[GroupRow] = []
     all_runs: list[RunMetrics] = []
@@ -361,9 +362,14 @@ def compare_logs(logs: Sequence[RunLog], *, target: float | None = None,
                  baseline=base_label, runs=all_runs)
 
 
-def _unique_leaf(key: str, keys: Sequence[str]) -> bool:
+def _short(key: str, keys: Sequence[str]) -> str:
+    """Column name in a label: the alias of ``key``, else its last part if no other
+    grouping key ends the same way, else the whole dotted key."""
+    for alias, target in ALIASES.items():
+        if target == key:
+            return alias
     leaf = key.rsplit(".", 1)[-1]
-    return sum(k.rsplit(".", 1)[-1] == leaf for k in keys) == 1
+    return leaf if sum(k.rsplit(".", 1)[-1] == leaf for k in keys) == 1 else key
 
 
 def _find_baseline(members, keys, flats, baseline, label) -> int | None:

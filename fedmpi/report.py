@@ -77,9 +77,16 @@ def _save(fig, path: Path) -> Path:
 
 
 def _title(log: RunLog) -> str:
-    name = config_value(log.config, "name", "") or Path(log.path).parent.name
-    status = "" if log.status == "completed" else f" [{log.status}]"
-    return f"{name}{status}"
+    """``name · algorithm[ + weighting] (log directory) [status]``."""
+    name = config_value(log.config, "name", "") or ""
+    algo = config_value(log.config, "algorithm.name")
+    weighting = config_value(log.config, "aggregation.weighting", "samples")
+    parts = [p for p in (name, algo) if p]
+    text = " · ".join(parts) + (f" + {weighting}" if weighting not in (None, "samples") else "")
+    folder = Path(log.path).resolve().parent.name
+    if folder and folder != name:
+        text += f" ({folder})"
+    return text + ("" if log.status == "completed" else f" [{log.status}]")
 
 
 def _client_ticks(ax, k: int, axis: str = "y") -> None:
@@ -397,8 +404,11 @@ def summary_markdown(log: RunLog, target: float | None = None,
            f"Config digest `sha256:{digest}` (of the resolved YAML stored in the log).", "",
            "| key | value |", "|---|---|"]
     algo = sorted(k for k in flat if k.startswith("algorithm."))
+    method = flat.get("data.partition.method")
+    irrelevant = {"data.partition.alpha": method not in (None, "dirichlet"),
+                  "data.partition.classes_per_client": method not in (None, "shards")}
     for key in [*DIGEST_KEYS[:9], *algo, *DIGEST_KEYS[9:]]:
-        if key in flat and flat[key] is not None:
+        if key in flat and flat[key] is not None and not irrelevant.get(key, False):
             out.append(f"| {key} | {flat[key]} |")
 
     out += ["", "## Results", "", "| metric | value |", "|---|---|"]

@@ -25,10 +25,10 @@ RUNS = {
 
 
 def write_log(path: Path, algorithm: str, seed: int, acc: list[float],
-              status: str = "completed", rounds: int | None = None) -> Path:
+              status: str = "completed", rounds: int | None = None, extra: str = "") -> Path:
     cfg = (f"name: {algorithm}-{seed}\nseed: {seed}\nalgorithm:\n  name: {algorithm}\n"
            f"data:\n  num_clients: {K}\n"
-           f"train:\n  rounds: {rounds or len(acc)}\nruntime:\n  out_dir: /tmp/{seed}\n")
+           f"train:\n  rounds: {rounds or len(acc)}\nruntime:\n  out_dir: /tmp/{seed}\n{extra}")
     with LogWriter(path, config_yaml=cfg, world_size=1, num_clients=K,
                    num_samples=np.array([10, 20, 30]), class_counts=np.ones((K, 2)),
                    fedmpi_version="test") as w:
@@ -106,6 +106,14 @@ def test_explicit_baseline_and_group_by(logs):
     assert [r.label for r in one.rows] == ["0", "1"]
     assert one.rows[0].final == pytest.approx((np.mean([0.6, 0.9, 0.4]), np.std([0.6, 0.9, 0.4])))
     assert one.target is None and "rounds to target" not in one.markdown()
+
+
+def test_key_missing_from_older_logs_does_not_split_groups(tmp_path):
+    """A config key added to the schema later is absent from older logs."""
+    logs = [write_log(tmp_path / "a.h5", "fedavg", 0, [0.5], extra="model:\n  size: 32\n"),
+            write_log(tmp_path / "b.h5", "fedavg", 1, [0.7])]
+    table = compare(logs)
+    assert table.keys == [] and table.rows[0].final == pytest.approx((0.6, 0.1))
 
 
 def test_bad_arguments(logs):
