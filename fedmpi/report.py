@@ -264,10 +264,7 @@ def plot_level_accuracy(log: RunLog, path: Path) -> Path | None:
     r = log.rounds.get("round")
     if la is None or r is None or la.ndim != 2 or not np.isfinite(la).any():
         return None
-    levels = log.arrays.get("submodel/levels")
-    labels = ([f"level {v:g}" for v in np.asarray(levels, dtype=float)]
-              if levels is not None and len(levels) == la.shape[1]
-              else [f"level {i}" for i in range(la.shape[1])])
+    labels = _level_labels(log, la.shape[1])
     fig = _figure(7, 4.5)
     ax = fig.subplots()
     cmap = _mpl().colormaps["viridis"]
@@ -285,6 +282,17 @@ def plot_level_accuracy(log: RunLog, path: Path) -> Path | None:
     ax.legend(fontsize=8)
     fig.suptitle(_title(log))
     return _save(fig, path)
+
+
+def _level_labels(log: RunLog, n: int) -> list[str]:
+    """``level i (size 1/4)`` from ``/submodel/levels`` (model-size ratios), else ``level i``."""
+    from fractions import Fraction
+
+    levels = log.arrays.get("submodel/levels")
+    if levels is None or len(levels) != n:
+        return [f"level {i}" for i in range(n)]
+    return [f"level {i} (size {Fraction(float(v)).limit_denominator(4096)})"
+            for i, v in enumerate(np.asarray(levels, dtype=float))]
 
 
 _TIME_PARTS = (("train_seconds", "local training (slowest worker)", "C0"),
@@ -423,6 +431,12 @@ def summary_markdown(log: RunLog, target: float | None = None,
     loss = log.rounds.get("test_loss")
     if loss is not None and np.isfinite(loss).any():
         out.append(f"| final test loss | {loss[np.isfinite(loss)][-1]:.4f} |")
+    la = log.arrays.get("submodel/level_accuracy")
+    if la is not None and la.ndim == 2 and np.isfinite(la).any():
+        last = [np.flatnonzero(np.isfinite(la[:, v])) for v in range(la.shape[1])]
+        cells = [f"{name}: {_pct(la[idx[-1], v])}" if idx.size else f"{name}: —"
+                 for v, (name, idx) in enumerate(zip(_level_labels(log, la.shape[1]), last))]
+        out.append(f"| final accuracy per submodel level | {'; '.join(cells)} |")
     wall = log.rounds.get("wall_seconds")
     if wall is not None and len(wall):
         out.append(f"| mean time per round | {np.nanmean(wall):.3f} s "
