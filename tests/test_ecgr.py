@@ -20,7 +20,8 @@ from fedmpi.config import config_from_dict
 from fedmpi.errors import ConfigError, DataError
 from fedmpi.log import read
 from fedmpi.runtime import Federation, stream_seed
-from fedmpi.train import StepHooks, step_decay_lr
+from fedmpi.data.partition import local_batches
+from fedmpi.train import StepHooks, epoch_bounds, num_local_steps, step_decay_lr
 
 
 # --------------------------------------------------------------------------- helpers
@@ -274,8 +275,13 @@ def test_tau_below_two_rejected():
 def test_partition_gives_two_batches_with_ecgr():
     fed = make_fed(**{"train.local_steps": None, "train.batch_size": 64,
                       "data.partition.alpha": 0.05, "data.partition.min_size": 1})
-    assert (np.ceil(fed.num_samples / 64) >= 2).all()
-    assert fed.algo.ecgr.tau_max == int(np.ceil(fed.num_samples.max() / 64))
+    steps = [num_local_steps(int(n), fed.algo.sgd) for n in fed.num_samples]
+    assert min(steps) >= 2 and fed.algo.ecgr.tau_max == max(steps)
+    # the partitioner counts batches as the trainer forms them (n = B + 1 is one batch)
+    for B in (1, 3, 16):
+        for n in range(1, 60):
+            assert local_batches(n, B) == len(epoch_bounds(n, B)) - 1
+    assert local_batches(17, 16) == 1 and local_batches(18, 16) == 2
     with pytest.raises(DataError, match="2 local batches"):
         make_fed(**{"train.local_steps": None, "train.batch_size": 400,
                     "data.partition.method": "iid", "data.num_clients": 4})

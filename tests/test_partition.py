@@ -273,8 +273,11 @@ def test_min_batches_violation_is_an_error(labels, method, kw):
         make_partition(labels, 20, method, seed=0, min_batches=2, batch_size=128, **kw)
     message = str(info.value)
     assert "client " in message and "batch_size=128" in message and "2 local batches" in message
-    # Exactly at the boundary: ceil(100 / 99) = 2 batches is enough.
-    make_partition(labels, 20, "iid", seed=0, min_batches=2, batch_size=99)
+    # At the boundary: 100 = 98 + 2 is 2 batches; 100 = 99 + 1 is one (the trainer merges a
+    # one-sample remainder into the previous batch, fedmpi.train.epoch_bounds).
+    make_partition(labels, 20, "iid", seed=0, min_batches=2, batch_size=98)
+    with pytest.raises(DataError, match="1 batch"):
+        make_partition(labels, 20, "iid", seed=0, min_batches=2, batch_size=99)
 
 
 # -------------------------------------------------------------- bad arguments

@@ -364,6 +364,13 @@ def _file_split(
     return clients, held
 
 
+def local_batches(n: int, batch_size: int) -> int:
+    """Batches of one local epoch over ``n`` samples, as :func:`fedmpi.train.epoch_bounds`
+    forms them: ⌈n/B⌉, less one when a one-sample remainder joins the previous batch."""
+    full = math.ceil(n / batch_size)
+    return full - 1 if full >= 2 and n - (full - 1) * batch_size == 1 else full
+
+
 def make_partition(
     labels: np.ndarray,
     num_clients: int,
@@ -406,8 +413,10 @@ def make_partition(
     num_classes:
         :math:`C` (default ``max(labels) + 1``); sets the width of ``class_counts``.
     min_batches, batch_size:
-        When ``min_batches > 0`` every client must have
-        :math:`\lceil n_k / B \rceil \ge` ``min_batches`` local batches (ECGR
+        When ``min_batches > 0`` every client must have ``min_batches`` local
+        batches as the trainer forms them (:func:`local_batches`: a one-sample
+        remainder joins the previous batch), i.e. roughly
+        :math:`\lceil n_k / B \rceil \ge` ``min_batches`` (ECGR
         needs 2). For ``dirichlet`` this joins the resampling criterion as
         :math:`n_k \ge \max(\text{min\_size}, (\text{min\_batches}-1)B + 1)`;
         for the other methods a violation is an error.
@@ -435,8 +444,9 @@ def make_partition(
         elif method == "dirichlet":
             need = max(min_size, 1)
             reason = f"data.partition.min_size={min_size}"
-            if min_batches > 0 and (min_batches - 1) * batch_size + 1 > need:
-                need = (min_batches - 1) * batch_size + 1
+            first = (min_batches - 1) * batch_size + (2 if min_batches > 1 else 1)
+            if min_batches > 0 and first > need:   # smallest n with min_batches batches
+                need = first
                 reason = f"{min_batches} batches of train.batch_size={batch_size}"
             clients = _split_dirichlet(y, pool, num_clients, split_rng, alpha, need, reason)
         else:
@@ -451,10 +461,10 @@ def make_partition(
                 f"({sum(sizes)} samples for {num_clients} clients); every client needs >= 1, "
                 f"use fewer data.num_clients or a smaller data.validation.fraction"
             )
-        if min_batches > 0 and math.ceil(size / batch_size) < min_batches:
+        if min_batches > 0 and local_batches(size, batch_size) < min_batches:
             raise DataError(
                 f"data.partition.method={method}: client {k} has {size} samples, "
-                f"{math.ceil(size / batch_size)} batch(es) of train.batch_size={batch_size}, "
+                f"{local_batches(size, batch_size)} batch(es) of train.batch_size={batch_size}, "
                 f"but {min_batches} local batches are required (ECGR needs >= 2); "
                 f"use fewer data.num_clients or a smaller train.batch_size"
             )
