@@ -418,7 +418,7 @@ def make_partition(
         remainder joins the previous batch), i.e. roughly
         :math:`\lceil n_k / B \rceil \ge` ``min_batches`` (ECGR
         needs 2). For ``dirichlet`` this joins the resampling criterion as
-        :math:`n_k \ge \max(\text{min\_size}, (\text{min\_batches}-1)B + 1)`;
+        :math:`n_k \ge \max(\text{min\_size}, (\text{min\_batches}-1)B + 2)`;
         for the other methods a violation is an error.
 
     Raises
