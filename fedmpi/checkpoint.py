@@ -97,8 +97,11 @@ def decode_state(buf: np.ndarray) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, spec in header.items():
         a, b = spec["offsets"]
-        chunk = torch.from_numpy(data[a:b].copy())
-        out[name] = chunk.view(_DTYPES[spec["dtype"]]).reshape(spec["shape"])
+        dtype = _DTYPES[spec["dtype"]]
+        if a == b:
+            out[name] = torch.empty(spec["shape"], dtype=dtype)
+            continue
+        out[name] = torch.from_numpy(data[a:b].copy()).view(dtype).reshape(spec["shape"])
     return out
 
 

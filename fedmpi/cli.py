@@ -32,7 +32,10 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("config")
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
-    sub.add_parser("info", help="versions, MPI library, CUDA-aware MPI, GPUs")
+    info = sub.add_parser("info", help="versions, MPI library, CUDA-aware MPI, GPUs, rank placement")
+    info.add_argument("-n", "--ranks", type=int, default=None, metavar="N",
+                      help="show the rank -> GPU placement for N ranks on this node "
+                           "(default: 1 aggregator + 1 worker per GPU)")
 
     report = sub.add_parser("report", help="PNG plots and summary.md of one run log")
     report.add_argument("log", help="run log (log.h5), also one still being written")
@@ -84,8 +87,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def info_lines() -> list[str]:
-    """What ``fedmpi info`` prints (also used in bench JSON)."""
+def info_lines(ranks: Optional[int] = None) -> list[str]:
+    """What ``fedmpi info`` prints (also used in bench JSON); ``ranks``: ranks on
+    this node for the placement lines (:mod:`fedmpi.placement`)."""
     import numpy
     import torch
 
@@ -108,11 +112,22 @@ def info_lines() -> list[str]:
             lines.append(f"GPU {i}: {torch.cuda.get_device_name(i)}")
     else:
         lines.append("GPUs: none (runtime.device auto -> cpu)")
+    from .placement import describe, plan, threads_per_rank
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ranks = ranks or 1 + max(1, gpus)
+    rule = f"node-local rank i -> GPU i mod {gpus}" if gpus else "no GPUs: every rank on the CPU"
+    lines.append(f"placement of {ranks} ranks on this node ({rule}; "
+                 f"{threads_per_rank(os.cpu_count() or 1, ranks)} torch threads per rank"
+                 f"{'; oversubscribed' if ranks > (os.cpu_count() or 1) else ''}):")
+    lines.extend("  " + line for line in describe(plan(ranks, gpus)))
     return lines
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    print("\n".join(info_lines()))
+    if args.ranks is not None and args.ranks < 1:
+        raise UserError(f"fedmpi info --ranks expects a positive number of ranks, got {args.ranks}")
+    print("\n".join(info_lines(args.ranks)))
     return 0
 
 

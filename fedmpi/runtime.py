@@ -41,6 +41,7 @@ from .data import Dataset, Partition, build_partition, load_dataset
 from .errors import ConfigError, UserError
 from .flat import FlatModel
 from .models import build_model
+from .placement import gpu_for_local_rank, threads_per_rank
 from .train import LocalTrainer, evaluate
 
 STATUS_IDLE, STATUS_OK, STATUS_NONFINITE, STATUS_FAILED = 0, 1, 2, 3
@@ -73,7 +74,7 @@ def resolve_device(spec: str, local_rank: int) -> torch.device:
         raise ConfigError(f"config key 'runtime.device' is {spec!r} but no CUDA device is available "
                           "(use 'auto' or 'cpu')")
     if spec == "cuda":
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+        return torch.device("cuda", gpu_for_local_rank(local_rank, torch.cuda.device_count()))
     return torch.device(spec)
 
 
@@ -136,7 +137,7 @@ class Federation:
         self.rank, self.size = comm.rank, comm.size
         self.is_server = self.rank == 0
         local_rank, local_size = comm.node_local()
-        threads = cfg.runtime.threads or max(1, (os.cpu_count() or 1) // local_size)
+        threads = cfg.runtime.threads or threads_per_rank(os.cpu_count() or 1, local_size)
         torch.set_num_threads(threads)
         self.device = resolve_device(cfg.runtime.device, local_rank)
 

@@ -1,0 +1,88 @@
+"""Rank → GPU placement and thread defaults (operations, issue 5).
+
+One rule, used by the runtime (:func:`fedmpi.runtime.resolve_device` with
+``runtime.device: auto|cuda``), by ``fedmpi info`` and by
+``launch/fedmpi-launch``:
+
+    node-local rank i on a node with G visible GPUs  →  GPU  i mod G
+
+The node-local rank comes from ``MPI_Comm_split_type(SHARED)`` keyed by the
+global rank, so on the aggregator's node rank 0 has local rank 0 and sits on
+GPU 0 together with the worker of local rank G (if any); every GPU gets
+⌈(L−1)/G⌉ or ⌊(L−1)/G⌋ workers (L ranks on the node), the aggregator counting
+as the lightest load. Set ``CUDA_VISIBLE_DEVICES`` to restrict the GPUs.
+
+Threads: ranks sharing a node split its cores, ``max(1, cores // L)`` torch
+threads each (``runtime.threads`` overrides); with more ranks than cores the
+MPI launcher must allow oversubscription (Open MPI: ``--oversubscribe``;
+MPICH hydra allows it by default), and fedmpi's sleeping poll keeps waiting
+ranks from spinning.
+
+This module imports no torch and no MPI so the launcher can use it cheaply.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+
+def gpu_for_local_rank(local_rank: int, num_gpus: int) -> int | None:
+    """GPU index of node-local rank ``local_rank`` (``None`` without GPUs)."""
+    if num_gpus <= 0:
+        return None
+    return int(local_rank) % int(num_gpus)
+
+
+def threads_per_rank(cores: int, ranks_on_node: int) -> int:
+    """Default torch threads per rank: the node's cores split evenly, at least 1."""
+    return max(1, int(cores) // max(1, int(ranks_on_node)))
+
+
+@dataclass(frozen=True)
+class Slot:
+    local_rank: int
+    role: str              # "aggregator" or "worker"
+    gpu: int | None        # None → CPU
+
+
+def plan(ranks_on_node: int, num_gpus: int, aggregator_here: bool = True) -> list[Slot]:
+    """Placement of ``ranks_on_node`` ranks on one node (the first node of a job
+    holds the aggregator, global rank 0, as its local rank 0)."""
+    return [Slot(i, "aggregator" if aggregator_here and i == 0 else "worker",
+                 gpu_for_local_rank(i, num_gpus)) for i in range(ranks_on_node)]
+
+
+def describe(slots: list[Slot]) -> list[str]:
+    """One line per rank: ``local rank 0 (aggregator) -> cuda:0``."""
+    return [f"local rank {s.local_rank} ({s.role}) -> "
+            f"{'cpu' if s.gpu is None else f'cuda:{s.gpu}'}" for s in slots]
+
+
+def count_gpus() -> int:
+    """Visible NVIDIA GPUs without importing torch: ``CUDA_VISIBLE_DEVICES`` if
+    set, else ``nvidia-smi -L``, else 0."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [v for v in visible.split(",") if v.strip() and v.strip() != "-1"]
+        return len(ids)
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def local_rank_from_env() -> int | None:
+    """Node-local rank as set by the launcher (MPICH hydra, Open MPI, Slurm srun)."""
+    for key in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"):
+        if key in os.environ:
+            try:
+                return int(os.environ[key])
+            except ValueError:
+                return None
+    return None

@@ -1,0 +1,480 @@
+"""Operations (issue 5): checkpoints, --resume, signals, faults, SLURM scripts, launcher.
+
+The MPI tests share one configuration (FedDyn, so every client has a state h_k
+on its worker and the server has Σh) and one uninterrupted reference run; an
+interrupted or killed run, resumed under another number of ranks, must end
+with the same global model, server state, client states and round list.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, SMALL, fedmpi_cmd, mpiexec_path, run_fedmpi
+from fedmpi import checkpoint, placement, signals
+from fedmpi.log import read
+
+CFG = "configs/quickstart.yaml"
+ROUNDS = 5
+OPS = [*SMALL, "--set", f"train.rounds={ROUNDS}", "--set", "algorithm.name=feddyn",
+       "--set", "train.momentum=0", "--set", "runtime.threads=1", "--set", "runtime.checkpoint_every=1",
+       "--set", "eval.every=1"]
+TOL = 1e-5
+
+
+# ----------------------------------------------------------------- helpers
+def _ckpt(out: Path) -> dict:
+    return torch.load(out / "checkpoint.pt", weights_only=True)
+
+
+def _assert_same_run(out: Path, ref: Path) -> None:
+    """Same final θ, server state, client states and round list as ``ref``."""
+    a, b = _ckpt(out), _ckpt(ref)
+    assert a["round"] == b["round"] == ROUNDS
+    torch.testing.assert_close(a["global_state"], b["global_state"], atol=TOL, rtol=0)
+    assert a["server_state"].keys() == b["server_state"].keys() and b["server_state"]
+    for k, v in b["server_state"].items():
+        torch.testing.assert_close(a["server_state"][k], v, atol=TOL, rtol=0)
+    assert sorted(a["clients"]) == sorted(b["clients"]) and b["clients"]
+    for k, st in b["clients"].items():
+        assert a["clients"][k].keys() == st.keys() and st
+        for name, v in st.items():
+            torch.testing.assert_close(a["clients"][k][name], v, atol=TOL, rtol=0, msg=f"{name}_{k}")
+    model_a = torch.load(out / "model.pt", weights_only=True)
+    model_b = torch.load(ref / "model.pt", weights_only=True)
+    for key, v in model_b.items():
+        if v.is_floating_point():
+            torch.testing.assert_close(model_a[key], v, atol=TOL, rtol=0, msg=key)
+    la, lb = read(out / "log.h5"), read(ref / "log.h5")
+    assert list(la.rounds["round"]) == list(range(ROUNDS))
+    np.testing.assert_allclose(la.rounds["test_accuracy"], lb.rounds["test_accuracy"], atol=TOL)
+    np.testing.assert_array_equal(la.clients["selected"], lb.clients["selected"])
+    assert la.attrs["status"] == "completed"
+
+
+def _rank_pid(out: Path, rank: int) -> int | None:
+    """PID of MPI rank ``rank`` of the run writing to ``out`` (MPICH sets PMI_RANK)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"fedmpi" in cmdline and str(out).encode() in cmdline and b"-m" in cmdline \
+                and f"PMI_RANK={rank}".encode() in env:
+            return int(entry.name)
+    return None
+
+
+def _wait_rounds(out: Path, n: int, proc: subprocess.Popen, timeout: float = 180) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            seen = read(out / "log.h5").num_rounds
+            if seen >= n:
+                return seen
+        except Exception:  # noqa: BLE001 - not written yet
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"run did not log {n} rounds (exit {proc.poll()})")
+
+
+def _popen_mpi(args: list[str], n: int) -> subprocess.Popen:
+    mpi = mpiexec_path()
+    if mpi is None:
+        pytest.skip("mpiexec not found")
+    return subprocess.Popen([mpi, "-n", str(n), *fedmpi_cmd(*args)], cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run, one process."""
+    out = tmp_path_factory.mktemp("ops") / "ref"
+    run_fedmpi(["run", CFG, *OPS, "--out", str(out)], n=0)
+    return out
+
+
+# ------------------------------------------------------- MPI: stop / resume
+@pytest.mark.mpi
+def test_sigterm_on_worker_checkpoints_and_resume_under_other_n_matches(reference, tmp_path):
+    out = tmp_path / "term"
+    proc = _popen_mpi(["run", CFG, *OPS, "--out", str(out)], n=3)
+    try:
+        _wait_rounds(out, 1, proc)
+        pid = _rank_pid(out, 2)
+        assert pid is not None, "rank 2 not found"
+        os.kill(pid, signal.SIGTERM)          # one worker only: it must tell rank 0
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == signals.EXIT_INTERRUPTED, err[-3000:]
+    log = read(out / "log.h5")
+    assert log.attrs["status"] == "interrupted"
+    r = _ckpt(out)["round"]
+    assert 1 <= r < ROUNDS and log.num_rounds == r          # stopped at a round boundary
+    assert any("SIGTERM on rank 2" in m for m in log.events["message"]), log.events["message"]
+    assert _ckpt(out)["world_size"] == 3
+
+    run_fedmpi(["run", CFG, *OPS, "--out", str(out), "--resume"], n=2)   # other -n
+    _assert_same_run(out, reference)
+    log = read(out / "log.h5")
+    assert list(log.attrs["resumed_world_sizes"]) == [2]
+    assert any(f"resumed at round {r} with world_size=2 (was 3)" in m for m in log.events["message"])
+
+
+@pytest.mark.mpi
+def test_sigkill_of_a_worker_fails_fast_and_resume_completes(reference, tmp_path):
+    out = tmp_path / "kill"
+    timeout = 30
+    proc = _popen_mpi(["run", CFG, *OPS, "--set", f"runtime.round_timeout={timeout}",
+                       "--out", str(out)], n=3)
+    try:
+        _wait_rounds(out, 2, proc)
+        pid = _rank_pid(out, 1)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        proc.communicate(timeout=timeout + 60)
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode not in (0, signals.EXIT_INTERRUPTED)
+    assert elapsed < timeout, f"job took {elapsed:.1f}s to end after SIGKILL"
+    log = read(out / "log.h5")                                  # readable after the kill
+    assert list(log.rounds["round"]) == list(range(log.num_rounds))
+    assert log.num_rounds >= 2 and _ckpt(out)["round"] >= 2
+    run_fedmpi(["run", CFG, *OPS, "--out", str(out), "--resume"], n=0)     # alone
+    _assert_same_run(out, reference)
+
+
+@pytest.mark.mpi
+def test_resume_of_completed_run_is_a_noop_and_extends(reference, tmp_path):
+    out = tmp_path / "done"
+    shutil.copytree(reference, out)
+    proc = run_fedmpi(["run", CFG, *OPS, "--out", str(out), "--resume"], n=2)
+    assert proc.stdout.strip().splitlines()[-1] == \
+        f"final test_accuracy={read(reference / 'log.h5').rounds['test_accuracy'][-1]:.6f}"
+    _assert_same_run(out, reference)
+    # more rounds: continues from round ROUNDS
+    run_fedmpi(["run", CFG, *OPS, "--set", f"train.rounds={ROUNDS + 1}", "--out", str(out),
+                "--resume"], n=0)
+    assert list(read(out / "log.h5").rounds["round"]) == list(range(ROUNDS + 1))
+    assert _ckpt(out)["round"] == ROUNDS + 1
+
+
+# ------------------------------------------------------- bad checkpoints
+@pytest.mark.mpi
+def test_truncated_checkpoint_exits_2_naming_the_file(reference, tmp_path):
+    out = tmp_path / "trunc"
+    shutil.copytree(reference, out)
+    path = out / "checkpoint.pt"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    proc = run_fedmpi(["run", CFG, *OPS, "--out", str(out), "--resume"], n=2, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"fedmpi: error: {path}: truncated or corrupt checkpoint" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_foreign_missing_and_mismatched_checkpoints_exit_2(reference, tmp_path):
+    out = tmp_path / "bad"
+    shutil.copytree(reference, out)
+    proc = run_fedmpi(["run", CFG, *OPS, "--set", "data.num_clients=5", "--out", str(out),
+                       "--resume"], n=0, check=False)
+    assert proc.returncode == 2
+    assert "num_clients=6" in proc.stderr and "'data.num_clients'" in proc.stderr
+    (out / "checkpoint.pt").unlink()
+    proc = run_fedmpi(["run", CFG, *OPS, "--out", str(out), "--resume"], n=0, check=False)
+    assert proc.returncode == 2 and f"{out / 'checkpoint.pt'}: no checkpoint" in proc.stderr
+    torch.save({"format": "something else"}, out / "checkpoint.pt")
+    with pytest.raises(checkpoint.CheckpointError, match="not a fedmpi checkpoint"):
+        checkpoint.read_checkpoint(out / "checkpoint.pt")
+    # weights_only: a pickle that would run code is refused, not executed
+    torch.save({"format": checkpoint.FORMAT, "evil": SimpleNamespace(a=1)}, out / "checkpoint.pt")
+    with pytest.raises(checkpoint.CheckpointError, match="truncated or corrupt"):
+        checkpoint.read_checkpoint(out / "checkpoint.pt")
+
+
+# ------------------------------------------------- in-process unit tests
+def test_state_bytes_round_trip_all_dtypes():
+    state = {"c": torch.arange(6, dtype=torch.float32).reshape(2, 3) / 7,
+             "h": torch.tensor([1.5, -2.25], dtype=torch.float64),
+             "lam": torch.tensor(0.125, dtype=torch.bfloat16),
+             "count": torch.tensor([3], dtype=torch.int64),
+             "mask": torch.tensor([True, False, True]), "empty": torch.zeros(0, 4)}
+    blob = checkpoint.encode_state(state)
+    assert blob.dtype == np.uint8
+    header_len = int(blob[:8].view("<u8")[0])
+    data_bytes = 24 + 16 + 2 + 8 + 3 + 0
+    assert blob.size == 8 + header_len + data_bytes
+    back = checkpoint.decode_state(blob)
+    assert back.keys() == state.keys()
+    for k, v in state.items():
+        assert back[k].dtype == v.dtype and back[k].shape == v.shape
+        assert torch.equal(back[k], v), k
+    assert checkpoint.decode_state(checkpoint.encode_state({})) == {}
+
+
+class _Comm1:
+    """World-size-1 stand-in for fedmpi.comm.Comm (its size-1 code paths)."""
+
+    rank, size = 0, 1
+
+    def reduce_sum(self, send, recv, what=""):
+        np.copyto(recv, send)
+
+    def bcast(self, buf, what=""):
+        pass
+
+    def gatherv_rows(self, send, recv, rows, what=""):
+        assert send.shape[0] == rows[0] <= checkpoint.CHUNK
+        np.copyto(recv[: rows[0]], send)
+
+    def scatterv_rows(self, send, recv, rows, what=""):
+        assert recv.shape[0] == rows[0] <= checkpoint.CHUNK
+        np.copyto(recv, send[: rows[0]])
+
+    def max_int(self, v, what=""):
+        return v
+
+
+class _Algo:
+    def __init__(self, states):
+        self.states = states
+
+    def client_state(self, k):
+        return self.states.get(k, {})
+
+    def load_client_state(self, k, st):
+        self.states[k] = st
+
+
+def test_client_states_travel_in_blocks(monkeypatch):
+    """Gather/scatter with a 7-byte block: blobs split across many Gatherv calls."""
+    monkeypatch.setattr(checkpoint, "CHUNK", 7)
+    K = 4
+    states = {0: {"c": torch.randn(5)}, 2: {"c": torch.randn(3), "n": torch.tensor([2])}}
+    fed = SimpleNamespace(comm=_Comm1(), K=K, host=np.zeros(K, dtype=int), my_clients=list(range(K)),
+                          algo=_Algo(states), is_server=True, size=1, rank=0,
+                          device=torch.device("cpu"), out_dir=Path("."))
+    got = checkpoint.gather_client_states(fed)
+    assert sorted(got) == [0, 2]                       # clients 1 and 3 have no state
+    for k in got:
+        for n, v in states[k].items():
+            assert torch.equal(got[k][n], v)
+    fed.algo = _Algo({})
+    assert checkpoint.scatter_client_states(fed, got) == 2
+    assert torch.equal(fed.algo.states[2]["n"], torch.tensor([2]))
+    assert torch.equal(fed.algo.states[0]["c"], states[0]["c"])
+
+
+def test_atomic_save_leaves_old_file_on_failure(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    checkpoint.save_atomic({"x": torch.ones(2)}, path)
+
+    class Boom:
+        def __reduce__(self):
+            raise RuntimeError("boom")
+
+    with pytest.raises(Exception):
+        checkpoint.save_atomic({"x": Boom()}, path)
+    assert torch.equal(torch.load(path, weights_only=True)["x"], torch.ones(2))
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]   # no temp file left
+
+
+def test_signal_handlers_record_and_restore():
+    before = signal.getsignal(signal.SIGUSR1)
+    assert signals.install()
+    try:
+        assert signals.requested() is None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.01)
+        assert signals.requested() == "SIGUSR1" and signals.requested_signum() == signal.SIGUSR1
+        os.kill(os.getpid(), signal.SIGTERM)               # the first request wins
+        time.sleep(0.01)
+        assert signals.requested() == "SIGUSR1"
+        os.kill(os.getpid(), signal.SIGINT)                # not a second SIGINT: no exception
+        time.sleep(0.01)
+    finally:
+        signals.restore()
+    assert signal.getsignal(signal.SIGUSR1) == before
+    assert signals.signal_name(15) == "SIGTERM" and signals.signal_name(250) == "signal 250"
+
+
+def test_second_sigint_raises_keyboard_interrupt():
+    signals.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)
+        assert signals.requested() == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+    finally:
+        signals.restore()
+
+
+def test_placement_rule():
+    assert [placement.gpu_for_local_rank(i, 4) for i in range(6)] == [0, 1, 2, 3, 0, 1]
+    assert placement.gpu_for_local_rank(3, 0) is None
+    slots = placement.plan(5, 2)
+    assert [(s.role, s.gpu) for s in slots] == [("aggregator", 0), ("worker", 1), ("worker", 0),
+                                               ("worker", 1), ("worker", 0)]
+    assert placement.describe(slots)[0] == "local rank 0 (aggregator) -> cuda:0"
+    assert placement.threads_per_rank(16, 5) == 3 and placement.threads_per_rank(2, 5) == 1
+
+
+def test_info_shows_placement():
+    proc = subprocess.run(fedmpi_cmd("info", "--ranks", "3"), cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "CUDA-aware MPI:" in proc.stdout
+    assert "placement of 3 ranks on this node" in proc.stdout
+    assert "local rank 0 (aggregator) ->" in proc.stdout and "local rank 2 (worker) ->" in proc.stdout
+
+
+# ---------------------------------------------------- launcher and SLURM
+def _fake_bin(tmp_path: Path) -> tuple[Path, Path]:
+    """Fake sbatch/srun/scontrol/mpirun that append their command line to a log."""
+    bindir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bindir.mkdir()
+    body = """#!/bin/bash
+echo "$(basename "$0") $*" >> "$FAKE_LOG"
+if [[ "$(basename "$0")" == mpirun && "$1" == --version ]]; then echo "mpirun (Open MPI) 4.1.6"; exit 0; fi
+if [[ -n "${FAKE_SLEEP:-}" && "$(basename "$0")" =~ ^(srun|mpirun)$ ]]; then
+    trap 'echo "$(basename "$0") got USR1" >> "$FAKE_LOG"; exit 75' USR1
+    for i in $(seq 300); do sleep 0.1; done
+fi
+exit ${FAKE_RC:-0}
+"""
+    for name in ("sbatch", "srun", "scontrol", "mpirun"):
+        (bindir / name).write_text(body)
+        (bindir / name).chmod(0o755)
+    return bindir, log
+
+
+def _script_env(bindir: Path, log: Path, **extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    return {**env, "PATH": f"{bindir}:{env['PATH']}", "FAKE_LOG": str(log),
+            "SLURM_SUBMIT_DIR": str(ROOT), **extra}
+
+
+@pytest.mark.parametrize("script", ["fedmpi.sbatch", "multinode.sbatch", "sweep.sbatch", "lib.sh",
+                                    "submit-sweep.sh"])
+def test_slurm_scripts_parse(script):
+    path = ROOT / "slurm" / script
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    if script.endswith(".sbatch"):
+        text = path.read_text()
+        assert "#SBATCH --signal=B:USR1@" in text and "#SBATCH --requeue" in text
+        assert "EDIT" in text
+
+
+def test_sbatch_dry_run_requeues_on_75_and_resumes(tmp_path):
+    bindir, log = _fake_bin(tmp_path)
+    out = tmp_path / "out"
+    env = _script_env(bindir, log, SLURM_JOB_ID="4242", SLURM_CPUS_PER_TASK="3", OUT=str(out),
+                      FAKE_RC="75")
+    script = str(ROOT / "slurm" / "fedmpi.sbatch")
+    proc = subprocess.run(["bash", script, CFG, "--set", "train.rounds=7"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 75
+    calls = log.read_text().splitlines()
+    assert calls == [
+        f"srun --kill-on-bad-exit=1 python -m fedmpi run {CFG} --out {out} --set runtime.progress=false"
+        " --set runtime.threads=3 --set train.rounds=7",
+        "scontrol requeue 4242"]
+    # the requeued job finds the checkpoint and resumes; exit 0 → no requeue
+    (out / "checkpoint.pt").write_bytes(b"")
+    log.unlink()
+    env.update(FAKE_RC="0", SLURM_RESTART_COUNT="1")
+    proc = subprocess.run(["bash", script, CFG], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    assert log.read_text().splitlines() == [
+        f"srun --kill-on-bad-exit=1 python -m fedmpi run {CFG} --out {out} --set runtime.progress=false"
+        " --set runtime.threads=3 --resume"]
+    # the requeue limit holds
+    log.unlink()
+    env.update(FAKE_RC="75", SLURM_RESTART_COUNT="3", MAX_REQUEUES="3")
+    proc = subprocess.run(["bash", script, CFG], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 75 and "scontrol" not in log.read_text()
+
+
+def test_sbatch_forwards_usr1_to_the_launcher(tmp_path):
+    bindir, log = _fake_bin(tmp_path)
+    env = _script_env(bindir, log, SLURM_JOB_ID="9", OUT=str(tmp_path / "o"), FAKE_SLEEP="1",
+                      LAUNCHER="mpirun -n 4")
+    proc = subprocess.Popen(["bash", str(ROOT / "slurm" / "multinode.sbatch"), CFG], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (log.exists() and log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)                      # the trap is set before the launcher starts
+    proc.send_signal(signal.SIGUSR1)     # what `--signal=B:USR1@T` does
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 75, err
+    calls = log.read_text().splitlines()
+    assert calls[0].startswith(f"mpirun -n 4 python -m fedmpi run {CFG} --out ")
+    assert calls[1:] == ["mpirun got USR1", "scontrol requeue 9"]
+
+
+def test_sweep_submission_and_tasks(tmp_path):
+    bindir, log = _fake_bin(tmp_path)
+    sweep = ROOT / "slurm" / "sweep_example.txt"
+    env = _script_env(bindir, log, MAX_PARALLEL="4")
+    proc = subprocess.run([str(ROOT / "slurm" / "submit-sweep.sh"), str(sweep), CFG], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert log.read_text().splitlines() == [
+        f"sbatch --array=0-11%4 {ROOT / 'slurm' / 'sweep.sbatch'} {sweep} {CFG}"]
+    log.unlink()
+    env.update(SLURM_JOB_ID="500", SLURM_ARRAY_JOB_ID="499", SLURM_ARRAY_TASK_ID="5",
+               OUT_ROOT=str(tmp_path / "sw"))
+    proc = subprocess.run(["bash", str(ROOT / "slurm" / "sweep.sbatch"), str(sweep), CFG],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    # task 5 = (seed index 1, alpha index 0, method index 1); the last key varies fastest
+    out = tmp_path / "sw" / "5_seed=1_alpha=0.1_name=scaffold"
+    assert log.read_text().splitlines() == [
+        f"srun --kill-on-bad-exit=1 python -m fedmpi run {CFG} --out {out} --set runtime.progress=false"
+        " --set runtime.threads=1 --set seed=1 --set data.partition.alpha=0.1"
+        " --set algorithm.name=scaffold"]
+    env["SLURM_ARRAY_TASK_ID"] = "12"
+    proc = subprocess.run(["bash", str(ROOT / "slurm" / "sweep.sbatch"), str(sweep), CFG],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "out of range" in proc.stderr
+
+
+def test_launcher_dry_run(tmp_path):
+    bindir, log = _fake_bin(tmp_path)
+    env = {**_script_env(bindir, log), "CUDA_VISIBLE_DEVICES": "0,1"}
+    env.pop("OMP_NUM_THREADS", None)
+    cmd = [sys.executable, str(ROOT / "launch" / "fedmpi-launch"), "-n", "5", "--mpirun",
+           str(bindir / "mpirun"), "--python", "py", "--dry-run", "--", "run", CFG]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // 5)
+    over = " --oversubscribe" if 5 > cores else ""
+    assert (f"OMP_NUM_THREADS={threads} {bindir / 'mpirun'} -n 5 --bind-to none{over} py -m fedmpi "
+            f"run {CFG} --set runtime.threads={threads}") in proc.stderr
+    assert "local rank 0 (aggregator) -> cuda:0" in proc.stderr
+    assert "local rank 2 (worker) -> cuda:0" in proc.stderr
+    assert "local rank 3 (worker) -> cuda:1" in proc.stderr
+    assert log.read_text().splitlines() == ["mpirun --version"]     # dry run: nothing launched
