@@ -22,10 +22,11 @@ import torch
 
 from conftest import ROOT, SMALL, fedmpi_cmd, mpiexec_path, run_fedmpi
 from fedmpi import checkpoint, placement, signals
+from fedmpi.cli import main as fedmpi_main
 from fedmpi.log import read
 
 CFG = "configs/quickstart.yaml"
-ROUNDS = 5
+ROUNDS = 4
 OPS = [*SMALL, "--set", f"train.rounds={ROUNDS}", "--set", "algorithm.name=feddyn",
        "--set", "train.momentum=0", "--set", "runtime.threads=1", "--set", "runtime.checkpoint_every=1",
        "--set", "eval.every=1"]
@@ -91,20 +92,25 @@ def _wait_rounds(out: Path, n: int, proc: subprocess.Popen, timeout: float = 180
     raise AssertionError(f"run did not log {n} rounds (exit {proc.poll()})")
 
 
-def _popen_mpi(args: list[str], n: int) -> subprocess.Popen:
+def _popen_mpi(args: list[str], n: int, flags: tuple[str, ...] = ()) -> subprocess.Popen:
     mpi = mpiexec_path()
     if mpi is None:
         pytest.skip("mpiexec not found")
-    return subprocess.Popen([mpi, "-n", str(n), *fedmpi_cmd(*args)], cwd=ROOT,
+    return subprocess.Popen([mpi, *flags, "-n", str(n), *fedmpi_cmd(*args)], cwd=ROOT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _main(*args: str) -> int:
+    """``fedmpi ARGS`` in this process (world size 1)."""
+    return fedmpi_main([*args])
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    """The uninterrupted run, one process."""
+    """The uninterrupted run, in this process."""
     out = tmp_path_factory.mktemp("ops") / "ref"
-    run_fedmpi(["run", CFG, *OPS, "--out", str(out)], n=0)
+    assert _main("run", CFG, *OPS, "--out", str(out)) == 0
     return out
 
 
@@ -138,11 +144,16 @@ def test_sigterm_on_worker_checkpoints_and_resume_under_other_n_matches(referenc
 
 
 @pytest.mark.mpi
-def test_sigkill_of_a_worker_fails_fast_and_resume_completes(reference, tmp_path):
+@pytest.mark.parametrize("cleanup", ["launcher", "runtime"])
+def test_sigkill_of_a_worker_fails_fast_and_resume_completes(reference, tmp_path, cleanup):
+    """``launcher``: MPICH hydra kills the job when a rank dies. ``runtime``: with
+    ``-disable-auto-cleanup`` the surviving ranks must end it themselves (MPI error
+    or the sleeping poll's round_timeout → MPI_Abort)."""
     out = tmp_path / "kill"
     timeout = 30
+    flags = ("-disable-auto-cleanup",) if cleanup == "runtime" else ()
     proc = _popen_mpi(["run", CFG, *OPS, "--set", f"runtime.round_timeout={timeout}",
-                       "--out", str(out)], n=3)
+                       "--out", str(out)], n=3, flags=flags)
     try:
         _wait_rounds(out, 2, proc)
         pid = _rank_pid(out, 1)
@@ -159,21 +170,22 @@ def test_sigkill_of_a_worker_fails_fast_and_resume_completes(reference, tmp_path
     log = read(out / "log.h5")                                  # readable after the kill
     assert list(log.rounds["round"]) == list(range(log.num_rounds))
     assert log.num_rounds >= 2 and _ckpt(out)["round"] >= 2
-    run_fedmpi(["run", CFG, *OPS, "--out", str(out), "--resume"], n=0)     # alone
+    if cleanup == "runtime":
+        return                                                  # resume: tested once
+    assert _main("run", CFG, *OPS, "--out", str(out), "--resume") == 0     # alone
     _assert_same_run(out, reference)
 
 
-@pytest.mark.mpi
-def test_resume_of_completed_run_is_a_noop_and_extends(reference, tmp_path):
+def test_resume_of_completed_run_is_a_noop_and_extends(reference, tmp_path, capsys):
     out = tmp_path / "done"
     shutil.copytree(reference, out)
-    proc = run_fedmpi(["run", CFG, *OPS, "--out", str(out), "--resume"], n=2)
-    assert proc.stdout.strip().splitlines()[-1] == \
-        f"final test_accuracy={read(reference / 'log.h5').rounds['test_accuracy'][-1]:.6f}"
+    assert _main("run", CFG, *OPS, "--out", str(out), "--resume") == 0
+    final = read(reference / "log.h5").rounds["test_accuracy"][-1]
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"final test_accuracy={final:.6f}"
     _assert_same_run(out, reference)
     # more rounds: continues from round ROUNDS
-    run_fedmpi(["run", CFG, *OPS, "--set", f"train.rounds={ROUNDS + 1}", "--out", str(out),
-                "--resume"], n=0)
+    assert _main("run", CFG, *OPS, "--set", f"train.rounds={ROUNDS + 1}", "--out", str(out),
+                 "--resume") == 0
     assert list(read(out / "log.h5").rounds["round"]) == list(range(ROUNDS + 1))
     assert _ckpt(out)["round"] == ROUNDS + 1
 
@@ -192,16 +204,16 @@ def test_truncated_checkpoint_exits_2_naming_the_file(reference, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_foreign_missing_and_mismatched_checkpoints_exit_2(reference, tmp_path):
+def test_foreign_missing_and_mismatched_checkpoints_exit_2(reference, tmp_path, capsys):
     out = tmp_path / "bad"
     shutil.copytree(reference, out)
-    proc = run_fedmpi(["run", CFG, *OPS, "--set", "data.num_clients=5", "--out", str(out),
-                       "--resume"], n=0, check=False)
-    assert proc.returncode == 2
-    assert "num_clients=6" in proc.stderr and "'data.num_clients'" in proc.stderr
+    assert _main("run", CFG, *OPS, "--set", "data.num_clients=5", "--out", str(out),
+                 "--resume") == 2
+    err = capsys.readouterr().err
+    assert "num_clients=6" in err and "'data.num_clients'" in err
     (out / "checkpoint.pt").unlink()
-    proc = run_fedmpi(["run", CFG, *OPS, "--out", str(out), "--resume"], n=0, check=False)
-    assert proc.returncode == 2 and f"{out / 'checkpoint.pt'}: no checkpoint" in proc.stderr
+    assert _main("run", CFG, *OPS, "--out", str(out), "--resume") == 2
+    assert f"{out / 'checkpoint.pt'}: no checkpoint" in capsys.readouterr().err
     torch.save({"format": "something else"}, out / "checkpoint.pt")
     with pytest.raises(checkpoint.CheckpointError, match="not a fedmpi checkpoint"):
         checkpoint.read_checkpoint(out / "checkpoint.pt")
@@ -340,13 +352,12 @@ def test_placement_rule():
     assert placement.threads_per_rank(16, 5) == 3 and placement.threads_per_rank(2, 5) == 1
 
 
-def test_info_shows_placement():
-    proc = subprocess.run(fedmpi_cmd("info", "--ranks", "3"), cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "CUDA-aware MPI:" in proc.stdout
-    assert "placement of 3 ranks on this node" in proc.stdout
-    assert "local rank 0 (aggregator) ->" in proc.stdout and "local rank 2 (worker) ->" in proc.stdout
+def test_info_shows_placement(capsys):
+    assert _main("info", "--ranks", "3") == 0
+    out = capsys.readouterr().out
+    assert "CUDA-aware MPI:" in out and "placement of 3 ranks on this node" in out
+    assert "local rank 0 (aggregator) ->" in out and "local rank 2 (worker) ->" in out
+    assert _main("info", "--ranks", "0") == 2
 
 
 # ---------------------------------------------------- launcher and SLURM
