@@ -30,6 +30,13 @@ def run_dir(out: Path, algo: str, ecgr: bool, seed: int) -> Path:
     return out / f"{algo}_ecgr{str(ecgr).lower()}_s{seed}"
 
 
+def completed(d: Path) -> bool:
+    try:
+        return read(d / "log.h5").attrs["status"] == "completed"
+    except Exception:  # noqa: BLE001 - missing, being written, or unreadable
+        return False
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "ecgr_digits.yaml"))
@@ -48,7 +55,7 @@ def main() -> None:
         for algo in algos:
             for ecgr in (False, True):
                 d = run_dir(out, algo, ecgr, seed)
-                if args.summarize_only or (d / "log.h5").exists():
+                if args.summarize_only or completed(d):
                     continue
                 sets = [f"seed={seed}", f"algorithm.name={algo}", f"ecgr.enabled={str(ecgr).lower()}",
                         "runtime.threads=1", "runtime.progress=false", *args.set]
@@ -64,7 +71,7 @@ def main() -> None:
             final, best, last5 = [], [], []
             for seed in seeds:
                 d = run_dir(out, algo, ecgr, seed)
-                if not (d / "log.h5").exists():
+                if not completed(d):
                     continue
                 acc = read(d / "log.h5").rounds["test_accuracy"]
                 acc = acc[~np.isnan(acc)]
@@ -80,6 +87,21 @@ def main() -> None:
                          **{f"{m}_std": s[1] for m, s in stats.items()}})
             cells = " | ".join(f"{100 * s[0]:.1f} ± {100 * s[1]:.1f}" for s in stats.values())
             table.append(f"| {algo} | {'yes' if ecgr else 'no'} | {cells} | {len(final)} |")
+    table += ["", "| method | Δ final acc. (ECGR − plain, paired by seed) | seeds ECGR better |",
+              "|---|---|---|"]
+    for algo in algos:
+        diffs = []
+        for seed in seeds:
+            a, b = run_dir(out, algo, True, seed), run_dir(out, algo, False, seed)
+            if completed(a) and completed(b):
+                fin = [read(x / "log.h5").rounds["test_accuracy"] for x in (a, b)]
+                diffs.append(fin[0][~np.isnan(fin[0])][-1] - fin[1][~np.isnan(fin[1])][-1])
+        if diffs:
+            sd = float(np.std(diffs, ddof=1)) if len(diffs) > 1 else 0.0
+            table.append(f"| {algo} | {100 * np.mean(diffs):+.1f} ± {100 * sd:.1f} | "
+                         f"{int(np.sum(np.asarray(diffs) > 0))}/{len(diffs)} |")
+            rows.append({"algorithm": algo, "paired_final_diff_mean": float(np.mean(diffs)),
+                         "paired_final_diff_std": sd, "seeds": len(diffs)})
     print("\n".join(table))
     print(json.dumps({"config": args.config, "seeds": seeds, "set": args.set, "rows": rows}))
 
