@@ -190,6 +190,8 @@ class Federation:
         self.rows_recv = (Mirror((self.m, self.layout.row_size), torch.float32, self.device)
                           if self.is_server and self.layout.row_size else None)
         self.scratch = {s.name: torch.zeros(s.size, device=self.device) for s in self.stats}
+        self.agg_bufs = ({s.name: torch.zeros(s.size, device=self.device) for s, _ in self.layout.reduced}
+                         if self.is_server else {})
         if self.is_server:
             self.state.dev[: self.D].copy_(self.flat.vector)
 
@@ -317,7 +319,9 @@ class Federation:
                 meta[M_STATUS] = STATUS_FAILED
                 continue
             self.adversary.corrupt(k, self.scratch["delta"])
-            finite = all(bool(torch.isfinite(v).all()) for v in self.scratch.values())
+            # A float64 sum is non-finite iff some entry is (no [P] bool temporary).
+            finite = all(bool(torch.isfinite(v.sum(dtype=torch.float64)))
+                         for v in self.scratch.values())
             raw_w = self.weighting.raw(k)
             meta[:] = (STATUS_OK if finite else STATUS_NONFINITE, raw_w, result.loss_sum,
                        result.samples, result.steps, 0.0)
@@ -425,7 +429,9 @@ class Federation:
         total_raw = meta[accepted, M_RAW].sum()
         for stat, off in self.layout.reduced:
             v = self.red_recv.dev[off:off + stat.size]
-            agg[stat.name] = (v / total_raw if stat.combine == "weighted" else v).to(torch.float32)
+            out = self.agg_bufs[stat.name]   # preallocated: no model-sized allocation per round
+            torch.div(v, total_raw if stat.combine == "weighted" else 1.0, out=out)
+            agg[stat.name] = out
         info = RoundInfo(round=t, clients=accepted, weights=s, num_samples=self.num_samples[accepted],
                          steps=meta[accepted, M_STEPS], num_clients=self.K,
                          num_selected=int(mask.sum()))

@@ -100,11 +100,12 @@ def test_log_schema_and_final_line(tmp_path):
 def test_sigkill_leaves_readable_log(tmp_path):
     out = tmp_path / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(fedmpi_cmd("run", CFG, *SMALL, "--set", "train.rounds=500", "--out", str(out)),
+    proc = subprocess.Popen(fedmpi_cmd("run", CFG, *SMALL, "--set", "train.rounds=500",
+                                       "--set", "runtime.threads=1", "--out", str(out)),
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         seen = 0
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while seen < 3 and time.monotonic() < deadline:
             time.sleep(0.5)
             try:
