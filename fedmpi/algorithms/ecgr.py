@@ -162,8 +162,10 @@ class ECGR:
         return self.tau_max * self.P * itemsize
 
     def chunk_cols(self) -> int:
-        """Columns per float32 chunk in the bf16/host modes (rank-invariant)."""
-        return int(min(self.P, max(1024, CHUNK_BYTES // max(1, 4 * self.tau_max))))
+        """Columns per float32 chunk in the bf16/host modes (rank-invariant): at
+        most CHUNK_BYTES and 1/8 of the fp32 buffer, at least 1024 columns."""
+        cap = min(CHUNK_BYTES // max(1, 4 * self.tau_max), -(-self.P // 8))
+        return int(min(self.P, max(1024, cap)))
 
     def setup(self, device: torch.device) -> None:
         """Choose the storage for the training device (:func:`choose_storage`);
