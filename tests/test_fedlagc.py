@@ -344,3 +344,10 @@ def test_world_size_invariance_and_log(tmp_path):
     assert (log.rounds["bytes_up"] < full).all()
     np.testing.assert_allclose(kept[:, 0], sizes.sum())        # level 1 keeps everything
     assert log.rounds["test_accuracy"][-1] > 0.3
+
+
+def test_ecgr_with_submodel_methods_is_rejected():
+    from conftest import run_fedmpi
+    proc = run_fedmpi(["run", "configs/fedlagc_digits.yaml", "--set", "ecgr.enabled=true",
+                       "--set", "runtime.progress=false"], n=0, check=False, timeout=120)
+    assert proc.returncode == 2 and "ecgr.enabled" in proc.stderr

@@ -343,6 +343,11 @@ class SubmodelMethod(Algorithm):
     dynamic_mask = False
 
     def __init__(self, cfg, layout: FlatModel, num_clients: int) -> None:
+        if cfg.ecgr.enabled:
+            # ECGR rescales the whole parameter update after finish_client, which would
+            # write into coordinates outside the client's mask.
+            raise ConfigError(f"config key 'ecgr.enabled': ECGR does not compose with "
+                              f"algorithm.name={cfg.algorithm.name!r} (submodel uploads are masked)")
         super().__init__(cfg, layout, num_clients)
         a = cfg.algorithm
         self.levels = [float(r) for r in (cfg.system.levels or [])]
