@@ -653,3 +653,33 @@ def _check_schema() -> None:
 
 
 _check_schema()
+
+
+def _describe(field: Field) -> str:
+    """Allowed values of ``field`` in words (for the reference table)."""
+    parts = []
+    if field.choices:
+        parts.append(" \\| ".join(f"`{c}`" for c in field.choices))
+    if field.pattern_help:
+        parts.append(f"`{field.pattern_help}`")
+    for op, bound in (("≥", field.ge), (">", field.gt), ("≤", field.le), ("<", field.lt)):
+        if bound is not None:
+            parts.append(f"{op} {bound:g}")
+    return ", ".join(parts)
+
+
+def reference_markdown() -> str:
+    """The config reference table of the README, generated from :data:`SCHEMA`.
+
+    Regenerate the README section with
+    ``python -c "from fedmpi.config import reference_markdown as r; print(r())"``.
+    """
+    rows = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
+    for key, field in SCHEMA.items():
+        type_name = (str(field.type).replace("typing.", "").replace("<class '", "").replace("'>", "")
+                     .replace(" | ", " or "))
+        default = "null" if field.default is None else yaml.safe_dump(field.default, default_flow_style=True).strip()
+        default = default.removesuffix("\n...").removesuffix("...").strip()
+        rows.append(f"| `{key}` | {type_name} | `{default}` | {_describe(field)} | "
+                    f"{field.help.replace('|', chr(92) + '|')} |")
+    return "\n".join(rows)
