@@ -53,6 +53,17 @@ def run_fedmpi(args: list[str], n: int = 1, timeout: float = 300, env: dict | No
     return proc
 
 
+def set_dotted(d: dict, over: dict) -> dict:
+    """Apply ``{"train.lr": 0.1, ...}`` overrides to a nested config dict (in place)."""
+    for key, value in over.items():
+        node = d
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return d
+
+
 SMALL = [
     "--set", "data.num_clients=6", "--set", "train.clients_per_round=4",
     "--set", "train.rounds=3", "--set", "model.name=cnn", "--set", "train.local_epochs=1",

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import fedmpi.runtime as runtime_mod
-from conftest import SMALL, run_fedmpi
+from conftest import SMALL, run_fedmpi, set_dotted
 from fedmpi.algorithms import ALGORITHMS, ClientTask, RoundInfo
 from fedmpi.algorithms.elastic import Elastic
 from fedmpi.algorithms.fednova import normaliser
@@ -34,13 +34,7 @@ def cfg_dict(**over) -> dict:
                   "validation": {"fraction": 0.1}},
          "model": {"name": "cnn"},
          "train": {"rounds": 2, "local_steps": 2, "batch_size": 5000, "lr": 0.1}}
-    for key, value in over.items():
-        node = d
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return d
+    return set_dotted(d, over)
 
 
 def make_fed(**over) -> Federation:

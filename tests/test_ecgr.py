@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SMALL, run_fedmpi
+from conftest import SMALL, run_fedmpi, set_dotted
 from fedmpi.algorithms import ALGORITHMS, ClientTask
 from fedmpi.algorithms import ecgr as ecgr_mod
 from fedmpi.algorithms.base import Algorithm, sgd_config
@@ -76,13 +76,7 @@ def make_fed(**over) -> Federation:
          "model": {"name": "cnn"},
          "train": {"rounds": 1, "local_steps": 5, "batch_size": 16, "lr": 0.05, "momentum": 0.9},
          "ecgr": {"enabled": True}}
-    for key, value in over.items():
-        node = d
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return Federation(config_from_dict(d), Comm())
+    return Federation(config_from_dict(set_dotted(d, over)), Comm())
 
 
 def client_out(fed: Federation, k: int = 0, t: int = 0) -> tuple[dict[str, torch.Tensor], object]:

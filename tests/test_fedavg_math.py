@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import set_dotted
 
 from fedmpi.comm import Comm
 from fedmpi.config import config_from_dict
@@ -20,13 +21,7 @@ def make_fed(**over) -> Federation:
                   "validation": {"fraction": 0.1}},
          "model": {"name": "lenet"},
          "train": {"rounds": 1, "local_steps": 1, "batch_size": 5000, "lr": 0.1}}
-    for key, value in over.items():
-        node = d
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return Federation(config_from_dict(d), Comm())
+    return Federation(config_from_dict(set_dotted(d, over)), Comm())
 
 
 def test_fedavg_full_batch_equals_centralised_gd():

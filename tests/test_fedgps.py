@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, mpiexec_path, run_fedmpi
+from conftest import ROOT, mpiexec_path, run_fedmpi, set_dotted
 from fedmpi.algorithms import ClientTask
 from fedmpi.algorithms.fedgps import FedGPS, supcon_loss
 from fedmpi.comm import Comm
@@ -34,13 +34,7 @@ def make_fed(**over) -> Federation:
          "algorithm": {"name": "fedgps", "fedgps": {"surrogate_per_class": 20,
                                                     "surrogate_batch": 32}},
          "aggregation": {"weighting": "uniform"}}
-    for key, value in over.items():
-        node = d
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return Federation(config_from_dict(d), Comm())
+    return Federation(config_from_dict(set_dotted(d, over)), Comm())
 
 
 def fixed_participants(fed: Federation, rounds: list[list[int]]) -> None:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import run_fedmpi
+from conftest import run_fedmpi, set_dotted
 from fedmpi.algorithms import ClientTask, RoundInfo
 from fedmpi.algorithms.fedlagc import FedLAGC
 from fedmpi.algorithms.heterofl import HeteroFL
@@ -55,12 +55,7 @@ def cfg(**over):
          "train": {"rounds": 8, "local_steps": 2, "batch_size": 16, "lr": 0.05, "momentum": 0.5},
          "algorithm": {"name": "fedlagc"},
          "system": {"levels": LEVELS, "allocation": [1, 1, 1]}}
-    for key, value in over.items():
-        node = d
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
+    set_dotted(d, over)
     return config_from_dict(d)
 
 

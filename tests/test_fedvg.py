@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import SMALL, run_fedmpi
+from conftest import SMALL, run_fedmpi, set_dotted
 from fedmpi.algorithms import ALGORITHMS
 from fedmpi.algorithms.fedvg import FedVG, block_of, fedvg_scores, layer_norms
 from fedmpi.comm import Comm
@@ -28,13 +28,7 @@ def cfg_dict(**over) -> dict:
          "model": {"name": "lenet"},
          "aggregation": {"weighting": "fedvg"},
          "train": {"rounds": 1, "local_steps": 2, "batch_size": 16, "lr": 0.1}}
-    for key, value in over.items():
-        node = d
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return d
+    return set_dotted(d, over)
 
 
 def make_fed(**over) -> Federation:
