@@ -407,7 +407,9 @@ class Federation:
             order = [k for r in range(self.size) for k in np.flatnonzero(mask & (self.host == r))]
             pos = np.array([order.index(k) for k in accepted])
             self.rows_recv.push()
-            rows = self.rows_recv.dev[pos]
+            # a view when every participant was accepted (no K×D copy), else a gathered copy
+            rows = (self.rows_recv.dev[: len(pos)] if np.array_equal(pos, np.arange(len(pos)))
+                    else self.rows_recv.dev[pos])
             s = np.asarray(self.weighting.weights(self, accepted, rows), dtype=np.float64)
             for stat, off in self.layout.gathered:
                 if stat.combine == "weighted":
