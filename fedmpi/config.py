@@ -262,6 +262,8 @@ SCHEMA: dict[str, Field] = {
     # evaluation
     "eval.every": Field(int, 1, "evaluate every N rounds", ge=1),
     "eval.batch_size": Field(int, 1024, "evaluation batch size", ge=1),
+    "eval.sharded": Field(bool, False, "every rank evaluates a slice of the test set (one extra "
+                          "state Bcast per evaluation round); rank 0 alone when false"),
     # runtime
     "runtime.device": Field(str, "auto", "torch device", choices=("auto", "cpu"),
                             pattern=r"cuda(:\d+)?", pattern_help="cuda[:N]"),

@@ -179,6 +179,8 @@ class Federation:
         self.meta_send = np.zeros((self.K, len(META_FIELDS)), dtype=np.float64)
         self.meta_recv = np.zeros_like(self.meta_send)
         self.err_send = np.zeros(ERR_BYTES, dtype=np.uint8)
+        self.eval_send = np.zeros(3, dtype=np.float64)     # Σ loss, #correct, n (sharded eval)
+        self.eval_recv = np.zeros(3, dtype=np.float64)
         self.err_recv = np.zeros((self.size, ERR_BYTES), dtype=np.uint8)
         # float64 sums: partial sums from any rank layout round to the same float32
         # result, which is what makes the global model independent of world size.
@@ -293,6 +295,8 @@ class Federation:
             comm.gatherv_rows(send, recv, rows, what=f"round {t} per-client Gatherv")
         if self.is_server:
             self._server_round(t, mask, t_start, t_train, t_up)
+        elif self._shards_evaluation(t):
+            self._sharded_evaluate()
         return CMD_ROUND
 
     def _local_work(self, t: int, mask: np.ndarray) -> None:
@@ -352,6 +356,8 @@ class Federation:
             self.failure = "; ".join(texts) or f"clients {failed.tolist()} failed"
             for k in failed:
                 self._event(t, int(self.host[k]), int(k), f"local training failed: {self.failure}")
+            if self._shards_evaluation(t):
+                self._sharded_evaluate()   # the workers are in this collective already
             return
         t_agg = time.perf_counter()
         accepted = np.flatnonzero(mask & (status == STATUS_OK))
@@ -440,11 +446,51 @@ class Federation:
         self.algo.server_update(self.state.dev[: self.D], agg, info)
         return s
 
+    def _is_eval_round(self, t: int) -> bool:
+        return (t + 1) % self.cfg.eval.every == 0 or t == self.cfg.train.rounds - 1
+
+    def _shards_evaluation(self, t: int) -> bool:
+        """Whether round ``t`` evaluates on every rank (``eval.sharded``).
+
+        Only the default global-model evaluation shards; a method's own evaluation
+        (submodel levels) and static BN (whose test outputs depend on the batch
+        composition, hence on the slicing) stay on rank 0. Every rank computes the
+        same answer from the config, so no message decides it.
+        """
+        return (self.cfg.eval.sharded and self.size > 1 and self._is_eval_round(t)
+                and type(self.algo).evaluate is Algorithm.evaluate
+                and self.cfg.model.norm != "static_bn")
+
     def _maybe_evaluate(self, t: int) -> tuple[float, float]:
-        last = t == self.cfg.train.rounds - 1
-        if (t + 1) % self.cfg.eval.every and not last:
+        if not self._is_eval_round(t):
             return float("nan"), float("nan")
+        if self._shards_evaluation(t):
+            return self._sharded_evaluate()
         return self.evaluate()
+
+    def _sharded_evaluate(self) -> tuple[float, float]:
+        """Evaluate θ with every rank taking a contiguous slice of the test set.
+
+        One ``Bcast`` of the new state (workers otherwise get it with the next
+        round), local sums, one ``Reduce`` of (Σ loss, #correct, n); result on rank 0.
+        """
+        if self.is_server:
+            self.state.pull()
+        self.comm.bcast(self.state.host, what="evaluation state Bcast")
+        if not self.is_server:
+            self.state.push()
+        self.flat.load(self.state.dev[: self.D])
+        n = self.data.y_test.numel()
+        part = slice(self.rank * n // self.size, (self.rank + 1) * n // self.size)
+        loss, correct, count = evaluate(self.flat.model, self.data, self.data.x_test[part],
+                                        self.data.y_test[part], self.cfg.eval.batch_size,
+                                        num_logits=self.algo.eval_logits())
+        self.eval_send[:] = (loss, correct, count)
+        self.comm.reduce_sum(self.eval_send, self.eval_recv, what="evaluation Reduce")
+        if not self.is_server:
+            return float("nan"), float("nan")
+        total_loss, total_correct, total = self.eval_recv
+        return total_loss / total, total_correct / total
 
     def evaluate(self) -> tuple[float, float]:
         """(test loss, test accuracy) of the global model (or the method's own

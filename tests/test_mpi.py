@@ -24,17 +24,22 @@ def _model(path) -> dict[str, torch.Tensor]:
 
 
 def test_world_size_invariance(tmp_path):
-    """-n 1, 2 and 4 give the same accuracy trajectory and final model (1e-5)."""
+    """-n 1, 2 and 4 give the same accuracy trajectory and final model (1e-5).
+
+    The -n 4 run shards evaluation over all ranks (``eval.sharded``): its accuracy
+    and loss must equal rank 0's whole-test-set evaluation of the same model.
+    """
     logs, models = {}, {}
     for n in (1, 2, 4):
         out = tmp_path / f"n{n}"
         run_fedmpi(["run", CFG, *SMALL, "--set", "runtime.threads=1", "--set", "train.momentum=0.5",
-                    "--out", str(out)], n=n)
+                    "--set", f"eval.sharded={'true' if n == 4 else 'false'}", "--out", str(out)], n=n)
         logs[n], models[n] = read(out / "log.h5"), _model(out)
         assert logs[n].attrs["world_size"] == n
     for n in (2, 4):
         np.testing.assert_allclose(logs[n].rounds["test_accuracy"], logs[1].rounds["test_accuracy"],
                                    atol=1e-5)
+        np.testing.assert_allclose(logs[n].rounds["test_loss"], logs[1].rounds["test_loss"], atol=1e-5)
         np.testing.assert_array_equal(logs[n].clients["selected"], logs[1].clients["selected"])
         for key, ref in models[1].items():
             if ref.is_floating_point():
