@@ -54,6 +54,9 @@ SETTINGS = {
     "resnet18": ("resnet18", "synthetic", ["--set", "train.local_steps=6", "--set", "eval.every=1000",
                                            "--set", "eval.batch_size=256"]),
 }
+# the same settings with evaluation sharded over every rank (eval.sharded)
+SETTINGS.update({f"{k}_sharded": (m, d, [*x, "--set", "eval.sharded=true"])
+                 for k, (m, d, x) in list(SETTINGS.items())})
 
 
 def mpiexec() -> str:
@@ -94,6 +97,7 @@ def run_fedmpi(model: str, world: int, rounds: int, batch: int, out: Path, extra
         "overhead_fraction": float((wall - r["train_seconds"][sl].sum()
                                     - r["aggregate_seconds"][sl].sum()) / wall),
         "overhead_fraction_excluding_eval": float(r["overhead_seconds"][sl].sum() / wall),
+        "eval_seconds_last_round": float(r["eval_seconds"][-1]),
         "threads_per_worker": max(1, (os.cpu_count() or 1) // world) if world > 1 else (os.cpu_count() or 1),
     }
 

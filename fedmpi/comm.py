@@ -3,11 +3,13 @@
 Buffer (uppercase) mpi4py calls only, on contiguous host numpy arrays (or
 device arrays when the MPI library is CUDA-aware); nothing is pickled.
 
-Every collective is issued non-blocking and completed by :meth:`Comm._wait`,
-a *sleeping* poll: ``Test()``, then ``sleep`` with exponential back-off up to
-``max_sleep``. MPICH and Open MPI spin in blocking calls, which on a node where
-the aggregator and workers share cores would steal CPU from local training;
-the sleeping poll costs at most ``max_sleep`` of latency per collective.
+Every collective is issued non-blocking and completed by :meth:`Comm._wait`:
+``Test()`` back to back for at most ``spin`` seconds (yielding the core), then a
+*sleeping* poll with exponential back-off up to ``max_sleep``. MPICH and Open
+MPI spin in blocking calls for as long as they wait, which on a node where the
+aggregator and workers share cores would steal CPU from local training; here a
+wait costs at most ``spin`` seconds of CPU, and a transfer whose peers are
+ready still completes at full speed.
 A collective that does not complete within ``timeout`` seconds raises
 :class:`CommTimeout` (the runtime then aborts the whole job).
 
@@ -62,7 +64,8 @@ class Comm:
         Upper bound of the poll interval in seconds.
     """
 
-    def __init__(self, comm=None, timeout: float = 600.0, max_sleep: float = 2e-3) -> None:
+    def __init__(self, comm=None, timeout: float = 600.0, max_sleep: float = 2e-3,
+                 spin: float = 0.02) -> None:
         MPI = _mpi()
         self.MPI = MPI
         self.comm = comm if comm is not None else MPI.COMM_WORLD
@@ -70,16 +73,31 @@ class Comm:
         self.size: int = self.comm.Get_size()
         self.timeout = timeout
         self.max_sleep = max_sleep
+        self.spin = spin
         self.traffic = Traffic()
 
     # ------------------------------------------------------------------ waits
     def _wait(self, requests: list, what: str) -> None:
-        """Complete ``requests`` with a sleeping poll (never a busy spin)."""
+        """Complete ``requests``: a short yielding spin, then a sleeping poll.
+
+        MPI libraries progress a non-blocking collective only inside ``Test``,
+        so for the first ``spin`` seconds we test back to back (yielding the
+        core with ``sched_yield`` to any co-located rank that wants it): a
+        transfer whose peers are ready runs at full speed. A longer wait (the
+        aggregator waiting for local training) then sleeps with exponential
+        back-off up to ``max_sleep``, costing no CPU.
+        """
         MPI = self.MPI
-        deadline = time.monotonic() + self.timeout
+        start = time.monotonic()
+        deadline = start + self.timeout
+        spin_until = start + self.spin
         delay = 1e-5
         while not MPI.Request.Testall(requests):
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now < spin_until:
+                os.sched_yield()
+                continue
+            if now > deadline:
                 raise CommTimeout(
                     f"rank {self.rank}: {what} did not complete within runtime.round_timeout="
                     f"{self.timeout:g}s (a rank died or hangs)")
