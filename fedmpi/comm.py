@@ -65,7 +65,7 @@ class Comm:
     """
 
     def __init__(self, comm=None, timeout: float = 600.0, max_sleep: float = 2e-3,
-                 spin: float = 0.02) -> None:
+                 spin: float = 5e-3) -> None:
         MPI = _mpi()
         self.MPI = MPI
         self.comm = comm if comm is not None else MPI.COMM_WORLD
