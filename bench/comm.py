@@ -60,7 +60,7 @@ def main() -> None:
         displs = [0] + list(np.cumsum(counts)[:-1])
 
         ops = {
-            "bcast": (lambda: fc.bcast(buf), lambda: world.Bcast(buf, root=0)),
+            "bcast": (lambda: fc.broadcast(buf), lambda: world.Bcast(buf, root=0)),
             "reduce": (lambda: fc.reduce_sum(buf, recv), lambda: world.Reduce(buf, recv, op=MPI.SUM, root=0)),
             "gatherv": (lambda: fc.gatherv_rows(send_rows, recv_rows, rows),
                         lambda: world.Gatherv(send_rows, [recv_rows, counts, displs, MPI.FLOAT]

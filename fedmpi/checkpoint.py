@@ -224,7 +224,7 @@ def gather_client_states(fed) -> dict[int, dict[str, torch.Tensor]]:
             lengths[k] = blobs[k].size
     total = np.zeros(K, dtype=np.int64)
     comm.reduce_sum(lengths, total if fed.is_server else None, what="checkpoint sizes Reduce")
-    comm.bcast(total, what="checkpoint sizes Bcast")
+    comm.broadcast(total, what="checkpoint sizes Bcast")
     per_rank, blocks = _streams_layout(fed, total)
     mine = [blobs[k] for k in fed.my_clients if k in blobs]
     stream = np.concatenate(mine) if mine else np.zeros(0, dtype=np.uint8)
@@ -262,7 +262,7 @@ def scatter_client_states(fed, states: Optional[dict[int, dict[str, torch.Tensor
             if state:
                 blobs[int(k)] = encode_state(state)
                 lengths[int(k)] = blobs[int(k)].size
-    comm.bcast(lengths, what="resume sizes Bcast")
+    comm.broadcast(lengths, what="resume sizes Bcast")
     per_rank, blocks = _streams_layout(fed, lengths)
     block = _block(fed.size)
     send_streams: list[np.ndarray] = []
@@ -375,7 +375,7 @@ def resume(fed, restored: Optional[Restored]) -> int:
     every rank returns the round to continue from. Any rank failing to load a
     client state stops every rank (exit 2 with the message on that rank)."""
     head = np.array([restored.round if restored else 0], dtype=np.int64)
-    fed.comm.bcast(head, what="resume round Bcast")
+    fed.comm.broadcast(head, what="resume round Bcast")
     error: Optional[BaseException] = None
     try:
         scatter_client_states(fed, restored.clients if restored else None)

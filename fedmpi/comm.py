@@ -110,7 +110,7 @@ class Comm:
             yield slice(start, min(start + CHUNK, n))
 
     # ------------------------------------------------------------ collectives
-    def bcast(self, buf: np.ndarray, root: int = 0, what: str = "Bcast") -> None:
+    def broadcast(self, buf: np.ndarray, root: int = 0, what: str = "Bcast") -> None:
         """In-place broadcast of ``buf`` from ``root``."""
         if self.size == 1:
             return

@@ -12,6 +12,7 @@ HeteroFL/FedLAGC: batch statistics in training *and* evaluation) or ``gn``
 """
 from __future__ import annotations
 
+import abc
 from typing import Callable
 
 import torch
@@ -33,14 +34,15 @@ def norm_layer(kind: str) -> NormFactory:
     raise ConfigError(f"config key 'model.norm' expects one of bn|static_bn|gn, got {kind!r}")
 
 
-class FeatureModel(nn.Module):
+class FeatureModel(nn.Module, metaclass=abc.ABCMeta):
     """Base class: ``forward(x) = classifier(features(x))``."""
 
     feature_dim: int
     classifier: nn.Linear
 
-    def features(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """Penultimate representation ``[B, feature_dim]``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))

@@ -258,7 +258,7 @@ class Federation:
                 self.header[HEADER:] = self.participants(t)
                 if self.E:
                     self.algo.fill_downlink(self.state.dev[self.D:], t)
-        comm.bcast(self.header, what=f"round {t} header Bcast")
+        comm.broadcast(self.header, what=f"round {t} header Bcast")
         cmd = int(self.header[0])
         if self.header[2] & FLAG_INTERRUPTED and self.stop_reason is None:
             self.stop_reason = "interrupted"
@@ -271,7 +271,7 @@ class Federation:
 
         if self.is_server:
             self.state.pull()
-        comm.bcast(self.state.host, what=f"round {t} state Bcast")
+        comm.broadcast(self.state.host, what=f"round {t} state Bcast")
         if not self.is_server:
             self.state.push()
         self.algo.begin_round(t, mask, self.state.dev[: self.D], self.state.dev[self.D:])
@@ -476,7 +476,7 @@ class Federation:
         """
         if self.is_server:
             self.state.pull()
-        self.comm.bcast(self.state.host, what="evaluation state Bcast")
+        self.comm.broadcast(self.state.host, what="evaluation state Bcast")
         if not self.is_server:
             self.state.push()
         self.flat.load(self.state.dev[: self.D])

@@ -34,19 +34,22 @@ FedAvgM, FedAdam, FedYogi and FedVG × FedAvgM.
 """
 from __future__ import annotations
 
+import abc
+
 import torch
 
 from .base import Algorithm, RoundInfo
 
 
-class ServerOptimizer:
+class ServerOptimizer(abc.ABC):
     """Base: ``step(params, delta)`` updates ``params`` in place from Δ_t = ``delta``."""
 
     def __init__(self, lr: float) -> None:
         self.lr = float(lr)
 
+    @abc.abstractmethod
     def step(self, params: torch.Tensor, delta: torch.Tensor) -> None:
-        raise NotImplementedError
+        """One server step on ``params`` (in place)."""
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
@@ -111,7 +114,7 @@ class ServerAdam(ServerOptimizer):
         return {"m": self.m, "v": self.v}
 
 
-class ServerOptAlgorithm(Algorithm):
+class ServerOptAlgorithm(Algorithm, abc.ABC):
     """FedAvg clients + a :class:`ServerOptimizer` on rank 0.
 
     Server rule: ``opt.step(θ[:P], Σ_k s_k Δ_k[:P])`` on the P parameters; the
@@ -121,8 +124,9 @@ class ServerOptAlgorithm(Algorithm):
     Subclasses implement :meth:`make_optimizer`.
     """
 
+    @abc.abstractmethod
     def make_optimizer(self, size: int, device: torch.device) -> ServerOptimizer:
-        raise NotImplementedError
+        """The server optimizer over the ``size`` parameters on ``device``."""
 
     def bind(self, fed) -> None:
         super().bind(fed)
