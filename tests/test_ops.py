@@ -251,7 +251,7 @@ class _Comm1:
     def reduce_sum(self, send, recv, what=""):
         np.copyto(recv, send)
 
-    def bcast(self, buf, what=""):
+    def broadcast(self, buf, what=""):
         pass
 
     def gatherv_rows(self, send, recv, rows, what=""):
