@@ -148,7 +148,10 @@ def test_sigterm_on_worker_checkpoints_and_resume_under_other_n_matches(referenc
 def test_sigkill_of_a_worker_fails_fast_and_resume_completes(reference, tmp_path, cleanup):
     """``launcher``: MPICH hydra kills the job when a rank dies. ``runtime``: with
     ``-disable-auto-cleanup`` the surviving ranks must end it themselves (MPI error
-    or the sleeping poll's round_timeout → MPI_Abort)."""
+    or the sleeping poll's round_timeout → MPI_Abort). The survivors' clock starts
+    when their pending collective began, and MPI_Abort needs a moment to tear the
+    job down, so the bound allows a few seconds beyond round_timeout — the point
+    is that it ends, never hangs."""
     out = tmp_path / "kill"
     timeout = 30
     flags = ("-disable-auto-cleanup",) if cleanup == "runtime" else ()
@@ -166,7 +169,7 @@ def test_sigkill_of_a_worker_fails_fast_and_resume_completes(reference, tmp_path
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode not in (0, signals.EXIT_INTERRUPTED)
-    assert elapsed < timeout, f"job took {elapsed:.1f}s to end after SIGKILL"
+    assert elapsed < timeout + 10, f"job took {elapsed:.1f}s to end after SIGKILL"
     log = read(out / "log.h5")                                  # readable after the kill
     assert list(log.rounds["round"]) == list(range(log.num_rounds))
     assert log.num_rounds >= 2 and _ckpt(out)["round"] >= 2
