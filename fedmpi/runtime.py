@@ -197,6 +197,7 @@ class Federation:
         if self.is_server:
             self.state.dev[: self.D].copy_(self.flat.vector)
 
+        self.algo.device = self.device
         self.algo.bind(self)
         self.weighting.bind(self)
         self.writer = None

@@ -78,6 +78,27 @@ def sgd_config(cfg) -> SGDConfig:
                      local_epochs=t.local_epochs, local_steps=t.local_steps)
 
 
+class ClientVectors(dict):
+    """Per-client vectors of one kind (SCAFFOLD c_k, FedDyn h_k, Elastic s_k, FedLAGC λ_k).
+
+    A ``dict`` client id → tensor of ``size`` entries that exists only on the
+    worker hosting those clients, so memory grows with the hosted clients that
+    have taken part; a vector starts at zero on first use. Checkpoints store it
+    under ``name`` by client id (:meth:`Algorithm.client_state`).
+    """
+
+    def __init__(self, name: str, size: int) -> None:
+        super().__init__()
+        self.name = name
+        self.size = size
+
+    def vector(self, client: int, device: torch.device) -> torch.Tensor:
+        """The client's vector, zeros if it has none yet."""
+        if client not in self:
+            self[client] = torch.zeros(self.size, device=device)
+        return self[client]
+
+
 class Algorithm:
     """FedAvg; the base of every method (see module docstring)."""
 
@@ -93,6 +114,14 @@ class Algorithm:
         lr = cfg.algorithm.server_lr     # null = the method's default (FedAdam/FedYogi: 0.01)
         self.server_lr = self.default_server_lr if lr is None else float(lr)
         self.ecgr: ECGR | None = None    # set by set_client_sizes when ecgr.enabled
+        self.device = torch.device("cpu")  # the training device, set by the runtime before bind()
+        self._client_stores: list[ClientVectors] = []
+
+    def client_store(self, name: str, size: int) -> ClientVectors:
+        """A per-client vector store that :meth:`client_state` checkpoints by client id."""
+        store = ClientVectors(name, size)
+        self._client_stores.append(store)
+        return store
 
     def set_client_sizes(self, num_samples: "np.ndarray") -> None:
         """Called by the runtime right after construction with n_k of all K
@@ -239,8 +268,11 @@ class Algorithm:
         pass
 
     def client_state(self, client: int) -> dict[str, torch.Tensor]:
-        """Per-client tensors kept on the hosting worker (checkpointed by id)."""
-        return {}
+        """Per-client tensors kept on the hosting worker (checkpointed by id):
+        the client's vector from every :meth:`client_store` that has one."""
+        return {st.name: st[client] for st in self._client_stores if client in st}
 
     def load_client_state(self, client: int, state: dict[str, torch.Tensor]) -> None:
-        pass
+        for st in self._client_stores:
+            if st.name in state:
+                st[client] = state[st.name].to(self.device, torch.float32).clone()

@@ -53,7 +53,7 @@ class Elastic(Algorithm):
         self.mu, self.tau, self.sample = float(a.elastic_mu), float(a.elastic_tau), float(a.elastic_sample)
         self.segments = layout.param_segments
         self.L = len(self.segments)
-        self.sens_local: dict[int, torch.Tensor] = {}   # s_k of hosted clients (worker)
+        self.sens_local = self.client_store("sensitivity", self.L)   # s_k of hosted clients (worker)
         self.last_zeta: np.ndarray = np.ones(self.L)
         self.device = torch.device("cpu")
 
@@ -66,15 +66,10 @@ class Elastic(Algorithm):
                 Stat("sensitivity", self.num_clients * self.L, "sum")]
 
     # ----------------------------------------------------------------- client
-    def _s_k(self, client: int, device: torch.device) -> torch.Tensor:
-        if client not in self.sens_local:
-            self.sens_local[client] = torch.zeros(self.L, device=device)
-        return self.sens_local[client]
-
     def measure(self, task: ClientTask, trainer: LocalTrainer, state: torch.Tensor) -> torch.Tensor:
         """Update and return s_k: the EMA of per-tensor ‖∇ℓ‖² over sampled batches at θ."""
         flat, data = trainer.flat, trainer.data
-        s_k = self._s_k(task.client, state.device)
+        s_k = self.sens_local.vector(task.client, state.device)
         n = task.indices.numel()
         m = min(n, max(2, int(n * self.sample)))
         gen = torch.Generator().manual_seed(int(np.random.SeedSequence(
@@ -136,11 +131,3 @@ class Elastic(Algorithm):
 
     def log_arrays(self) -> dict[str, np.ndarray]:
         return {**super().log_arrays(), "elastic/zeta": self.last_zeta.astype(np.float64)}
-
-    # ------------------------------------------------------------------ state
-    def client_state(self, client: int) -> dict[str, torch.Tensor]:
-        return {"sensitivity": self.sens_local[client]} if client in self.sens_local else {}
-
-    def load_client_state(self, client: int, state: dict[str, torch.Tensor]) -> None:
-        if "sensitivity" in state:
-            self.sens_local[client] = state["sensitivity"].to(self.device, torch.float32).clone()

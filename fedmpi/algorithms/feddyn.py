@@ -51,7 +51,7 @@ class FedDyn(Algorithm):
         clip = cfg.algorithm.max_grad_norm
         self.clip = self.sgd.grad_clip if clip is None else float(clip)
         self.alpha_k = np.full(num_clients, self.alpha)   # replaced in bind (needs n_k)
-        self.h_local: dict[int, torch.Tensor] = {}         # h_k of hosted clients (worker)
+        self.h_local = self.client_store("h", self.num_params)   # h_k of hosted clients (worker)
         self.h_sum: torch.Tensor | None = None             # H = Σ_N h_k (rank 0)
         self._lin: torch.Tensor | None = None
         self.device = torch.device("cpu")
@@ -74,11 +74,6 @@ class FedDyn(Algorithm):
         return [Stat("delta", self.state_size, "weighted"), Stat("dh", self.num_params, "sum")]
 
     # ----------------------------------------------------------------- client
-    def _h_k(self, client: int, device: torch.device) -> torch.Tensor:
-        if client not in self.h_local:
-            self.h_local[client] = torch.zeros(self.num_params, device=device)
-        return self.h_local[client]
-
     def local_sgd(self, task: ClientTask) -> SGDConfig:
         a_k = float(self.alpha_k[task.client])
         sgd = super().local_sgd(task)
@@ -88,7 +83,7 @@ class FedDyn(Algorithm):
         P = self.num_params
         if self._lin is None:
             self._lin = torch.empty(P, device=state.device)
-        lin = torch.sub(self._h_k(task.client, state.device), state[:P], out=self._lin)
+        lin = torch.sub(self.h_local.vector(task.client, state.device), state[:P], out=self._lin)
         lin.mul_(float(self.alpha_k[task.client]))       # ∇ of α_k⟨w, −θ + h_k⟩
 
         def linear_term(flat: FlatModel) -> None:
@@ -101,7 +96,7 @@ class FedDyn(Algorithm):
         dh = out["dh"]
         dh.copy_(out["delta"][: self.num_params])
         if bool(torch.isfinite(dh).all()):
-            self._h_k(task.client, state.device).add_(dh)
+            self.h_local.vector(task.client, state.device).add_(dh)
 
     # ----------------------------------------------------------------- server
     def server_update(self, state: torch.Tensor, agg: dict[str, torch.Tensor],
@@ -117,9 +112,3 @@ class FedDyn(Algorithm):
     def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
         self.h_sum.copy_(state["h_sum"])
 
-    def client_state(self, client: int) -> dict[str, torch.Tensor]:
-        return {"h": self.h_local[client]} if client in self.h_local else {}
-
-    def load_client_state(self, client: int, state: dict[str, torch.Tensor]) -> None:
-        if "h" in state:
-            self.h_local[client] = state["h"].to(self.device, torch.float32).clone()

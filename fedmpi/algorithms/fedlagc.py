@@ -49,31 +49,20 @@ class FedLAGC(SubmodelMethod):
         self.use_correction = bool(a.correction)
         self.beta = float(a.beta)
         self.switch_round = int(math.floor(a.correction_fraction * cfg.train.rounds))
-        self._lam: dict[int, torch.Tensor] = {}
+        self._lam = self.client_store("lambda", self.num_params)   # λ_k of hosted clients (worker)
 
     def h(self, t: int) -> float:
         """h(t) = 1 for t < ⌊fraction·T⌋ (fraction 1/4), else 0."""
         return 1.0 if t < self.switch_round else 0.0
 
-    def _lambda(self, client: int, device: torch.device) -> torch.Tensor:
-        if client not in self._lam:
-            self._lam[client] = torch.zeros(self.P, device=device)
-        return self._lam[client]
-
     def correction(self, task: ClientTask) -> tuple[Optional[torch.Tensor], float]:
         if not self.use_correction:
             return None, 0.0
-        return self._lambda(task.client, self._flat.device), self.h(task.round)
+        return self._lam.vector(task.client, self._flat.device), self.h(task.round)
 
     def finish_client(self, task, trainer, state, extras, out, result) -> None:
         super().finish_client(task, trainer, state, extras, out, result)
         if self.use_correction:   # out["delta"] is already (θ_n − θ⊙M) ⊙ M
-            self._lambda(task.client, out["delta"].device).add_(out["delta"][: self.P],
+            self._lam.vector(task.client, out["delta"].device).add_(out["delta"][: self.P],
                                                                 alpha=self.beta)
 
-    def client_state(self, client: int) -> dict[str, torch.Tensor]:
-        return {"lambda": self._lam[client]} if client in self._lam else {}
-
-    def load_client_state(self, client: int, state: dict[str, torch.Tensor]) -> None:
-        if "lambda" in state:
-            self._lam[client] = state["lambda"].clone()

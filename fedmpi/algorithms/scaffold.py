@@ -40,7 +40,7 @@ class Scaffold(Algorithm):
 
     def __init__(self, cfg, layout, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
-        self.c_local: dict[int, torch.Tensor] = {}     # c_k of hosted clients (worker)
+        self.c_local = self.client_store("c", self.num_params)   # c_k of hosted clients (worker)
         self.c: torch.Tensor | None = None             # server variate (rank 0)
         self._corr: torch.Tensor | None = None         # c − c_k of the client in training
         self.device = torch.device("cpu")
@@ -58,15 +58,10 @@ class Scaffold(Algorithm):
             self.c = torch.zeros(self.num_params, device=fed.device)
 
     # ----------------------------------------------------------------- client
-    def _c_k(self, client: int, device: torch.device) -> torch.Tensor:
-        if client not in self.c_local:
-            self.c_local[client] = torch.zeros(self.num_params, device=device)
-        return self.c_local[client]
-
     def hooks(self, task: ClientTask, state: torch.Tensor, extras: torch.Tensor) -> StepHooks:
         if self._corr is None:
             self._corr = torch.empty(self.num_params, device=state.device)
-        corr = torch.sub(extras, self._c_k(task.client, state.device), out=self._corr)
+        corr = torch.sub(extras, self.c_local.vector(task.client, state.device), out=self._corr)
 
         def correct(flat: FlatModel) -> None:
             flat.grad.add_(corr)
@@ -76,7 +71,7 @@ class Scaffold(Algorithm):
     def finish_client(self, task: ClientTask, trainer: LocalTrainer, state: torch.Tensor,
                       extras: torch.Tensor, out: dict[str, torch.Tensor], result: TrainResult) -> None:
         P = self.num_params
-        c_k = self._c_k(task.client, state.device)
+        c_k = self.c_local.vector(task.client, state.device)
         scale = 1.0 / (max(result.steps, 1) * (result.lr or self.local_sgd(task).lr))
         # δc_k = c_k⁺ − c_k = −c + (θ − θ_k)/(K η_l) = −c − Δ_k/(K η_l)
         dc = out["dc"]
@@ -101,9 +96,3 @@ class Scaffold(Algorithm):
     def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
         self.c.copy_(state["c"])
 
-    def client_state(self, client: int) -> dict[str, torch.Tensor]:
-        return {"c": self.c_local[client]} if client in self.c_local else {}
-
-    def load_client_state(self, client: int, state: dict[str, torch.Tensor]) -> None:
-        if "c" in state:
-            self.c_local[client] = state["c"].to(self.device, torch.float32).clone()
