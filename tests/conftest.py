@@ -64,6 +64,25 @@ def set_dotted(d: dict, over: dict) -> dict:
     return d
 
 
+def run_at_world_sizes(args: list[str], tmp_path, sizes=(1, 3)) -> tuple[dict, dict]:
+    """Run ``fedmpi ARGS --out tmp_path/n<N>`` under each ``mpiexec -n N``.
+
+    Returns ``(logs, models)`` keyed by N: the :class:`fedmpi.log.RunLog` and the
+    final global ``state_dict`` (the world-size invariance tests compare them).
+    """
+    import torch
+
+    from fedmpi.log import read
+
+    logs, models = {}, {}
+    for n in sizes:
+        out = tmp_path / f"n{n}"
+        run_fedmpi([*args, "--out", str(out)], n=n)
+        logs[n] = read(out / "log.h5")
+        models[n] = torch.load(out / "model.pt", weights_only=True)
+    return logs, models
+
+
 SMALL = [
     "--set", "data.num_clients=6", "--set", "train.clients_per_round=4",
     "--set", "train.rounds=3", "--set", "model.name=cnn", "--set", "train.local_epochs=1",

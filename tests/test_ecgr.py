@@ -10,15 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SMALL, run_fedmpi, set_dotted
+from conftest import SMALL, run_fedmpi, set_dotted, run_at_world_sizes
 from fedmpi.algorithms import ALGORITHMS, ClientTask
 from fedmpi.algorithms import ecgr as ecgr_mod
-from fedmpi.algorithms.base import Algorithm, sgd_config
+from fedmpi.algorithms.base import sgd_config
 from fedmpi.algorithms.ecgr import ECGR, SELECTED_STAT, choose_storage, herding, num_selected
 from fedmpi.comm import Comm
 from fedmpi.config import config_from_dict
 from fedmpi.errors import ConfigError, DataError
-from fedmpi.log import read
 from fedmpi.runtime import Federation, stream_seed
 from fedmpi.data.partition import local_batches
 from fedmpi.train import StepHooks, epoch_bounds, num_local_steps, step_decay_lr
@@ -285,14 +284,10 @@ def test_partition_gives_two_batches_with_ecgr():
 @pytest.mark.mpi
 def test_world_size_invariance_with_ecgr(tmp_path):
     """-n 1 and -n 3 give the same trajectory, model and selections (1e-5)."""
-    logs, models = {}, {}
-    for n in (1, 3):
-        out = tmp_path / f"n{n}"
-        run_fedmpi(["run", "configs/ecgr_digits.yaml", *SMALL, "--set", "runtime.threads=1",
-                    "--set", "algorithm.name=fedprox", "--set", "train.lr=0.05",
-                    "--set", "data.partition.alpha=0.5", "--out", str(out)], n=n)
-        logs[n] = read(out / "log.h5")
-        models[n] = torch.load(out / "model.pt", weights_only=True)
+    logs, models = run_at_world_sizes(
+        ["run", "configs/ecgr_digits.yaml", *SMALL, "--set", "runtime.threads=1",
+         "--set", "algorithm.name=fedprox", "--set", "train.lr=0.05",
+         "--set", "data.partition.alpha=0.5"], tmp_path)
     np.testing.assert_allclose(logs[3].rounds["test_accuracy"], logs[1].rounds["test_accuracy"],
                                atol=1e-5)
     for key, ref in models[1].items():

@@ -12,8 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, mpiexec_path, run_fedmpi, set_dotted
-from fedmpi.algorithms import ClientTask
+from conftest import ROOT, mpiexec_path, run_fedmpi, set_dotted, run_at_world_sizes
 from fedmpi.algorithms.fedgps import FedGPS, supcon_loss
 from fedmpi.comm import Comm
 from fedmpi.config import config_from_dict
@@ -279,17 +278,11 @@ def test_bad_value_exits_2(tmp_path):
 def test_world_size_invariance_fedgps(tmp_path):
     """-n 1 and -n 3: same trajectory and final model (1e-5), with prototypes and
     perturbations in play (4 of 6 clients per round → some take part twice in a row)."""
-    from fedmpi.log import read
-
-    models, logs = {}, {}
-    for n in (1, 3):
-        out = tmp_path / f"n{n}"
-        run_fedmpi(["run", CFG, "--set", "data.num_clients=6", "--set", "train.clients_per_round=4",
-                    "--set", "train.rounds=3", "--set", "runtime.threads=1",
-                    "--set", "runtime.progress=false", "--set", "algorithm.fedgps.surrogate_per_class=50",
-                    "--set", "algorithm.fedgps.surrogate_batch=64", "--out", str(out)], n=n)
-        models[n] = torch.load(out / "model.pt", weights_only=True)
-        logs[n] = read(out / "log.h5")
+    logs, models = run_at_world_sizes(
+        ["run", CFG, "--set", "data.num_clients=6", "--set", "train.clients_per_round=4",
+         "--set", "train.rounds=3", "--set", "runtime.threads=1",
+         "--set", "runtime.progress=false", "--set", "algorithm.fedgps.surrogate_per_class=50",
+         "--set", "algorithm.fedgps.surrogate_batch=64"], tmp_path)
     np.testing.assert_allclose(logs[3].rounds["test_accuracy"], logs[1].rounds["test_accuracy"],
                                atol=1e-5)
     for key, ref in models[1].items():

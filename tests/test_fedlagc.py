@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import run_fedmpi, set_dotted
+from conftest import run_fedmpi, set_dotted, run_at_world_sizes
 from fedmpi.algorithms import ClientTask, RoundInfo
 from fedmpi.algorithms.fedlagc import FedLAGC
 from fedmpi.algorithms.heterofl import HeteroFL
@@ -23,7 +23,6 @@ from fedmpi.comm import Comm
 from fedmpi.config import config_from_dict
 from fedmpi.errors import ConfigError
 from fedmpi.flat import FlatModel
-from fedmpi.log import read
 from fedmpi.models import build_model
 from fedmpi.runtime import Federation, stream_seed
 
@@ -310,12 +309,7 @@ def test_world_size_invariance_and_log(tmp_path):
             "--set", "data.num_clients=6", "--set", "system.allocation=[1,2,1,2]",
             "--set", "train.clients_per_round=4", "--set", "train.local_epochs=1",
             "--set", "runtime.threads=1", "--set", "runtime.progress=false"]
-    logs, models = {}, {}
-    for n in (1, 3):
-        out = tmp_path / f"n{n}"
-        run_fedmpi([*args, "--out", str(out)], n=n)
-        logs[n] = read(out / "log.h5")
-        models[n] = torch.load(out / "model.pt", weights_only=True)
+    logs, models = run_at_world_sizes(args, tmp_path)
     for key, ref in models[1].items():
         if ref.is_floating_point():
             torch.testing.assert_close(models[3][key], ref, atol=1e-5, rtol=0, msg=key)
@@ -342,7 +336,6 @@ def test_world_size_invariance_and_log(tmp_path):
 
 
 def test_ecgr_with_submodel_methods_is_rejected():
-    from conftest import run_fedmpi
     proc = run_fedmpi(["run", "configs/fedlagc_digits.yaml", "--set", "ecgr.enabled=true",
                        "--set", "runtime.progress=false"], n=0, check=False, timeout=120)
     assert proc.returncode == 2 and "ecgr.enabled" in proc.stderr

@@ -8,16 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import SMALL, run_fedmpi, set_dotted
+from conftest import SMALL, run_fedmpi, set_dotted, run_at_world_sizes
 from fedmpi.algorithms import ALGORITHMS
-from fedmpi.algorithms.fedvg import FedVG, block_of, fedvg_scores, layer_norms
+from fedmpi.algorithms.fedvg import block_of, fedvg_scores, layer_norms
 from fedmpi.comm import Comm
 from fedmpi.config import config_from_dict
 from fedmpi.data import synthetic_dataset
 from fedmpi.data.validation import (CIFAR100_CLASSES, CLASS_MAPS, build_validation,
                                     imbalanced_counts)
 from fedmpi.errors import ConfigError, DataError
-from fedmpi.log import read
 from fedmpi.runtime import Federation
 
 
@@ -341,13 +340,9 @@ def test_bad_validation_configs_are_user_errors(tmp_path):
 @pytest.mark.mpi
 def test_world_size_invariance_with_fedvg(tmp_path):
     """Same weights, trajectory and final model under -n 1 and -n 3 (1e-5)."""
-    logs, models = {}, {}
-    for n in (1, 3):
-        out = tmp_path / f"n{n}"
-        run_fedmpi(["run", "configs/fedvg_digits.yaml", *SMALL, "--set", "runtime.threads=1",
-                    "--set", "aggregation.fedvg.granularity=block", "--out", str(out)], n=n)
-        logs[n] = read(out / "log.h5")
-        models[n] = torch.load(out / "model.pt", weights_only=True)
+    logs, models = run_at_world_sizes(
+        ["run", "configs/fedvg_digits.yaml", *SMALL, "--set", "runtime.threads=1",
+         "--set", "aggregation.fedvg.granularity=block"], tmp_path)
     np.testing.assert_allclose(logs[3].clients["weight"], logs[1].clients["weight"], atol=1e-5)
     np.testing.assert_allclose(logs[3].rounds["test_accuracy"], logs[1].rounds["test_accuracy"],
                                atol=1e-5)
