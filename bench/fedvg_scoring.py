@@ -24,7 +24,6 @@ import copy
 import json
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 

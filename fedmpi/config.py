@@ -677,11 +677,11 @@ def reference_markdown() -> str:
     ``python -c "from fedmpi.config import reference_markdown as r; print(r())"``.
     """
     rows = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
-    for key, field in SCHEMA.items():
-        type_name = (str(field.type).replace("typing.", "").replace("<class '", "").replace("'>", "")
+    for key, spec in SCHEMA.items():
+        type_name = (str(spec.type).replace("typing.", "").replace("<class '", "").replace("'>", "")
                      .replace(" | ", " or "))
-        default = "null" if field.default is None else yaml.safe_dump(field.default, default_flow_style=True).strip()
+        default = "null" if spec.default is None else yaml.safe_dump(spec.default, default_flow_style=True).strip()
         default = default.removesuffix("\n...").removesuffix("...").strip()
-        rows.append(f"| `{key}` | {type_name} | `{default}` | {_describe(field)} | "
-                    f"{field.help.replace('|', chr(92) + '|')} |")
+        rows.append(f"| `{key}` | {type_name} | `{default}` | {_describe(spec)} | "
+                    f"{spec.help.replace('|', chr(92) + '|')} |")
     return "\n".join(rows)

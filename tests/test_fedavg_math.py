@@ -4,7 +4,6 @@ from __future__ import annotations
 import copy
 
 import numpy as np
-import pytest
 import torch
 import torch.nn.functional as F
 from conftest import set_dotted

@@ -11,6 +11,7 @@ Weightings that must see every client model on rank 0 (FedVG) set
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from ..errors import ConfigError
 
