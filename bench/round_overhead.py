@@ -20,6 +20,12 @@ reports
 Usage::
 
     python bench/round_overhead.py [--rounds 6] [--settings cnn:1,cnn:3,resnet18:3]
+                                   [--device cpu|cuda] [--set runtime.autocast=bf16 ...]
+
+``--set`` overrides go to every fedmpi run; the ``runtime.autocast``,
+``runtime.channels_last`` and ``runtime.compile*`` ones are applied to the plain
+loop too (same :class:`fedmpi.accel.Accel`), so the ratio compares like with like.
+On CUDA both sides synchronise before reading the clock.
 
 The last stdout line is one JSON object: ``{"settings": {name: {...}}, "machine": ...}``.
 """
@@ -42,6 +48,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fedmpi.accel import Accel  # noqa: E402
+from fedmpi.config import load_config  # noqa: E402
 from fedmpi.data import load_dataset  # noqa: E402
 from fedmpi.log import read  # noqa: E402
 from fedmpi.models import build_model  # noqa: E402
@@ -64,12 +72,15 @@ def mpiexec() -> str:
     return str(cand) if cand.exists() else "mpiexec"
 
 
+def fedmpi_args(model: str, rounds: int, batch: int, extra: list[str]) -> list[str]:
+    return ["--set", f"model.name={model}", "--set", f"train.rounds={rounds}",
+            "--set", f"train.batch_size={batch}", "--set", "runtime.progress=false",
+            "--set", "train.clients_per_round=4", "--set", "train.local_epochs=1", *extra]
+
+
 def run_fedmpi(model: str, world: int, rounds: int, batch: int, out: Path, extra: list[str]) -> dict:
     args = [sys.executable, "-m", "fedmpi", "run", str(ROOT / "configs/quickstart.yaml"),
-            "--set", f"model.name={model}", "--set", f"train.rounds={rounds}",
-            "--set", f"train.batch_size={batch}", "--set", "runtime.progress=false",
-            "--set", "train.clients_per_round=4", "--set", "train.local_epochs=1",
-            "--out", str(out), *extra]
+            *fedmpi_args(model, rounds, batch, extra), "--out", str(out)]
     cmd = [mpiexec(), "-n", str(world), *args] if world > 1 else args
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -103,29 +114,38 @@ def run_fedmpi(model: str, world: int, rounds: int, batch: int, out: Path, extra
 
 
 def plain_loop_seconds_per_step(model_name: str, dataset: str, batch: int, threads: int,
-                                steps: int = 60) -> float:
-    """A bare PyTorch training loop on the same model/data/batch/threads."""
+                                device: torch.device, accel: Accel, steps: int = 60) -> float:
+    """A bare PyTorch training loop on the same model/data/batch/threads/device/switches."""
     torch.set_num_threads(threads)
-    data = load_dataset(dataset)
+    data = load_dataset(dataset).to(device)
     torch.manual_seed(0)
-    model = build_model(model_name, data.input_shape, data.num_classes)
+    model = build_model(model_name, data.input_shape, data.num_classes).to(device)
+    forward = accel.wrap(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.5)
     model.train()
     n = data.y_train.numel()
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
 
     def step() -> None:
-        idx = torch.randint(0, n, (batch,), generator=gen)
-        x = data.prepare(data.x_train[idx], train=True)
+        idx = torch.randint(0, n, (batch,), generator=gen, device=device)
+        x = accel.input(data.prepare(data.x_train[idx], train=True))
         opt.zero_grad()
-        F.cross_entropy(model(x), data.y_train[idx]).backward()
+        with accel.autocast_context():
+            loss = F.cross_entropy(forward(x), data.y_train[idx])
+        loss.backward()
         opt.step()
 
-    for _ in range(5):
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(10 if accel.compile else 5):
         step()
+    sync()
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
+    sync()
     return (time.perf_counter() - t0) / steps
 
 
@@ -134,23 +154,38 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--settings", default="cnn:1,cnn:3,resnet18:3")
+    ap.add_argument("--device", default="cpu", help="runtime.device of the runs and the plain loop")
+    ap.add_argument("--local-steps", type=int, default=None,
+                    help="train.local_steps (default: one epoch; resnet18 settings use 6)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[],
+                    help="extra KEY=VALUE for every run (e.g. runtime.autocast=bf16)")
     args = ap.parse_args()
+    device = torch.device(args.device)
+    common = ["--set", f"runtime.device={args.device}"]
+    for o in args.overrides:
+        common += ["--set", o]
+    if args.local_steps is not None:
+        common += ["--set", f"train.local_steps={args.local_steps}"]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for item in args.settings.split(","):
             name, world = item.split(":")
             model, dataset, extra = SETTINGS[name]
-            extra = extra + ["--set", f"data.dataset={dataset}"]
+            extra = extra + ["--set", f"data.dataset={dataset}"] + common
             res = run_fedmpi(model, int(world), args.rounds, args.batch, Path(tmp) / item.replace(":", "_"),
                              extra)
-            plain = plain_loop_seconds_per_step(model, dataset, args.batch, res["threads_per_worker"])
+            cfg = load_config(ROOT / "configs/quickstart.yaml",
+                              [a for a in fedmpi_args(model, args.rounds, args.batch, extra) if a != "--set"])
+            plain = plain_loop_seconds_per_step(model, dataset, args.batch, res["threads_per_worker"],
+                                                device, Accel.from_config(cfg.runtime, device))
             res["plain_seconds_per_step"] = plain
             res["throughput_ratio"] = plain / res["fedmpi_seconds_per_step"]
             results[f"{name}_n{world}"] = res
             print(json.dumps({item: res}), flush=True)
     print(json.dumps({"settings": results, "machine": {
         "platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-        "device": "cpu"}}))
+        "device": (torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
+        "overrides": args.overrides}}))
 
 
 if __name__ == "__main__":

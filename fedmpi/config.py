@@ -274,6 +274,15 @@ SCHEMA: dict[str, Field] = {
     "runtime.progress": Field(bool, True, "show a progress bar"),
     "runtime.threads": Field(int | None, None, "torch threads per rank; null = torch default",
                              ge=1),
+    "runtime.autocast": Field(str, "off", "forward pass under torch.autocast (bf16: parameters, "
+                              "updates and aggregation stay float32); for GPU runs",
+                              choices=("off", "bf16")),
+    "runtime.channels_last": Field(bool, False, "feed image batches channels-last (NHWC) to the "
+                                   "model; for GPU convolutions"),
+    "runtime.compile": Field(bool, False, "wrap the model's forward in torch.compile"),
+    "runtime.compile_mode": Field(str, "default", "torch.compile mode (reduce-overhead = CUDA "
+                                  "graphs)", choices=("default", "reduce-overhead", "max-autotune",
+                                                      "max-autotune-no-cudagraphs")),
 }
 
 

@@ -41,6 +41,7 @@ from .data import Dataset, Partition, build_partition, load_dataset
 from .errors import ConfigError, UserError
 from .flat import FlatModel
 from .models import build_model
+from .accel import Accel
 from .placement import gpu_for_local_rank, threads_per_rank
 from .train import LocalTrainer, evaluate
 
@@ -155,6 +156,8 @@ class Federation:
         model = build_model(cfg.model.name, self.data.input_shape, outputs, cfg.model.norm)
         self.flat = FlatModel(model, self.device)
         self.D = self.flat.size
+        self.accel = Accel.from_config(cfg.runtime, self.device)
+        self.forward = self.accel.wrap(self.flat.model)   # compiled once, shared by train/eval
 
         self.algo: Algorithm = build_algorithm(cfg, self.flat, self.K)
         self.algo.set_client_sizes(self.num_samples)   # before uplink_stats (ECGR sizes τ_max)
@@ -170,7 +173,8 @@ class Federation:
         self.my_clients = [k for k in range(self.K) if self.host[k] == self.rank]
         self.client_idx = {k: torch.as_tensor(self.partition.client_indices[k], device=self.device)
                            for k in self.my_clients}
-        self.trainer = LocalTrainer(self.flat, self.data) if self.my_clients else None
+        self.trainer = (LocalTrainer(self.flat, self.data, self.accel, self.forward)
+                        if self.my_clients else None)
         self.m = cfg.train.clients_per_round or self.K
 
         # Preallocated communication buffers, reused every round.
@@ -483,9 +487,9 @@ class Federation:
         self.flat.load(self.state.dev[: self.D])
         n = self.data.y_test.numel()
         part = slice(self.rank * n // self.size, (self.rank + 1) * n // self.size)
-        loss, correct, count = evaluate(self.flat.model, self.data, self.data.x_test[part],
+        loss, correct, count = evaluate(self.forward, self.data, self.data.x_test[part],
                                         self.data.y_test[part], self.cfg.eval.batch_size,
-                                        num_logits=self.algo.eval_logits())
+                                        num_logits=self.algo.eval_logits(), accel=self.accel)
         self.eval_send[:] = (loss, correct, count)
         self.comm.reduce_sum(self.eval_send, self.eval_recv, what="evaluation Reduce")
         if not self.is_server:
@@ -500,8 +504,9 @@ class Federation:
         if custom is not None:
             return custom
         self.flat.load(self.state.dev[: self.D])
-        loss, correct, n = evaluate(self.flat.model, self.data, self.data.x_test, self.data.y_test,
-                                    self.cfg.eval.batch_size, num_logits=self.algo.eval_logits())
+        loss, correct, n = evaluate(self.forward, self.data, self.data.x_test, self.data.y_test,
+                                    self.cfg.eval.batch_size, num_logits=self.algo.eval_logits(),
+                                    accel=self.accel)
         return loss / n, correct / n
 
     def _event(self, t: int, rank: int, client: int, message: str) -> None:

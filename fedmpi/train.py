@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from .accel import OFF, Accel
 from .data import Dataset
 from .flat import FlatModel
 
@@ -98,11 +99,19 @@ def num_local_steps(n: int, cfg: SGDConfig) -> int:
 
 
 class LocalTrainer:
-    """Trains clients one after another on one reusable :class:`FlatModel`."""
+    """Trains clients one after another on one reusable :class:`FlatModel`.
 
-    def __init__(self, flat: FlatModel, data: Dataset) -> None:
+    ``accel`` holds the opt-in ``runtime.*`` speed switches (:mod:`fedmpi.accel`);
+    ``forward`` is the callable that runs the model (``torch.compile``'d under
+    ``runtime.compile``), shared with evaluation so it is compiled once.
+    """
+
+    def __init__(self, flat: FlatModel, data: Dataset, accel: Accel = OFF,
+                 forward: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
         self.flat = flat
         self.data = data
+        self.accel = accel
+        self.forward = forward if forward is not None else accel.wrap(flat.model)
         self.momentum_buf = torch.zeros_like(flat.grad)
         self.device = flat.device
         self._device_gen = torch.Generator(device=self.device)
@@ -129,7 +138,7 @@ class LocalTrainer:
         ``seed`` drives the batch order, augmentation and any other randomness,
         so the result depends only on (seed, client, round), not on the rank.
         """
-        flat, data = self.flat, self.data
+        flat, data, accel, forward = self.flat, self.data, self.accel, self.forward
         gen = torch.Generator().manual_seed(seed)
         self._device_gen.manual_seed(seed)
         torch.manual_seed(seed)
@@ -140,15 +149,16 @@ class LocalTrainer:
         loss_total = torch.zeros((), device=self.device)  # summed on device: no sync per step
         num_classes = data.num_classes
         for batch in self.batches(indices, cfg, gen):
-            x = data.prepare(data.x_train[batch], train=True, generator=self._device_gen)
+            x = accel.input(data.prepare(data.x_train[batch], train=True, generator=self._device_gen))
             y = data.y_train[batch]
             if flip_labels:
                 y = num_classes - 1 - y
             flat.zero_grad()
-            if hooks.loss_fn is not None:
-                loss = hooks.loss_fn(flat, x, y)
-            else:
-                loss = F.cross_entropy(model(x), y)
+            with accel.autocast_context():
+                if hooks.loss_fn is not None:
+                    loss = hooks.loss_fn(flat, x, y)
+                else:
+                    loss = F.cross_entropy(forward(x), y)
             loss.backward()
             with torch.no_grad():
                 if hooks.grad_hook is not None:
@@ -178,18 +188,22 @@ class LocalTrainer:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: Dataset, x: torch.Tensor, y: torch.Tensor,
-             batch_size: int, num_logits: Optional[int] = None) -> tuple[float, int, int]:
+             batch_size: int, num_logits: Optional[int] = None,
+             accel: Accel = OFF) -> tuple[float, int, int]:
     """Return (Σ cross-entropy, #correct, #samples) of ``model`` on (x, y).
 
     ``num_logits``: score only the first N outputs (FedGPS's 2C-way head is
-    evaluated on the C real classes); None = all outputs.
+    evaluated on the C real classes); None = all outputs. ``model`` may be the
+    ``torch.compile`` wrapper; ``accel`` applies the same autocast/layout
+    switches as training.
     """
     model.eval()
     loss_sum, correct = 0.0, 0
     for start in range(0, y.numel(), batch_size):
-        xb = data.prepare(x[start:start + batch_size], train=False)
+        xb = accel.input(data.prepare(x[start:start + batch_size], train=False))
         yb = y[start:start + batch_size]
-        out = model(xb)
+        with accel.autocast_context():
+            out = model(xb)
         if num_logits is not None:
             out = out[:, :num_logits]
         loss_sum += float(F.cross_entropy(out, yb, reduction="sum"))

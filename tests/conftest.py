@@ -11,6 +11,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+# In-process tests build their Federation on this device. CI has no GPU; on a GPU
+# machine ``FEDMPI_TEST_DEVICE=cuda`` runs them on CUDA (the CLI tests use
+# runtime.device=auto, which picks the GPU by itself).
+TEST_DEVICE = os.environ.get("FEDMPI_TEST_DEVICE", "cpu")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import fedmpi.runtime as runtime_mod
-from conftest import SMALL, run_fedmpi, set_dotted
+from conftest import SMALL, TEST_DEVICE, run_fedmpi, set_dotted
 from fedmpi.algorithms import ALGORITHMS, ClientTask, RoundInfo
 from fedmpi.algorithms.elastic import Elastic
 from fedmpi.algorithms.fednova import normaliser
@@ -29,7 +29,7 @@ BASELINES = ("fedavgm", "fedadam", "fedyogi", "fedprox", "scaffold", "feddyn", "
 
 
 def cfg_dict(**over) -> dict:
-    d = {"name": "baselines", "seed": 7, "runtime": {"progress": False, "device": "cpu", "threads": 1},
+    d = {"name": "baselines", "seed": 7, "runtime": {"progress": False, "device": TEST_DEVICE, "threads": 1},
          "data": {"num_clients": 4, "partition": {"method": "dirichlet", "alpha": 1.0, "min_size": 20},
                   "validation": {"fraction": 0.1}},
          "model": {"name": "cnn"},

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SMALL, run_fedmpi, set_dotted, run_at_world_sizes
+from conftest import SMALL, TEST_DEVICE, run_at_world_sizes, run_fedmpi, set_dotted
 from fedmpi.algorithms import ALGORITHMS, ClientTask
 from fedmpi.algorithms import ecgr as ecgr_mod
 from fedmpi.algorithms.base import sgd_config
@@ -70,7 +70,7 @@ def steps_case(seed: int = 0, tau: int = 7, P: int = 40):
 
 
 def make_fed(**over) -> Federation:
-    d = {"name": "ecgr", "seed": 3, "runtime": {"progress": False, "device": "cpu", "threads": 1},
+    d = {"name": "ecgr", "seed": 3, "runtime": {"progress": False, "device": TEST_DEVICE, "threads": 1},
          "data": {"num_clients": 4, "partition": {"method": "dirichlet", "alpha": 1.0, "min_size": 5}},
          "model": {"name": "cnn"},
          "train": {"rounds": 1, "local_steps": 5, "batch_size": 16, "lr": 0.05, "momentum": 0.9},

@@ -6,7 +6,7 @@ import copy
 import numpy as np
 import torch
 import torch.nn.functional as F
-from conftest import set_dotted
+from conftest import TEST_DEVICE, set_dotted
 
 from fedmpi.comm import Comm
 from fedmpi.config import config_from_dict
@@ -15,7 +15,7 @@ from fedmpi.train import LocalTrainer, SGDConfig
 
 
 def make_fed(**over) -> Federation:
-    d = {"name": "math", "seed": 3, "runtime": {"progress": False, "device": "cpu"},
+    d = {"name": "math", "seed": 3, "runtime": {"progress": False, "device": TEST_DEVICE},
          "data": {"num_clients": 4, "partition": {"method": "dirichlet", "alpha": 1.0, "min_size": 5},
                   "validation": {"fraction": 0.1}},
          "model": {"name": "lenet"},

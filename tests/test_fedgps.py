@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, mpiexec_path, run_fedmpi, set_dotted, run_at_world_sizes
+from conftest import ROOT, TEST_DEVICE, mpiexec_path, run_at_world_sizes, run_fedmpi, set_dotted
 from fedmpi.algorithms.fedgps import FedGPS, supcon_loss
 from fedmpi.comm import Comm
 from fedmpi.config import config_from_dict
@@ -25,7 +25,7 @@ CFG = "configs/fedgps_digits.yaml"
 
 
 def make_fed(**over) -> Federation:
-    d = {"name": "gps", "seed": 3, "runtime": {"progress": False, "device": "cpu", "threads": 1},
+    d = {"name": "gps", "seed": 3, "runtime": {"progress": False, "device": TEST_DEVICE, "threads": 1},
          "data": {"num_clients": 4, "partition": {"method": "dirichlet", "alpha": 1.0, "min_size": 20},
                   "validation": {"fraction": 0.0}},
          "model": {"name": "cnn"},

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import run_fedmpi, set_dotted, run_at_world_sizes
+from conftest import TEST_DEVICE, run_at_world_sizes, run_fedmpi, set_dotted
 from fedmpi.algorithms import ClientTask, RoundInfo
 from fedmpi.algorithms.fedlagc import FedLAGC
 from fedmpi.algorithms.heterofl import HeteroFL
@@ -47,7 +47,7 @@ class Tiny(nn.Module):
 
 
 def cfg(**over):
-    d = {"name": "lagc", "seed": 1, "runtime": {"progress": False, "device": "cpu", "threads": 1},
+    d = {"name": "lagc", "seed": 1, "runtime": {"progress": False, "device": TEST_DEVICE, "threads": 1},
          "data": {"num_clients": 3, "partition": {"method": "iid", "min_size": 5},
                   "validation": {"fraction": 0.0}},
          "model": {"name": "cnn", "norm": "static_bn"},

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import SMALL, run_fedmpi, set_dotted, run_at_world_sizes
+from conftest import SMALL, TEST_DEVICE, run_at_world_sizes, run_fedmpi, set_dotted
 from fedmpi.algorithms import ALGORITHMS
 from fedmpi.algorithms.fedvg import block_of, fedvg_scores, layer_norms
 from fedmpi.comm import Comm
@@ -21,7 +21,7 @@ from fedmpi.runtime import Federation
 
 
 def cfg_dict(**over) -> dict:
-    d = {"name": "fedvg", "seed": 5, "runtime": {"progress": False, "device": "cpu", "threads": 1},
+    d = {"name": "fedvg", "seed": 5, "runtime": {"progress": False, "device": TEST_DEVICE, "threads": 1},
          "data": {"num_clients": 4, "partition": {"method": "dirichlet", "alpha": 0.5, "min_size": 5},
                   "validation": {"fraction": 0.1}},
          "model": {"name": "lenet"},

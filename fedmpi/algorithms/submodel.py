@@ -493,8 +493,8 @@ class SubmodelMethod(Algorithm):
             sub = self.extractor.extract(theta, r, self._eval_round)
             fed.flat.load(theta)
             fed.flat.vector.mul_(sub.mask)
-            loss, correct, n = _evaluate(fed.flat.model, fed.data, fed.data.x_test,
-                                         fed.data.y_test, fed.cfg.eval.batch_size)
+            loss, correct, n = _evaluate(fed.forward, fed.data, fed.data.x_test,
+                                         fed.data.y_test, fed.cfg.eval.batch_size, accel=fed.accel)
             losses.append(loss / n)
             accs.append(correct / n)
         fed.flat.load(theta)
