@@ -7,3 +7,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+# mpi4py's wheel loads the first libmpi it finds; point it at the carried MPICH so it
+# matches the carried mpiexec (a system Open MPI would otherwise win).
+if [ -e /tmp/site/lib/libmpi.so.12 ]; then
+  export MPI4PY_MPIABI=mpich MPI4PY_LIBMPI=/tmp/site/lib/libmpi.so.12
+  export LD_LIBRARY_PATH=/tmp/site/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
