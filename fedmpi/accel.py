@@ -26,6 +26,7 @@ slower than fp32 oneDNN on CPU. ``bench/accel.py`` measures them.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Callable, ContextManager
 
@@ -92,3 +93,23 @@ class Accel:
 
 
 OFF = Accel()
+
+
+def set_deterministic(on: bool) -> None:
+    """``runtime.deterministic``: the same inputs give bit-identical results on GPU.
+
+    Deterministic cuDNN/cuBLAS kernels (``torch.use_deterministic_algorithms``,
+    warning-only where an op has no deterministic CUDA kernel, e.g. adaptive
+    average pooling's backward), no cuDNN autotuning and no TF32 — PyTorch lets
+    cuDNN convolutions use TF32 (10-bit mantissa) by default. On CPU results are
+    already deterministic for a fixed thread count; this costs GPU speed, so it is
+    off by default and meant for world-size invariance checks and debugging.
+    """
+    if not on:
+        return
+    # cuBLAS reads this when its first handle is created, which is after this call.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False

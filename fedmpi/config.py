@@ -279,6 +279,8 @@ SCHEMA: dict[str, Field] = {
                               choices=("off", "bf16")),
     "runtime.channels_last": Field(bool, False, "feed image batches channels-last (NHWC) to the "
                                    "model; for GPU convolutions"),
+    "runtime.deterministic": Field(bool, False, "deterministic GPU kernels, no TF32 (bit-"
+                                   "reproducible CUDA runs; slower)"),
     "runtime.compile": Field(bool, False, "wrap the model's forward in torch.compile"),
     "runtime.compile_mode": Field(str, "default", "torch.compile mode (reduce-overhead = CUDA "
                                   "graphs)", choices=("default", "reduce-overhead", "max-autotune",

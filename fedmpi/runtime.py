@@ -41,7 +41,7 @@ from .data import Dataset, Partition, build_partition, load_dataset
 from .errors import ConfigError, UserError
 from .flat import FlatModel
 from .models import build_model
-from .accel import Accel
+from .accel import Accel, set_deterministic
 from .placement import gpu_for_local_rank, threads_per_rank
 from .train import LocalTrainer, evaluate
 
@@ -141,6 +141,7 @@ class Federation:
         threads = cfg.runtime.threads or threads_per_rank(os.cpu_count() or 1, local_size)
         torch.set_num_threads(threads)
         self.device = resolve_device(cfg.runtime.device, local_rank)
+        set_deterministic(cfg.runtime.deterministic)
 
         # Data and partition: computed identically on every rank (deterministic).
         self.data: Dataset = load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.download,

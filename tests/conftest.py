@@ -15,6 +15,10 @@ BIN = Path(sys.executable).parent
 # machine ``FEDMPI_TEST_DEVICE=cuda`` runs them on CUDA (the CLI tests use
 # runtime.device=auto, which picks the GPU by itself).
 TEST_DEVICE = os.environ.get("FEDMPI_TEST_DEVICE", "cpu")
+if TEST_DEVICE.startswith("cuda"):
+    from fedmpi.accel import set_deterministic
+
+    set_deterministic(True)   # in-process equality checks: no TF32, deterministic kernels
 
 
 def pytest_collection_modifyitems(config, items):
@@ -42,6 +46,9 @@ def run_fedmpi(args: list[str], n: int = 1, timeout: float = 300, env: dict | No
                check: bool = True) -> subprocess.CompletedProcess:
     """Run ``fedmpi ARGS`` alone (n=0) or under ``mpiexec -n n``."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if TEST_DEVICE.startswith("cuda") and args and args[0] == "run":
+        # equality tests need bit-reproducible kernels on GPU (no TF32, no atomics)
+        args = [*args, "--set", "runtime.deterministic=true"]
     if n >= 1:
         mpi = mpiexec_path()
         if mpi is None:
