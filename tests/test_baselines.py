@@ -15,6 +15,7 @@ from torch import nn
 
 import fedmpi.runtime as runtime_mod
 from conftest import SMALL, TEST_DEVICE, run_fedmpi, set_dotted
+from exact_kernels import exact_on_cuda
 from fedmpi.algorithms import ALGORITHMS, ClientTask, RoundInfo
 from fedmpi.algorithms.elastic import Elastic
 from fedmpi.algorithms.fednova import normaliser
@@ -53,7 +54,7 @@ def linear(monkeypatch):
 def client_xy(fed: Federation, k: int) -> tuple[np.ndarray, np.ndarray]:
     idx = fed.client_idx[k]
     x = fed.data.prepare(fed.data.x_train[idx], train=False).reshape(len(idx), -1)
-    return x.double().numpy(), fed.data.y_train[idx].numpy()
+    return x.double().cpu().numpy(), fed.data.y_train[idx].cpu().numpy()
 
 
 def softmax_grad(w: np.ndarray, x: np.ndarray, y: np.ndarray, classes: int = 10) -> np.ndarray:
@@ -74,7 +75,7 @@ def sample_weights(fed: Federation, mask: np.ndarray) -> dict[int, float]:
 
 
 def theta(fed: Federation) -> np.ndarray:
-    return fed.global_state.double().numpy().copy()
+    return fed.global_state.double().cpu().numpy().copy()
 
 
 # ------------------------------------------------------------- equivalences
@@ -87,6 +88,7 @@ def _trajectory(name: str, **over) -> torch.Tensor:
     return fed.global_state.clone()
 
 
+@exact_on_cuda      # bit-exact on a GPU too: no nondeterministic/TF32 kernels
 def test_degenerate_baselines_equal_fedavg_exactly():
     """FedProx μ=0, FedAvgM momentum 0 (Nesterov on) and FedNova with equal τ
     (local_steps fixed; client momentum 0.5) reproduce FedAvg on the same seed, CNN with BN."""
@@ -113,14 +115,14 @@ def test_fednova_unequal_steps_matches_formula():
     deltas, steps = {}, {}
     for k in p:   # FedAvg clients give the raw Δ_k and τ_k
         task = ClientTask(k, 0, avg.client_idx[k], stream_seed(avg.cfg.seed, k, 0))
-        out = {"delta": torch.zeros(avg.D)}
+        out = {"delta": torch.zeros(avg.D, device=avg.device)}
         res = avg.algo.client_update(task, avg.trainer, theta0, theta0[:0], out)
-        deltas[k], steps[k] = out["delta"].double().numpy(), res.steps
+        deltas[k], steps[k] = out["delta"].double().cpu().numpy(), res.steps
     assert len(set(steps.values())) > 1, "the test needs unequal τ_k"
     a = {k: float(normaliser(steps[k], 0.5)) for k in p}
     assert a[next(iter(p))] == pytest.approx(sum((1 - 0.5 ** t) / 0.5 for t in range(1, steps[next(iter(p))] + 1)))
     P = nova.flat.num_params
-    expected = theta0.double().numpy().copy()
+    expected = theta0.double().cpu().numpy().copy()
     tau_eff = sum(p[k] * a[k] for k in p)
     expected[:P] += tau_eff * sum(p[k] * deltas[k][:P] / a[k] for k in p)
     expected[P:] += sum(p[k] * deltas[k][P:] for k in p)
@@ -153,9 +155,9 @@ def test_scaffold_control_variates_match_hand_formula(linear):
         th, c = new_th, c + dc_sum / N
         fed.round(t)
         np.testing.assert_allclose(theta(fed), th, atol=1e-5, rtol=0)
-        np.testing.assert_allclose(fed.algo.c.double().numpy(), c, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(fed.algo.c.double().cpu().numpy(), c, atol=1e-5, rtol=0)
         for k in s:
-            np.testing.assert_allclose(fed.algo.client_state(k)["c"].double().numpy(), c_loc[k],
+            np.testing.assert_allclose(fed.algo.client_state(k)["c"].double().cpu().numpy(), c_loc[k],
                                        atol=1e-5, rtol=0)
     # round 0 by itself: c_k⁺ is the mean of the client's two full-batch gradients (not zero)
     assert np.abs(c).max() > 1e-3
@@ -212,9 +214,9 @@ def test_feddyn_h_and_server_update_two_rounds(linear):
         fed.round(t)
         np.testing.assert_allclose(theta(fed), th, atol=1e-5, rtol=0)
         for k in s:
-            np.testing.assert_allclose(fed.algo.client_state(k)["h"].double().numpy(), h[k],
+            np.testing.assert_allclose(fed.algo.client_state(k)["h"].double().cpu().numpy(), h[k],
                                        atol=1e-6, rtol=0)
-        np.testing.assert_allclose(fed.algo.h_sum.double().numpy(), sum(h.values()), atol=1e-5)
+        np.testing.assert_allclose(fed.algo.h_sum.double().cpu().numpy(), sum(h.values()), atol=1e-5)
 
 
 def test_feddyn_clip_and_weight_decay_config():
@@ -320,7 +322,7 @@ def test_elastic_sensitivity_and_zeta_match_formula(linear):
         th = th + np.concatenate([zeta[0] * step[:nW], zeta[1] * step[nW:]])
         fed.round(t)
         for k in s:
-            np.testing.assert_allclose(fed.algo.client_state(k)["sensitivity"].double().numpy(),
+            np.testing.assert_allclose(fed.algo.client_state(k)["sensitivity"].double().cpu().numpy(),
                                        sens[k], rtol=1e-4)
         np.testing.assert_allclose(fed.algo.last_zeta, zeta, atol=1e-5)
         np.testing.assert_allclose(theta(fed), th, atol=1e-5, rtol=0)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import SMALL, TEST_DEVICE, run_at_world_sizes, run_fedmpi, set_dotted
+from exact_kernels import exact_on_cuda
 from fedmpi.algorithms import ALGORITHMS, ClientTask
 from fedmpi.algorithms import ecgr as ecgr_mod
 from fedmpi.algorithms.base import sgd_config
@@ -80,7 +81,7 @@ def make_fed(**over) -> Federation:
 
 def client_out(fed: Federation, k: int = 0, t: int = 0) -> tuple[dict[str, torch.Tensor], object]:
     theta = fed.global_state.clone()
-    out = {s.name: torch.zeros(s.size) for s in fed.stats}
+    out = {s.name: torch.zeros(s.size, device=fed.device) for s in fed.stats}
     task = ClientTask(k, t, fed.client_idx[k], stream_seed(fed.cfg.seed, k, t))
     result = fed.algo.client_update(task, fed.trainer, theta, fed.state.dev[fed.D:].clone(), out)
     return out, result
@@ -192,19 +193,21 @@ def test_client_update_records_steps_and_rewrites_params_only():
     out, result = client_out(fed)
     tau = result.steps
     assert tau == 5 and e.storage == "fp32"
-    X = e._X[:tau].double() * torch.tensor(e._lr[:tau])[:, None]
+    X = e._X[:tau].double() * torch.tensor(e._lr[:tau], device=e._X.device)[:, None]
     plain = fed.trainer.flat.vector - fed.global_state          # actual final local model
     # the recorded displacements sum to θ − θ_k (Eq. 3)
     torch.testing.assert_close(X.sum(0), -plain[:P].double(), rtol=0, atol=1e-6)
-    expected, sel = reference_upload(e._X[:tau], list(e._lr[:tau]), 0.2)
-    torch.testing.assert_close(out["delta"][:P].double(), expected, rtol=1e-4, atol=1e-7)
+    # the float64 reference runs on CPU
+    expected, sel = reference_upload(e._X[:tau].cpu(), list(e._lr[:tau]), 0.2)
+    torch.testing.assert_close(out["delta"][:P].double().cpu(), expected, rtol=1e-4, atol=1e-7)
     assert torch.equal(out["delta"][P:], plain[P:])             # BN statistics: final local model
     assert fed.D > P                                            # (the cnn has BN buffers)
-    row = out[SELECTED_STAT].numpy()
+    row = out[SELECTED_STAT].cpu().numpy()
     assert sorted(np.flatnonzero(row == 1).tolist()) == sorted(sel)
     assert (row[:tau] >= 0).all() and (row[tau:] == -1).all()
 
 
+@exact_on_cuda      # two training runs compared bit for bit, on a GPU too
 def test_beta_one_client_update_equals_plain_fedavg():
     on = make_fed(**{"ecgr.beta": 1.0})
     off = make_fed(**{"ecgr.enabled": False})
@@ -245,6 +248,7 @@ def test_fednova_normalises_the_rewritten_update():
 
 
 @pytest.mark.skipif("scaffold" not in ALGORITHMS, reason="scaffold not registered")
+@exact_on_cuda
 def test_scaffold_control_variate_uses_actual_model():
     """Algorithm 4: c_k⁺ from θ_k (not θ_k'); only Δ is re-aggregated."""
     on = make_fed(**{"algorithm.name": "scaffold"})

@@ -51,7 +51,7 @@ def test_uniform_weighting_averages_client_models_equally():
         from fedmpi.algorithms import ClientTask
         from fedmpi.runtime import stream_seed
         task = ClientTask(k, 0, fed.client_idx[k], stream_seed(fed.cfg.seed, k, 0))
-        out = {"delta": torch.zeros(fed.D)}
+        out = {"delta": torch.zeros(fed.D, device=fed.device)}
         fed.algo.client_update(task, fed.trainer, theta0, theta0[:0], out)
         deltas.append(out["delta"].clone())
     fed.round(0)

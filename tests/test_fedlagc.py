@@ -244,12 +244,12 @@ def test_lambda_update_rule_and_pruned_entries_stay_zero():
     fed = Federation(cfg(), Comm())
     algo = fed.algo
     state = fed.global_state.clone()
-    out = {"delta": torch.zeros(fed.D)}
+    out = {"delta": torch.zeros(fed.D, device=fed.device)}
     for rnd in (0, 1):
         k = 2    # level 1/16
-        before = algo._lam.get(k, torch.zeros(fed.flat.num_params)).clone()
+        before = algo._lam.get(k, torch.zeros(fed.flat.num_params, device=fed.device)).clone()
         task = ClientTask(k, rnd, fed.client_idx[k], stream_seed(1, k, rnd))
-        algo.client_update(task, fed.trainer, state, torch.zeros(0), out)
+        algo.client_update(task, fed.trainer, state, torch.zeros(0, device=fed.device), out)
         sub = algo.submodel(state, 2, rnd)
         theta_after = fed.flat.vector.clone()
         assert bool((theta_after[sub.mask == 0] == 0).all())     # pruned entries stay 0
@@ -262,7 +262,8 @@ def test_lambda_update_rule_and_pruned_entries_stay_zero():
     # w/o GC: no λ at all
     fed2 = Federation(cfg(**{"algorithm.fedlagc.correction": False}), Comm())
     task = ClientTask(2, 0, fed2.client_idx[2], stream_seed(1, 2, 0))
-    fed2.algo.client_update(task, fed2.trainer, fed2.global_state.clone(), torch.zeros(0), out)
+    fed2.algo.client_update(task, fed2.trainer, fed2.global_state.clone(),
+                            torch.zeros(0, device=fed2.device), out)
     assert fed2.algo.client_state(2) == {}
 
 

@@ -36,9 +36,9 @@ def make_fed(**over) -> Federation:
 
 def rows_from(fed: Federation, deltas: torch.Tensor) -> torch.Tensor:
     """Gather-row layout for the algorithm's per-client stats with only ``delta`` filled."""
-    rows = torch.zeros(deltas.shape[0], fed.layout.row_size)
+    rows = torch.zeros(deltas.shape[0], fed.layout.row_size, device=fed.device)
     off = next(o for s, o in fed.layout.gathered if s.name == "delta")
-    rows[:, off:off + fed.D] = deltas
+    rows[:, off:off + fed.D] = deltas.to(fed.device)
     return rows
 
 
@@ -70,6 +70,7 @@ def test_weights_match_hand_formula_and_larger_norm_gets_smaller_weight():
     gen = torch.Generator().manual_seed(1)
     theta = fed.global_state.clone()
     deltas = torch.stack([0.02 * torch.randn(fed.D, generator=gen) * (k + 1) for k in range(3)])
+    deltas = deltas.to(fed.device)                 # θ + Δ_k on the federation's device
     clients = np.array([0, 2, 3])
     s = fed.weighting.weights(fed, clients, rows_from(fed, deltas))
     gbar = np.array([hand_val_norms(fed, theta + d).mean() for d in deltas])
@@ -107,6 +108,7 @@ def test_layer_and_block_weights_sum_to_one_and_apply_per_segment(granularity):
     w = fed.weighting
     gen = torch.Generator().manual_seed(3)
     deltas = torch.stack([0.05 * torch.randn(fed.D, generator=gen) * (1 + k) for k in range(3)])
+    deltas = deltas.to(fed.device)
     clients = np.array([0, 1, 3])
     s = w.weights(fed, clients, rows_from(fed, deltas))
     S = w._S
@@ -132,11 +134,12 @@ def test_layer_and_block_weights_sum_to_one_and_apply_per_segment(granularity):
             owner = seg.name if seg.is_param else seg.name.rpartition(".")[0] + ".weight"
         else:
             owner = block_of(fed.flat.model, seg.name)
-        sk = torch.as_tensor(S[:, col[owner]], dtype=torch.float32)
+        sk = torch.as_tensor(S[:, col[owner]], dtype=torch.float32, device=fed.device)
         torch.testing.assert_close(agg[seg.slice], sk @ deltas[:, seg.slice], atol=1e-7, rtol=1e-6)
     # a non-layout statistic (other size) uses the summary weight s_k
-    other = torch.randn(3, 7, generator=gen)
-    torch.testing.assert_close(w.combine(s, other), torch.as_tensor(s, dtype=torch.float32) @ other)
+    other = torch.randn(3, 7, generator=gen).to(fed.device)
+    torch.testing.assert_close(w.combine(s, other),
+                               torch.as_tensor(s, dtype=torch.float32, device=fed.device) @ other)
 
 
 def test_resnet_blocks():
@@ -179,7 +182,7 @@ def test_scoring_leaves_global_bn_statistics_unchanged():
     bufs = [s for s in fed.flat.segments if not s.is_param]
     assert bufs  # the CNN has BN running statistics
     gen = torch.Generator().manual_seed(6)
-    deltas = torch.stack([0.1 * torch.randn(fed.D, generator=gen) for _ in range(2)])
+    deltas = torch.stack([0.1 * torch.randn(fed.D, generator=gen) for _ in range(2)]).to(fed.device)
     fed.weighting.weights(fed, np.arange(2), rows_from(fed, deltas))
     torch.testing.assert_close(fed.global_state, theta, atol=0, rtol=0)
     scratch = fed.weighting.scratch.vector            # the scored θ_k's buffers too
@@ -244,13 +247,14 @@ def test_fedvg_substitutes_weights_of_every_weighted_stat(algo, granularity):
         x = rows[:, off:off + stat.size]
         got = seen["agg"][stat.name]
         if granularity == "model" or stat.size not in (fed.D, fed.flat.num_params):
-            want = torch.as_tensor(seen["s"], dtype=torch.float32) @ x
+            want = torch.as_tensor(seen["s"], dtype=torch.float32, device=x.device) @ x
         else:
-            want = torch.empty(stat.size)
+            want = torch.empty(stat.size, device=x.device)
             for a, b, g in fed.weighting.spans:
                 if a < stat.size:
                     Sg = S[:, g] if g < S.shape[1] else S.mean(1)
-                    want[a:min(b, stat.size)] = torch.as_tensor(Sg, dtype=torch.float32) @ x[:, a:min(b, stat.size)]
+                    want[a:min(b, stat.size)] = (torch.as_tensor(Sg, dtype=torch.float32, device=x.device)
+                                                 @ x[:, a:min(b, stat.size)])
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=f"{algo}: {stat.name}")
 
 
@@ -328,8 +332,8 @@ def test_bad_validation_configs_are_user_errors(tmp_path):
     with pytest.raises(ConfigError, match="data.validation.source"):
         build_validation(config_from_dict(cfg_dict(**{"data.validation.source": "digits"})),
                          synthetic_dataset(), np.zeros(0, dtype=np.int64), torch.device("cpu"))
-    with pytest.raises(ConfigError, match="bf16"):
-        make_fed(**{"aggregation.fedvg.bf16": True})
+    with pytest.raises(ConfigError, match="bf16"):       # bf16 scoring needs CUDA: build on CPU
+        make_fed(**{"aggregation.fedvg.bf16": True, "runtime.device": "cpu"})
     proc = run_fedmpi(["run", "configs/quickstart.yaml", "--set", "aggregation.weighting=fedvg",
                        "--set", "data.validation.rho=1.5", "--out", str(tmp_path / "x")],
                       n=0, check=False)
