@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements behind the README's "Performance on a GPU" table.
 #   bash bench/gpu_all.sh OUTDIR        (on a CUDA machine; python3 with fedmpi importable)
-# Each bench writes its JSON lines to OUTDIR/<name>.jsonl; a failing bench does not stop the rest.
+# Each bench writes its JSON lines to OUTDIR/<name>.jsonl and its stderr to OUTDIR/errors.log;
+# a failing bench does not stop the rest.
 set -u
 out=${1:-bench-gpu}
 mkdir -p "$out"
@@ -11,7 +12,8 @@ run() {  # run NAME SECONDS CMD...
   local name=$1 limit=$2; shift 2
   echo "== $name: $*"
   local t0=$SECONDS
-  timeout "$limit" "$@" >"$out/$name.jsonl" 2>"$out/$name.err" || echo "   exit $? (see $name.err)"
+  echo "== $name" >>"$out/errors.log"
+  timeout "$limit" "$@" >"$out/$name.jsonl" 2>>"$out/errors.log" || echo "   exit $? (see errors.log)"
   echo "   $((SECONDS - t0)) s"; tail -c 2000 "$out/$name.jsonl" | tail -n 1 | cut -c1-1500
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
