@@ -15,7 +15,6 @@ from torch import nn
 
 import fedmpi.runtime as runtime_mod
 from conftest import SMALL, TEST_DEVICE, run_fedmpi, set_dotted
-from exact_kernels import exact_on_cuda
 from fedmpi.algorithms import ALGORITHMS, ClientTask, RoundInfo
 from fedmpi.algorithms.elastic import Elastic
 from fedmpi.algorithms.fednova import normaliser
@@ -88,7 +87,6 @@ def _trajectory(name: str, **over) -> torch.Tensor:
     return fed.global_state.clone()
 
 
-@exact_on_cuda      # bit-exact on a GPU too: no nondeterministic/TF32 kernels
 def test_degenerate_baselines_equal_fedavg_exactly():
     """FedProx μ=0, FedAvgM momentum 0 (Nesterov on) and FedNova with equal τ
     (local_steps fixed; client momentum 0.5) reproduce FedAvg on the same seed, CNN with BN."""
