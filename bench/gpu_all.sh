@@ -2,7 +2,7 @@
 # The GPU measurements behind the README's "Performance on a GPU" table.
 #   bash bench/gpu_all.sh OUTDIR        (on a CUDA machine; python3 with fedmpi importable)
 # Each bench writes its JSON lines to OUTDIR/<name>.jsonl and its stderr to OUTDIR/errors.log;
-# a failing bench does not stop the rest.
+# a failing bench does not stop the rest. ONLY="name ..." runs a subset.
 set -u
 out=${1:-bench-gpu}
 mkdir -p "$out"
@@ -10,6 +10,7 @@ py=${PYTHON:-python3}
 mpi=${MPIEXEC:-mpiexec}
 run() {  # run NAME SECONDS CMD...
   local name=$1 limit=$2; shift 2
+  if [ -n "${ONLY:-}" ] && ! [[ " $ONLY " == *" $name "* ]]; then return; fi
   echo "== $name: $*"
   local t0=$SECONDS
   echo "== $name" >>"$out/errors.log"
