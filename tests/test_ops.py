@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, SMALL, fedmpi_cmd, mpiexec_path, run_fedmpi
+from conftest import ROOT, SMALL, TEST_DEVICE, fedmpi_cmd, mpiexec_path, run_fedmpi
 from fedmpi import checkpoint, placement, signals
 from fedmpi.cli import main as fedmpi_main
 from fedmpi.log import read
@@ -30,6 +30,8 @@ ROUNDS = 4
 OPS = [*SMALL, "--set", f"train.rounds={ROUNDS}", "--set", "algorithm.name=feddyn",
        "--set", "train.momentum=0", "--set", "runtime.threads=1", "--set", "runtime.checkpoint_every=1",
        "--set", "eval.every=1"]
+if TEST_DEVICE.startswith("cuda"):   # interrupted/resumed runs must match the reference bit for bit
+    OPS += ["--set", "runtime.deterministic=true"]
 TOL = 1e-5
 
 
