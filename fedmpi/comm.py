@@ -3,13 +3,21 @@
 Buffer (uppercase) mpi4py calls only, on contiguous host numpy arrays (or
 device arrays when the MPI library is CUDA-aware); nothing is pickled.
 
-Every collective is issued non-blocking and completed by :meth:`Comm._wait`:
-``Test()`` back to back for at most ``spin`` seconds (yielding the core), then a
-*sleeping* poll with exponential back-off up to ``max_sleep``. MPICH and Open
-MPI spin in blocking calls for as long as they wait, which on a node where the
-aggregator and workers share cores would steal CPU from local training; here a
-wait costs at most ``spin`` seconds of CPU, and a transfer whose peers are
-ready still completes at full speed.
+Every collective is issued non-blocking and completed by :meth:`Comm._wait` in
+one of two ways:
+
+* *patient* (the default): ``Test()`` back to back for at most ``spin`` seconds
+  (yielding the core), then a *sleeping* poll with exponential back-off up to
+  ``max_sleep``. For the collectives that wait on other ranks' work (the round
+  header, which waits for aggregation; the metadata ``Allreduce``, which waits
+  for local training). MPICH and Open MPI spin in blocking calls for as long as
+  they wait, which on a node where the aggregator and workers share cores would
+  steal CPU from local training; here such a wait costs at most ``spin`` seconds
+  of CPU and completes at most ``max_sleep`` late.
+* *eager* (``patient=False``): ``Test()`` back to back (yielding) until done. For
+  the data transfers that follow a patient collective, when every peer is known
+  to be there: MPI progresses a non-blocking collective only inside ``Test``, so
+  a sleeping rank would stall the pipelined algorithms of large Reduce/Bcast.
 A collective that does not complete within ``timeout`` seconds raises
 :class:`CommTimeout` (the runtime then aborts the whole job).
 
@@ -77,20 +85,20 @@ class Comm:
         self.traffic = Traffic()
 
     # ------------------------------------------------------------------ waits
-    def _wait(self, requests: list, what: str) -> None:
-        """Complete ``requests``: a short yielding spin, then a sleeping poll.
+    def _wait(self, requests: list, what: str, patient: bool = True) -> None:
+        """Complete ``requests``: a yielding spin, then (``patient``) a sleeping poll.
 
         MPI libraries progress a non-blocking collective only inside ``Test``,
-        so for the first ``spin`` seconds we test back to back (yielding the
-        core with ``sched_yield`` to any co-located rank that wants it): a
-        transfer whose peers are ready runs at full speed. A longer wait (the
-        aggregator waiting for local training) then sleeps with exponential
-        back-off up to ``max_sleep``, costing no CPU.
+        so we first test back to back (yielding the core with ``sched_yield`` to
+        any co-located rank that wants it): a transfer whose peers are ready runs
+        at full speed. A patient wait longer than ``spin`` (the aggregator waiting
+        for local training) then sleeps with exponential back-off up to
+        ``max_sleep``, costing no CPU; an eager one keeps spinning.
         """
         MPI = self.MPI
         start = time.monotonic()
         deadline = start + self.timeout
-        spin_until = start + self.spin
+        spin_until = start + self.spin if patient else deadline
         delay = 1e-5
         while not MPI.Request.Testall(requests):
             now = time.monotonic()
@@ -110,19 +118,20 @@ class Comm:
             yield slice(start, min(start + CHUNK, n))
 
     # ------------------------------------------------------------ collectives
-    def broadcast(self, buf: np.ndarray, root: int = 0, what: str = "Bcast") -> None:
+    def broadcast(self, buf: np.ndarray, root: int = 0, what: str = "Bcast",
+                  patient: bool = True) -> None:
         """In-place broadcast of ``buf`` from ``root``."""
         if self.size == 1:
             return
         t0 = time.perf_counter()
         flat = buf.reshape(-1)
         reqs = [self.comm.Ibcast(flat[s], root=root) for s in self._chunks(flat.size)]
-        self._wait(reqs, what)
+        self._wait(reqs, what, patient)
         sent = flat.nbytes * (self.size - 1) if self.rank == root else 0
         self.traffic.add("bcast", sent, time.perf_counter() - t0)
 
     def reduce_sum(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int = 0,
-                   what: str = "Reduce") -> None:
+                   what: str = "Reduce", patient: bool = True) -> None:
         """``recvbuf = Σ_ranks sendbuf`` on ``root`` (``recvbuf`` ignored elsewhere)."""
         if self.size == 1:
             np.copyto(recvbuf, sendbuf)
@@ -132,11 +141,11 @@ class Comm:
         recv = recvbuf.reshape(-1) if self.rank == root else None
         reqs = [self.comm.Ireduce(send[s], recv[s] if recv is not None else None,
                                   op=self.MPI.SUM, root=root) for s in self._chunks(send.size)]
-        self._wait(reqs, what)
+        self._wait(reqs, what, patient)
         self.traffic.add("reduce", 0 if self.rank == root else send.nbytes, time.perf_counter() - t0)
 
     def gatherv_rows(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, rows: list[int],
-                     root: int = 0, what: str = "Gatherv") -> None:
+                     root: int = 0, what: str = "Gatherv", patient: bool = True) -> None:
         """Gather row blocks: rank ``r`` sends ``rows[r]`` rows of width ``P``.
 
         ``sendbuf`` is ``[rows[rank], P]``; on ``root`` ``recvbuf`` is
@@ -162,7 +171,7 @@ class Comm:
                 req = self.comm.Igatherv([part, mpi_type], [out, counts, displs, mpi_type], root=root)
             else:
                 req = self.comm.Igatherv([part, mpi_type], None, root=root)
-            self._wait([req], what)
+            self._wait([req], what, patient)
             if out is not None and not direct:
                 recvbuf[:, c0:c1] = out
         self.traffic.add("gatherv", 0 if self.rank == root else sendbuf.nbytes, time.perf_counter() - t0)
@@ -191,15 +200,25 @@ class Comm:
                          time.perf_counter() - t0)
 
     def gather_fixed(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int = 0,
-                     what: str = "Gather") -> None:
+                     what: str = "Gather", patient: bool = True) -> None:
         """Fixed-size gather: ``recvbuf[r] = sendbuf of rank r`` on ``root``."""
         if self.size == 1:
             np.copyto(recvbuf.reshape(1, -1), sendbuf.reshape(1, -1))
             return
         t0 = time.perf_counter()
         req = self.comm.Igather(sendbuf, recvbuf if self.rank == root else None, root=root)
-        self._wait([req], what)
+        self._wait([req], what, patient)
         self.traffic.add("gather", 0 if self.rank == root else sendbuf.nbytes, time.perf_counter() - t0)
+
+    def allreduce_sum(self, sendbuf: np.ndarray, recvbuf: np.ndarray, what: str = "Allreduce",
+                      patient: bool = True) -> None:
+        """``recvbuf = Σ_ranks sendbuf`` on every rank (one call: small buffers)."""
+        if self.size == 1:
+            np.copyto(recvbuf, sendbuf)
+            return
+        t0 = time.perf_counter()
+        self._wait([self.comm.Iallreduce(sendbuf, recvbuf, op=self.MPI.SUM)], what, patient)
+        self.traffic.add("allreduce", sendbuf.nbytes, time.perf_counter() - t0)
 
     def max_int(self, value: int, what: str = "Allreduce") -> int:
         """Max of an integer over all ranks (setup agreement on error codes)."""

@@ -262,6 +262,9 @@ SCHEMA: dict[str, Field] = {
     # evaluation
     "eval.every": Field(int, 1, "evaluate every N rounds", ge=1),
     "eval.batch_size": Field(int, 1024, "evaluation batch size", ge=1),
+    "eval.overlap": Field(bool, True, "rank 0 evaluates round t's model while the workers train "
+                          "round t+1 (world_size > 1, not sharded); round t's log row is "
+                          "written then"),
     "eval.sharded": Field(bool, False, "every rank evaluates a slice of the test set (one extra "
                           "state Bcast per evaluation round); rank 0 alone when false"),
     # runtime

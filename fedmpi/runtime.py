@@ -11,12 +11,24 @@ collectives below are the only synchronisation:
    method's downlink extras appended: one buffer.
 3. Local work: each hosted participant trains with its own RNG stream
    (seed, client, round), so results do not depend on the rank layout.
-4. Uplink: ``Reduce`` of the per-client metadata rows [K, F] (status word,
-   weight, loss, steps, time); ``Gather`` of a fixed-size error text per rank;
-   ``Reduce`` of the pre-reduced statistics Σ_k w̃_k x_k; ``Gatherv`` of the
-   per-client statistics when the weighting needs them (FedVG).
+4. Uplink: ``Allreduce`` of the per-client metadata rows [K, F] (status word,
+   weight, loss, steps, time) and one stop-signal slot per rank — it completes
+   only when every rank has finished local training, so every rank knows the
+   statuses and that its peers are ready; then ``Reduce`` of the pre-reduced
+   statistics Σ_k w̃_k x_k and ``Gatherv`` of the per-client statistics when
+   the weighting needs them (FedVG), both as eager transfers (:mod:`fedmpi.comm`);
+   a ``Gather`` of a fixed-size error text per rank only in a round where a
+   client failed.
+
+Steps 1 and 4's ``Allreduce`` are the two *patient* waits of a round (they wait
+for other ranks' computation and sleep); everything else moves data between
+ranks that are already there.
 5. Rank 0 excludes non-finite updates, computes weights, applies the method's
-   server rule, evaluates, and writes one HDF5 row.
+   server rule, evaluates, and writes one HDF5 row. With ``eval.overlap`` (and
+   world_size > 1) the evaluation of round t's model runs on rank 0 while the
+   workers train round t + 1 — rank 0 is idle then — and round t's row is
+   written at that point; before a checkpoint, a stop and after the last round
+   it is evaluated at once.
 """
 from __future__ import annotations
 
@@ -181,8 +193,13 @@ class Federation:
         # Preallocated communication buffers, reused every round.
         self.header = np.zeros(HEADER + self.K, dtype=np.int64)
         self.state = Mirror((self.D + self.E,), torch.float32, self.device)
-        self.meta_send = np.zeros((self.K, len(META_FIELDS)), dtype=np.float64)
-        self.meta_recv = np.zeros_like(self.meta_send)
+        # metadata rows [K, F] + one stop-signal slot per rank, summed by one Allreduce
+        nmeta = self.K * len(META_FIELDS)
+        self.up_send = np.zeros(nmeta + self.size, dtype=np.float64)
+        self.up_recv = np.zeros_like(self.up_send)
+        self.meta_send = self.up_send[:nmeta].reshape(self.K, len(META_FIELDS))
+        self.meta_recv = self.up_recv[:nmeta].reshape(self.K, len(META_FIELDS))
+        self.signal_send, self.signal_recv = self.up_send[nmeta:], self.up_recv[nmeta:]
         self.err_send = np.zeros(ERR_BYTES, dtype=np.uint8)
         self.eval_send = np.zeros(3, dtype=np.float64)     # Σ loss, #correct, n (sharded eval)
         self.eval_recv = np.zeros(3, dtype=np.float64)
@@ -211,6 +228,7 @@ class Federation:
         self.checkpoint_round = 0                 # rounds < this are in the newest checkpoint
         self.failure: Optional[str] = None
         self.history: list[dict] = []
+        self._pending_row: Optional[tuple] = None   # round whose evaluation overlaps the next
         self.client_arrays: dict[str, np.ndarray] = {}   # "client" stats of the round, for the log
 
     # ------------------------------------------------------------------ plan
@@ -264,6 +282,8 @@ class Federation:
                 self.header[HEADER:] = self.participants(t)
                 if self.E:
                     self.algo.fill_downlink(self.state.dev[self.D:], t)
+            if cmd != CMD_ROUND or self.header[2] & FLAG_CHECKPOINT:
+                self.finish_pending_row()   # the log holds every round a checkpoint covers
         comm.broadcast(self.header, what=f"round {t} header Bcast")
         cmd = int(self.header[0])
         if self.header[2] & FLAG_INTERRUPTED and self.stop_reason is None:
@@ -277,28 +297,32 @@ class Federation:
 
         if self.is_server:
             self.state.pull()
-        comm.broadcast(self.state.host, what=f"round {t} state Bcast")
+        comm.broadcast(self.state.host, what=f"round {t} state Bcast", patient=False)
         if not self.is_server:
             self.state.push()
         self.algo.begin_round(t, mask, self.state.dev[: self.D], self.state.dev[self.D:])
+        if self.is_server:
+            self.finish_pending_row()   # evaluate round t − 1 while the workers train round t
 
         t_train = time.perf_counter()
         self._local_work(t, mask)
         t_up = time.perf_counter()
 
-        comm.reduce_sum(self.meta_send, self.meta_recv, what=f"round {t} metadata Reduce")
-        self.err_send[-1] = signals.requested_signum()   # stop flag byte (fedmpi.signals)
-        comm.gather_fixed(self.err_send, self.err_recv, what=f"round {t} error Gather")
+        self.signal_send[self.rank] = signals.requested_signum()   # stop request (fedmpi.signals)
+        comm.allreduce_sum(self.up_send, self.up_recv, what=f"round {t} metadata Allreduce")
+        if np.any(self.meta_recv[:, M_STATUS] == STATUS_FAILED):   # every rank sees the same
+            comm.gather_fixed(self.err_send, self.err_recv, what=f"round {t} error Gather",
+                              patient=False)
         if self.layout.reduce_size:
             self.red_send.pull()
             comm.reduce_sum(self.red_send.host, self.red_recv.host if self.red_recv else None,
-                            what=f"round {t} statistics Reduce")
+                            what=f"round {t} statistics Reduce", patient=False)
         if self.layout.row_size:
             rows = self._gather_rows(mask)
             send = self.rows_send.host[: rows[self.rank]]
             self.rows_send.pull()
             recv = self.rows_recv.host[: sum(rows)] if self.rows_recv is not None else None
-            comm.gatherv_rows(send, recv, rows, what=f"round {t} per-client Gatherv")
+            comm.gatherv_rows(send, recv, rows, what=f"round {t} per-client Gatherv", patient=False)
         if self.is_server:
             self._server_round(t, mask, t_start, t_train, t_up)
         elif self._shards_evaluation(t):
@@ -307,7 +331,7 @@ class Federation:
 
     def _local_work(self, t: int, mask: np.ndarray) -> None:
         """Train this rank's participants and fill the uplink buffers."""
-        self.meta_send.fill(0.0)
+        self.up_send.fill(0.0)
         self.err_send.fill(0)
         if self.layout.reduce_size:
             self.red_send.dev.zero_()
@@ -349,10 +373,10 @@ class Federation:
     def _server_round(self, t: int, mask: np.ndarray, t_start: float, t_train: float,
                       t_up: float) -> None:
         meta = self.meta_recv
-        stopping = np.flatnonzero(self.err_recv[:, -1])
+        stopping = np.flatnonzero(self.signal_recv)
         if stopping.size and self.stop_reason is None:
             r = int(stopping[0])
-            self.stop_reason = f"{signals.signal_name(int(self.err_recv[r, -1]))} on rank {r}"
+            self.stop_reason = f"{signals.signal_name(int(self.signal_recv[r]))} on rank {r}"
             self._event(t, r, -1, f"stop requested ({self.stop_reason}); checkpoint and exit")
         status = meta[:, M_STATUS].astype(int)
         failed = np.flatnonzero(mask & (status == STATUS_FAILED))
@@ -377,9 +401,10 @@ class Federation:
         else:
             s = self._aggregate(t, mask, accepted)
             weights[accepted] = s
+        overlapped = self._overlaps_evaluation(t)
         t_eval = time.perf_counter()
-        test_loss, test_acc = self._maybe_evaluate(t)
-        t_end = time.perf_counter()
+        test_loss, test_acc = (float("nan"),) * 2 if overlapped else self._maybe_evaluate(t)
+        t_end = t_eval if overlapped else time.perf_counter()
 
         seen = meta[accepted, M_SEEN].sum()
         train_loss = meta[accepted, M_LOSS].sum() / seen if seen else float("nan")
@@ -405,9 +430,40 @@ class Federation:
         }
         arrays = {**self.algo.log_arrays(), **self.weighting.log_arrays(), **self.client_arrays}
         self.client_arrays = {}
+        if overlapped:
+            self._pending_row = (t, scalars, per_client, arrays)
+        else:
+            self._append_row(t, scalars, per_client, arrays)
+
+    def _append_row(self, t: int, scalars: dict, per_client: dict, arrays: dict) -> None:
         self.history.append({"round": t, **scalars})
         if self.writer is not None:
             self.writer.append_round(t, scalars, per_client, arrays)
+
+    def _overlaps_evaluation(self, t: int) -> bool:
+        """Rank 0: evaluate round ``t``'s model during round t + 1 (``eval.overlap``)?
+
+        Only when rank 0 trains no clients (world_size > 1), the evaluation is
+        rank 0's alone (not sharded) and a round t + 1 follows.
+        """
+        return (self.cfg.eval.overlap and self.size > 1 and self._is_eval_round(t)
+                and not self._shards_evaluation(t) and t + 1 < self.cfg.train.rounds)
+
+    def finish_pending_row(self) -> None:
+        """Rank 0: evaluate the global model of the pending round and log its row.
+
+        The state buffer still holds that round's aggregated θ: it changes only at
+        the next aggregation, and this runs before it. ``wall_seconds`` of the
+        round excludes the overlapped evaluation; ``eval_seconds`` records it.
+        """
+        if self._pending_row is None:
+            return
+        t, scalars, per_client, arrays = self._pending_row
+        self._pending_row = None
+        t0 = time.perf_counter()
+        loss, acc = self._maybe_evaluate(t)
+        scalars.update(test_loss=loss, test_accuracy=acc, eval_seconds=time.perf_counter() - t0)
+        self._append_row(t, scalars, per_client, arrays)
 
     def _aggregate(self, t: int, mask: np.ndarray, accepted: np.ndarray) -> np.ndarray:
         """Weights s_k of the accepted clients, combine statistics, server rule."""
@@ -521,6 +577,14 @@ class Federation:
         return self.state.dev[: self.D]
 
 
+def _finish_pending_quietly(fed: Federation) -> None:
+    """After a failure: log the round whose evaluation was still pending, if possible."""
+    try:
+        fed.finish_pending_row()
+    except Exception:  # noqa: BLE001 - the run is failing already; keep the first error
+        fed._pending_row = None
+
+
 def _open_log(fed: Federation, path: Path, resume_rounds: Optional[int] = None):
     from .log import LogWriter
 
@@ -613,6 +677,7 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool)
             status = "interrupted"
     except CommTimeout as exc:
         print(f"fedmpi: error: {exc}", file=sys.stderr, flush=True)
+        _finish_pending_quietly(fed)
         if fed.writer is not None:
             fed.writer.event(t, comm.rank, -1, str(exc))
             fed.writer.set_status("failed")
@@ -622,6 +687,7 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool)
         print(f"fedmpi: error: rank {comm.rank}: {type(exc).__name__}: {exc}", file=sys.stderr,
               flush=True)
         traceback.print_exc()
+        _finish_pending_quietly(fed)
         if fed.writer is not None:
             fed.writer.event(t, comm.rank, -1, f"{type(exc).__name__}: {exc}")
             fed.writer.set_status("failed")

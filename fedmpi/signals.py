@@ -6,11 +6,9 @@ point, the end of a round:
 * rank 0 sees :func:`requested` at the start of a round and broadcasts
   ``CMD_STOP`` with the checkpoint and interrupted flags in the round header;
 * a worker that received the signal tells rank 0 through the uplink it sends
-  anyway: the last byte of its fixed-size error buffer in the per-rank error
-  ``Gather`` (:data:`fedmpi.runtime.ERR_BYTES`; error texts are at most
-  ``ERR_BYTES − 1`` bytes, so the byte is free). No extra message, no extra
-  round trip: the stop takes effect after the round in which any rank saw the
-  signal.
+  anyway: its own slot (the signal number) at the end of the metadata
+  ``Allreduce`` buffer. No extra message, no extra round trip: the stop takes
+  effect after the round in which any rank saw the signal.
 
 Every rank then writes (rank 0) or contributes (workers) the checkpoint and
 exits with :data:`EXIT_INTERRUPTED` = 75 (``EX_TEMPFAIL`` of ``sysexits.h``:
