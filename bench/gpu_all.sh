@@ -22,7 +22,7 @@ rs="--device cuda --batch 128 --local-steps 40 --rounds 5"
 run overhead_resnet18_fp32 300 $py bench/round_overhead.py $rs --settings resnet18:1,resnet18:2
 run overhead_resnet18_bf16_cl 200 $py bench/round_overhead.py $rs --settings resnet18:2 \
     --set runtime.autocast=bf16 --set runtime.channels_last=true
-run overhead_cnn_digits 200 $py bench/round_overhead.py --device cuda --rounds 6 --settings cnn:2,cnn:3
+run overhead_cnn_digits 200 $py bench/round_overhead.py --device cuda --rounds 20 --settings quickstart:2,quickstart:3,cnn:3
 run overhead_resnet18_compile 400 $py bench/round_overhead.py $rs --settings resnet18:2 \
     --set runtime.autocast=bf16 --set runtime.channels_last=true --set runtime.compile=true
 run fedvg_scoring 200 $py bench/fedvg_scoring.py --device cuda --model resnet18 --dataset synthetic --clients 5
