@@ -444,10 +444,13 @@ class Federation:
         """Rank 0: evaluate round ``t``'s model during round t + 1 (``eval.overlap``)?
 
         Only when rank 0 trains no clients (world_size > 1), the evaluation is
-        rank 0's alone (not sharded) and a round t + 1 follows.
+        rank 0's alone (not sharded), it is the default global-model evaluation (a
+        method's own, e.g. FedLAGC's per-level accuracies, feeds that round's
+        log arrays) and a round t + 1 follows.
         """
         return (self.cfg.eval.overlap and self.size > 1 and self._is_eval_round(t)
-                and not self._shards_evaluation(t) and t + 1 < self.cfg.train.rounds)
+                and not self._shards_evaluation(t) and t + 1 < self.cfg.train.rounds
+                and type(self.algo).evaluate is Algorithm.evaluate)
 
     def finish_pending_row(self) -> None:
         """Rank 0: evaluate the global model of the pending round and log its row.

@@ -163,7 +163,10 @@ for patient in (True, False):
     c.reduce_sum(np.array([r, 1.0, 2.0 * r]), out, patient=patient)
     if r == 0:
         assert np.array_equal(out, [n * (n - 1) / 2, n, n * (n - 1)]), out
-print("COMM OK", r)
+ok = np.zeros((n, 1), np.uint8) if r == 0 else None
+c.gather_fixed(np.ones(1, np.uint8), ok, patient=False)
+if r == 0:
+    print("COMM OK", int(ok.sum()))
 """
 
 
@@ -178,5 +181,4 @@ def test_comm_collectives_patient_and_eager():
     proc = subprocess.run([mpi, "-n", "3", sys.executable, "-c", COMM_SCRIPT], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    import re
-    assert sorted(re.findall(r"COMM OK \d", proc.stdout)) == ["COMM OK 0", "COMM OK 1", "COMM OK 2"]
+    assert "COMM OK 3" in proc.stdout, proc.stdout
