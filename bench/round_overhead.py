@@ -11,7 +11,10 @@ data on the same device, same torch thread count as one fedmpi worker) and
 reports
 
 * ``throughput_ratio`` = plain-loop seconds per step ÷ fedmpi seconds per step
-  (1.0 = local training inside fedmpi is as fast as a bare loop),
+  (1.0 = local training inside fedmpi is as fast as a bare loop). On CPU with
+  W ≥ 2 workers the plain side is W loops run at once as separate processes
+  (they share the cores as the workers do); ``throughput_ratio_solo`` compares
+  with one loop alone,
 * ``overhead_fraction`` = (wall − slowest worker's local training − server
   aggregation/scoring) ÷ wall, evaluation included (issue 10's definition), and
   ``overhead_fraction_excluding_eval`` = overhead_seconds ÷ wall_seconds
@@ -157,6 +160,19 @@ def plain_loop_seconds_per_step(model_name: str, dataset: str, batch: int, threa
     return (time.perf_counter() - t0) / steps
 
 
+def co_scheduled_plain(model: str, dataset: str, batch: int, threads: int, copies: int, cfg) -> float:
+    """Mean seconds per step of ``copies`` plain loops run as simultaneous processes."""
+    code = ("import sys; sys.path.insert(0, %r); sys.argv = ['x']; import torch; "
+            "from bench.round_overhead import plain_loop_seconds_per_step as f; "
+            "from fedmpi.accel import Accel; "
+            "print(f(%r, %r, %d, %d, torch.device('cpu'), Accel()))"
+            % (str(ROOT), model, dataset, batch, threads))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(copies)]
+    return float(np.mean([float(p.communicate()[0].strip().splitlines()[-1]) for p in procs]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=6)
@@ -184,9 +200,17 @@ def main() -> None:
                              extra)
             cfg = load_config(ROOT / "configs/quickstart.yaml",
                               [a for a in fedmpi_args(model, args.rounds, args.batch, extra) if a != "--set"])
+            accel = Accel.from_config(cfg.runtime, device)
             plain = plain_loop_seconds_per_step(model, dataset, args.batch, res["threads_per_worker"],
-                                                device, Accel.from_config(cfg.runtime, device))
+                                                device, accel)
             res["plain_seconds_per_step"] = plain
+            if int(world) > 2 and device.type == "cpu":
+                # W workers share the cores: time W − 1 plain loops running at once too
+                # (same threads each), so both sides see the same contention
+                plain = co_scheduled_plain(model, dataset, args.batch, res["threads_per_worker"],
+                                           int(world) - 1, cfg)
+                res["plain_seconds_per_step_co_scheduled"] = plain
+                res["throughput_ratio_solo"] = res["plain_seconds_per_step"] / res["fedmpi_seconds_per_step"]
             res["throughput_ratio"] = plain / res["fedmpi_seconds_per_step"]
             res["throughput_ratio_second_half"] = plain / res["fedmpi_seconds_per_step_second_half"]
             results[f"{name}_n{world}"] = res
