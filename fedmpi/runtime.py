@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from . import __version__
+from .accel import Accel, set_deterministic
 from .adversary import Adversary
 from . import checkpoint, signals
 from .algorithms import (Algorithm, ClientTask, RoundInfo, Stat, algorithm_class, build_algorithm,
@@ -53,7 +54,6 @@ from .data import Dataset, Partition, build_partition, load_dataset
 from .errors import ConfigError, UserError
 from .flat import FlatModel
 from .models import build_model
-from .accel import Accel, set_deterministic
 from .placement import gpu_for_local_rank, threads_per_rank
 from .train import LocalTrainer, evaluate
 
