@@ -20,15 +20,16 @@ collectives below are the only synchronisation:
    a ``Gather`` of a fixed-size error text per rank only in a round where a
    client failed.
 
-Steps 1 and 4's ``Allreduce`` are the two *patient* waits of a round (they wait
-for other ranks' computation and sleep); everything else moves data between
-ranks that are already there.
 5. Rank 0 excludes non-finite updates, computes weights, applies the method's
    server rule, evaluates, and writes one HDF5 row. With ``eval.overlap`` (and
    world_size > 1) the evaluation of round t's model runs on rank 0 while the
    workers train round t + 1 — rank 0 is idle then — and round t's row is
    written at that point; before a checkpoint, a stop and after the last round
    it is evaluated at once.
+
+Steps 1 and 4's ``Allreduce`` are the two *patient* waits of a round (they wait
+for other ranks' computation and sleep); everything else moves data between
+ranks that are already there.
 """
 from __future__ import annotations
 
