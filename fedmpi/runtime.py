@@ -19,7 +19,6 @@ collectives below are the only synchronisation:
    the weighting needs them (FedVG), both as eager transfers (:mod:`fedmpi.comm`);
    a ``Gather`` of a fixed-size error text per rank only in a round where a
    client failed.
-
 5. Rank 0 excludes non-finite updates, computes weights, applies the method's
    server rule, evaluates, and writes one HDF5 row. With ``eval.overlap`` (and
    world_size > 1) the evaluation of round t's model runs on rank 0 while the
