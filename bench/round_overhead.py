@@ -10,8 +10,10 @@ It then times a plain PyTorch loop (``torch.optim.SGD``, same model, batch size,
 data on the same device, same torch thread count as one fedmpi worker) and
 reports
 
-* ``throughput_ratio`` = plain-loop seconds per step ÷ fedmpi seconds per step
-  (1.0 = local training inside fedmpi is as fast as a bare loop). On CPU with
+* ``throughput_ratio`` = plain-loop seconds per sample ÷ fedmpi seconds per
+  sample (1.0 = local training inside fedmpi is as fast as a bare loop; per
+  sample because clients end epochs on partial batches, which per-step time
+  would flatter; ``step_time_ratio`` is the per-step one). On CPU with
   W ≥ 2 workers the plain side is W loops run at once as separate processes
   (they share the cores as the workers do); ``throughput_ratio_solo`` compares
   with one loop alone,
@@ -46,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +59,7 @@ from fedmpi.config import load_config  # noqa: E402
 from fedmpi.data import load_dataset  # noqa: E402
 from fedmpi.log import read  # noqa: E402
 from fedmpi.models import build_model  # noqa: E402
+from fedmpi.train import epoch_bounds  # noqa: E402
 
 SETTINGS = {
     # name: (model, dataset, extra overrides). ResNet-18 on 32×32 is ~0.3 s a step on one
@@ -84,6 +88,22 @@ def fedmpi_args(model: str, rounds: int, batch: int, extra: list[str]) -> list[s
             "--set", f"train.batch_size={batch}", "--set", "runtime.progress=false", *extra]
 
 
+def client_samples(log) -> np.ndarray:
+    """[R, K] samples each participant trained on (NaN if not selected).
+
+    Clients train on partial last batches (no sample dropped), so time per *step*
+    flatters short clients; throughput is compared per sample.
+    """
+    cfg = yaml.safe_load(log.attrs["config_yaml"])["train"]
+    batch, steps = cfg["batch_size"], log.clients["local_steps"]
+    out = np.full(steps.shape, np.nan)
+    for (t, k), tau in np.ndenumerate(steps):
+        if np.isfinite(tau):
+            sizes = np.diff(epoch_bounds(int(log.clients["num_samples"][k]), batch))
+            out[t, k] = np.resize(sizes, int(tau)).sum()     # epochs repeat the same batches
+    return out
+
+
 def run_fedmpi(model: str, world: int, rounds: int, batch: int, out: Path, extra: list[str]) -> dict:
     args = [sys.executable, "-m", "fedmpi", "run", str(ROOT / "configs/quickstart.yaml"),
             *fedmpi_args(model, rounds, batch, extra), "--out", str(out)]
@@ -97,7 +117,9 @@ def run_fedmpi(model: str, world: int, rounds: int, batch: int, out: Path, extra
     sl = slice(1, None)  # skip the warm-up round
     steps = np.nansum(log.clients["local_steps"][sl])
     client_seconds = np.nansum(log.clients["train_seconds"][sl])
+    samples = client_samples(log)
     wall = r["wall_seconds"][sl].sum()
+    half = len(r["wall_seconds"]) // 2
     return {
         "world_size": world,
         "rounds_measured": int(len(r["wall_seconds"][sl])),
@@ -110,11 +132,11 @@ def run_fedmpi(model: str, world: int, rounds: int, batch: int, out: Path, extra
             "communication_and_overhead": float(r["overhead_seconds"][sl].mean()),
         },
         "fedmpi_seconds_per_step": float(client_seconds / steps),
+        "fedmpi_seconds_per_sample": float(client_seconds / np.nansum(samples[sl])),
         # the second half alone: shape-dependent caches (cuDNN plans for each partial
         # last-batch size, compiled graphs) are warm by then
-        "fedmpi_seconds_per_step_second_half": float(
-            np.nansum(log.clients["train_seconds"][len(r["wall_seconds"]) // 2:])
-            / np.nansum(log.clients["local_steps"][len(r["wall_seconds"]) // 2:])),
+        "fedmpi_seconds_per_sample_second_half": float(
+            np.nansum(log.clients["train_seconds"][half:]) / np.nansum(samples[half:])),
         # issue 10's definition: wall − slowest worker's training − server scoring/aggregation
         "overhead_fraction": float((wall - r["train_seconds"][sl].sum()
                                     - r["aggregate_seconds"][sl].sum()) / wall),
@@ -210,9 +232,13 @@ def main() -> None:
                 plain = co_scheduled_plain(model, dataset, args.batch, res["threads_per_worker"],
                                            int(world) - 1, cfg)
                 res["plain_seconds_per_step_co_scheduled"] = plain
-                res["throughput_ratio_solo"] = res["plain_seconds_per_step"] / res["fedmpi_seconds_per_step"]
-            res["throughput_ratio"] = plain / res["fedmpi_seconds_per_step"]
-            res["throughput_ratio_second_half"] = plain / res["fedmpi_seconds_per_step_second_half"]
+                res["throughput_ratio_solo"] = (res["plain_seconds_per_step"] / args.batch
+                                                / res["fedmpi_seconds_per_sample"])
+            # per sample: the plain loop always steps on full batches of args.batch
+            res["throughput_ratio"] = plain / args.batch / res["fedmpi_seconds_per_sample"]
+            res["throughput_ratio_second_half"] = (plain / args.batch
+                                                   / res["fedmpi_seconds_per_sample_second_half"])
+            res["step_time_ratio"] = plain / res["fedmpi_seconds_per_step"]
             results[f"{name}_n{world}"] = res
             print(json.dumps({item: res}), flush=True)
     print(json.dumps({"settings": results, "machine": {
