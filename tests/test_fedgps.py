@@ -290,3 +290,26 @@ def test_world_size_invariance_fedgps(tmp_path):
             torch.testing.assert_close(models[3][key], ref, atol=1e-5, rtol=0, msg=key)
     assert models[1]["classifier.weight"].shape[0] == 20
     assert logs[1].rounds["test_accuracy"][-1] > 0.2
+
+
+def test_resume_restores_previous_global_so_first_round_is_rectified(tmp_path):
+    """Stop after 2 rounds at -n 3, resume to 4 rounds at -n 2: the same final model as
+    4 uninterrupted rounds (1e-5). Round 2 needs Δ̄² = θ² − θ¹, so θ¹ must come back
+    from the checkpoint (it lives in memory otherwise)."""
+    from fedmpi.log import read
+
+    base = ["run", CFG, "--set", "data.num_clients=6", "--set", "train.clients_per_round=4",
+            "--set", "runtime.threads=1", "--set", "runtime.progress=false",
+            "--set", "algorithm.fedgps.surrogate_per_class=50",
+            "--set", "algorithm.fedgps.surrogate_batch=64"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    run_fedmpi([*base, "--set", "train.rounds=4", "--out", str(full)], n=3)
+    run_fedmpi([*base, "--set", "train.rounds=2", "--out", str(part)], n=3)
+    run_fedmpi([*base, "--set", "train.rounds=4", "--out", str(part), "--resume"], n=2)
+    a = torch.load(full / "model.pt", weights_only=True)
+    b = torch.load(part / "model.pt", weights_only=True)
+    for key, ref in a.items():
+        if ref.is_floating_point():
+            torch.testing.assert_close(b[key], ref, atol=1e-5, rtol=0, msg=key)
+    np.testing.assert_allclose(read(part / "log.h5").rounds["test_accuracy"],
+                               read(full / "log.h5").rounds["test_accuracy"], atol=1e-5)

@@ -267,6 +267,11 @@ class Algorithm:
     def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
         pass
 
+    def after_resume(self, fed, round: int) -> None:
+        """Collective on every rank after a checkpoint restore, before round ``round``:
+        hand restored server-side state that workers need back to them (FedGPS's
+        θ^{t−1}). Default: nothing."""
+
     def client_state(self, client: int) -> dict[str, torch.Tensor]:
         """Per-client tensors kept on the hosting worker (checkpointed by id):
         the client's vector from every :meth:`client_store` that has one."""

@@ -93,9 +93,10 @@ Deviations from the paper / authors' code (recorded as required):
   server excluded as non-finite (workers do not see exclusions); a client's
   own non-finite update is never stored. With M = 1 (nobody else) or ‖δ‖ = 0
   there is no perturbation.
-* θ^{t−1} lives in worker memory only: after a resume from a checkpoint the
-  first round has no Δ̄ and runs without perturbation (the stored Δ_k are
-  per-client state and are checkpointed).
+* θ^{t−1} is kept on every rank; rank 0 checkpoints it with the server state
+  and broadcasts it after a resume (:meth:`FedGPS.after_resume`), so the first
+  round after a resume is rectified like any other (the stored Δ_k are
+  per-client state and are checkpointed too).
 """
 from __future__ import annotations
 
@@ -188,9 +189,11 @@ class FedGPS(Algorithm):
 
         self.fed = fed
         self.hosts = bool(fed.my_clients)
+        P, dev = self._P, self.device
+        if self.dynamic:   # every rank: rank 0 checkpoints it, workers form Δ̄^t from it
+            self._prev = torch.zeros(P, device=dev)     # θ^{t−1} (parameters)
         if not self.hosts:
             return
-        P, dev = self._P, self.device
         if self.static:
             data = fed.data
             self.surrogate = make_surrogate(self.cfg.seed, self.C, data.input_shape, data.mean,
@@ -198,7 +201,6 @@ class FedGPS(Algorithm):
             self._psum = torch.zeros(self.C, self.feat_dim, dtype=torch.float64, device=dev)
             self._pcount = torch.zeros(self.C, dtype=torch.float64, device=dev)
         if self.dynamic:
-            self._prev = torch.zeros(P, device=dev)     # θ^{t−1} (parameters)
             self._dbar = torch.zeros(P, device=dev)     # Δ̄^t
             self._e = torch.zeros(P, device=dev)        # λ_g δ/‖δ‖ of the client in training
             self._saved = torch.zeros(P, device=dev)    # θ while the model sits at θ + e
@@ -217,11 +219,12 @@ class FedGPS(Algorithm):
     # ------------------------------------------------------- non-self gradient
     def begin_round(self, round: int, mask: np.ndarray, state: torch.Tensor,
                     extras: torch.Tensor) -> None:
-        """Keep θ^{t−1} and form Δ̄^t = θ^t − θ^{t−1} (every hosting rank, every round)."""
-        if not (self.dynamic and self.hosts):
+        """Keep θ^{t−1} (every rank; rank 0 checkpoints it) and form Δ̄^t = θ^t − θ^{t−1}
+        (every hosting rank, every round)."""
+        if not self.dynamic:
             return
         theta = state[: self._P]
-        if self._prev_round == round - 1 and round > 0:
+        if self.hosts and self._prev_round == round - 1 and round > 0:
             torch.sub(theta, self._prev, out=self._dbar)
             self._dbar_round = round
         self._prev.copy_(theta)
@@ -378,13 +381,34 @@ class FedGPS(Algorithm):
 
     # ------------------------------------------------------------------ state
     def server_state(self) -> dict[str, torch.Tensor]:
-        return {"protos": self.protos.clone(),
-                "has_protos": torch.tensor(float(self.has_protos))}
+        out = {"protos": self.protos.clone(), "has_protos": torch.tensor(float(self.has_protos))}
+        if self.dynamic:   # θ^{t−1}: the first round after a resume is rectified too
+            out.update(prev_theta=self._prev.clone(), prev_round=torch.tensor(self._prev_round))
+        return out
 
     def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
         if "protos" in state:
             self.protos.copy_(state["protos"])
             self.has_protos = bool(state["has_protos"])
+        if self.dynamic and "prev_theta" in state:
+            self._prev.copy_(state["prev_theta"])
+            self._prev_round = int(state["prev_round"])
+
+    def after_resume(self, fed, round: int) -> None:
+        """Rank 0 broadcasts the checkpointed θ^{t−1} and its round; every rank then
+        holds what it would have kept had the run not stopped (the round's
+        participants are recomputed from the seed)."""
+        if not self.dynamic:
+            return
+        head = np.array([self._prev_round], dtype=np.int64)
+        fed.comm.broadcast(head, what="FedGPS resume Bcast")
+        buf = self._prev.cpu().numpy() if fed.is_server else np.empty(self._P, dtype=np.float32)
+        fed.comm.broadcast(buf, what="FedGPS resume Bcast")
+        self._prev_round = int(head[0])
+        if not fed.is_server:
+            self._prev.copy_(torch.from_numpy(buf))
+        if self._prev_round >= 0:
+            self._mask = fed.participants(self._prev_round)
 
     def client_state(self, client: int) -> dict[str, torch.Tensor]:
         if client not in self.last_delta:
