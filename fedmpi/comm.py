@@ -30,6 +30,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -87,7 +88,8 @@ class Comm:
         self.traffic = Traffic()
 
     # ------------------------------------------------------------------ waits
-    def _wait(self, requests: list, what: str, patient: bool = True) -> None:
+    def _wait(self, requests: list, what: str, patient: bool = True,
+              on_done: Optional[Callable[[int], None]] = None) -> None:
         """Complete ``requests``: a yielding spin, then (``patient``) a sleeping poll.
 
         MPI libraries progress a non-blocking collective only inside ``Test``,
@@ -96,13 +98,29 @@ class Comm:
         at full speed. A patient wait longer than ``spin`` (the aggregator waiting
         for local training) then sleeps with exponential back-off up to
         ``max_sleep``, costing no CPU; an eager one keeps spinning.
+
+        ``on_done(i)``, if given, is called as soon as ``requests[i]`` completes
+        (``Testsome``), so the caller can work on what arrived while the rest is
+        in flight (FedVG scores a client model on arrival).
         """
         MPI = self.MPI
         start = time.monotonic()
         deadline = start + self.timeout
         spin_until = start + self.spin if patient else deadline
         delay = 1e-5
-        while not MPI.Request.Testall(requests):
+        while True:
+            if on_done is None:
+                if MPI.Request.Testall(requests):
+                    return
+            else:
+                done = MPI.Request.Testsome(requests)
+                if done is None:          # every request is complete
+                    return
+                for i in done:
+                    on_done(i)
+                if done:
+                    delay = 1e-5
+                    continue
             now = time.monotonic()
             if now < spin_until:
                 os.sched_yield()
@@ -233,6 +251,21 @@ class Comm:
         req = self.comm.Igather(sendbuf, recvbuf if self.rank == root else None, root=root)
         self._wait([req], what, patient)
         self.traffic.add("gather", 0 if self.rank == root else sendbuf.nbytes, time.perf_counter() - t0)
+
+    def isend(self, buf: np.ndarray, dest: int, tag: int):
+        """Start sending a contiguous buffer (≤ ``CHUNK`` elements); returns the request."""
+        self.traffic.add("send", buf.nbytes, 0.0)
+        return self.comm.Isend(buf, dest=dest, tag=tag)
+
+    def irecv(self, buf: np.ndarray, source: int, tag: int):
+        """Start receiving into a contiguous buffer; returns the request."""
+        return self.comm.Irecv(buf, source=source, tag=tag)
+
+    def wait(self, requests: list, what: str, patient: bool = True,
+             on_done: Optional[Callable[[int], None]] = None) -> None:
+        """Complete requests from :meth:`isend`/:meth:`irecv` (see :meth:`_wait`)."""
+        if requests:
+            self._wait(requests, what, patient, on_done)
 
     def allreduce_sum(self, sendbuf: np.ndarray, recvbuf: np.ndarray, what: str = "Allreduce",
                       patient: bool = True) -> None:

@@ -49,7 +49,7 @@ from .adversary import Adversary
 from . import checkpoint, signals
 from .algorithms import (Algorithm, ClientTask, RoundInfo, Stat, algorithm_class, build_algorithm,
                          build_weighting)
-from .comm import Comm, CommTimeout
+from .comm import CHUNK, Comm, CommTimeout
 from .data import Dataset, Partition, build_partition, load_dataset
 from .errors import ConfigError, UserError
 from .flat import FlatModel
@@ -213,6 +213,13 @@ class Federation:
         self.rows_send = Mirror((max_local, self.layout.row_size), torch.float32, self.device)
         self.rows_recv = (Mirror((self.m, self.layout.row_size), torch.float32, self.device)
                           if self.is_server and self.layout.row_size else None)
+        # Per-client rows travel as one Isend per client as soon as it finishes, so rank 0
+        # can work on them (FedVG scoring) while later clients still train; one Gatherv
+        # after training otherwise (world size 1, or a row too long for one message).
+        self.stream_rows = bool(self.layout.row_size) and self.size > 1 and \
+            self.layout.row_size <= CHUNK
+        self._row_sends: list = []
+        self._exposed_arrival_seconds = 0.0
         self.scratch = {s.name: torch.zeros(s.size, device=self.device) for s in self.stats}
         self.agg_bufs = ({s.name: torch.zeros(s.size, device=self.device) for s, _ in self.layout.reduced}
                          if self.is_server else {})
@@ -308,8 +315,13 @@ class Federation:
         self._local_work(t, mask)
         t_up = time.perf_counter()
 
+        if self.stream_rows and self.is_server:
+            self._receive_rows(t, mask)
         self.signal_send[self.rank] = signals.requested_signum()   # stop request (fedmpi.signals)
         comm.allreduce_sum(self.up_send, self.up_recv, what=f"round {t} metadata Allreduce")
+        if self._row_sends:
+            comm.wait(self._row_sends, f"round {t} per-client row sends", patient=False)
+            self._row_sends.clear()
         if np.any(self.meta_recv[:, M_STATUS] == STATUS_FAILED):   # every rank sees the same
             comm.gather_fixed(self.err_send, self.err_recv, what=f"round {t} error Gather",
                               patient=False)
@@ -317,7 +329,7 @@ class Federation:
             self.red_send.pull()
             comm.reduce_sum(self.red_send.host, self.red_recv.host if self.red_recv else None,
                             what=f"round {t} statistics Reduce", patient=False)
-        if self.layout.row_size:
+        if self.layout.row_size and not self.stream_rows:
             rows = self._gather_rows(mask)
             send = self.rows_send.host[: rows[self.rank]]
             self.rows_send.pull()
@@ -351,6 +363,9 @@ class Federation:
                 raw = text.encode()[: ERR_BYTES - 1]
                 self.err_send[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
                 meta[M_STATUS] = STATUS_FAILED
+                if self.stream_rows:
+                    self.rows_send.dev[row].zero_()
+                    self._send_row(row, k)
                 continue
             self.adversary.corrupt(k, self.scratch["delta"])
             # A float64 sum is non-finite iff some entry is (no [P] bool temporary).
@@ -365,9 +380,41 @@ class Federation:
                     self.red_send.dev[off:off + stat.size].add_(self.scratch[stat.name], alpha=alpha)
             for stat, off in self.layout.gathered:
                 self.rows_send.dev[row, off:off + stat.size].copy_(self.scratch[stat.name])
+            if self.stream_rows:
+                self._send_row(row, k)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             meta[M_TIME] = time.perf_counter() - t0
+
+    def _send_row(self, row: int, client: int) -> None:
+        """Worker: start sending client ``client``'s row to rank 0 (tag = client id)."""
+        if not self.rows_send.shared:
+            self.rows_send.host_t[row].copy_(self.rows_send.dev[row])
+        self._row_sends.append(self.comm.isend(self.rows_send.host[row], 0, tag=client))
+
+    def _row_order(self, mask: np.ndarray) -> list[int]:
+        """Participants in rank-major order: the row layout of ``rows_recv``."""
+        return [int(k) for r in range(self.size) for k in np.flatnonzero(mask & (self.host == r))]
+
+    def _receive_rows(self, t: int, mask: np.ndarray) -> None:
+        """Rank 0: receive every participant's row as it is sent and hand it to the
+        weighting (:meth:`Weighting.on_arrival`) while the others still train."""
+        order = self._row_order(mask)
+        dev, host = self.rows_recv.dev, self.rows_recv.host
+
+        last = [time.perf_counter()]
+
+        def arrived(i: int) -> None:
+            last[0] = time.perf_counter()
+            if not self.rows_recv.shared:
+                dev[i].copy_(self.rows_recv.host_t[i])
+            self.weighting.on_arrival(self, order[i], dev[i])
+
+        reqs = [self.comm.irecv(host[i], int(self.host[k]), tag=k) for i, k in enumerate(order)]
+        self.comm.wait(reqs, f"round {t} per-client rows", on_done=arrived)
+        # server work after the last client arrived is not hidden behind training: it
+        # counts as aggregation (the log's aggregate_seconds), not as overhead
+        self._exposed_arrival_seconds = time.perf_counter() - last[0]
 
     # ---------------------------------------------------------------- server
     def _server_round(self, t: int, mask: np.ndarray, t_start: float, t_train: float,
@@ -411,7 +458,8 @@ class Federation:
         per_worker = np.bincount(self.host, weights=meta[:, M_TIME], minlength=self.size)
         train_seconds = float(per_worker.max())
         wall = t_end - t_start
-        agg_seconds, eval_seconds = t_eval - t_agg, t_end - t_eval
+        agg_seconds, eval_seconds = t_eval - t_agg + self._exposed_arrival_seconds, t_end - t_eval
+        self._exposed_arrival_seconds = 0.0
         sel = [int(k) for k in np.flatnonzero(mask)]
         scalars = {
             "test_accuracy": test_acc, "test_loss": test_loss, "train_loss": train_loss,
@@ -475,9 +523,10 @@ class Federation:
         if self.layout.reduce_size:
             self.red_recv.push()
         if self.weighting.per_client:
-            order = [k for r in range(self.size) for k in np.flatnonzero(mask & (self.host == r))]
+            order = self._row_order(mask)
             pos = np.array([order.index(k) for k in accepted])
-            self.rows_recv.push()
+            if not self.stream_rows:
+                self.rows_recv.push()
             # a view when every participant was accepted (no K×D copy), else a gathered copy
             rows = (self.rows_recv.dev[: len(pos)] if np.array_equal(pos, np.arange(len(pos)))
                     else self.rows_recv.dev[pos])
@@ -490,8 +539,8 @@ class Federation:
             s = raw / raw.sum()
         client_stats = [(st, off) for st, off in self.layout.gathered if st.combine == "client"]
         if client_stats:   # per-client diagnostics: [K, size], NaN rows for non-participants
-            order = [k for r in range(self.size) for k in np.flatnonzero(mask & (self.host == r))]
-            if not self.weighting.per_client:
+            order = self._row_order(mask)
+            if not self.weighting.per_client and not self.stream_rows:
                 self.rows_recv.push()
             where = torch.as_tensor(order, dtype=torch.long, device=self.device)
             for stat, off in client_stats:

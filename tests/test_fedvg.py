@@ -374,3 +374,51 @@ def test_vit_and_resnet50_paper_models():
     assert build_model("resnet50", (3, 32, 32), 4).conv1.kernel_size == (3, 3)
     with pytest.raises(ConfigError, match="divisible by 16"):
         build_model("vit_b16", (1, 8, 8), 10)
+
+
+ARRIVAL_SCRIPT = r"""
+import numpy as np, torch
+from fedmpi.comm import Comm
+from fedmpi.config import config_from_dict
+from fedmpi.runtime import Federation
+from fedmpi.algorithms.fedvg import FedVG
+calls = []
+orig = FedVG.score
+def score(self, theta, deltas):
+    calls.append(int(deltas.shape[0]))
+    return orig(self, theta, deltas)
+FedVG.score = score
+d = {"name": "arr", "seed": 5, "runtime": {"progress": False, "device": "cpu", "threads": 1},
+     "data": {"num_clients": 6, "partition": {"method": "dirichlet", "alpha": 0.5, "min_size": 5},
+              "validation": {"fraction": 0.1}},
+     "model": {"name": "lenet"}, "aggregation": {"weighting": "fedvg"},
+     "train": {"rounds": 2, "local_steps": 2, "batch_size": 16, "lr": 0.1, "clients_per_round": 4}}
+fed = Federation(config_from_dict(d), Comm())
+for t in range(2):
+    fed.round(t)
+if fed.is_server:
+    print("STREAM", fed.stream_rows, "CALLS", calls)
+"""
+
+
+def test_clients_are_scored_as_they_arrive(tmp_path):
+    """At world size 3 every participant's row is sent when its training ends and
+    scored on arrival (one client per score call, ALGORITHMS.md FedVG §8); the
+    weights then reuse those norms (no batched re-scoring)."""
+    import re
+    import subprocess
+    import sys
+
+    from conftest import ROOT, mpiexec_path
+    mpi = mpiexec_path()
+    if mpi is None:
+        pytest.skip("mpiexec not found")
+    proc = subprocess.run([mpi, "-n", "3", sys.executable, "-c", ARRIVAL_SCRIPT], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = re.search(r"STREAM (\w+) CALLS \[([\d, ]*)\]", proc.stdout)
+    assert m, proc.stdout
+    calls = [int(c) for c in m.group(2).split(",")]
+    assert m.group(1) == "True" and calls == [1] * 8       # 2 rounds × 4 participants
+    # (that these norms give the same weights as scoring all rows at once is the
+    # world-size invariance test: -n 1 scores in one batch after training)

@@ -171,6 +171,7 @@ class FedVG(Weighting):
         self._norms = np.full((self.K, len(self.layers)), np.nan)
         self._group_w = np.full((self.K, self.G), np.nan)
         self._S: Optional[np.ndarray] = None
+        self._arrived: dict[int, torch.Tensor] = {}   # norms scored on arrival, this round
         if self.bf16 and fed.device.type != "cuda":
             raise ConfigError("config key 'aggregation.fedvg.bf16' needs a CUDA scoring device "
                               f"(rank 0 runs on {fed.device})")
@@ -256,10 +257,20 @@ class FedVG(Weighting):
                 out[i] = layer_norms(flat.grad, self.layers, self.norm)
         return out
 
+    def on_arrival(self, fed, client: int, row: torch.Tensor) -> None:
+        """Score client ``client`` as soon as its model arrives (ALGORITHMS.md FedVG §8):
+        the scoring of early clients overlaps the training of later ones."""
+        delta = row[None, self._delta_off:self._delta_off + self.D]
+        self._arrived[client] = self.score(fed.global_state, delta)[0]
+
     def weights(self, fed, clients: np.ndarray, rows: torch.Tensor) -> np.ndarray:
         """s_k of the accepted ``clients`` (rows in the same order); see module docstring."""
-        deltas = rows[:, self._delta_off:self._delta_off + self.D]
-        norms = self.score(fed.global_state, deltas).double().cpu().numpy()
+        arrived, self._arrived = self._arrived, {}
+        if all(int(k) in arrived for k in clients):
+            norms = torch.stack([arrived[int(k)] for k in clients]).double().cpu().numpy()
+        else:
+            deltas = rows[:, self._delta_off:self._delta_off + self.D]
+            norms = self.score(fed.global_state, deltas).double().cpu().numpy()
         self._norms[clients] = norms
         S = fedvg_scores(norms @ self.A, self.eps)                  # [n, G]
         if self.mix_samples:

@@ -33,6 +33,10 @@ class Weighting:
         """Called once with the :class:`~fedmpi.runtime.Federation` (rank 0 holds
         the validation set FedVG scores on)."""
 
+    def on_arrival(self, fed, client: int, row: "torch.Tensor") -> None:
+        """Rank 0, world size > 1: client ``client``'s row has just arrived (the others
+        may still be training). Per-client weightings can start on it here."""
+
     def weights(self, fed, clients: "np.ndarray", rows) -> "np.ndarray":
         """Per-client weighting only: s_k for ``clients`` from their gathered rows."""
         raise TypeError(f"weighting {self.name!r} is reducible; it has no per-client weights")
