@@ -15,10 +15,13 @@ collectives below are the only synchronisation:
    weight, loss, steps, time) and one stop-signal slot per rank — it completes
    only when every rank has finished local training, so every rank knows the
    statuses and that its peers are ready; then ``Reduce`` of the pre-reduced
-   statistics Σ_k w̃_k x_k and ``Gatherv`` of the per-client statistics when
-   the weighting needs them (FedVG), both as eager transfers (:mod:`fedmpi.comm`);
-   a ``Gather`` of a fixed-size error text per rank only in a round where a
-   client failed.
+   statistics Σ_k w̃_k x_k as an eager transfer (:mod:`fedmpi.comm`); a
+   ``Gather`` of a fixed-size error text per rank only in a round where a client
+   failed. Per-client statistics (FedVG's client models) leave the worker as one
+   ``Isend`` per client the moment its training ends; rank 0 receives them
+   (``Testsome``) before the ``Allreduce`` and hands each to
+   :meth:`Weighting.on_arrival`, so scoring overlaps the remaining training
+   (one ``Gatherv`` instead at world size 1).
 5. Rank 0 excludes non-finite updates, computes weights, applies the method's
    server rule, evaluates, and writes one HDF5 row. With ``eval.overlap`` (and
    world_size > 1) the evaluation of round t's model runs on rank 0 while the
