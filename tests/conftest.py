@@ -64,6 +64,17 @@ def run_fedmpi(args: list[str], n: int = 1, timeout: float = 300, env: dict | No
     return proc
 
 
+def run_mpi_script(code: str, n: int = 3, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run ``python -c CODE`` under ``mpiexec -n n`` from the repo root; must exit 0."""
+    mpi = mpiexec_path()
+    if mpi is None:
+        pytest.skip("mpiexec not found (pip install -e .[mpich])")
+    proc = subprocess.run([mpi, "-n", str(n), sys.executable, "-c", code], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 def set_dotted(d: dict, over: dict) -> dict:
     """Apply ``{"train.lr": 0.1, ...}`` overrides to a nested config dict (in place)."""
     for key, value in over.items():

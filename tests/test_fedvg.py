@@ -406,16 +406,9 @@ def test_clients_are_scored_as_they_arrive(tmp_path):
     scored on arrival (one client per score call, ALGORITHMS.md FedVG §8); the
     weights then reuse those norms (no batched re-scoring)."""
     import re
-    import subprocess
-    import sys
 
-    from conftest import ROOT, mpiexec_path
-    mpi = mpiexec_path()
-    if mpi is None:
-        pytest.skip("mpiexec not found")
-    proc = subprocess.run([mpi, "-n", "3", sys.executable, "-c", ARRIVAL_SCRIPT], cwd=ROOT,
-                          capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    from conftest import run_mpi_script
+    proc = run_mpi_script(ARRIVAL_SCRIPT)
     m = re.search(r"STREAM (\w+) CALLS \[([\d, ]*)\]", proc.stdout)
     assert m, proc.stdout
     calls = [int(c) for c in m.group(2).split(",")]

@@ -173,12 +173,5 @@ if r == 0:
 def test_comm_collectives_patient_and_eager():
     """Allreduce/Bcast/Reduce through fedmpi.comm give the hand-computed sums in both
     wait modes (patient: sleeping poll; eager: spin) on 3 ranks."""
-    import sys
-    from conftest import mpiexec_path
-    mpi = mpiexec_path()
-    if mpi is None:
-        pytest.skip("mpiexec not found")
-    proc = subprocess.run([mpi, "-n", "3", sys.executable, "-c", COMM_SCRIPT], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "COMM OK 3" in proc.stdout, proc.stdout
+    from conftest import run_mpi_script
+    assert "COMM OK 3" in run_mpi_script(COMM_SCRIPT).stdout
