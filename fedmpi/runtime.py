@@ -70,6 +70,13 @@ ERR_BYTES = 1024
 HEADER = 4
 
 
+def row_tag(client: int) -> int:
+    """MPI tag of a client's row. The standard guarantees tags up to 32767; should two
+    clients of one worker share a tag, messages from one source still match in the
+    order they were sent, which is the order rank 0 posts its receives."""
+    return client % 32767
+
+
 class JobFailed(RuntimeError):
     """A client raised during local training; the whole job stops."""
 
@@ -393,7 +400,7 @@ class Federation:
         """Worker: start sending client ``client``'s row to rank 0 (tag = client id)."""
         if not self.rows_send.shared:
             self.rows_send.host_t[row].copy_(self.rows_send.dev[row])
-        self._row_sends.append(self.comm.isend(self.rows_send.host[row], 0, tag=client))
+        self._row_sends.append(self.comm.isend(self.rows_send.host[row], 0, tag=row_tag(client)))
 
     def _row_order(self, mask: np.ndarray) -> list[int]:
         """Participants in rank-major order: the row layout of ``rows_recv``."""
@@ -413,7 +420,7 @@ class Federation:
                 dev[i].copy_(self.rows_recv.host_t[i])
             self.weighting.on_arrival(self, order[i], dev[i])
 
-        reqs = [self.comm.irecv(host[i], int(self.host[k]), tag=k) for i, k in enumerate(order)]
+        reqs = [self.comm.irecv(host[i], int(self.host[k]), tag=row_tag(k)) for i, k in enumerate(order)]
         self.comm.wait(reqs, f"round {t} per-client rows", on_done=arrived)
         # server work after the last client arrived is not hidden behind training: it
         # counts as aggregation (the log's aggregate_seconds), not as overhead
