@@ -252,18 +252,18 @@ class Comm:
         self._wait([req], what, patient)
         self.traffic.add("gather", 0 if self.rank == root else sendbuf.nbytes, time.perf_counter() - t0)
 
-    def isend(self, buf: np.ndarray, dest: int, tag: int):
-        """Start sending a contiguous buffer (≤ ``CHUNK`` elements); returns the request."""
+    def start_send(self, buf: np.ndarray, dest: int, tag: int):
+        """Buffer ``Isend`` of a contiguous array (≤ ``CHUNK`` elements); returns the request."""
         self.traffic.add("send", buf.nbytes, 0.0)
         return self.comm.Isend(buf, dest=dest, tag=tag)
 
-    def irecv(self, buf: np.ndarray, source: int, tag: int):
-        """Start receiving into a contiguous buffer; returns the request."""
+    def start_recv(self, buf: np.ndarray, source: int, tag: int):
+        """Buffer ``Irecv`` into a contiguous array; returns the request."""
         return self.comm.Irecv(buf, source=source, tag=tag)
 
     def wait(self, requests: list, what: str, patient: bool = True,
              on_done: Optional[Callable[[int], None]] = None) -> None:
-        """Complete requests from :meth:`isend`/:meth:`irecv` (see :meth:`_wait`)."""
+        """Complete requests from :meth:`start_send`/:meth:`start_recv` (see :meth:`_wait`)."""
         if requests:
             self._wait(requests, what, patient, on_done)
 

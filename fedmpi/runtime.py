@@ -400,7 +400,8 @@ class Federation:
         """Worker: start sending client ``client``'s row to rank 0 (tag = client id)."""
         if not self.rows_send.shared:
             self.rows_send.host_t[row].copy_(self.rows_send.dev[row])
-        self._row_sends.append(self.comm.isend(self.rows_send.host[row], 0, tag=row_tag(client)))
+        self._row_sends.append(
+            self.comm.start_send(self.rows_send.host[row], 0, tag=row_tag(client)))
 
     def _row_order(self, mask: np.ndarray) -> list[int]:
         """Participants in rank-major order: the row layout of ``rows_recv``."""
@@ -420,7 +421,8 @@ class Federation:
                 dev[i].copy_(self.rows_recv.host_t[i])
             self.weighting.on_arrival(self, order[i], dev[i])
 
-        reqs = [self.comm.irecv(host[i], int(self.host[k]), tag=row_tag(k)) for i, k in enumerate(order)]
+        reqs = [self.comm.start_recv(host[i], int(self.host[k]), tag=row_tag(k))
+                for i, k in enumerate(order)]
         self.comm.wait(reqs, f"round {t} per-client rows", on_done=arrived)
         # server work after the last client arrived is not hidden behind training: it
         # counts as aggregation (the log's aggregate_seconds), not as overhead
