@@ -27,6 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from fedmpi.accel import Accel
 from fedmpi.comm import Comm
 from fedmpi.config import config_from_dict
 from fedmpi.runtime import Federation
@@ -125,9 +126,9 @@ def main() -> None:
            "vmap_s_per_client": timed(vmapped, args.repeats, sync) / n,
            "vmap_max_rel_diff": agree}
     if dev.type == "cuda":
-        w.bf16 = True
+        fp32, w.accel = w.accel, Accel(dev.type, autocast="bf16")   # = aggregation.fedvg.bf16
         res["bf16_s_per_client"] = timed(ours, args.repeats, sync) / n
-        w.bf16 = False
+        w.accel = fp32
     res["fedmpi_over_plain"] = res["fedmpi_s_per_client"] / res["plain_s_per_client"]
     res["vmap_over_fedmpi"] = res["vmap_s_per_client"] / res["fedmpi_s_per_client"]
     print(json.dumps(res))

@@ -388,6 +388,6 @@ def resume(fed, restored: Optional[Restored]) -> int:
         raise error
     if code:
         raise SystemExit(code)
-    if restored is not None or head[0]:
+    if head[0] > 0:   # the same test on every rank: after_resume is collective
         fed.algo.after_resume(fed, int(head[0]))
     return int(head[0])

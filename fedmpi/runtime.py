@@ -397,7 +397,7 @@ class Federation:
             meta[M_TIME] = time.perf_counter() - t0
 
     def _send_row(self, row: int, client: int) -> None:
-        """Worker: start sending client ``client``'s row to rank 0 (tag = client id)."""
+        """Worker: start sending client ``client``'s row to rank 0 (tag :func:`row_tag`)."""
         if not self.rows_send.shared:
             self.rows_send.host_t[row].copy_(self.rows_send.dev[row])
         self._row_sends.append(
@@ -642,11 +642,18 @@ class Federation:
 
 
 def _finish_pending_quietly(fed: Federation) -> None:
-    """After a failure: log the round whose evaluation was still pending, if possible."""
+    """After a failure: log the round whose evaluation was still pending, if possible.
+
+    The run is failing already, so a second error here is reported, not raised:
+    the first one is the one the job exits with."""
+    t = fed._pending_row[0] if fed._pending_row is not None else -1
     try:
         fed.finish_pending_row()
-    except Exception:  # noqa: BLE001 - the run is failing already; keep the first error
-        fed._pending_row = None
+    except Exception as exc:  # noqa: BLE001 - reported; the original failure propagates
+        message = f"round {t} not logged: its evaluation failed too ({type(exc).__name__}: {exc})"
+        print(f"fedmpi: error: {message}", file=sys.stderr, flush=True)
+        if fed.writer is not None:
+            fed.writer.event(t, fed.rank, -1, message)
 
 
 def _open_log(fed: Federation, path: Path, resume_rounds: Optional[int] = None):

@@ -88,6 +88,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..accel import Accel
 from ..errors import ConfigError
 from ..flat import FlatModel, Segment
 from .weighting import Weighting
@@ -172,6 +173,8 @@ class FedVG(Weighting):
         self._group_w = np.full((self.K, self.G), np.nan)
         self._S: Optional[np.ndarray] = None
         self._arrived: dict[int, torch.Tensor] = {}   # norms scored on arrival, this round
+        # the same autocast switch as runtime.autocast, set separately for scoring
+        self.accel = Accel(fed.device.type, autocast="bf16" if self.bf16 else "off")
         if self.bf16 and fed.device.type != "cuda":
             raise ConfigError("config key 'aggregation.fedvg.bf16' needs a CUDA scoring device "
                               f"(rank 0 runs on {fed.device})")
@@ -250,7 +253,7 @@ class FedVG(Weighting):
             torch.add(theta[: self.D], deltas[i, : self.D], out=flat.vector)
             flat.zero_grad()
             for xb, yb in val.batches(self.batch_size):
-                with torch.autocast(flat.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                with self.accel.autocast_context():
                     loss = F.cross_entropy(model(xb), yb, reduction="sum")
                 (loss.float() / N).backward()
             with torch.no_grad():
