@@ -6,16 +6,15 @@ P = softmax(XWᵀ + b), computed here in float64 numpy, independent of torch.
 """
 from __future__ import annotations
 
-import types
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-import fedmpi.runtime as runtime_mod
-from conftest import SMALL, TEST_DEVICE, run_fedmpi, set_dotted
-from fedmpi.algorithms import ALGORITHMS, ClientTask, RoundInfo
+import fedmpi.runtime.build as runtime_build
+from conftest import SMALL, TEST_DEVICE, bare_context, run_fedmpi, set_dotted
+from fedmpi.algorithms import ALGORITHMS, ClientTask, RoundInfo, start
 from fedmpi.algorithms.elastic import Elastic
 from fedmpi.algorithms.fednova import normaliser
 from fedmpi.comm import Comm
@@ -47,7 +46,7 @@ def linear(monkeypatch):
     def build(name, input_shape, num_classes, norm="bn"):
         c, h, w = input_shape
         return nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, num_classes))
-    monkeypatch.setattr(runtime_mod, "build_model", build)
+    monkeypatch.setattr(runtime_build, "build_model", build)
 
 
 def client_xy(fed: Federation, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -231,8 +230,7 @@ def _server_algo(name: str, **alg):
     layout = FlatModel(nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)))
     cfg = config_from_dict({"algorithm": {"name": name, **alg}})
     algo = ALGORITHMS[name](cfg, layout, 4)
-    algo.bind(types.SimpleNamespace(is_server=True, device=torch.device("cpu"),
-                                    num_samples=np.ones(4, dtype=np.int64)))
+    start(algo, bare_context(cfg, layout, np.ones(4)))
     return algo, layout
 
 

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ..train import LocalTrainer, TrainResult
+from .transforms import TransformChain
 from .base import Algorithm, ClientTask, RoundInfo, Stat
 
 SENSITIVITY_STREAM = 0xE1A57C
@@ -56,10 +57,6 @@ class Elastic(Algorithm):
         self.sens_local = self.client_store("sensitivity", self.L)   # s_k of hosted clients (worker)
         self.last_zeta: np.ndarray = np.ones(self.L)
         self.device = torch.device("cpu")
-
-    def bind(self, fed) -> None:
-        super().bind(fed)
-        self.device = fed.device
 
     def uplink_stats(self) -> list[Stat]:
         return [Stat("delta", self.state_size, "weighted"),
@@ -98,9 +95,9 @@ class Elastic(Algorithm):
         return s_k
 
     def client_update(self, task: ClientTask, trainer: LocalTrainer, state: torch.Tensor,
-                      extras: torch.Tensor, out: dict[str, torch.Tensor]) -> TrainResult:
+                      extras: torch.Tensor, out: dict[str, torch.Tensor], transforms: TransformChain = TransformChain()) -> TrainResult:
         s_k = self.measure(task, trainer, state)
-        result = super().client_update(task, trainer, state, extras, out)
+        result = super().client_update(task, trainer, state, extras, out, transforms)
         slots = out["sensitivity"]
         slots.zero_()
         slots[task.client * self.L:(task.client + 1) * self.L].copy_(s_k)
@@ -128,6 +125,9 @@ class Elastic(Algorithm):
             state[s.slice].add_(delta[s.slice], alpha=self.server_lr * float(z))
         P = self.num_params
         state[P:].add_(delta[P:], alpha=self.server_lr)
+
+    def log_outputs(self) -> list[str]:
+        return ["elastic/zeta"]
 
     def log_arrays(self) -> dict[str, np.ndarray]:
         return {**super().log_arrays(), "elastic/zeta": self.last_zeta.astype(np.float64)}

@@ -56,12 +56,10 @@ class FedDyn(Algorithm):
         self._lin: torch.Tensor | None = None
         self.device = torch.device("cpu")
 
-    def bind(self, fed) -> None:
-        super().bind(fed)
-        self.device = fed.device
-        self.alpha_k = self.adaptive_alpha(self.alpha, np.asarray(fed.num_samples))
-        if fed.is_server:
-            self.h_sum = torch.zeros(self.num_params, device=fed.device)
+    def setup(self, ctx) -> None:
+        self.alpha_k = self.adaptive_alpha(self.alpha, np.asarray(ctx.num_samples))
+        if ctx.is_server:
+            self.h_sum = torch.zeros(self.num_params, device=ctx.device)
 
     @staticmethod
     def adaptive_alpha(alpha: float, num_samples: np.ndarray) -> np.ndarray:

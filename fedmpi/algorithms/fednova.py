@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..train import LocalTrainer, TrainResult
+from .transforms import TransformChain
 from .base import Algorithm, ClientTask, RoundInfo
 
 
@@ -43,8 +44,8 @@ class FedNova(Algorithm):
     name = "fednova"
 
     def client_update(self, task: ClientTask, trainer: LocalTrainer, state: torch.Tensor,
-                      extras: torch.Tensor, out: dict[str, torch.Tensor]) -> TrainResult:
-        result = super().client_update(task, trainer, state, extras, out)
+                      extras: torch.Tensor, out: dict[str, torch.Tensor], transforms: TransformChain = TransformChain()) -> TrainResult:
+        result = super().client_update(task, trainer, state, extras, out, transforms)
         a_k = float(normaliser(result.steps, self.local_sgd(task).momentum))
         out["delta"][: self.num_params].div_(max(a_k, 1e-12))
         return result
