@@ -83,6 +83,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from .config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    for old, new in cfg.renamed:
+        print(f"fedmpi: note: config key {old!r} is now {new!r}", file=sys.stderr)
     sys.stdout.write(cfg.to_yaml())
     return 0
 

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..flat import FlatModel
+from ..params import load_group
 from ..train import LocalTrainer, SGDConfig, StepHooks, TrainResult, step_decay_lr
 from .transforms import TransformChain
 
@@ -112,6 +113,9 @@ class Algorithm:
     """
 
     name: ClassVar[str] = "fedavg"
+    #: config blocks of the method: ``{"fedprox": FedProxParams}`` gives the keys
+    #: ``algorithm.fedprox.*`` from that frozen dataclass (:mod:`fedmpi.params`)
+    params: ClassVar[dict[str, type]] = {}
     default_server_lr = 1.0
 
     def __init__(self, cfg, layout: FlatModel, num_clients: int) -> None:
@@ -125,6 +129,10 @@ class Algorithm:
         self.ctx: Optional[Context] = None
         self.device = torch.device("cpu")      # the training device, from the context
         self._client_stores: list[ClientVectors] = []
+
+    def hparams(self, group: str):
+        """The validated, typed parameters of block ``algorithm.<group>``."""
+        return load_group(self.cfg, group, self.params[group])
 
     def client_store(self, name: str, size: int) -> ClientVectors:
         """A per-client vector store that :meth:`client_state` checkpoints by client id."""

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from ..train import LocalTrainer, TrainResult
-from .transforms import TransformChain
 from .base import Algorithm, ClientTask, RoundInfo
+from .transforms import TransformChain
 
 
 def normaliser(steps: np.ndarray | int, momentum: float) -> np.ndarray:

@@ -78,6 +78,9 @@ def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
 
 def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool) -> Optional[float]:
     comm = comm or Comm(timeout=cfg.runtime.round_timeout)
+    if comm.rank == 0:
+        for old, new in getattr(cfg, "renamed", ()):
+            print(f"fedmpi: note: config key {old!r} is now {new!r}", file=sys.stderr, flush=True)
     out = Path(out_dir) if out_dir else Path(cfg.runtime.out_dir) / cfg.name
     error: Optional[BaseException] = None
     fed = None
