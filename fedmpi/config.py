@@ -81,6 +81,9 @@ class Field:
     le: float | None = None
     lt: float | None = None
     file: bool = False
+    #: the value names an entry of a live registry ("algorithm" or "weighting"):
+    #: ``choices`` lists the built-ins for the docs; names registered later count too
+    registry: str | None = None
     # Derived from ``type`` in __post_init__.
     base: type = field(init=False, repr=False, compare=False)
     item: type | None = field(init=False, repr=False, compare=False)
@@ -139,6 +142,15 @@ def _fmt(x: float) -> str:
 _DATASETS = ("digits", "mnist", "fashionmnist", "cifar10", "cifar100", "svhn", "stl10",
              "imagefolder", "hdf5", "synthetic")
 _MEDMNIST = dict(pattern=r"medmnist:\S+", pattern_help="medmnist:<flag>")
+
+
+def _live_names(registry: str) -> tuple[str, ...]:
+    """Names registered now in the method or weighting registry."""
+    if registry == "algorithm":
+        return tuple(_registry())
+    from .algorithms import WEIGHTINGS
+
+    return tuple(WEIGHTINGS)
 
 
 def _registry():
@@ -200,7 +212,8 @@ SCHEMA: dict[str, Field] = {
                             "lr_decay_every) (ECGR paper: 0.5 every 10 rounds)", gt=0, le=1),
     "train.lr_decay_every": Field(int, 0, "rounds per lr_decay step; 0 = constant lr", ge=0),
     # algorithm (server rule and method parameters)
-    "algorithm.name": Field(str, "fedavg", "federated method", choices=_ALGORITHMS),
+    "algorithm.name": Field(str, "fedavg", "federated method", choices=_ALGORITHMS,
+                            registry="algorithm"),
     "algorithm.server_lr": Field(float | None, None, "server learning rate; null = method default "
                                  "(1; fedadam/fedyogi 0.01)", gt=0),
     # FedGPS (fedmpi/algorithms/fedgps.py)
@@ -232,7 +245,8 @@ SCHEMA: dict[str, Field] = {
     "algorithm.submodel.ste": Field(bool, True, "STE gradient factor (fedlagc, fiarse)"),
     # aggregation weights
     "aggregation.weighting": Field(str, "samples", "client weights in the server average",
-                                   choices=("samples", "uniform", "fedvg", "fedvg_avg")),
+                                   choices=("samples", "uniform", "fedvg", "fedvg_avg"),
+                                   registry="weighting"),
     "aggregation.fedvg.norm": Field(str, "l1", "FedVG gradient norm",
                                     choices=("l1", "l2", "spectral", "delta")),
     "aggregation.fedvg.granularity": Field(str, "model", "FedVG weight per model/layer/block",
@@ -372,16 +386,17 @@ def _check_value(key: str, f: Field, value: Any) -> Any:
     if f.base in (int, float) and not f.in_range(value):
         raise ConfigError(f"config key {key!r} must be {f.range_text}, got {value!r}")
     if f.choices is not None or f.pattern is not None:
-        if not ((f.choices and value in f.choices)
+        choices = _live_names(f.registry) if f.registry else f.choices
+        if not ((choices and value in choices)
                 or (f.pattern and re.fullmatch(f.pattern, value))):
-            allowed = ", ".join(f.choices or ())
+            allowed = ", ".join(choices or ())
             if f.pattern:
                 alt = f.pattern_help or f"a string matching {f.pattern}"
                 allowed = f"{allowed} or {alt}" if allowed else alt
-            hint = _suggest(value, f.choices) if f.choices else ""
+            hint = _suggest(value, choices) if choices else ""
             raise ConfigError(
                 f"config key {key!r} expects one of {allowed}, got {value!r}{hint}"
-                if f.choices else f"config key {key!r} expects {allowed}, got {value!r}")
+                if choices else f"config key {key!r} expects {allowed}, got {value!r}")
     return value
 
 

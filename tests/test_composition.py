@@ -19,6 +19,7 @@ from fedmpi.algorithms.submodel import SubmodelMethod
 from fedmpi.comm import Comm
 from fedmpi.config import config_from_dict
 from fedmpi.errors import ConfigError
+from fedmpi.runtime import Federation
 
 BASE = {"name": "combo", "seed": 1,
         "runtime": {"progress": False, "device": TEST_DEVICE, "threads": 1},
@@ -73,3 +74,60 @@ def test_combination_runs_and_logs_what_it_declares(name, weighting, ecgr, tmp_p
                 assert group in f and attr in f[group].attrs, f"{path} missing from the log"
             else:
                 assert path in f, f"{path} missing from the log"
+
+
+TOY = '''
+"""A toy method: FedAvg with a half server step and its own log array."""
+import numpy as np
+
+from fedmpi.algorithms import Algorithm, register_method
+
+
+class HalfStep(Algorithm):
+    name = "halfstep"
+
+    def server_update(self, state, agg, info):
+        state.add_(agg["delta"], alpha=0.5)
+        self.last = info.weights.copy()
+
+    def log_outputs(self):
+        return ["halfstep/weight_sum"]
+
+    def log_arrays(self):
+        return {"halfstep/weight_sum": np.array([self.last.sum()])}
+
+
+register_method(HalfStep)
+'''
+
+
+def test_a_new_method_is_one_file_and_one_line(tmp_path, monkeypatch):
+    """A method defined in its own module and registered with one line runs through
+    the real driver, and its server rule is the one applied (θ moves by half of FedAvg's)."""
+    import importlib
+
+    import fedmpi.algorithms
+
+    (tmp_path / "toy_method.py").write_text(TOY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(fedmpi.algorithms, "ALGORITHMS", dict(ALGORITHMS))   # undone after the test
+    importlib.import_module("toy_method")
+    feds = {}
+    for name in ("fedavg", "halfstep"):
+        built = []
+
+        class Recording(driver.Federation):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                built.append(self)
+
+        monkeypatch.setattr(driver, "Federation", Recording)
+        cfg = config_from_dict(set_dotted(dict(BASE), {"algorithm.name": name, "train.rounds": 1}))
+        driver.run(cfg, tmp_path / name, comm=Comm())
+        feds[name] = built[0]
+    init = Federation(config_from_dict(set_dotted(dict(BASE), {})), Comm())   # the initial model
+    full = feds["fedavg"].global_state - init.global_state
+    half = feds["halfstep"].global_state - init.global_state
+    torch.testing.assert_close(half, 0.5 * full, rtol=1e-5, atol=1e-6)
+    with h5py.File(tmp_path / "halfstep" / "log.h5", "r") as f:
+        assert f["halfstep/weight_sum"][0, 0] == pytest.approx(1.0)
