@@ -221,7 +221,7 @@ def test_fedvg_substitutes_weights_of_every_weighted_stat(algo, granularity):
         pytest.skip(f"{algo} not implemented in this tree")
     fed = make_fed(**{"algorithm.name": algo, "model.name": "cnn",
                       "aggregation.fedvg.granularity": granularity})
-    weighted = [s for s, _ in fed.layout.gathered]
+    weighted = [s for s, _ in fed.uplink_plan.gathered]
     assert any(s.name == "delta" for s in weighted)
     seen = {}
     orig_w, orig_u = fed.weighting.weights, fed.algo.server_update
@@ -241,7 +241,7 @@ def test_fedvg_substitutes_weights_of_every_weighted_stat(algo, granularity):
     fed.round(0)
     np.testing.assert_allclose(seen["info"].weights, seen["s"])
     rows, S = seen["rows"], seen["S"]
-    for stat, off in fed.layout.gathered:
+    for stat, off in fed.uplink_plan.gathered:
         x = rows[stat.name]
         got = seen["agg"][stat.name]
         if granularity == "model" or stat.size not in (fed.D, fed.flat.num_params):

@@ -50,8 +50,14 @@ gradient of the **mean** cross-entropy over all of :math:`D_{val}` is
 accumulated batch by batch (``Σ_b CE_sum(b)/N``) and the norms are taken once.
 :math:`D_{val}` stays resident on the scoring device.
 
+Scoring overlaps arrival (ALGORITHMS.md FedVG §8): with world size > 1 every
+client's row leaves its worker the moment its training ends and rank 0 scores
+it on arrival (:meth:`FedVG.on_arrival`) while later clients still train; the
+weights then reuse those norms. At world size 1 all clients are scored in one
+batch after training.
+
 Composition: every method's ``combine="weighted"`` statistics travel per
-client (``Gatherv``) and are combined in :meth:`FedVG.combine` — one
+client (one row per client) and are combined in :meth:`FedVG.combine` — one
 implementation for FedAvg, FedProx, FedAvgM (its pseudo-gradient), SCAFFOLD's
 model update, FedDyn's average, Elastic's averages, and any other weighted
 statistic. Statistics laid out like the flat state (size D, or P = the
@@ -75,8 +81,6 @@ Deviations from the paper / authors' code:
 * ``delta`` uses the l1 norm per layer (the paper does not name the norm).
 * A client whose validation gradient is not finite gets weight 0; if no client
   has a finite score, the weights of that layer/block fall back to uniform.
-* Scoring runs after the round's ``Gatherv`` (no overlap with the arrival of
-  the next client's model yet).
 """
 from __future__ import annotations
 

@@ -53,8 +53,8 @@ class Federation:
         self.num_samples, self.host, self.my_clients = b.num_samples, b.host, b.hosted
         self.K, self.D = cfg.data.num_clients, self.flat.size
         self.m = cfg.train.clients_per_round or self.K
-        self.layout = plan_uplink(self.stats, self.weighting.per_client)
-        self.channel = Channel(comm, self.layout, self.D, self.algo.downlink_size(), self.K,
+        self.uplink_plan = plan_uplink(self.stats, self.weighting.per_client)
+        self.channel = Channel(comm, self.uplink_plan, self.D, self.algo.downlink_size(), self.K,
                                max_local=min(self.m, len(self.my_clients)), max_rows=self.m,
                                host=self.host, device=self.device)
         self.state = self.channel.state
@@ -70,7 +70,7 @@ class Federation:
         self.evals = Evaluation(cfg, self.rank, self.size, self.algo.owns_evaluation)
         self.recorder = RoundRecorder(self.host, self.size)
         self.agg_bufs = ({s.name: torch.zeros(s.size, device=self.device)
-                          for s, _ in self.layout.reduced} if self.is_server else {})
+                          for s, _ in self.uplink_plan.reduced} if self.is_server else {})
         self.stop_reason: Optional[str] = None   # set by a signal (fedmpi.signals)
         self.checkpoint_round = 0                 # rounds < this are in the newest checkpoint
         self.failure: Optional[str] = None
