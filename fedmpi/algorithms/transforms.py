@@ -22,7 +22,7 @@ adversary, so an attack corrupts what would really be uploaded).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -118,11 +118,11 @@ class TransformChain:
 
 #: name → (whether the config enables it, factory). A new transform is one module
 #: defining an :class:`UpdateTransform` plus one ``register_transform`` line.
-TRANSFORMS: dict[str, tuple[Callable[[object], bool], Callable[[object], UpdateTransform]]] = {}
+TRANSFORMS: dict[str, tuple[Callable[[Any], bool], Callable[[Any], UpdateTransform]]] = {}
 
 
-def register_transform(name: str, enabled: Callable[[object], bool],
-                       factory: Callable[[object], UpdateTransform]) -> None:
+def register_transform(name: str, enabled: Callable[[Any], bool],
+                       factory: Callable[[Any], UpdateTransform]) -> None:
     """Register transform ``name``: built when ``enabled(cfg)``, as ``factory(cfg)``."""
     TRANSFORMS[name] = (enabled, factory)
 

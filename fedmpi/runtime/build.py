@@ -41,7 +41,8 @@ def resolve_device(spec: str, local_rank: int) -> torch.device:
         raise ConfigError(f"config key 'runtime.device' is {spec!r} but no CUDA device is available "
                           "(use 'auto' or 'cpu')")
     if spec == "cuda":
-        return torch.device("cuda", gpu_for_local_rank(local_rank, torch.cuda.device_count()))
+        gpu = gpu_for_local_rank(local_rank, torch.cuda.device_count())
+        return torch.device("cuda", 0 if gpu is None else gpu)
     return torch.device(spec)
 
 
@@ -118,6 +119,9 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray]) -> Built:
     hosted = [k for k in range(K) if host[k] == rank]
     log = LogSink(enabled=rank == 0)
 
+    def broadcast(buf: np.ndarray, what: str = "method Bcast") -> None:
+        comm.broadcast(buf, what=what)
+
     def test(state: torch.Tensor, part: slice = slice(None)) -> tuple[float, float, float]:
         return test_state(flat, forward, data, accel, cfg.eval.batch_size, algo.eval_logits(),
                           state, part)
@@ -125,7 +129,7 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray]) -> Built:
     ctx = Context(cfg=cfg, device=device, role="server" if rank == 0 else "worker", rank=rank,
                   world_size=size, num_samples=num_samples, hosted=tuple(hosted), flat=flat,
                   forward=forward, accel=accel, data=data, partition=partition, log=log,
-                  broadcast=lambda buf, what="": comm.broadcast(buf, what=what or "method Bcast"),
+                  broadcast=broadcast,
                   participants=plan, test=test,
                   client_weight=None if weighting.per_client else weighting.raw)
     start(algo, ctx)

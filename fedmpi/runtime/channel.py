@@ -233,13 +233,13 @@ class Channel:
     def _record(self, t: int, mask: np.ndarray, failed: bool) -> Uplink:
         meta = self.meta_recv
         reduced: dict[str, torch.Tensor] = {}
-        if self.plan.reduce_size:
+        if self.red_recv is not None and self.plan.reduce_size:
             self.red_recv.push()
             for stat, off in self.plan.reduced:
                 reduced[stat.name] = self.red_recv.dev[off:off + stat.size]
         order = self.row_order(mask) if self.plan.row_size else []
         rows: dict[str, torch.Tensor] = {}
-        if self.plan.row_size:
+        if self.rows_recv is not None:
             if not self.stream_rows:
                 self.rows_recv.push()
             block = self.rows_recv.dev[: len(order)]
@@ -258,13 +258,15 @@ class Channel:
         """Rank 0: receive every participant's row as it is sent and hand it on
         while the others still train."""
         order = self.row_order(mask)
-        dev, host = self.rows_recv.dev, self.rows_recv.host
+        recv = self.rows_recv
+        assert recv is not None, "rank 0 holds the row buffer"
+        dev, host = recv.dev, recv.host
         last = [time.perf_counter()]
 
         def arrived(i: int) -> None:
             last[0] = time.perf_counter()
-            if not self.rows_recv.shared:
-                dev[i].copy_(self.rows_recv.host_t[i])
+            if not recv.shared:
+                dev[i].copy_(recv.host_t[i])
             on_arrival(order[i], {s.name: dev[i, off:off + s.size] for s, off in self.plan.gathered})
 
         reqs = [self.comm.start_recv(host[i], int(self.host[k]), tag=row_tag(k))

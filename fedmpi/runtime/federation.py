@@ -171,6 +171,7 @@ class Federation:
 
     def save_checkpoint(self, t: int) -> None:
         """Collective: checkpoint "rounds < t are done" (:mod:`fedmpi.checkpoint`)."""
+        assert self.out_dir is not None, "checkpoints are flagged only with an output directory"
         path = checkpoint.save(self, t, checkpoint.checkpoint_path(self.out_dir))
         self.checkpoint_round = t
         if path is not None and self.stop_reason is not None:

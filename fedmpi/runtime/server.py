@@ -116,9 +116,9 @@ def server_step(state: torch.Tensor, up: Uplink, algo: Algorithm, weighting: Wei
 
     raw = up.meta[accepted, M_RAW]
     if weighting.per_client:
-        rows = up.rows_of(accepted)
-        s = np.asarray(weighting.weights(state, accepted, rows), dtype=np.float64)
-        for name, x in rows.items():
+        acc_rows = up.rows_of(accepted)
+        s = np.asarray(weighting.weights(state, accepted, acc_rows), dtype=np.float64)
+        for name, x in acc_rows.items():
             if kinds[name].combine == "weighted":
                 agg[name] = weighting.combine(s, x)
     else:

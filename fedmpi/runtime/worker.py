@@ -44,6 +44,7 @@ class Worker:
         """One client's update: transforms before training, the method's hooked local
         loop (with the transforms' hooks), and the transforms' rewrite of the upload."""
         task = self.transforms.before_training(task)
+        assert self.trainer is not None, "only a rank hosting clients trains"
         result = self.algo.client_update(task, self.trainer, state, extras, out, self.transforms)
         self.transforms.on_upload(task, out)
         return result
