@@ -1,16 +1,9 @@
 """Method parameters declared as frozen dataclasses, one group per config block.
 
-A method declares its parameters next to its code::
-
-    @dataclass(frozen=True)
-    class FedProxParams:
-        mu: float = param(0.01, "FedProx proximal coefficient", ge=0, renamed_from="algorithm.mu")
-
-    class FedProx(Algorithm):
-        name = "fedprox"
-        params = {"fedprox": FedProxParams}
-
-and gets the config keys ``algorithm.fedprox.*``: :mod:`fedmpi.config` builds
+A method declares its parameters next to its code — a frozen dataclass whose
+fields are :func:`param` declarations, named in the class attribute
+``params = {"fedprox": FedProxParams}`` (see :mod:`fedmpi.algorithms.fedprox`)
+— and gets the config keys ``algorithm.fedprox.*``: :mod:`fedmpi.config` builds
 its schema (types from the annotations, bounds and help from :func:`param`),
 ``fedmpi check`` validates them and the README reference lists them. At run
 time :meth:`~fedmpi.algorithms.Algorithm.hparams` returns the validated,

@@ -31,6 +31,19 @@ BASE = {"name": "combo", "seed": 1,
 SUBMODEL = {"system.levels": [1.0, 0.5], "system.allocation": [2, 2]}
 
 
+def recording(monkeypatch) -> list:
+    """Make the driver build a Federation that is remembered; returns the list it lands in."""
+    built: list = []
+
+    class Recording(driver.Federation):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(driver, "Federation", Recording)
+    return built
+
+
 def combinations():
     for name in sorted(ALGORITHMS):
         for weighting in sorted(WEIGHTINGS):
@@ -48,14 +61,7 @@ def test_combination_runs_and_logs_what_it_declares(name, weighting, ecgr, tmp_p
     over = {"algorithm.name": name, "aggregation.weighting": weighting, "ecgr.enabled": ecgr}
     if issubclass(ALGORITHMS[name], SubmodelMethod):
         over.update(SUBMODEL)
-    built = []
-
-    class Recording(driver.Federation):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            built.append(self)
-
-    monkeypatch.setattr(driver, "Federation", Recording)
+    built = recording(monkeypatch)
     cfg = config_from_dict(set_dotted(dict(BASE), over))
     if not legal(name, weighting, ecgr):
         with pytest.raises(ConfigError, match="ecgr.enabled|aggregation.weighting"):
@@ -114,14 +120,7 @@ def test_a_new_method_is_one_file_and_one_line(tmp_path, monkeypatch):
     importlib.import_module("toy_method")
     feds = {}
     for name in ("fedavg", "halfstep"):
-        built = []
-
-        class Recording(driver.Federation):
-            def __init__(self, *args, **kwargs):
-                super().__init__(*args, **kwargs)
-                built.append(self)
-
-        monkeypatch.setattr(driver, "Federation", Recording)
+        built = recording(monkeypatch)
         cfg = config_from_dict(set_dotted(dict(BASE), {"algorithm.name": name, "train.rounds": 1}))
         driver.run(cfg, tmp_path / name, comm=Comm())
         feds[name] = built[0]
