@@ -121,10 +121,11 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool)
             cmd = fed.round(t)
             if cmd != CMD_ROUND:
                 break
-            if progress is not None and fed.history:
-                h = fed.history[-1]
-                progress.set_postfix(acc=f"{h['test_accuracy']:.4f}", loss=f"{h['train_loss']:.4f}",
-                                     refresh=False)
+            if progress is not None:
+                if fed.history:   # with eval.overlap the newest row lags one round behind
+                    h = fed.history[-1]
+                    progress.set_postfix(acc=f"{h['test_accuracy']:.4f}",
+                                         loss=f"{h['train_loss']:.4f}", refresh=False)
                 progress.update(1)
             t += 1
         if cmd == CMD_ABORT:
