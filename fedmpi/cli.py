@@ -165,10 +165,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from .report import write_report
+    from .report import PLOT_HINT, have_matplotlib, write_report
 
     for path in write_report(args.log, args.out, args.target_accuracy):
         print(path)
+    if not have_matplotlib():
+        print(f"fedmpi report: summary.md only; {PLOT_HINT}", file=sys.stderr)
     return 0
 
 
