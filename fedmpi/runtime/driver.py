@@ -168,8 +168,8 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool)
         print(f"fedmpi: error: {fed.failure}", file=sys.stderr, flush=True)
         raise SystemExit(1)
     if status == "interrupted":
-        print(f"fedmpi: interrupted ({fed.stop_reason}) after round {t - 1}; checkpoint "
-              f"{checkpoint.checkpoint_path(out)}; continue with: fedmpi run ... --resume",
+        print(f"fedmpi: interrupted ({fed.stop_reason}) after {t} of {cfg.train.rounds} rounds; "
+              f"checkpoint {checkpoint.checkpoint_path(out)}; continue with: fedmpi run ... --resume",
               file=sys.stderr, flush=True)
         raise SystemExit(signals.EXIT_INTERRUPTED)
     final = next((h["test_accuracy"] for h in reversed(fed.history)
