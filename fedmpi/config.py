@@ -321,6 +321,12 @@ def _method_fields() -> dict[str, Field]:
 _RENAMED: dict[str, list[str]] = {}
 
 
+def renamed_to(old_key: str) -> list[str]:
+    """The nested keys a flat key of earlier versions became (e.g. ``algorithm.mu`` →
+    ``["algorithm.fedprox.mu"]``); empty for a current key. For reading old logs."""
+    return list(_RENAMED.get(old_key, ()))
+
+
 def _with_method_fields(schema: dict[str, Field]) -> dict[str, Field]:
     keys = list(schema)
     at = keys.index("algorithm.server_lr") + 1

@@ -444,50 +444,43 @@ DIGEST_KEYS: tuple[str, ...] = (
     "train.clients_per_round", "train.local_epochs", "train.local_steps", "train.batch_size",
     "train.lr", "train.momentum", "train.weight_decay", "train.grad_clip", "eval.every")
 
-_SERVER_LR = "algorithm.server_lr"
-_FEDOPT = (_SERVER_LR, "algorithm.beta1", "algorithm.beta2", "algorithm.tau")
-_SUBMODEL = (_SERVER_LR, "system.")
-#: The flat (pre-nesting) ``algorithm.*`` keys and the shared groups each method reads;
-#: keys nested under its own name (``algorithm.<name>.*``) always count. An entry
-#: ending in "." is a prefix.
-METHOD_KEYS: dict[str, tuple[str, ...]] = {
-    "fedavg": (_SERVER_LR,), "scaffold": (_SERVER_LR,), "fednova": (_SERVER_LR,),
-    "fedavgm": (_SERVER_LR, "algorithm.server_momentum", "algorithm.nesterov"),
-    "fedadam": _FEDOPT, "fedyogi": _FEDOPT,
-    "fedprox": (_SERVER_LR, "algorithm.mu"),
-    "feddyn": ("algorithm.alpha", "algorithm.max_grad_norm"),   # no server lr
-    "elastic": (_SERVER_LR, "algorithm.elastic_mu", "algorithm.elastic_tau",
-                "algorithm.elastic_sample"),
-    "fedgps": (_SERVER_LR,),
-    "fedlagc": (*_SUBMODEL, "algorithm.submodel."), "fiarse": (*_SUBMODEL, "algorithm.submodel."),
-    "heterofl": _SUBMODEL, "fedrolex": _SUBMODEL,
-}
-
-
 def relevant_keys(flat: dict[str, Any]) -> list[str]:
     """The config keys that matter for this run, in summary order: :data:`DIGEST_KEYS`,
-    the method's own keys (:data:`METHOD_KEYS`, ``algorithm.<name>.*``), then FedVG's
-    keys with FedVG weighting, ECGR's when enabled, the lr schedule when it decays,
-    the adversary when there is one. Unset (None) values and partition parameters of
-    other partition methods are left out."""
-    def under(prefixes: Sequence[str]) -> list[str]:
+    ``algorithm.server_lr``, the parameter blocks the method declares
+    (``Algorithm.params``: ``algorithm.<group>.*``, e.g. ``algorithm.fedprox.*``) or that
+    carry its name, in logs of earlier versions the flat keys that became them (e.g.
+    ``algorithm.mu``), the resource levels (``system.*``, with ``algorithm.submodel.*``);
+    then FedVG's keys with FedVG weighting, ECGR's when
+    enabled, the lr schedule when it decays, the adversary when there is one. Unset
+    (None) values and partition parameters of other partition methods are left out."""
+    from fedmpi.algorithms import ALGORITHMS
+    from fedmpi.config import renamed_to
+
+    def under(*prefixes: str) -> list[str]:
         return [k for k in flat if any(k == p or (p.endswith(".") and k.startswith(p))
                                        for p in prefixes)]
 
     algo = str(flat.get("algorithm.name", ""))
+    cls = ALGORITHMS.get(algo)
+    # declared blocks, and the block named after the method (keys not yet declared as params)
+    groups = tuple(f"algorithm.{g}."
+                   for g in dict.fromkeys([*(cls.params if cls is not None else ()), algo]))
+    if flat.get("system.levels"):      # a resource-level (submodel) run
+        groups += ("algorithm.submodel.",)
+    legacy = [k for k in flat if any(new.startswith(groups) for new in renamed_to(k))]
     method = flat.get("data.partition.method")
     skip = {"data.partition.alpha": method not in (None, "dirichlet"),
             "data.partition.classes_per_client": method not in (None, "shards")}
     keys = [k for k in DIGEST_KEYS if k in flat]
-    keys += under((*METHOD_KEYS.get(algo, ()), f"algorithm.{algo}."))
+    keys += [*under("algorithm.server_lr", *groups), *legacy, *under("system.")]
     if flat.get("aggregation.weighting") in ("fedvg", "fedvg_avg"):
-        keys += under(("aggregation.fedvg.", "data.validation."))
+        keys += under("aggregation.fedvg.", "data.validation.")
     if flat.get("ecgr.enabled"):
-        keys += under(("ecgr.",))
+        keys += under("ecgr.")
     if flat.get("train.lr_decay_every"):
-        keys += under(("train.lr_decay", "train.lr_decay_every"))
+        keys += under("train.lr_decay", "train.lr_decay_every")
     if flat.get("adversary.clients"):
-        keys += under(("adversary.",))
+        keys += under("adversary.")
     out: list[str] = []
     for k in keys:
         if k not in out and flat.get(k) is not None and not skip.get(k, False):

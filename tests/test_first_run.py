@@ -85,20 +85,26 @@ def _algorithm_keys(over: dict) -> set[str]:
                                             r"adversary|data\.validation)\.[\w.]+) \|", s, re.M)}
 
 
+COMMON = {"algorithm.name", "aggregation.weighting", "ecgr.enabled", "data.validation.fraction"}
+
+
 @pytest.mark.parametrize("over, expected", [
-    ({}, {"algorithm.name", "aggregation.weighting", "ecgr.enabled", "data.validation.fraction"}),
-    ({"algorithm.name": "fedprox", "algorithm.mu": 0.1},
-     {"algorithm.name", "algorithm.mu", "aggregation.weighting", "ecgr.enabled",
-      "data.validation.fraction"}),
-    ({"algorithm.name": "feddyn", "algorithm.server_lr": 0.5},      # FedDyn has no server lr
-     {"algorithm.name", "algorithm.alpha", "algorithm.max_grad_norm", "aggregation.weighting",
-      "ecgr.enabled", "data.validation.fraction"}),
+    ({}, COMMON),
+    ({"algorithm.name": "fedprox", "algorithm.fedprox.mu": 0.1},
+     COMMON | {"algorithm.fedprox.mu"}),
+    ({"algorithm.name": "feddyn", "algorithm.server_lr": 0.5},
+     COMMON | {"algorithm.server_lr", "algorithm.feddyn.alpha", "algorithm.feddyn.max_grad_norm"}),
+    ({"algorithm.name": "fedlagc", "system.levels": "[1.0,0.25]", "system.allocation": "[2,1]",
+      "model.norm": "static_bn"},
+     COMMON | {"algorithm.fedlagc.correction", "algorithm.fedlagc.beta",
+               "algorithm.fedlagc.correction_fraction", "algorithm.fedlagc.importance",
+               "algorithm.fedlagc.log_normalize", "algorithm.submodel.ste", "system.levels",
+               "system.allocation"}),
     ({"algorithm.name": "fedadam", "aggregation.weighting": "fedvg", "ecgr.enabled": "true"},
-     {"algorithm.name", "algorithm.beta1", "algorithm.beta2", "algorithm.tau",
-      "aggregation.weighting", "aggregation.fedvg.norm", "aggregation.fedvg.granularity",
-      "aggregation.fedvg.eps", "aggregation.fedvg.batch_size", "aggregation.fedvg.bf16",
-      "data.validation.fraction", "data.validation.source", "data.validation.size_fraction",
-      "ecgr.enabled", "ecgr.beta", "ecgr.memory_budget"}),
+     COMMON | {"algorithm.fedadam.beta1", "algorithm.fedadam.beta2", "algorithm.fedadam.tau",
+               "aggregation.fedvg.norm", "aggregation.fedvg.granularity", "aggregation.fedvg.eps",
+               "aggregation.fedvg.batch_size", "aggregation.fedvg.bf16", "data.validation.source",
+               "data.validation.size_fraction", "ecgr.beta", "ecgr.memory_budget"}),
 ])
 def test_summary_lists_only_the_keys_of_the_runs_method(tmp_path, over, expected):
     assert _algorithm_keys({**over, "_path": str(tmp_path / "log.h5")}) == expected
@@ -109,7 +115,20 @@ def test_summary_of_fedgps_shows_its_nested_keys_only(tmp_path):
                             "_path": str(tmp_path / "log.h5")})
     assert "algorithm.fedgps.lambda_g" in keys and "algorithm.fedgps.temperature" in keys
     assert not {k for k in keys if k.startswith(("algorithm.fedlagc", "algorithm.submodel",
-                                                 "algorithm.elastic", "algorithm.mu"))}
+                                                 "algorithm.elastic", "algorithm.fedprox"))}
+
+
+def test_summary_of_an_old_log_with_flat_method_keys(tmp_path):
+    """Logs of earlier versions hold algorithm.mu, algorithm.beta1, ... (flat)."""
+    old = ("name: old\nalgorithm:\n  name: fedprox\n  mu: 0.1\n  beta1: 0.9\n  elastic_mu: 0.95\n"
+           "  server_lr: null\naggregation:\n  weighting: samples\n")
+    with LogWriter(tmp_path / "log.h5", config_yaml=old, world_size=1, num_clients=K,
+                   num_samples=np.array([5, 6, 7]), class_counts=np.ones((K, 2), int),
+                   fedmpi_version="old") as w:
+        w.append_round(0, {"test_accuracy": 0.5}, {"selected": np.ones(K, bool)}, {})
+    s = summary_markdown(read(tmp_path / "log.h5"))
+    assert "| algorithm.mu | 0.1 |" in s
+    assert "beta1" not in s and "elastic_mu" not in s and "server_lr" not in s
 
 
 def test_round_numbering_is_one_convention(tmp_path):
