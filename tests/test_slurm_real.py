@@ -61,9 +61,6 @@ def _env(tmp_path: Path, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
     env.update(OMP_NUM_THREADS="1", FEDMPI_PYTHON=sys.executable,
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
-    # One node: shared memory only. The MPICH wheel's UCX otherwise now and then fails
-    # MPI_Init exchanging network addresses ("invalid bandwidth 0.00", pmodels/mpich#7417).
-    env.setdefault("UCX_TLS", "self,sm")
     env.update(extra)
     return env
 
