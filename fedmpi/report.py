@@ -560,8 +560,10 @@ def write_report(log: RunLog | str | os.PathLike, out_dir: str | os.PathLike | N
     if target is not None and not 0.0 < target <= 1.0:
         raise UserError(f"--target-accuracy {target}: expected a fraction in (0, 1], "
                         "e.g. 0.8 for 80%")
-    out = Path(out_dir) if out_dir is not None else Path(log.path).resolve().parent / "report"
-    out.mkdir(parents=True, exist_ok=True)
+    from .rundir import output_dir
+
+    out = output_dir(Path(out_dir) if out_dir is not None
+                     else Path(log.path).resolve().parent / "report")
     _mpl()
     written: list[Path] = []
     makers = {

@@ -3,7 +3,8 @@
 #
 # fedmpi_resumable OUT_DIR COMMAND...
 #   Runs COMMAND (a launcher line such as `srun python -m fedmpi run CFG --out OUT_DIR`),
-#   appending --resume when OUT_DIR/checkpoint.pt exists. While it runs, SIGUSR1 or
+#   appending --resume when OUT_DIR/checkpoint.pt exists, and --overwrite when a requeued
+#   job finds only the log of its own earlier start (stopped before the first checkpoint). While it runs, SIGUSR1 or
 #   SIGTERM sent to this batch shell (`#SBATCH --signal=B:USR1@T`, scancel, preemption)
 #   is forwarded to the launcher as SIGUSR1, which srun/mpirun pass to every rank:
 #   fedmpi finishes the current round, writes the checkpoint and exits with status 75.
@@ -34,6 +35,10 @@ fedmpi_resumable() {
     if [[ -f "$out/checkpoint.pt" ]]; then
         cmd+=(--resume)
         echo "fedmpi-slurm: resuming from $out/checkpoint.pt (restart ${SLURM_RESTART_COUNT:-0})" >&2
+    elif [[ -f "$out/log.h5" && ${SLURM_RESTART_COUNT:-0} -gt 0 ]]; then
+        # this job's earlier start stopped before its first checkpoint: start it again
+        cmd+=(--overwrite)
+        echo "fedmpi-slurm: no checkpoint in $out; restarting the run (restart ${SLURM_RESTART_COUNT})" >&2
     fi
     echo "fedmpi-slurm: ${cmd[*]}" >&2
     trap 'fedmpi_forward USR1' USR1
