@@ -333,10 +333,11 @@ def _suggest(word: str, options: Sequence[str]) -> str:
 FLOAT32_MAX = 3.4028234663852886e38
 
 
-def _check_finite(key: str, x: Any, where: str = "") -> None:
+def _check_finite(key: str, f: Field, x: Any, where: str = "") -> None:
     """Reject NaN, ±inf and floats beyond float32 range for a float key."""
     if isinstance(x, float) and not (math.isfinite(x) and abs(x) <= FLOAT32_MAX):
-        raise ConfigError(f"config key {key!r} must be a finite number with |x| <= "
+        bounds = f" {f.range_text}" if f.range_text else ""
+        raise ConfigError(f"config key {key!r} must be a finite number{bounds} with |x| <= "
                           f"{FLOAT32_MAX:.4g} (float32){where}, got {x!r}")
 
 
@@ -356,7 +357,7 @@ def _check_value(key: str, f: Field, value: Any) -> Any:
                 raise ConfigError(f"config key {key!r} expects {f.type_name}; item {i} is "
                                   f"{'null' if x is None else f'{x!r} ({type(x).__name__})'}")
             if f.item is float:
-                _check_finite(key, x, f"; item {i}")
+                _check_finite(key, f, x, f"; item {i}")
             if f.item in (int, float) and not f.in_range(x):
                 raise ConfigError(
                     f"config key {key!r} items must each be {f.range_text}; item {i} is {x!r}")
@@ -366,7 +367,7 @@ def _check_value(key: str, f: Field, value: Any) -> Any:
     if not ok:
         raise ConfigError(f"config key {key!r} expects {f.type_name}, {_got(value)}")
     if f.base is float:
-        _check_finite(key, value)
+        _check_finite(key, f, value)
     if f.base in (int, float) and not f.in_range(value):
         raise ConfigError(f"config key {key!r} must be {f.range_text}, got {value!r}")
     if f.choices is not None or f.pattern is not None:

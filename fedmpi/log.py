@@ -533,6 +533,7 @@ def _read_file(f: h5py.File, path: str) -> RunLog:
             clients[name] = data
         else:
             arrays[key] = data
+    _check_shapes(path, rounds, clients, num_rounds)
     events = _read_events(f["events"]) if "events" in f else {
         name: np.empty(0, dtype=object if name == "message" else np.int64)
         for name in _EVENT_DTYPES}
@@ -541,6 +542,29 @@ def _read_file(f: h5py.File, path: str) -> RunLog:
 
 
 # -- helpers ---------------------------------------------------------------------
+
+def _check_shapes(path: str, rounds: dict[str, np.ndarray], clients: dict[str, np.ndarray],
+                  num_rounds: int) -> None:
+    """Every /rounds dataset numeric with one row per round (``round`` integer), every
+    /clients dataset numeric [R, K] (``num_samples`` [K] integer)."""
+    def bad(key: str, expected: str, a: np.ndarray) -> LogFormatError:
+        return LogFormatError(f"{path}: dataset /{key} must be {expected}, "
+                              f"got {a.dtype} of shape {a.shape}")
+
+    if "round" in rounds and rounds["round"].dtype.kind not in "iu":
+        raise bad("rounds/round", "integer", rounds["round"])
+    for name, a in rounds.items():
+        if a.dtype.kind not in "biuf" or a.shape != (num_rounds,):
+            raise bad(f"rounds/{name}", f"numeric with {num_rounds} rows (one per round)", a)
+    ns = clients.get("num_samples")
+    if ns is None or ns.ndim != 1 or ns.dtype.kind not in "iu":
+        raise bad("clients/num_samples", "integer [K]",
+                  ns if ns is not None else np.empty(0, dtype=object))
+    for name, a in clients.items():
+        if name != "num_samples" and (a.dtype.kind not in "biuf"
+                                      or a.shape != (num_rounds, len(ns))):
+            raise bad(f"clients/{name}", f"numeric [{num_rounds}, {len(ns)}] (rounds x clients)", a)
+
 
 def _check_schema(f: h5py.File, path: str) -> None:
     if "schema_version" not in f.attrs:
@@ -625,7 +649,7 @@ def ended_without_status(log: RunLog, now: float | None = None) -> str | None:
     if log.status != "running":
         return None
     host, pid = log.attrs.get("writer_host"), log.attrs.get("writer_pid")
-    if host == socket.gethostname() and pid is not None and not _pid_alive(int(pid)):
+    if host == socket.gethostname() and pid is not None and not pid_alive(int(pid)):
         return (f"ended without a final status: its writer (pid {pid} on {host}) is gone "
                 "(killed, or out of memory)")
     flushed = log.attrs.get("flushed_at")
@@ -642,7 +666,8 @@ def ended_without_status(log: RunLog, now: float | None = None) -> str | None:
     return None
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -402,7 +402,7 @@ def summary_markdown(log: RunLog, target: float | None = None,
     name = flat.get("name", Path(log.path).parent.name)
     out = [f"# Run report: {name}", "",
            f"- log: `{log.path}`",
-           f"- status: **{log.status}**, {m.rounds_logged} of "
+           f"- status: **{log.status}**{f' ({m.note})' if m.note else ''}, {m.rounds_logged} of "
            f"{m.rounds_configured if m.rounds_configured is not None else '?'} rounds logged",
            f"- fedmpi {log.attrs.get('fedmpi_version', '?')}, world size "
            f"{log.attrs.get('world_size', '?')}"

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from .errors import UserError
+from .log import pid_alive
 
 LOCK_NAME = ".fedmpi.lock"
 #: Files whose presence means "a previous run lives here".
@@ -165,16 +166,6 @@ def _start_time(pid: int) -> Optional[str]:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _lock_text() -> str:
     pid = os.getpid()
     return f"{socket.gethostname()} {pid} {_start_time(pid) or '-'} {time.time():.0f}\n"
@@ -193,7 +184,7 @@ def _stale(text: str) -> bool:
         return True   # an unfinished or foreign write: no holder to respect
     if host != socket.gethostname():
         return False
-    if not _alive(pid):
+    if not pid_alive(pid):
         return True
     now = _start_time(pid)
     return start != "-" and now is not None and now != start
