@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 from . import __version__
 from .errors import EXIT_USAGE, UserError
-from .outputs import EXIT_WRITE_FAILED, OutputError
+from .outputs import EXIT_WRITE_FAILED, OutputError, quiet_h5py_errors
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -201,6 +201,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_USAGE
     except OutputError as exc:
         print(f"fedmpi: error: {exc}", file=sys.stderr, flush=True)
+        quiet_h5py_errors()
         sys.stdout.flush()
         # HDF5 crashes at interpreter exit on a file whose flush failed: leave now.
         os._exit(EXIT_WRITE_FAILED)

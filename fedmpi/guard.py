@@ -28,7 +28,7 @@ import torch
 
 from . import __version__, checkpoint, rundir
 from .errors import UserError
-from .outputs import OutputError
+from .outputs import OutputError, quiet_h5py_errors
 
 
 def open_run(fed, out: Path, resume: bool, overwrite: bool) -> Optional[checkpoint.Restored]:
@@ -94,6 +94,7 @@ def global_model_finite(fed, t: int) -> bool:
 def write_failed(fed, comm, exc: OutputError, t: int) -> None:
     """A refused write on this rank: report it in one line and end the job (exit 1)."""
     print(f"fedmpi: error: {exc}", file=sys.stderr, flush=True)
+    quiet_h5py_errors()
     writer = getattr(fed, "writer", None)
     if writer is not None and writer.broken is None:
         try:

@@ -46,7 +46,7 @@ import numpy as np
 import yaml
 
 from fedmpi.errors import LogFormatError
-from fedmpi.outputs import OutputError, write_failed
+from fedmpi.outputs import OutputError, quiet_h5py_errors, write_failed
 
 __all__ = ["SCHEMA_VERSION", "STATUSES", "LogWriter", "RunLog", "read"]
 
@@ -77,7 +77,7 @@ def _writes(method: _F) -> _F:
         except (OSError, RuntimeError) as exc:
             if isinstance(exc, LogFormatError):
                 raise
-            self.broken = str(write_failed(self.path, exc))
+            self._break(exc)
             raise OutputError(self.broken) from None
     return wrapper  # type: ignore[return-value]
 
@@ -157,6 +157,11 @@ class LogWriter:
         if fingerprint is not None:
             self._file.attrs["fingerprint"] = fingerprint
         self._flush()
+
+    def _break(self, exc: BaseException) -> None:
+        """Remember a refused write; from now on the file is not written again."""
+        self.broken = str(write_failed(self.path, exc))
+        quiet_h5py_errors()
 
     def _flush(self) -> None:
         """Record the time of this flush (``flushed_at``) and flush the file."""
@@ -388,7 +393,7 @@ class LogWriter:
                 self._flush()
                 self._file.close()
             except (OSError, RuntimeError) as exc:
-                self.broken = str(write_failed(self.path, exc))
+                self._break(exc)
                 raise OutputError(self.broken) from None
         self._file = None
 

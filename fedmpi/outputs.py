@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,31 @@ def reason(exc: BaseException) -> str:
 
 def write_failed(path: str | os.PathLike, exc: BaseException) -> OutputError:
     return OutputError(f"{os.fspath(path)}: cannot write ({reason(exc)})")
+
+
+def quiet_h5py_errors() -> None:
+    """After a refused write: HDF5 retries the write whenever an object of that file is
+    freed and h5py reports each failure ("Exception ignored in ObjectID.__dealloc__", with
+    a traceback). Drop those reports so that a full disk reads as one line; everything
+    else still goes to the previous hooks. Idempotent."""
+    if getattr(sys.unraisablehook, "fedmpi_quiet", False):
+        return
+    unraisable, excepthook = sys.unraisablehook, sys.excepthook
+
+    def from_h5py(text: str) -> bool:
+        return "h5py" in text and "_dealloc" in text
+
+    def quiet_unraisable(u: Any) -> None:
+        if not from_h5py(repr(getattr(u, "object", "")) + repr(u.exc_traceback)):
+            unraisable(u)
+
+    def quiet_except(tp: Any, value: Any, tb: Any) -> None:
+        frames = "".join(traceback.format_tb(tb)) if tb is not None else ""
+        if not from_h5py(frames):
+            excepthook(tp, value, tb)
+
+    quiet_unraisable.fedmpi_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook, sys.excepthook = quiet_unraisable, quiet_except
 
 
 def _fsync_dir(path: Path) -> None:
