@@ -182,6 +182,11 @@ COMMANDS = {"run": _cmd_run, "check": _cmd_check, "info": _cmd_info, "report": _
             "compare": _cmd_compare, "partition": _cmd_partition}
 
 
+def one_line(exc: BaseException) -> str:
+    """The message on one line (a library's multi-line text folded at its newlines)."""
+    return " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+
+
 def launch_rank() -> int:
     """This process's rank as the MPI launcher announced it (0 when run alone)."""
     for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
@@ -197,7 +202,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return COMMANDS[args.command](args)
     except UserError as exc:
         if launch_rank() == 0:   # every rank hit the same bad input: say it once
-            print(f"fedmpi: error: {exc}", file=sys.stderr, flush=True)
+            print(f"fedmpi: error: {one_line(exc)}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     except OutputError as exc:
         print(f"fedmpi: error: {exc}", file=sys.stderr, flush=True)

@@ -512,6 +512,10 @@ def read(path: PathLike) -> RunLog:
     except (OSError, KeyError, ValueError, TypeError, RuntimeError, yaml.YAMLError) as exc:
         if "file signature not found" in str(exc):
             raise LogFormatError(f"{path}: not an HDF5 file; expected a fedmpi log.h5") from None
+        if isinstance(exc, yaml.YAMLError):
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            raise LogFormatError(f"{path}: attribute config_yaml is not valid YAML ({problem})"
+                                 ) from None
         raise LogFormatError(f"{path}: truncated or corrupt fedmpi log ({exc})") from exc
 
 

@@ -10,6 +10,8 @@ float copy and lets the whole pool sit on the GPU next to the model.
 from __future__ import annotations
 
 import dataclasses
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -182,7 +184,7 @@ def npz_member(npz: "np.lib.npyio.NpzFile", key: str, path: str) -> np.ndarray:
 
     try:
         return npz[key]
-    except (ValueError, OSError, EOFError) as exc:
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
         if "allow_pickle" in str(exc):
             raise DataError(f"{path}: array {key!r} is an object array (needs pickle, which "
                             "fedmpi never loads); store numeric arrays") from None

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import zipfile
 from typing import Any
 
 import numpy as np
@@ -88,7 +89,7 @@ def _read_json(path: str) -> tuple[list[np.ndarray], np.ndarray | None]:
 def _read_npz(path: str) -> tuple[list[np.ndarray], np.ndarray | None]:
     try:
         npz = np.load(os.path.expanduser(path), allow_pickle=False)
-    except (OSError, ValueError, EOFError) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise DataError(f"data.partition.file={path!r} is not a readable .npz file ({exc})") from None
     with npz:
         numbers = {}

@@ -19,6 +19,7 @@ the loader expects and how to provide it.
 from __future__ import annotations
 
 import os
+import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -245,7 +246,7 @@ def load_medmnist(flag: str, root: str, augment: bool = False) -> Dataset:
         )
     try:
         npz = np.load(fs_path, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise DataError(f"{path} is not a readable .npz file ({exc})") from None
     with npz:
         missing = [k for k in _MEDMNIST_KEYS if k not in npz.files]
