@@ -46,7 +46,6 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import __version__
 from .accel import Accel, set_deterministic
 from .adversary import Adversary
 from . import checkpoint, guard, rundir, signals
