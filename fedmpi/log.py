@@ -555,7 +555,7 @@ def _read_file(f: h5py.File, path: str) -> RunLog:
 def _check_shapes(path: str, rounds: dict[str, np.ndarray], clients: dict[str, np.ndarray],
                   num_rounds: int) -> None:
     """Every /rounds dataset numeric with one row per round (``round`` integer), every
-    /clients dataset numeric [R, K] (``num_samples`` [K] integer)."""
+    /clients dataset numeric [R, K] or static [K, ...] (``num_samples`` [K] integer)."""
     def bad(key: str, expected: str, a: np.ndarray) -> LogFormatError:
         return LogFormatError(f"{path}: dataset /{key} must be {expected}, "
                               f"got {a.dtype} of shape {a.shape}")
@@ -569,10 +569,13 @@ def _check_shapes(path: str, rounds: dict[str, np.ndarray], clients: dict[str, n
     if ns is None or ns.ndim != 1 or ns.dtype.kind not in "iu":
         raise bad("clients/num_samples", "integer [K]",
                   ns if ns is not None else np.empty(0, dtype=object))
+    k = len(ns)
     for name, a in clients.items():
-        if name != "num_samples" and (a.dtype.kind not in "biuf"
-                                      or a.shape != (num_rounds, len(ns))):
-            raise bad(f"clients/{name}", f"numeric [{num_rounds}, {len(ns)}] (rounds x clients)", a)
+        per_round = a.shape == (num_rounds, k)
+        static = a.ndim >= 1 and a.shape[0] == k      # e.g. /clients/level [K]
+        if name != "num_samples" and (a.dtype.kind not in "biuf" or not (per_round or static)):
+            raise bad(f"clients/{name}", f"numeric [{num_rounds}, {k}] (rounds x clients) or "
+                      f"[{k}]", a)
 
 
 def _check_schema(f: h5py.File, path: str) -> None:
