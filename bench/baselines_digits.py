@@ -56,7 +56,7 @@ def main() -> None:
                     cfg = load_config(args.config, over)
                     out = Path(args.out) / cfg.name
                     t0 = time.process_time()
-                    run(cfg, out, comm)
+                    run(cfg, out, comm, overwrite=True)
                     acc = read(out / "log.h5").rounds["test_accuracy"]
                     cell["final"].append(float(acc[-1]))
                     cell["best"].append(float(np.nanmax(acc)))

@@ -34,7 +34,7 @@ def run(out: Path, sets: list[str]) -> np.ndarray:
     from fedmpi.log import read
 
     if not (out / "log.h5").exists() or read(out / "log.h5").attrs["status"] != "completed":
-        cmd = [sys.executable, "-m", "fedmpi", "run", str(CFG), "--out", str(out)]
+        cmd = [sys.executable, "-m", "fedmpi", "run", str(CFG), "--out", str(out), "--overwrite"]
         for s in sets + ["runtime.threads=1", "runtime.progress=false"]:
             cmd += ["--set", s]
         subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True)

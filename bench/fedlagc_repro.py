@@ -39,7 +39,8 @@ def main() -> None:
                 subprocess.run([sys.executable, "-m", "fedmpi", "run", "configs/fedlagc_digits.yaml",
                                 "--set", f"algorithm.name={name}", *extra, "--set", f"seed={seed}",
                                 "--set", f"train.rounds={args.rounds}", "--set", "runtime.threads=1",
-                                "--set", "runtime.progress=false", "--out", str(out / f"{key}_s{seed}")],
+                                "--set", "runtime.progress=false", "--out", str(out / f"{key}_s{seed}"),
+                                "--overwrite"],
                                check=True)
     result = {}
     print("| method | r=1 | r=1/4 | r=1/16 | r=1/64 | global (mean of levels) | MB up/round |")

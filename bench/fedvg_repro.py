@@ -50,7 +50,7 @@ def main() -> None:
                     "runtime.threads=1", "runtime.progress=false", *args.set])
                 t = time.perf_counter()
                 out = Path(args.out) / name
-                run(cfg, out, comm)
+                run(cfg, out, comm, overwrite=True)
                 acc = read(out / "log.h5").rounds["test_accuracy"]
                 cell["final"].append(float(acc[-1]))
                 cell["best"].append(float(np.nanmax(acc)))

@@ -1,6 +1,4 @@
 """``python -m fedmpi`` = the ``fedmpi`` console script."""
-import sys
+from .cli import entry
 
-from .cli import main
-
-sys.exit(main())
+entry()

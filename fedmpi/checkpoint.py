@@ -25,17 +25,22 @@ MPI counts stay below 2^31). :func:`resume` does the reverse with
 ``Scatterv`` to the clients' hosts under the *current* rank layout, so a run
 checkpointed under ``-n 5`` resumes under ``-n 2`` or alone.
 
-The file is written by rank 0 with ``torch.save`` into a temporary file in the
-same directory, ``fsync``-ed and renamed over ``checkpoint.pt`` (atomic on
-POSIX), and read with ``torch.load(weights_only=True)`` — tensors, numbers,
-strings and containers only, no code runs when a checkpoint is read. A
-truncated or foreign file raises :class:`~fedmpi.errors.UserError` naming it
-(exit status 2).
+The file is written by rank 0 with :func:`fedmpi.outputs.save_atomic`
+(temporary file, ``fsync``, rename: a failed write leaves the previous
+checkpoint intact and exits 1 naming the path), and read with
+``torch.load(weights_only=True)`` — tensors, numbers, strings and containers
+only, no code runs when a checkpoint is read. Version 2 adds ``checksum``, the
+SHA-256 of every other entry (:func:`digest`: tensor bytes included, so a
+flipped bit is found) and ``fingerprint``, the run-defining config's hash
+(:mod:`fedmpi.rundir`). A truncated, foreign or corrupt file (checksum
+mismatch, non-finite ``global_state``), a checkpoint of another run (naming
+the first differing config key) or one whose round lies beyond the log raises
+:class:`~fedmpi.errors.UserError` naming it (exit status 2).
 """
 from __future__ import annotations
 
+import hashlib
 import json
-import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,9 +51,11 @@ import torch
 
 from .comm import CHUNK
 from .errors import UserError
+from .outputs import save_atomic  # noqa: F401 - the checkpoint writer (re-exported)
+from .rundir import check_same_run, fingerprint
 
 FORMAT = "fedmpi-checkpoint"
-VERSION = 1
+VERSION = 2   # 2: ``checksum`` and ``fingerprint`` (issue 18)
 CHECKPOINT_NAME = "checkpoint.pt"
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -110,31 +117,6 @@ def checkpoint_path(out_dir: Path) -> Path:
     return Path(out_dir) / CHECKPOINT_NAME
 
 
-def save_atomic(obj: dict[str, Any], path: Path) -> None:
-    """``torch.save`` to ``path`` atomically: temp file, fsync, rename, fsync dir."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    try:
-        fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:   # some filesystems do not fsync directories
-        pass
-    finally:
-        os.close(fd)
-
-
 def read_checkpoint(path: Path) -> dict[str, Any]:
     """Load and check the container of a checkpoint file (no code execution)."""
     path = Path(path)
@@ -153,12 +135,47 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: checkpoint version {ckpt.get('version')!r}, "
                               f"this fedmpi reads version {VERSION}")
     need = {"round": int, "algorithm": str, "num_clients": int, "state_size": int,
-            "global_state": torch.Tensor, "server_state": dict, "clients": dict, "rng": dict}
+            "global_state": torch.Tensor, "server_state": dict, "clients": dict, "rng": dict,
+            "checksum": str, "fingerprint": str, "config_yaml": str}
     for key, tp in need.items():
         if not isinstance(ckpt.get(key), tp):
             raise CheckpointError(f"{path}: checkpoint entry {key!r} is missing or not "
                                   f"{tp.__name__}")
+    stored = ckpt.pop("checksum")
+    if digest(ckpt) != stored:
+        raise CheckpointError(f"{path}: corrupt checkpoint (SHA-256 of its contents differs "
+                              "from the stored checksum)")
+    if not bool(torch.isfinite(ckpt["global_state"]).all()):
+        raise CheckpointError(f"{path}: corrupt checkpoint (global_state has non-finite values)")
     return ckpt
+
+
+def digest(obj: Any) -> str:
+    """SHA-256 (hex) over a checkpoint's contents: dict keys in sorted order, every
+    tensor's dtype, shape and raw bytes, and the repr of every other leaf."""
+    h = hashlib.sha256()
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().to("cpu").contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(x, dict):
+            h.update(b"{")
+            for k in sorted(x, key=repr):
+                h.update(repr(k).encode())
+                walk(x[k])
+            h.update(b"}")
+        elif isinstance(x, (list, tuple)):
+            h.update(b"[")
+            for v in x:
+                walk(v)
+            h.update(b"]")
+        else:
+            h.update(f"{type(x).__name__}:{x!r}".encode())
+
+    walk(obj)
+    return h.hexdigest()
 
 
 # ------------------------------------------------------------- RNG (rank 0)
@@ -320,12 +337,13 @@ def save(fed, round: int, path: Path) -> Optional[Path]:
         "format": FORMAT, "version": VERSION, "round": int(round),
         "algorithm": str(fed.cfg.algorithm.name), "num_clients": int(fed.K),
         "state_size": int(fed.D), "world_size": int(fed.size),
-        "config_yaml": fed.cfg.to_yaml(),
+        "config_yaml": fed.cfg.to_yaml(), "fingerprint": fingerprint(fed.cfg),
         "global_state": fed.global_state.detach().to("cpu", copy=True),
         "server_state": {n: _to_cpu(v) for n, v in fed.algo.server_state().items()},
         "clients": clients,
         "rng": _rng_state(),
     }
+    ckpt["checksum"] = digest(ckpt)
     save_atomic(ckpt, path)
     return path
 
@@ -343,6 +361,7 @@ def load_server_side(fed, path: Path) -> Restored:
     """Rank 0, not collective: read ``path``, check it fits this run, restore θ,
     the server state and the RNG states. Raises :class:`CheckpointError`."""
     ckpt = read_checkpoint(path)
+    check_same_run(fed.cfg, ckpt["fingerprint"], ckpt["config_yaml"], Path(path))
     checks = (("algorithm", str(fed.cfg.algorithm.name), "algorithm.name"),
               ("num_clients", int(fed.K), "data.num_clients"),
               ("state_size", int(fed.D), "model.name/model.norm"))

@@ -1,7 +1,10 @@
 """Command line: ``fedmpi run | check | info | report | compare | partition``.
 
 Bad input (a :class:`~fedmpi.errors.UserError`) prints one line
-``fedmpi: error: ...`` naming the key or file, and exits with status 2.
+``fedmpi: error: ...`` naming the key or file, and exits with status 2; under
+``mpiexec``/``srun`` only rank 0 prints it (every rank reads the same input). A
+refused write (:class:`~fedmpi.outputs.OutputError`, e.g. disk full) prints one
+line naming the file and exits with status 1.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from typing import Optional, Sequence
 
 from . import __version__
 from .errors import EXIT_USAGE, UserError
+from .outputs import EXIT_WRITE_FAILED, OutputError, quiet_h5py_errors
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--out", default=None, help="output directory (default runtime.out_dir/<name>)")
     run.add_argument("--resume", action="store_true",
                      help="continue from <out>/checkpoint.pt and <out>/log.h5 (any number of ranks)")
+    run.add_argument("--overwrite", action="store_true",
+                     help="replace a previous run in <out> (log.h5, checkpoint.pt, model.pt); "
+                          "without it a fresh run there is refused")
 
     check = sub.add_parser("check", help="validate a config and print it resolved")
     check.add_argument("config")
@@ -81,7 +88,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from .runtime import run
 
     cfg = load_config(args.config, args.overrides)
-    final = run(cfg, args.out, resume=args.resume)
+    final = run(cfg, args.out, resume=args.resume, overwrite=args.overwrite)
     if final is not None:
         print(f"final test_accuracy={final:.6f}", flush=True)
     return 0
@@ -175,17 +182,15 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from .compare import compare
+    from .rundir import output_dir
 
+    out = output_dir(args.out) if args.out is not None else None
     table = compare(args.logs, target=args.target_accuracy, group_by=args.group_by,
                     baseline=args.baseline)
     md = table.markdown()
     sys.stdout.write(md)
-    if args.out is not None:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+    if out is not None:
         (out / "compare.md").write_text(md, encoding="utf-8")
         (out / "compare.csv").write_text(table.csv(), encoding="utf-8")
         (out / "runs.csv").write_text(table.runs_csv(), encoding="utf-8")
@@ -198,10 +203,11 @@ def _cmd_partition(args: argparse.Namespace) -> int:
     from .config import load_config
     from .data import build_partition, load_dataset
     from .report import partition_preview
+    from .rundir import output_dir
 
     cfg = load_config(args.config, args.overrides)
     data = load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.download)
-    out = Path(args.out) if args.out is not None else Path(cfg.runtime.out_dir) / cfg.name
+    out = output_dir(args.out if args.out is not None else Path(cfg.runtime.out_dir) / cfg.name)
     for line in partition_preview(build_partition(cfg, data), out, cfg.name):
         print(line)
     return 0
@@ -211,17 +217,48 @@ COMMANDS = {"run": _cmd_run, "check": _cmd_check, "info": _cmd_info, "report": _
             "compare": _cmd_compare, "partition": _cmd_partition}
 
 
+def one_line(exc: BaseException) -> str:
+    """The message on one line (a library's multi-line text folded at its newlines)."""
+    return " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+
+
+def launch_rank() -> int:
+    """This process's rank as the MPI launcher announced it (0 when run alone)."""
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
     except UserError as exc:
-        print(f"fedmpi: error: {exc}", file=sys.stderr, flush=True)
+        if launch_rank() == 0:   # every rank hit the same bad input: say it once
+            print(f"fedmpi: error: {one_line(exc)}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    except OutputError as exc:
+        print(f"fedmpi: error: {exc}", file=sys.stderr, flush=True)
+        quiet_h5py_errors()
+        sys.stdout.flush()
+        # HDF5 crashes at interpreter exit on a file whose flush failed: leave now.
+        os._exit(EXIT_WRITE_FAILED)
     except KeyboardInterrupt:
         print("fedmpi: interrupted", file=sys.stderr)
         return 130
 
 
-if __name__ == "__main__":  # pragma: no cover
+def entry() -> None:
+    """The ``fedmpi`` process: :func:`main`, and once a stop signal was acted on,
+    later ones are ignored until the process has exited with status 75
+    (:func:`fedmpi.signals.hold_after_stop`)."""
+    from . import signals
+
+    signals.hold_after_stop()
     sys.exit(main())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    entry()

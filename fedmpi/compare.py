@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from fedmpi.errors import UserError
-from fedmpi.log import RunLog, read
+from fedmpi.log import RunLog, ended_without_status, read
 
 __all__ = ["ALIASES", "IGNORED_KEYS", "GroupRow", "RunMetrics", "Table", "compare",
            "compare_logs", "config_value", "flatten_config", "rounds_to_target",
@@ -96,6 +96,7 @@ class RunMetrics:
     best_accuracy: float
     best_round: int | None
     rounds_to_target: float = math.nan
+    note: str | None = None   # a "running" log whose writer is gone (log.ended_without_status)
 
 
 def run_metrics(log: RunLog, target: float | None = None) -> RunMetrics:
@@ -107,7 +108,7 @@ def run_metrics(log: RunLog, target: float | None = None) -> RunMetrics:
     m = RunMetrics(path=log.path, status=str(log.status), rounds_logged=len(rounds),
                    rounds_configured=int(configured) if configured is not None else None,
                    final_accuracy=math.nan, final_round=None, best_accuracy=math.nan,
-                   best_round=None)
+                   best_round=None, note=ended_without_status(log))
     if evaluated.size:
         last = evaluated[-1]
         best = evaluated[int(np.argmax(acc[evaluated]))]
@@ -238,6 +239,8 @@ class Table:
         if with_speedup:
             notes.append(f"Speed-up = mean rounds of the baseline ({self.baseline}) ÷ "
                          "mean rounds of the group.")
+        notes += [f"Run {m.path}: status {m.status}, {m.note}." for row in self.rows
+                  for m in row.runs if m.note]
         return "\n".join(lines + notes) + "\n"
 
     def csv(self) -> str:

@@ -26,6 +26,7 @@ a decimal point (``1e-8``), which plain YAML 1.1 would read as a string.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 import types
@@ -162,11 +163,16 @@ def _registry():
 
 _ALGORITHMS = tuple(_registry())
 
+#: Methods that train submodels of resource levels (need ``system.levels``, exclude ECGR).
+SUBMODEL_METHODS = ("fedlagc", "heterofl", "fedrolex", "fiarse")
+
 #: Every config key, in the order :meth:`Config.to_dict` writes them.
 SCHEMA: dict[str, Field] = {
     "name": Field(str, "quickstart", "run name; output goes to runtime.out_dir/<name>/",
-                  pattern=r"(?!\.\.?$)[^/\\]+", pattern_help="a non-empty name without '/'"),
-    "seed": Field(int, 0, "master seed: sampling, client RNG streams, surrogate data", ge=0),
+                  pattern=r"(?!\.\.?$)[^/\\\x00-\x1f\x7f]+",
+                  pattern_help="a non-empty name without '/' or control characters"),
+    "seed": Field(int, 0, "master seed: sampling, client RNG streams, surrogate data", ge=0,
+                  lt=2**63),
     # data
     "data.dataset": Field(str, "digits", "dataset name", choices=_DATASETS, **_MEDMNIST),
     "data.root": Field(str, "./data", "directory holding (or receiving) dataset files"),
@@ -180,7 +186,8 @@ SCHEMA: dict[str, Field] = {
     "data.partition.classes_per_client": Field(int, 2, "classes per client (shards)", ge=1),
     "data.partition.min_size": Field(int, 10, "minimum samples per client", ge=0),
     "data.partition.file": Field(str | None, None, "JSON partition file (method: file)", file=True),
-    "data.partition.seed": Field(int | None, None, "partition seed; null = top-level seed", ge=0),
+    "data.partition.seed": Field(int | None, None, "partition seed; null = top-level seed", ge=0,
+                                 lt=2**63),
     "data.validation.fraction": Field(float, 0.1, "server hold-out share of the pool (0 = none)",
                                       ge=0, lt=1),
     "data.validation.source": Field(str, "holdout", "'holdout' or an external dataset name",
@@ -366,6 +373,19 @@ def _suggest(word: str, options: Sequence[str]) -> str:
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 
+#: Largest float32: the model and its updates are float32, so a larger (or non-finite)
+#: float key would turn the run into inf/NaN arithmetic (issue 18).
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _check_finite(key: str, f: Field, x: Any, where: str = "") -> None:
+    """Reject NaN, ±inf and floats beyond float32 range for a float key."""
+    if isinstance(x, float) and not (math.isfinite(x) and abs(x) <= FLOAT32_MAX):
+        bounds = f" {f.range_text}" if f.range_text else ""
+        raise ConfigError(f"config key {key!r} must be a finite number{bounds} with |x| <= "
+                          f"{FLOAT32_MAX:.4g} (float32){where}, got {x!r}")
+
+
 def _check_value(key: str, f: Field, value: Any) -> Any:
     """Validate one value against its field; return it normalised (floats, tuples)."""
     if value is None:
@@ -381,6 +401,8 @@ def _check_value(key: str, f: Field, value: Any) -> Any:
             if not ok:
                 raise ConfigError(f"config key {key!r} expects {f.type_name}; item {i} is "
                                   f"{'null' if x is None else f'{x!r} ({type(x).__name__})'}")
+            if f.item is float:
+                _check_finite(key, f, x, f"; item {i}")
             if f.item in (int, float) and not f.in_range(x):
                 raise ConfigError(
                     f"config key {key!r} items must each be {f.range_text}; item {i} is {x!r}")
@@ -389,6 +411,8 @@ def _check_value(key: str, f: Field, value: Any) -> Any:
     ok, value = _coerce_scalar(f.base, value)
     if not ok:
         raise ConfigError(f"config key {key!r} expects {f.type_name}, {_got(value)}")
+    if f.base is float:
+        _check_finite(key, f, value)
     if f.base in (int, float) and not f.in_range(value):
         raise ConfigError(f"config key {key!r} must be {f.range_text}, got {value!r}")
     if f.choices is not None or f.pattern is not None:
@@ -440,6 +464,35 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader that also reads ``1e-8`` / ``3E5`` as floats (YAML 1.2 style)."""
+
+
+def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False):
+    """A mapping whose keys are unique: a repeated key is an error naming it, not
+    a silent "last one wins" (merge keys ``<<`` may still be overridden)."""
+    seen: dict[Any, Any] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            first = seen.setdefault(key, key_node.start_mark)
+        except TypeError:
+            continue   # unhashable: SafeLoader reports it below
+        if first is not key_node.start_mark:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping", node.start_mark,
+                f"duplicate key {key!r} (first given on line {first.line + 1})",
+                key_node.start_mark)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:map", lambda loader, node: _yaml_map(loader, node))
+
+
+def _yaml_map(loader: yaml.SafeLoader, node: yaml.MappingNode) -> Any:
+    data: dict[Any, Any] = {}
+    yield data
+    data.update(_construct_mapping(loader, node))
 
 
 _Loader.add_implicit_resolver(
@@ -627,6 +680,19 @@ def _cross_checks(cfg: Config) -> None:
     if cfg.ecgr.enabled and steps is not None and steps < 2:
         raise ConfigError(f"config key 'train.local_steps' must be >= 2 when ecgr.enabled is true "
                           f"(ECGR selects half of the local steps), got {steps}")
+
+    if cfg.algorithm.name in SUBMODEL_METHODS:
+        if levels is None:
+            raise ConfigError(f"config key 'system.levels' must be set for algorithm.name "
+                              f"{cfg.algorithm.name!r} (with system.allocation, e.g. levels "
+                              "[1, 0.25] and allocation [5, 5])")
+        if cfg.ecgr.enabled:
+            raise ConfigError(f"config key 'ecgr.enabled': ECGR does not compose with "
+                              f"algorithm.name={cfg.algorithm.name!r} (submodel uploads are masked)")
+    gps = cfg.algorithm.fedgps
+    if cfg.algorithm.name == "fedgps" and not (gps.static or gps.dynamic):
+        raise ConfigError("config keys 'algorithm.fedgps.static' and 'algorithm.fedgps.dynamic' "
+                          "are both false: that is FedAvg (use algorithm.name=fedavg)")
 
     agg, val = cfg.aggregation, cfg.data.validation
     if (agg.weighting in ("fedvg", "fedvg_avg") and agg.fedvg.norm != "delta"

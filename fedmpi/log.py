@@ -4,7 +4,10 @@ Layout, ``schema_version`` "1" (R rounds, K clients; DESIGN.md section 5)::
 
     / attrs                  schema_version, fedmpi_version, config_yaml, world_size,
                              status (running|completed|failed|interrupted),
-                             resumed_world_sizes (only after a resume)
+                             resumed_world_sizes (only after a resume),
+                             fingerprint (run-defining config hash, fedmpi.rundir),
+                             writer_host, writer_pid, flushed_at (Unix time of the
+                             last flush; issue 18)
     /rounds/round            [R]        int64
     /rounds/<name>           [R]        int64 for ``bytes_*``, float64 otherwise
     /clients/num_samples     [K]        int64
@@ -21,20 +24,29 @@ round r > 0 gets r rows of its fill value (NaN, False, or 0 for ``bytes_*``),
 and a name left out of one :meth:`LogWriter.append_round` gets a fill row.
 
 The file is flushed once per round (and on events and status changes), so a
-killed run leaves a log that is readable up to its last flushed round.
+killed run leaves a log that is readable up to its last flushed round. Each
+flush records its time (``flushed_at``), so a log still ``running`` whose
+writer is gone is recognisable (:func:`ended_without_status`). A write that
+the file system refuses (disk full) raises
+:class:`~fedmpi.outputs.OutputError` naming the file; the writer then refuses
+further writes (HDF5's state after a failed flush is not trustworthy).
 """
 from __future__ import annotations
 
+import functools
 import os
+import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Optional, TypeVar
 
 import h5py
 import numpy as np
 import yaml
 
 from fedmpi.errors import LogFormatError
+from fedmpi.outputs import OutputError, quiet_h5py_errors, write_failed
 
 __all__ = ["SCHEMA_VERSION", "STATUSES", "LogWriter", "RunLog", "read"]
 
@@ -50,6 +62,24 @@ _CHUNK_BYTES = 1 << 16   # target chunk size of round-axis datasets
 _MAX_CHUNK_ROWS = 1024
 
 PathLike = str | os.PathLike
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _writes(method: _F) -> _F:
+    """A method that writes the file: an I/O failure becomes :class:`OutputError`
+    naming the file, and every later write is refused with the same error."""
+    @functools.wraps(method)
+    def wrapper(self: "LogWriter", *args: Any, **kwargs: Any) -> Any:
+        if self.broken is not None:
+            raise OutputError(self.broken)
+        try:
+            return method(self, *args, **kwargs)
+        except (OSError, RuntimeError) as exc:
+            if isinstance(exc, LogFormatError):
+                raise
+            self._break(exc)
+            raise OutputError(self.broken) from None
+    return wrapper  # type: ignore[return-value]
 
 
 class LogWriter:
@@ -97,8 +127,9 @@ class LogWriter:
     def __init__(self, path: PathLike, *, config_yaml: str, world_size: int,
                  num_clients: int, num_samples: np.ndarray, class_counts: np.ndarray,
                  fedmpi_version: str, resume: bool = False,
-                 resume_rounds: int | None = None) -> None:
+                 resume_rounds: int | None = None, fingerprint: str | None = None) -> None:
         self.path = os.fspath(path)
+        self.broken: Optional[str] = None
         self.num_clients = int(num_clients)
         num_samples = np.asarray(num_samples, dtype=np.int64)
         class_counts = np.asarray(class_counts, dtype=np.int64)
@@ -111,10 +142,30 @@ class LogWriter:
 
         self._file: h5py.File | None = None
         self._series: dict[str, h5py.Dataset] = {}   # round-axis datasets by path
+        self._open(config_yaml, world_size, fedmpi_version, num_samples, class_counts, resume,
+                   resume_rounds, fingerprint)
+
+    @_writes
+    def _open(self, config_yaml: str, world_size: int, fedmpi_version: str,
+              num_samples: np.ndarray, class_counts: np.ndarray, resume: bool,
+              resume_rounds: int | None, fingerprint: str | None) -> None:
         if resume:
             self._open_resume(config_yaml, world_size, fedmpi_version, resume_rounds)
         else:
             self._create(config_yaml, world_size, fedmpi_version, num_samples, class_counts)
+        self._file.attrs.update(writer_host=socket.gethostname(), writer_pid=os.getpid())
+        if fingerprint is not None:
+            self._file.attrs["fingerprint"] = fingerprint
+        self._flush()
+
+    def _break(self, exc: BaseException) -> None:
+        """Remember a refused write; from now on the file is not written again."""
+        self.broken = str(write_failed(self.path, exc))
+        quiet_h5py_errors()
+
+    def _flush(self) -> None:
+        """Record the time of this flush (``flushed_at``) and flush the file."""
+        self._file.attrs["flushed_at"] = time.time()
         self._file.flush()
 
     # -- opening -----------------------------------------------------------------
@@ -192,6 +243,7 @@ class LogWriter:
         """Number of rows of the round-axis datasets."""
         return len(self._series["rounds/round"])
 
+    @_writes
     def append_round(self, round: int, scalars: Mapping[str, float],
                      per_client: Mapping[str, np.ndarray] = {},
                      arrays: Mapping[str, np.ndarray] = {}) -> None:
@@ -258,7 +310,7 @@ class LogWriter:
         for key, ds in self._series.items():
             ds.resize(n + 1, axis=0)
             ds[n] = rows[key] if key in rows else ds.fillvalue
-        f.flush()
+        self._flush()
 
     def _create_series(self, key: str, row: np.ndarray, n: int) -> h5py.Dataset:
         """Create a round-axis dataset with ``n`` rows of its fill value."""
@@ -275,6 +327,7 @@ class LogWriter:
         self._series[key] = ds
         return ds
 
+    @_writes
     def set_attr(self, path: str, name: str, value: Any) -> None:
         """Set attribute ``name`` of group or dataset ``path`` ("" or "/" is the root).
 
@@ -286,6 +339,7 @@ class LogWriter:
         obj = f if not key else f[key] if key in f else f.require_group(key)
         obj.attrs[name] = _attr_value(value)
 
+    @_writes
     def write_static(self, path: str, data: np.ndarray) -> None:
         """Write a dataset without a round axis, replacing an earlier one.
 
@@ -306,6 +360,7 @@ class LogWriter:
             del f[key]
         f.create_dataset(key, data=a, dtype=dtype)
 
+    @_writes
     def event(self, round: int, rank: int, client: int, message: str) -> None:
         """Append a row to ``/events`` (``client`` -1 means none) and flush."""
         f = self._writable()
@@ -315,25 +370,31 @@ class LogWriter:
             ds = events[name]
             ds.resize(n + 1, axis=0)
             ds[n] = value
-        f.flush()
+        self._flush()
 
+    @_writes
     def set_status(self, status: str) -> None:
         """Set the root attribute ``status`` (one of :data:`STATUSES`) and flush."""
         if status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
         f = self._writable()
         f.attrs["status"] = status
-        f.flush()
+        self._flush()
 
     @property
     def status(self) -> str:
         return _to_python(self._writable().attrs["status"])
 
     def close(self) -> None:
-        """Flush and close the file; later calls do nothing."""
-        if self._file is not None and self._file.id.valid:
-            self._file.flush()
-            self._file.close()
+        """Flush and close the file; later calls do nothing. After a failed write
+        the file is left to the process exit (closing it would write again)."""
+        if self.broken is None and self._file is not None and self._file.id.valid:
+            try:
+                self._flush()
+                self._file.close()
+            except (OSError, RuntimeError) as exc:
+                self._break(exc)
+                raise OutputError(self.broken) from None
         self._file = None
 
     def __enter__(self) -> LogWriter:
@@ -342,7 +403,8 @@ class LogWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         """Close; on an exception, a status still "running" becomes
         "interrupted" (KeyboardInterrupt) or "failed"."""
-        if exc_type is not None and self._file is not None and self.status == "running":
+        if (exc_type is not None and self._file is not None and self.broken is None
+                and self.status == "running"):
             self.set_status("interrupted" if issubclass(exc_type, KeyboardInterrupt) else "failed")
         self.close()
 
@@ -451,6 +513,10 @@ def read(path: PathLike) -> RunLog:
     except (OSError, KeyError, ValueError, TypeError, RuntimeError, yaml.YAMLError) as exc:
         if "file signature not found" in str(exc):
             raise LogFormatError(f"{path}: not an HDF5 file; expected a fedmpi log.h5") from None
+        if isinstance(exc, yaml.YAMLError):
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            raise LogFormatError(f"{path}: attribute config_yaml is not valid YAML ({problem})"
+                                 ) from None
         raise LogFormatError(f"{path}: truncated or corrupt fedmpi log ({exc})") from exc
 
 
@@ -477,6 +543,7 @@ def _read_file(f: h5py.File, path: str) -> RunLog:
             clients[name] = data
         else:
             arrays[key] = data
+    _check_shapes(path, rounds, clients, num_rounds)
     events = _read_events(f["events"]) if "events" in f else {
         name: np.empty(0, dtype=object if name == "message" else np.int64)
         for name in _EVENT_DTYPES}
@@ -485,6 +552,32 @@ def _read_file(f: h5py.File, path: str) -> RunLog:
 
 
 # -- helpers ---------------------------------------------------------------------
+
+def _check_shapes(path: str, rounds: dict[str, np.ndarray], clients: dict[str, np.ndarray],
+                  num_rounds: int) -> None:
+    """Every /rounds dataset numeric with one row per round (``round`` integer), every
+    /clients dataset numeric [R, K] or static [K, ...] (``num_samples`` [K] integer)."""
+    def bad(key: str, expected: str, a: np.ndarray) -> LogFormatError:
+        return LogFormatError(f"{path}: dataset /{key} must be {expected}, "
+                              f"got {a.dtype} of shape {a.shape}")
+
+    if "round" in rounds and rounds["round"].dtype.kind not in "iu":
+        raise bad("rounds/round", "integer", rounds["round"])
+    for name, a in rounds.items():
+        if a.dtype.kind not in "biuf" or a.shape != (num_rounds,):
+            raise bad(f"rounds/{name}", f"numeric with {num_rounds} rows (one per round)", a)
+    ns = clients.get("num_samples")
+    if ns is None or ns.ndim != 1 or ns.dtype.kind not in "iu":
+        raise bad("clients/num_samples", "integer [K]",
+                  ns if ns is not None else np.empty(0, dtype=object))
+    k = len(ns)
+    for name, a in clients.items():
+        per_round = a.shape == (num_rounds, k)
+        static = a.ndim >= 1 and a.shape[0] == k      # e.g. /clients/level [K]
+        if name != "num_samples" and (a.dtype.kind not in "biuf" or not (per_round or static)):
+            raise bad(f"clients/{name}", f"numeric [{num_rounds}, {k}] (rounds x clients) or "
+                      f"[{k}]", a)
+
 
 def _check_schema(f: h5py.File, path: str) -> None:
     if "schema_version" not in f.attrs:
@@ -557,3 +650,41 @@ def _as_int(name: str, value: Any) -> np.ndarray:
         if not value.is_integer():
             raise ValueError(f"scalar {name!r} must be an integer, got {value}")
     return np.asarray(int(value), dtype=np.int64)
+
+
+def ended_without_status(log: RunLog, now: float | None = None) -> str | None:
+    """Why a log whose status is still ``running`` has no live writer, or None.
+
+    Decided from the root attributes the writer keeps: ``writer_pid`` on this host
+    no longer running, or no flush (``flushed_at``) for longer than the run's
+    ``runtime.round_timeout`` (a live run flushes every round or aborts).
+    """
+    if log.status != "running":
+        return None
+    host, pid = log.attrs.get("writer_host"), log.attrs.get("writer_pid")
+    if host == socket.gethostname() and pid is not None and not pid_alive(int(pid)):
+        return (f"ended without a final status: its writer (pid {pid} on {host}) is gone "
+                "(killed, or out of memory)")
+    flushed = log.attrs.get("flushed_at")
+    runtime = log.config.get("runtime") if isinstance(log.config.get("runtime"), dict) else {}
+    try:
+        timeout = float(runtime.get("round_timeout", 600.0))
+    except (TypeError, ValueError):
+        timeout = 600.0
+    age = (time.time() if now is None else now) - float(flushed) if flushed is not None else None
+    if age is not None and age > timeout:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(flushed)))
+        return (f"ended without a final status: last written {when}, {age:.0f} s ago "
+                f"(> runtime.round_timeout = {timeout:g} s)")
+    return None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True

@@ -502,7 +502,7 @@ def summary_markdown(log: RunLog, target: float | None = None,
     name = flat.get("name", Path(log.path).parent.name)
     out = [f"# Run report: {name}", "",
            f"- log: `{log.path}`",
-           f"- status: **{log.status}**, {m.rounds_logged} of "
+           f"- status: **{log.status}**{f' ({m.note})' if m.note else ''}, {m.rounds_logged} of "
            f"{m.rounds_configured if m.rounds_configured is not None else '?'} rounds logged",
            f"- fedmpi {log.attrs.get('fedmpi_version', '?')}, world size "
            f"{log.attrs.get('world_size', '?')}"
@@ -675,8 +675,10 @@ def write_report(log: RunLog | str | os.PathLike, out_dir: str | os.PathLike | N
     if target is not None and not 0.0 < target <= 1.0:
         raise UserError(f"--target-accuracy {target}: expected a fraction in (0, 1], "
                         "e.g. 0.8 for 80%")
-    out = Path(out_dir) if out_dir is not None else Path(log.path).resolve().parent / "report"
-    out.mkdir(parents=True, exist_ok=True)
+    from .rundir import output_dir
+
+    out = output_dir(Path(out_dir) if out_dir is not None
+                     else Path(log.path).resolve().parent / "report")
     draw = have_matplotlib()
     written: list[Path] = []
     makers = {

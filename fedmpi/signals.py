@@ -19,7 +19,11 @@ exit status.
 
 A second SIGINT raises :class:`KeyboardInterrupt` (interactive escape hatch:
 Ctrl-C twice stops without a checkpoint). Repeated SIGTERM/SIGUSR1 only keep
-the request (SLURM follows SIGTERM with SIGKILL after ``KillWait`` anyway).
+the request (SLURM follows SIGTERM with SIGKILL after ``KillWait`` anyway) —
+also after the run has returned: in the ``fedmpi`` process
+(:func:`hold_after_stop`) :func:`restore` leaves stop signals ignored once a
+stop was requested, so a second SIGTERM during the exit (MPI finalisation,
+interpreter teardown) cannot turn status 75 into death by signal 15 (issue 18).
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1, sign
 _reason: Optional[str] = None
 _signum: int = 0
 _previous: dict[int, Any] = {}
+_hold = False
 
 
 def _handler(signum: int, frame: Optional[FrameType]) -> None:
@@ -64,12 +69,21 @@ def install() -> bool:
 
 
 def restore() -> None:
-    """Put back the handlers that were active before :func:`install`."""
+    """Put back the handlers that were active before :func:`install` (after
+    :func:`hold_after_stop` and a stop request: ignore stop signals instead)."""
     if threading.current_thread() is not threading.main_thread():
         return
+    ignore = _hold and _reason is not None
     for sig, old in list(_previous.items()):
-        signal.signal(sig, old if old is not None else signal.SIG_DFL)
+        signal.signal(sig, signal.SIG_IGN if ignore else old if old is not None else signal.SIG_DFL)
         del _previous[sig]
+
+
+def hold_after_stop() -> None:
+    """For a process that exits when the run returns (the ``fedmpi`` command):
+    after a stop request, :func:`restore` ignores further stop signals."""
+    global _hold
+    _hold = True
 
 
 def requested() -> Optional[str]:

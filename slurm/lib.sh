@@ -11,7 +11,10 @@
 #   Resume: --resume is appended only when this job wrote OUT_DIR's checkpoint, i.e.
 #   this start is a restart of the job (SLURM_RESTART_COUNT > 0) and OUT_DIR/.slurm-job
 #   names this cluster and job id; never because some checkpoint.pt happens to exist
-#   (pass --resume yourself to continue another job's run on purpose).
+#   (pass --resume yourself to continue another job's run on purpose). A restart of
+#   this job that finds only its own log (stopped before the first checkpoint) runs
+#   again from round 0 with --overwrite. fedmpi itself refuses a fresh run into a
+#   directory holding another run unless --overwrite is given.
 #   Stop and requeue: SIGUSR1 to this batch shell (`#SBATCH --signal=B:USR1@T` before
 #   the time limit, preemption with PreemptParameters=send_user_signal, or
 #   `scancel --signal=USR1 --batch JOBID`) or SIGUSR1 to the job's steps (`scancel
@@ -81,6 +84,12 @@ fedmpi_resumable() {
             && [[ "$(cat "$marker")" == "$(_fedmpi_job_tag)" ]]; then
         cmd+=(--resume)
         echo "fedmpi-slurm: resuming this job's checkpoint $out/checkpoint.pt" \
+             "(restart ${SLURM_RESTART_COUNT})" >&2
+    elif (( ${SLURM_RESTART_COUNT:-0} > 0 )) && [[ ! -f "$out/checkpoint.pt" && -f "$out/log.h5" \
+            && -f "$marker" ]] && [[ "$(cat "$marker")" == "$(_fedmpi_job_tag)" ]]; then
+        # this job's earlier start stopped before its first checkpoint: start it again
+        cmd+=(--overwrite)
+        echo "fedmpi-slurm: no checkpoint of this job in $out; restarting the run" \
              "(restart ${SLURM_RESTART_COUNT})" >&2
     elif [[ -f "$out/checkpoint.pt" ]]; then
         echo "fedmpi-slurm: $out/checkpoint.pt is not this job's; not resuming it (add" \

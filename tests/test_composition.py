@@ -62,11 +62,12 @@ def test_combination_runs_and_logs_what_it_declares(name, weighting, ecgr, tmp_p
     if issubclass(ALGORITHMS[name], SubmodelMethod):
         over.update(SUBMODEL)
     built = recording(monkeypatch)
-    cfg = config_from_dict(set_dotted(dict(BASE), over))
     if not legal(name, weighting, ecgr):
         with pytest.raises(ConfigError, match="ecgr.enabled|aggregation.weighting"):
-            driver.run(cfg, tmp_path / "out", comm=Comm())
+            driver.run(config_from_dict(set_dotted(dict(BASE), over)), tmp_path / "out",
+                       comm=Comm())
         return
+    cfg = config_from_dict(set_dotted(dict(BASE), over))
     acc = driver.run(cfg, tmp_path / "out", comm=Comm())
     assert acc is not None and 0.0 <= acc <= 1.0
     fed = built[0]

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import h5py
@@ -51,6 +53,7 @@ def write_rounds(log: LogWriter, rounds) -> None:
 
 def test_roundtrip_and_schema(tmp_path):
     path = tmp_path / "log.h5"
+    before = time.time()
     with make_writer(path) as log:
         log.write_static("fedvg/layer_names", ["conv1", "fc"])
         log.set_attr("fedvg", "norm", "l2")
@@ -64,8 +67,11 @@ def test_roundtrip_and_schema(tmp_path):
 
     run = read(path)
     assert run.num_rounds == 3 and run.num_clients == K
+    flushed = run.attrs.pop("flushed_at")
+    assert before <= flushed <= time.time()          # the time of the last flush (issue 18)
     assert run.attrs == {"schema_version": SCHEMA_VERSION, "fedmpi_version": "0.1.0",
-                         "config_yaml": CONFIG, "world_size": 3, "status": "completed"}
+                         "config_yaml": CONFIG, "world_size": 3, "status": "completed",
+                         "writer_host": socket.gethostname(), "writer_pid": os.getpid()}
     assert run.config == {"name": "test", "seed": 1, "data": {"num_clients": 4}}
 
     expected = [round_data(r) for r in range(3)]

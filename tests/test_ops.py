@@ -215,8 +215,11 @@ def test_foreign_missing_and_mismatched_checkpoints_exit_2(reference, tmp_path, 
     assert _main("run", CFG, *OPS, "--set", "data.num_clients=5", "--out", str(out),
                  "--resume") == 2
     err = capsys.readouterr().err
-    assert "num_clients=6" in err and "'data.num_clients'" in err
+    assert "config key 'data.num_clients' (6 there, 5 now) differs" in err
     (out / "checkpoint.pt").unlink()
+    assert _main("run", CFG, *OPS, "--out", str(out), "--resume") == 2
+    assert f"{out / 'checkpoint.pt'}: missing, but" in capsys.readouterr().err
+    (out / "log.h5").unlink()
     assert _main("run", CFG, *OPS, "--out", str(out), "--resume") == 2
     assert f"{out / 'checkpoint.pt'}: no checkpoint" in capsys.readouterr().err
     torch.save({"format": "something else"}, out / "checkpoint.pt")

@@ -107,7 +107,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..errors import ConfigError
 from ..flat import FlatModel
 from ..train import LocalTrainer, StepHooks, TrainResult
 from .base import Algorithm, ClientTask, RoundInfo, Stat
@@ -149,9 +148,7 @@ class FedGPS(Algorithm):
     def __init__(self, cfg, layout: FlatModel, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
         g = cfg.algorithm.fedgps
-        if not (g.static or g.dynamic):
-            raise ConfigError("config keys 'algorithm.fedgps.static' and 'algorithm.fedgps.dynamic' "
-                              "are both false: that is FedAvg (use algorithm.name=fedavg)")
+        # static and dynamic both off is refused by the config validator (that is FedAvg)
         self.static, self.dynamic = bool(g.static), bool(g.dynamic)
         self.lambda_g, self.norm_kind = float(g.lambda_g), g.norm
         self.lambda1, self.w_surrogate = float(g.lambda1), float(g.surrogate_supcon)

@@ -344,11 +344,8 @@ class SubmodelMethod(Algorithm):
     dynamic_mask = False
 
     def __init__(self, cfg, layout: FlatModel, num_clients: int) -> None:
-        if cfg.ecgr.enabled:
-            # ECGR rescales the whole parameter update after finish_client, which would
-            # write into coordinates outside the client's mask.
-            raise ConfigError(f"config key 'ecgr.enabled': ECGR does not compose with "
-                              f"algorithm.name={cfg.algorithm.name!r} (submodel uploads are masked)")
+        # ECGR is refused by the config validator (fedmpi.config SUBMODEL_METHODS): it
+        # rescales the whole update after finish_client, outside the client's mask.
         super().__init__(cfg, layout, num_clients)
         a = cfg.algorithm
         self.levels = [float(r) for r in (cfg.system.levels or [])]

@@ -10,8 +10,11 @@ float copy and lets the whole pool sit on the GPU next to the model.
 from __future__ import annotations
 
 import dataclasses
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from fedmpi.data.augment import random_crop_flip
@@ -172,3 +175,17 @@ def channel_stats(
     var = (total_sq / count - mean.square()).clamp_min(0.0)
     std = torch.where(var > 0, var.sqrt(), torch.ones_like(var))
     return tuple(float(m) for m in mean), tuple(float(s) for s in std)
+
+
+def npz_member(npz: "np.lib.npyio.NpzFile", key: str, path: str) -> np.ndarray:
+    """Array ``key`` of an open ``.npz`` (loaded with ``allow_pickle=False``); an object
+    array (which only pickle could load) or a damaged member is a DataError naming both."""
+    from fedmpi.errors import DataError
+
+    try:
+        return npz[key]
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        if "allow_pickle" in str(exc):
+            raise DataError(f"{path}: array {key!r} is an object array (needs pickle, which "
+                            "fedmpi never loads); store numeric arrays") from None
+        raise DataError(f"{path}: array {key!r} is unreadable ({exc})") from None

@@ -7,6 +7,7 @@ from typing import Any
 
 from fedmpi.data.base import Dataset
 from fedmpi.data.partition import Partition, make_partition
+from fedmpi.errors import DataError
 
 __all__ = ["build_partition"]
 
@@ -16,12 +17,33 @@ def build_partition(cfg: Any, dataset: Dataset) -> Partition:
     with the ``data.partition.*`` and ``data.validation.fraction`` keys of ``cfg``
     (``data.partition.seed``, or the top-level ``seed`` when it is null)."""
     p = cfg.data.partition
-    return make_partition(
+    part = make_partition(
         dataset.y_train.cpu().numpy(), cfg.data.num_clients, p.method,
         seed=cfg.seed if p.seed is None else p.seed, alpha=p.alpha,
         classes_per_client=p.classes_per_client, min_size=p.min_size, file=p.file,
         validation_fraction=cfg.data.validation.fraction, num_classes=dataset.num_classes,
         min_batches=_ecgr_min_batches(cfg), batch_size=cfg.train.batch_size)
+    _check_batchnorm_sizes(cfg, part)
+    return part
+
+
+#: Models whose ``model.norm`` layers are BatchNorm when norm is bn/static_bn (lenet has
+#: no normalisation, the ViTs use LayerNorm).
+_BN_MODELS = ("cnn", "resnet18", "resnet34", "resnet50")
+
+
+def _check_batchnorm_sizes(cfg: Any, part: Partition) -> None:
+    """BatchNorm cannot normalise a training batch of one sample, so a one-sample
+    client would fail in local training; refuse it here, naming the client."""
+    if cfg.model.norm not in ("bn", "static_bn") or cfg.model.name not in _BN_MODELS:
+        return
+    for k, ix in enumerate(part.client_indices):
+        if len(ix) < 2:
+            raise DataError(
+                f"data.num_clients={cfg.data.num_clients}: client {k} gets {len(ix)} training "
+                f"sample(s); BatchNorm (model.norm={cfg.model.norm}) needs >= 2 per batch: use "
+                "fewer data.num_clients, data.partition.method=dirichlet with min_size >= 2, "
+                "or model.norm=gn")
 
 
 def _ecgr_min_batches(cfg: Any) -> int:

@@ -106,9 +106,19 @@ def load_hdf5(root: str, augment: bool = False) -> Dataset:
             if missing:
                 raise DataError(f"{path}: missing dataset(s) {', '.join(missing)} "
                                 "(expected x_train [N,C,H,W], y_train [N], x_test, y_test)")
-            arrays = {k: f[k][()] for k in ("x_train", "y_train", "x_test", "y_test")}
-    except OSError as exc:
+            arrays = {}
+            for k in ("x_train", "y_train", "x_test", "y_test"):
+                if not isinstance(f[k], h5py.Dataset):
+                    raise DataError(f"{path}: {k!r} is a group, expected a dataset")
+                arrays[k] = f[k][()]
+    except (OSError, KeyError, TypeError, ValueError) as exc:
         raise DataError(f"{path}: not a readable HDF5 file ({exc})") from None
+    for k, a in arrays.items():
+        kinds = "iu" if k.startswith("y") else "iuf"
+        if not isinstance(a, np.ndarray) or a.dtype.kind not in kinds:
+            what = "integer labels" if k.startswith("y") else "numeric images"
+            raise DataError(f"{path}: dataset {k!r} must hold {what}, got "
+                            f"{getattr(a, 'dtype', type(a).__name__)}")
     xtr, xte = arrays["x_train"], arrays["x_test"]
     if xtr.ndim != 4 or xte.ndim != 4 or xtr.shape[1:] != xte.shape[1:]:
         raise DataError(f"{path}: x_train/x_test must be [N, C, H, W] with the same C, H, W; "

@@ -23,10 +23,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import zipfile
 from typing import Any
 
 import numpy as np
 
+from fedmpi.data.base import npz_member
 from fedmpi.errors import DataError
 
 __all__ = ["check_partition", "read_partition_file", "write_partition_file"]
@@ -57,8 +59,13 @@ def _read_json(path: str) -> tuple[list[np.ndarray], np.ndarray | None]:
     try:
         with open(os.path.expanduser(path), encoding="utf-8") as fh:
             obj = json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise DataError(f"data.partition.file={path!r} is not valid JSON ({exc})") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(f"data.partition.file={path!r} is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise DataError(f"data.partition.file={path!r}: JSON nested too deeply; expected a list "
+                        "of per-client index lists") from None
+    except OSError as exc:
+        raise DataError(f"data.partition.file={path!r}: cannot read ({exc.strerror})") from None
     validation = None
     if isinstance(obj, dict):
         unknown = sorted(set(obj) - {"clients", "validation"})
@@ -82,8 +89,8 @@ def _read_json(path: str) -> tuple[list[np.ndarray], np.ndarray | None]:
 def _read_npz(path: str) -> tuple[list[np.ndarray], np.ndarray | None]:
     try:
         npz = np.load(os.path.expanduser(path), allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise DataError(f"data.partition.file={path!r} is not a readable .npz file ({exc})") from exc
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise DataError(f"data.partition.file={path!r} is not a readable .npz file ({exc})") from None
     with npz:
         numbers = {}
         for key in npz.files:
@@ -100,9 +107,12 @@ def _read_npz(path: str) -> tuple[list[np.ndarray], np.ndarray | None]:
                 f"data.partition.file={path!r}: client arrays must be named client_0 .. "
                 f"client_{len(numbers) - 1} without gaps, found {sorted(numbers.values())}"
             )
-        clients = [_as_indices(npz[numbers[k]], path, numbers[k]) for k in range(len(numbers))]
+        where = f"data.partition.file={path!r}"
+        clients = [_as_indices(npz_member(npz, numbers[k], where), path, numbers[k])
+                   for k in range(len(numbers))]
         validation = (
-            _as_indices(npz["validation"], path, "'validation'") if "validation" in npz.files else None
+            _as_indices(npz_member(npz, "validation", where), path, "'validation'")
+            if "validation" in npz.files else None
         )
     return clients, validation
 

@@ -19,13 +19,14 @@ the loader expects and how to provide it.
 from __future__ import annotations
 
 import os
+import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from fedmpi.data.base import Dataset, channel_stats
+from fedmpi.data.base import Dataset, channel_stats, npz_member
 from fedmpi.errors import DataError
 
 __all__ = [
@@ -245,8 +246,8 @@ def load_medmnist(flag: str, root: str, augment: bool = False) -> Dataset:
         )
     try:
         npz = np.load(fs_path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{path} is not a readable .npz file ({exc})") from exc
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise DataError(f"{path} is not a readable .npz file ({exc})") from None
     with npz:
         missing = [k for k in _MEDMNIST_KEYS if k not in npz.files]
         if missing:
@@ -256,8 +257,10 @@ def load_medmnist(flag: str, root: str, augment: bool = False) -> Dataset:
             )
         parts = {}
         for split in ("train", "val", "test"):
-            images = _medmnist_images(npz[f"{split}_images"], path, f"{split}_images")
-            labels = _medmnist_labels(npz[f"{split}_labels"], images.shape[0], path, f"{split}_labels")
+            images = _medmnist_images(npz_member(npz, f"{split}_images", path), path,
+                                      f"{split}_images")
+            labels = _medmnist_labels(npz_member(npz, f"{split}_labels", path), images.shape[0],
+                                      path, f"{split}_labels")
             parts[split] = (images, labels)
     shapes = {tuple(x.shape[1:]) for x, _ in parts.values()}
     if len(shapes) != 1:

@@ -17,9 +17,11 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .. import __version__, checkpoint, signals
+from .. import checkpoint, rundir, signals
 from ..comm import Comm, CommTimeout
 from ..errors import UserError
+from ..outputs import OutputError, write_model
+from . import guard
 from .federation import CMD_ABORT, CMD_ROUND, Federation
 
 
@@ -38,28 +40,8 @@ def _finish_pending_quietly(fed: Federation) -> None:
             fed.writer.event(t, fed.rank, -1, message)
 
 
-def _open_log(fed: Federation, path: Path, resume_rounds: Optional[int] = None):
-    from ..log import LogWriter
-
-    return LogWriter(path, config_yaml=fed.cfg.to_yaml(), world_size=fed.size, num_clients=fed.K,
-                     num_samples=fed.num_samples, class_counts=fed.partition.class_counts,
-                     fedmpi_version=__version__, resume=resume_rounds is not None,
-                     resume_rounds=resume_rounds)
-
-
-def _logged_history(path: Path, rounds: int) -> list[dict]:
-    """Rounds < ``rounds`` of an existing log as :attr:`Federation.history` rows."""
-    from ..log import read
-
-    log = read(path)
-    keep = log.rounds["round"] < rounds
-    names = ("test_accuracy", "train_loss")
-    return [{"round": int(r), **{n: float(log.rounds[n][i]) for n in names if n in log.rounds}}
-            for i, r in enumerate(log.rounds["round"]) if keep[i]]
-
-
 def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
-        resume: bool = False) -> Optional[float]:
+        resume: bool = False, overwrite: bool = False) -> Optional[float]:
     """Run a whole experiment on this rank; returns the final test accuracy on rank 0.
 
     Raises :class:`UserError` (same on every rank) for bad input, and exits the
@@ -67,16 +49,19 @@ def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
     continues from ``<out>/checkpoint.pt`` and the log (:mod:`fedmpi.checkpoint`).
     SIGTERM/SIGUSR1/SIGINT on any rank: checkpoint after the current round,
     log status ``interrupted``, every rank exits with
-    :data:`fedmpi.signals.EXIT_INTERRUPTED` (75).
+    :data:`fedmpi.signals.EXIT_INTERRUPTED` (75). ``overwrite`` replaces a previous
+    run in the output directory (:mod:`fedmpi.rundir`: lock, fingerprint, conventions).
     """
     signals.install()
     try:
-        return _run(cfg, out_dir, comm, resume)
+        return _run(cfg, out_dir, comm, resume, overwrite)
     finally:
         signals.restore()
+        rundir.release()
 
 
-def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool) -> Optional[float]:
+def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
+         overwrite: bool = False) -> Optional[float]:
     comm = comm or Comm(timeout=cfg.runtime.round_timeout)
     if comm.rank == 0:
         for old, new in getattr(cfg, "renamed", ()):
@@ -87,24 +72,15 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool)
     restored: Optional[checkpoint.Restored] = None
     try:
         fed = Federation(cfg, comm, out)
-        if comm.rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            if resume:
-                restored = checkpoint.load_server_side(fed, checkpoint.checkpoint_path(out))
-                fed.history = _logged_history(out / "log.h5", restored.round)
-            fed.writer = _open_log(fed, out / "log.h5", restored.round if restored else None)
-            (out / "config.yaml").write_text(cfg.to_yaml())
-    except UserError as exc:
+        if comm.rank == 0:   # lock, fingerprint and resume checks, the log (guard, rundir)
+            restored = guard.open_run(fed, out, resume, overwrite)
+    except (UserError, OutputError) as exc:
         error = exc
     except Exception as exc:  # noqa: BLE001 - any setup failure must stop every rank
         error = exc
         traceback.print_exc()
-    code = 2 if isinstance(error, UserError) else (1 if error else 0)
-    agreed = comm.max_int(code, what="setup agreement")
-    if agreed != 0:
-        if error is not None:
-            raise error
-        raise SystemExit(agreed)   # another rank failed; it printed why
+    guard.agree_on_setup(comm, error)   # the error line once, every rank stops
+    assert fed is not None
     start = checkpoint.resume(fed, restored) if resume else 0
     fed.checkpoint_round = start
 
@@ -132,6 +108,8 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool)
             status = "failed"
         elif fed.stop_reason is not None and t < cfg.train.rounds:
             status = "interrupted"
+    except OutputError as exc:   # disk full: one line naming the file, exit 1
+        guard.write_failed(fed, comm, exc, t)
     except CommTimeout as exc:
         print(f"fedmpi: error: {exc}", file=sys.stderr, flush=True)
         _finish_pending_quietly(fed)
@@ -160,17 +138,16 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool)
         if status == "interrupted":
             raise SystemExit(signals.EXIT_INTERRUPTED)
         return None
-    fed.flat.load(fed.global_state)
-    torch.save(fed.flat.model.state_dict(), out / "model.pt")
+    if status != "failed":   # a failed run has no final model
+        fed.flat.load(fed.global_state)
+        write_model(fed.flat.model, out / "model.pt")
     fed.writer.set_status(status)
     fed.writer.close()
     if status == "failed":
         print(f"fedmpi: error: {fed.failure}", file=sys.stderr, flush=True)
         raise SystemExit(1)
     if status == "interrupted":
-        print(f"fedmpi: interrupted ({fed.stop_reason}) after {t} of {cfg.train.rounds} rounds; "
-              f"checkpoint {checkpoint.checkpoint_path(out)}; continue with: fedmpi run ... --resume",
-              file=sys.stderr, flush=True)
+        print(guard.interrupted_message(fed, t, out), file=sys.stderr, flush=True)
         raise SystemExit(signals.EXIT_INTERRUPTED)
     final = next((h["test_accuracy"] for h in reversed(fed.history)
                   if not np.isnan(h["test_accuracy"])), float("nan"))

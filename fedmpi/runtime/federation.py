@@ -24,6 +24,7 @@ from ..comm import Comm
 from ..train import LocalTrainer
 from .build import build, participants
 from .channel import Channel, plan_uplink
+from . import guard
 from .evaluation import NAN2, Evaluation
 from .record import RoundRecorder
 from .server import STATUS_FAILED, server_step
@@ -200,6 +201,10 @@ class Federation:
             self.recorder.event(t, int(self.host[k]), int(k), "update excluded: non-finite values")
         if result.accepted.size == 0:
             self.recorder.event(t, 0, -1, "no update accepted; global model unchanged")
+        elif not guard.global_model_finite(self, t):   # stop; the last checkpoint is kept
+            if self.evals.shards(t):
+                self.evals.sharded(self.global_state, self.ctx, self.channel)   # workers wait in it
+            return
         overlapped = self.evals.overlaps(t)
         t_eval = time.perf_counter()
         loss, acc = NAN2 if overlapped else self._evaluate(t)

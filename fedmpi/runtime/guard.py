@@ -1,0 +1,118 @@
+"""Run-level safety nets the driver calls at a few points (issue 18).
+
+Kept out of :mod:`fedmpi.runtime` so the driver only has one-line call sites:
+
+* :func:`open_run` — rank 0's setup of the output directory: lock and checks
+  (:mod:`fedmpi.rundir`), checkpoint restore, the log (new, or continued after the
+  checkpoint's round), ``config.yaml``.
+* :func:`agree_on_setup` — every rank learns whether any rank failed to set up; the
+  error line is printed once (by rank 0, or by a worker whose problem rank 0 does not
+  share), the others exit quietly with the same status.
+* :func:`global_model_finite` — after aggregation: a non-finite θ stops the run (exit 1,
+  status ``failed``); no checkpoint is written after it, so the last one is the last
+  good state, and no ``model.pt`` is written.
+* :func:`write_failed` — a refused write (disk full) of the log, checkpoint or
+  ``model.pt``: one line naming the file, status ``failed`` if the log still takes it,
+  exit 1 without running HDF5's finalisation (which crashes on a file whose flush
+  failed).
+* :func:`interrupted_message` — what the stop message says about the checkpoint.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .. import __version__, checkpoint, rundir
+from ..errors import UserError
+from ..outputs import OutputError, quiet_h5py_errors
+
+
+def open_run(fed, out: Path, resume: bool, overwrite: bool) -> Optional[checkpoint.Restored]:
+    """Rank 0: own ``out``, restore the checkpoint on ``resume``, open the log."""
+    from ..log import LogWriter
+
+    owned = rundir.prepare(out, fed.cfg, resume, overwrite)
+    restored = None
+    if resume:
+        restored = checkpoint.load_server_side(fed, checkpoint.checkpoint_path(out))
+        fed.history = rundir.resume_history(out / "log.h5", restored.path, restored.round,
+                                            fed.cfg)
+    fed.writer = LogWriter(out / "log.h5", config_yaml=fed.cfg.to_yaml(), world_size=fed.size,
+                           num_clients=fed.K, num_samples=fed.num_samples,
+                           class_counts=fed.partition.class_counts, fedmpi_version=__version__,
+                           resume=restored is not None,
+                           resume_rounds=restored.round if restored else None,
+                           fingerprint=owned.fingerprint)
+    if owned.stale_lock:
+        fed.writer.event(restored.round if restored else 0, 0, -1,
+                         f"took over the stale lock of a run that is gone ({owned.stale_lock})")
+    try:
+        (out / "config.yaml").write_text(fed.cfg.to_yaml())
+    except OSError as exc:
+        from ..outputs import write_failed
+
+        raise write_failed(out / "config.yaml", exc) from None
+    return restored
+
+
+def agree_on_setup(comm, error: Optional[BaseException]) -> None:
+    """Collective: return if every rank set up; else raise on every rank.
+
+    Rank 0 raises its own error (the CLI prints it); a worker raises ``SystemExit``
+    quietly when rank 0 failed too (the same bad input, reported once), and prints
+    its own error first when rank 0 did not fail."""
+    code = 2 if isinstance(error, UserError) else (1 if error is not None else 0)
+    agreed = comm.max_int(code, what="setup agreement")
+    if agreed == 0:
+        return
+    lead = np.array([code], dtype=np.int64)
+    comm.broadcast(lead, what="setup error Bcast")
+    if error is not None and comm.rank == 0:
+        raise error
+    if error is not None and lead[0] == 0:
+        print(f"fedmpi: error: rank {comm.rank}: {error}", file=sys.stderr, flush=True)
+    raise SystemExit(agreed)
+
+
+def global_model_finite(fed, t: int) -> bool:
+    """Rank 0 after aggregation: whether θ is finite; if not, record the failure."""
+    if bool(torch.isfinite(fed.global_state.sum(dtype=torch.float64))):
+        return True
+    path = checkpoint.checkpoint_path(fed.out_dir) if fed.out_dir is not None else None
+    kept = (f"the last good state is the checkpoint {path} (rounds < {fed.checkpoint_round})"
+            if path is not None and path.exists() else "no checkpoint was written before it")
+    fed.failure = (f"round {t}: the global model has non-finite values after aggregation "
+                   f"(diverged: lower train.lr or algorithm.server_lr); {kept}")
+    fed.recorder.event(t, 0, -1, fed.failure)
+    return False
+
+
+def write_failed(fed, comm, exc: OutputError, t: int) -> None:
+    """A refused write on this rank: report it in one line and end the job (exit 1)."""
+    print(f"fedmpi: error: {exc}", file=sys.stderr, flush=True)
+    quiet_h5py_errors()
+    writer = getattr(fed, "writer", None)
+    if writer is not None and writer.broken is None:
+        try:
+            writer.event(t, comm.rank, -1, str(exc))
+            writer.set_status("failed")
+            writer.close()
+        except OutputError:
+            pass
+    rundir.release()
+    comm.abort(1)
+
+
+def interrupted_message(fed, t: int, out: Path) -> str:
+    """The stop line: which rounds the checkpoint holds, or that there is none."""
+    path = checkpoint.checkpoint_path(out)
+    if fed.checkpoint_round > 0 and path.exists():
+        return (f"fedmpi: interrupted ({fed.stop_reason}) after {t} of {fed.cfg.train.rounds} "
+                f"rounds; checkpoint {path} (rounds < {fed.checkpoint_round}); continue with: "
+                "fedmpi run ... --resume")
+    return (f"fedmpi: interrupted ({fed.stop_reason}) before round {t}; no checkpoint was "
+            f"written, nothing to resume: start again with: fedmpi run ... --overwrite")
