@@ -342,7 +342,11 @@ def test_fedvg_composition_layout(name):
     algo = ALGORITHMS[name](config_from_dict({"algorithm": {"name": name}}),
                             FlatModel(nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))), 3)
     layout = plan_layout(algo.uplink_stats(), per_client_weighting=True)
-    assert [s.name for s, _ in layout.gathered] == ["delta"]
+    weighted = [s.name for s, _ in layout.gathered if s.combine == "weighted"]
+    assert weighted == ["delta"]
+    # FedNova's a_k travels per client (FedVG scores θ + a_k d_k), never combined
+    client = [s.name for s, _ in layout.gathered if s.combine == "client"]
+    assert client == (["fednova/a"] if name == "fednova" else [])
     expected_sum = {"scaffold": ["dc"], "feddyn": ["dh"], "elastic": ["sensitivity"]}.get(name, [])
     assert [s.name for s, _ in layout.reduced] == expected_sum
     assert all(s.combine == "sum" for s, _ in layout.reduced)
