@@ -13,8 +13,9 @@ from .fedlagc import FedLAGC  # noqa: E402
 from .fedrolex import FedRolex  # noqa: E402
 from .fiarse import FIARSE  # noqa: E402
 from .heterofl import HeteroFL  # noqa: E402
+from .scalefl import ScaleFL  # noqa: E402
 
-ALGORITHMS.update({c.name: c for c in (FedLAGC, FIARSE, HeteroFL, FedRolex)})
+ALGORITHMS.update({c.name: c for c in (FedLAGC, FIARSE, HeteroFL, FedRolex, ScaleFL)})
 
 from .elastic import Elastic  # noqa: E402
 from .fedavgm import FedAvgM  # noqa: E402
