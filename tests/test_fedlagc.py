@@ -537,3 +537,16 @@ def test_scalefl_skips_deepest_identity_blocks_and_scales_width():
                 out = block(out)
     want = model.classifier(torch.flatten(F.adaptive_avg_pool2d(out, 1), 1))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_scalefl_round_on_digits_width_only():
+    """ScaleFL runs on the shared round protocol; on a model without residual
+    blocks it is scaled in width only (HeteroFL's masks) and says so in the log."""
+    fed = Federation(cfg(**{"algorithm.name": "scalefl"}), Comm())
+    nested = Extractor(fed.flat, "nested")
+    for r in LEVELS:
+        torch.testing.assert_close(fed.algo.extractor.extract(fed.global_state, r, 0).mask,
+                                   nested.extract(fed.global_state, r, 0).mask)
+    fed.round(0)
+    assert torch.isfinite(fed.global_state).all()
+    assert fed.algo.extractor.skippable == []

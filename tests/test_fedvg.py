@@ -518,9 +518,9 @@ from fedmpi.runtime import Federation
 from fedmpi.algorithms.fedvg import FedVG
 calls = []
 orig = FedVG.score
-def score(self, theta, deltas):
+def score(self, theta, deltas, *args):
     calls.append(int(deltas.shape[0]))
-    return orig(self, theta, deltas)
+    return orig(self, theta, deltas, *args)
 FedVG.score = score
 d = {"name": "arr", "seed": 5, "runtime": {"progress": False, "device": "cpu", "threads": 1},
      "data": {"num_clients": 6, "partition": {"method": "dirichlet", "alpha": 0.5, "min_size": 5},
