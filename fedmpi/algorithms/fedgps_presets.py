@@ -6,15 +6,17 @@ docstring of :mod:`fedmpi.algorithms.fedgps`.
 """
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = ["DEFAULTS", "PRESETS", "AUTHORS_MEAN", "AUTHORS_STD", "resolve_options"]
 
 #: Built-in values of the preset-controlled keys (no preset, key null).
-DEFAULTS: dict[str, object] = {
+DEFAULTS: dict[str, Any] = {
     "norm": "global", "lambda1": 1.0, "surrogate_supcon": 0.1, "lambda2": 0.1,
     "align_labels": "class", "eval_logits": "first", "sign": "along",
     "first_participation": "none", "surrogate_augment": "none", "surrogate_normalize": "dataset"}
 #: Each source's values (module docstring table).
-PRESETS: dict[str, dict[str, object]] = {
+PRESETS: dict[str, dict[str, Any]] = {
     "paper": {"norm": "global", "lambda1": 0.1, "surrogate_supcon": 0.0, "lambda2": 0.2,
               "align_labels": "class", "eval_logits": "first", "sign": "against",
               "first_participation": "global", "surrogate_augment": "none",
@@ -28,7 +30,7 @@ PRESETS: dict[str, dict[str, object]] = {
 AUTHORS_MEAN, AUTHORS_STD = 0.5, 0.25
 
 
-def resolve_options(section) -> dict[str, object]:
+def resolve_options(section) -> dict[str, Any]:
     """Values of the preset-controlled keys of ``algorithm.fedgps`` (``section``):
     an explicitly set (non-null) key wins, then the preset, then :data:`DEFAULTS`."""
     base = PRESETS.get(section.preset, DEFAULTS) if section.preset else DEFAULTS

@@ -73,7 +73,9 @@ class FedNova(Algorithm):
     def server_update(self, state: torch.Tensor, agg: dict[str, torch.Tensor],
                       info: RoundInfo) -> None:
         P = self.num_params
-        a = agg[A_STAT][torch.as_tensor(info.clients, dtype=torch.long), 0].double().cpu().numpy()
+        a_all = agg[A_STAT]
+        rows = torch.as_tensor(info.clients, dtype=torch.long, device=a_all.device)
+        a = a_all[rows, 0].double().cpu().numpy()
         tau_eff = float(np.sum(np.asarray(info.weights, dtype=np.float64) * a))
         state[:P].add_(agg["delta"][:P], alpha=self.server_lr * tau_eff)
         state[P:].add_(agg["delta"][P:], alpha=self.server_lr)

@@ -516,6 +516,7 @@ class SubmodelMethod(Algorithm):
     def masked_loss(self, task: ClientTask):
         """HeteroFL's masked cross-entropy (its code's ``cfg['mask']``): the logits of
         classes absent from client ``task.client``'s data are set to 0 before the CE."""
+        assert self._fed is not None, "bind() first"
         data = self._fed.data
         present = torch.zeros(data.num_classes, dtype=torch.bool, device=task.indices.device)
         present[data.y_train[task.indices]] = True
