@@ -549,3 +549,25 @@ def test_clients_are_scored_as_they_arrive(tmp_path):
     assert m.group(1) == "True" and calls == [1] * 8       # 2 rounds × 4 participants
     # (that these norms give the same weights as scoring all rows at once is the
     # world-size invariance test: -n 1 scores in one batch after training)
+
+
+def test_fedvg_scores_the_reaggregated_model_under_ecgr():
+    """With ECGR the client model is the re-aggregated θ'_k = θ − g' that ECGR uploads
+    in place of θ_k (module docstring): the logged norms are those of ∇L_val(θ'_k),
+    by hand, and differ from those of the locally trained θ_k."""
+    fed = make_fed(**{"ecgr.enabled": True, "train.momentum": 0.5, "train.local_steps": 4})
+    models = {}
+    orig = fed.algo.client_update
+
+    def spy(task, trainer, state, extras, out):
+        res = orig(task, trainer, state, extras, out)
+        models[task.client] = (state + out["delta"], trainer.flat.vector.clone())
+        return res
+
+    fed.algo.client_update = spy
+    logged = _capture_log(fed)
+    fed.round(0)
+    gn = logged["fedvg/grad_norm"]
+    for k, (reagg, trained) in models.items():
+        np.testing.assert_allclose(gn[k], hand_val_norms(fed, reagg), rtol=1e-4, atol=1e-7)
+        assert not np.allclose(gn[k], hand_val_norms(fed, trained), rtol=1e-3)
