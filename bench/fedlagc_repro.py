@@ -1,7 +1,9 @@
-"""FedLAGC reproduction on digits (README table): FedLAGC, FedLAGC w/o GC, FIARSE,
-HeteroFL, FedRolex × seeds on ``configs/fedlagc_digits.yaml``, one process each.
+"""FedLAGC reproduction on digits (README table): FedLAGC, FedLAGC w/o GC, FIARSE (its
+code's rule, and the former recovering rule with FedLAGC's critical set), HeteroFL,
+FedRolex, ScaleFL × seeds on ``configs/fedlagc_digits.yaml``, one process each.
 
-    python bench/fedlagc_repro.py --out runs/fedlagc_repro [--seeds 0 1 2] [--summary-only]
+    python bench/fedlagc_repro.py --out runs/fedlagc_repro [--seeds 0 1 2] [--methods fiarse ...]
+                                  [--summary-only]
 
 Prints a markdown table (per-level accuracy = mean of the last ``--last`` rounds,
 mean ± std over seeds) and, last, one JSON object with the same numbers.
@@ -18,7 +20,11 @@ import numpy as np
 
 METHODS = {"fedlagc": ("FedLAGC", []),
            "fedlagc_nogc": ("FedLAGC w/o GC", ["--set", "algorithm.fedlagc.correction=false"]),
-           "fiarse": ("FIARSE", []), "heterofl": ("HeteroFL", []), "fedrolex": ("FedRolex", [])}
+           "fiarse": ("FIARSE", []),
+           "fiarse_recover": ("FIARSE (recover, critical kept)",
+                              ["--set", "algorithm.fiarse.below_threshold=recover",
+                               "--set", "algorithm.fiarse.always_keep=critical"]),
+           "heterofl": ("HeteroFL", []), "fedrolex": ("FedRolex", []), "scalefl": ("ScaleFL", [])}
 
 
 def main() -> None:
@@ -27,6 +33,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--last", type=int, default=5)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--summary-only", action="store_true")
     args = ap.parse_args()
     from fedmpi.log import read
@@ -34,8 +41,9 @@ def main() -> None:
     out = Path(args.out)
     if not args.summary_only:
         for seed in args.seeds:
-            for key, (_, extra) in METHODS.items():
-                name = "fedlagc" if key.startswith("fedlagc") else key
+            for key in args.methods:
+                extra = METHODS[key][1]
+                name = key.split("_")[0]
                 subprocess.run([sys.executable, "-m", "fedmpi", "run", "configs/fedlagc_digits.yaml",
                                 "--set", f"algorithm.name={name}", *extra, "--set", f"seed={seed}",
                                 "--set", f"train.rounds={args.rounds}", "--set", "runtime.threads=1",

@@ -12,7 +12,7 @@ A method that needs a collective after a resume gets exactly one:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional
 
 import numpy as np
 import torch
@@ -99,6 +99,9 @@ class Context:
             the run's forward, evaluation batch size and evaluated logits.
         client_weight: w̃_k, the weighting's unnormalised weight of client k
             (None for weightings that score clients on rank 0).
+        model_delta_scale: the method's c_k with θ_k − θ = c_k·u_k on the parameters,
+            from client k's statistics (1 for most methods; FedNova: a_k), so a
+            per-client weighting can score the client model θ_k (FedVG Eq. 4).
     """
 
     cfg: Config
@@ -120,6 +123,8 @@ class Context:
     test: Callable[..., tuple[float, float, float]] = field(
         default=lambda state, part=slice(None): (float("nan"), float("nan"), 0.0))
     client_weight: Optional[Callable[[int], float]] = None
+    model_delta_scale: Callable[[Mapping[str, torch.Tensor]], float] = field(
+        default=lambda stats: 1.0)
 
     @property
     def is_server(self) -> bool:

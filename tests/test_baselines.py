@@ -16,7 +16,6 @@ import fedmpi.runtime.build as runtime_build
 from conftest import SMALL, TEST_DEVICE, bare_context, run_fedmpi, set_dotted
 from fedmpi.algorithms import ALGORITHMS, ClientTask, RoundInfo, start
 from fedmpi.algorithms.elastic import Elastic
-from fedmpi.algorithms.fednova import normaliser
 from fedmpi.comm import Comm
 from fedmpi.config import config_from_dict
 from fedmpi.errors import ConfigError
@@ -100,11 +99,13 @@ def test_degenerate_baselines_equal_fedavg_exactly():
     assert not torch.allclose(_trajectory("fedprox", **{"algorithm.fedprox.mu": 1.0}), ref, atol=1e-4)
 
 
-def test_fednova_unequal_steps_matches_formula():
-    """θ⁺ = θ + τ_eff Σ p_k Δ_k/a_k with a_k = Σ_{t≤τ_k}(1−ρ^t)/(1−ρ), τ_eff = Σ p_k a_k."""
+@pytest.mark.parametrize("rule", ["momentum", "steps"])
+def test_fednova_unequal_steps_matches_formula(rule):
+    """θ⁺ = θ + τ_eff Σ p_k Δ_k/a_k, τ_eff = Σ p_k a_k with a_k = Σ_{t≤τ_k}(1−ρ^t)/(1−ρ)
+    (``momentum``, FedNova's code) or a_k = τ_k (``steps``, ECGR Algorithm 3)."""
     over = {"train.local_steps": None, "train.local_epochs": 1, "train.batch_size": 16,
             "train.momentum": 0.5, "train.clients_per_round": 3}
-    nova = make_fed(**{"algorithm.name": "fednova", **over})
+    nova = make_fed(**{"algorithm.name": "fednova", "algorithm.fednova.normaliser": rule, **over})
     avg = make_fed(**over)
     theta0 = avg.global_state.clone()
     mask = nova.participants(0)
@@ -116,8 +117,10 @@ def test_fednova_unequal_steps_matches_formula():
         res = avg.algo.client_update(task, avg.trainer, theta0, theta0[:0], out)
         deltas[k], steps[k] = out["delta"].double().cpu().numpy(), res.steps
     assert len(set(steps.values())) > 1, "the test needs unequal τ_k"
-    a = {k: float(normaliser(steps[k], 0.5)) for k in p}
-    assert a[next(iter(p))] == pytest.approx(sum((1 - 0.5 ** t) / 0.5 for t in range(1, steps[next(iter(p))] + 1)))
+    if rule == "steps":
+        a = {k: float(steps[k]) for k in p}
+    else:
+        a = {k: sum((1 - 0.5 ** t) / 0.5 for t in range(1, steps[k] + 1)) for k in p}
     P = nova.flat.num_params
     expected = theta0.double().cpu().numpy().copy()
     tau_eff = sum(p[k] * a[k] for k in p)
@@ -128,11 +131,14 @@ def test_fednova_unequal_steps_matches_formula():
 
 
 # ------------------------------------------------------------------ SCAFFOLD
-def test_scaffold_control_variates_match_hand_formula(linear):
+@pytest.mark.parametrize("server_c", ["increment", "weighted"])
+def test_scaffold_control_variates_match_hand_formula(linear, server_c):
     """Two rounds, 3 of 4 clients, 2 full-batch steps: c_k⁺ = c_k − c + (θ − θ_k)/(Kη),
-    c ← c + (1/N)Σ_S (c_k⁺ − c_k), θ ← θ + Σ s_k Δ_k; local steps use G − c_k + c."""
+    θ ← θ + Σ s_k Δ_k; local steps use G − c_k + c; server c ← c + (1/N)Σ_S (c_k⁺ − c_k)
+    (SCAFFOLD, ``increment``) or c ← Σ_S p_k c_k⁺ (ECGR Alg. 4 line 20, ``weighted``)."""
     lr, K, N = 0.1, 2, 4
-    fed = make_fed(**{"algorithm.name": "scaffold", "train.clients_per_round": 3, "train.lr": lr})
+    fed = make_fed(**{"algorithm.name": "scaffold", "train.clients_per_round": 3, "train.lr": lr,
+                      "algorithm.scaffold.server_c": server_c})
     xy = {k: client_xy(fed, k) for k in range(N)}
     th = theta(fed)
     c = np.zeros_like(th)
@@ -140,16 +146,17 @@ def test_scaffold_control_variates_match_hand_formula(linear):
     for t in range(2):
         mask = fed.participants(t)
         s = sample_weights(fed, mask)
-        new_th, dc_sum = th.copy(), np.zeros_like(th)
+        new_th, dc_sum, c_avg = th.copy(), np.zeros_like(th), np.zeros_like(th)
         for k in s:
             w = th.copy()
             for _ in range(K):
                 w -= lr * (softmax_grad(w, *xy[k]) - c_loc[k] + c)
             c_plus = c_loc[k] - c + (th - w) / (K * lr)
             dc_sum += c_plus - c_loc[k]
+            c_avg += s[k] * c_plus
             c_loc[k] = c_plus
             new_th += s[k] * (w - th)
-        th, c = new_th, c + dc_sum / N
+        th, c = new_th, (c + dc_sum / N if server_c == "increment" else c_avg)
         fed.round(t)
         np.testing.assert_allclose(theta(fed), th, atol=1e-5, rtol=0)
         np.testing.assert_allclose(fed.algo.c.double().cpu().numpy(), c, atol=1e-5, rtol=0)
@@ -340,7 +347,11 @@ def test_fedvg_composition_layout(name):
     algo = ALGORITHMS[name](config_from_dict({"algorithm": {"name": name}}),
                             FlatModel(nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))), 3)
     layout = plan_layout(algo.uplink_stats(), per_client_weighting=True)
-    assert [s.name for s, _ in layout.gathered] == ["delta"]
+    weighted = [s.name for s, _ in layout.gathered if s.combine == "weighted"]
+    assert weighted == ["delta"]
+    # FedNova's a_k travels per client (FedVG scores θ + a_k d_k), never combined
+    client = [s.name for s, _ in layout.gathered if s.combine == "client"]
+    assert client == (["fednova/a"] if name == "fednova" else [])
     expected_sum = {"scaffold": ["dc"], "feddyn": ["dh"], "elastic": ["sensitivity"]}.get(name, [])
     assert [s.name for s, _ in layout.reduced] == expected_sum
     assert all(s.combine == "sum" for s, _ in layout.reduced)

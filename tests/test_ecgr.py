@@ -232,16 +232,18 @@ def test_lr_schedule_step_decay():
 
 
 @pytest.mark.skipif("fednova" not in ALGORITHMS, reason="fednova not registered")
-def test_fednova_normalises_the_rewritten_update():
-    """Algorithm 3: the upload is γ(Σ_π g + βΣ_π' g)/a_k (a_k the FedNova normaliser)."""
-    from fedmpi.algorithms.fednova import normaliser
-
-    nova = make_fed(**{"algorithm.name": "fednova"})
+@pytest.mark.parametrize("rule", ["momentum", "steps"])
+def test_fednova_normalises_the_rewritten_update(rule):
+    """The upload is γ(Σ_π g + βΣ_π' g)/a_k: a_k = τ_k with ``steps`` (Algorithm 3,
+    line 13), FedNova's momentum-aware Σ_t (1 − ρ^t)/(1 − ρ) with ``momentum``."""
+    nova = make_fed(**{"algorithm.name": "fednova", "algorithm.fednova.normaliser": rule})
     avg = make_fed()
     a, res = client_out(nova, k=2)
     b, _ = client_out(avg, k=2)
     P = nova.flat.num_params
-    a_k = float(normaliser(res.steps, 0.9))
+    a_k = (float(res.steps) if rule == "steps"
+           else sum((1 - 0.9 ** t) / 0.1 for t in range(1, res.steps + 1)))
+    assert float(a["fednova/a"][0]) == pytest.approx(a_k, rel=1e-6)
     torch.testing.assert_close(a["delta"][:P] * a_k, b["delta"][:P], rtol=1e-5, atol=1e-8)
 
 

@@ -313,3 +313,132 @@ def test_resume_restores_previous_global_so_first_round_is_rectified(tmp_path):
             torch.testing.assert_close(b[key], ref, atol=1e-5, rtol=0, msg=key)
     np.testing.assert_allclose(read(part / "log.h5").rounds["test_accuracy"],
                                read(full / "log.h5").rounds["test_accuracy"], atol=1e-5)
+
+
+# -------------------------------------------- Eq. 6 term by term (issue 17)
+def hand_supcon(z: torch.Tensor, labels: torch.Tensor, tau: float) -> torch.Tensor:
+    """Khosla et al. Eq. 2 written as loops: for anchor i, the mean over its
+    positives p of −log(exp(z_i·z_p/τ) / Σ_{a≠i} exp(z_i·z_a/τ)); anchors without
+    positives add 0; the mean over all anchors."""
+    n = labels.numel()
+    total = z.new_zeros(())
+    for i in range(n):
+        others = [a for a in range(n) if a != i]
+        log_denom = torch.logsumexp(torch.stack([z[i] @ z[a] / tau for a in others]), 0)
+        pos = [p for p in others if int(labels[p]) == int(labels[i])]
+        if pos:
+            total = total - torch.stack([z[i] @ z[p] / tau - log_denom for p in pos]).mean()
+    return total / n
+
+
+@pytest.mark.parametrize("align", ["class", "shifted"])
+def test_eq6_loss_and_gradient_against_plain_torch(align):
+    """F_k = CE(h(ψ(x)), y) + CE(h(ψ(x_s)), C + c_s) + λ1·SupCon_τ([ψ̄(x); sg(ψ̄(x_s))],
+    labels) + w_s·SupCon_τ(ψ̄(x_s), c_s) + λ2·MSE(ψ(x_s), E_{c_s}), τ = 0.5 ≠ 1, every
+    weight distinct, one forward on [x; x_s] (BN sees both): value *and* gradient
+    (which catches a missing detach) through the method's local-loop loss."""
+    lam1, ws, lam2, tau = 0.3, 0.2, 0.7, 0.5
+    fed = make_fed(**{"algorithm.fedgps.lambda1": lam1, "algorithm.fedgps.surrogate_supcon": ws,
+                      "algorithm.fedgps.lambda2": lam2, "algorithm.fedgps.temperature": tau,
+                      "algorithm.fedgps.align_labels": align, "algorithm.fedgps.dynamic": False,
+                      "algorithm.fedgps.surrogate_batch": 12, "train.batch_size": 8})
+    algo: FedGPS = fed.algo
+    C, d = algo.C, algo.feat_dim
+    protos = torch.randn(C, d, generator=torch.Generator().manual_seed(5)).to(fed.device)
+    idx = fed.client_idx[0][:8]
+    x, y = fed.data.prepare(fed.data.x_train[idx], train=True), fed.data.y_train[idx]
+    flat = fed.trainer.flat
+    flat.model.train()
+    algo._psum.zero_()
+    algo._pcount.zero_()
+    hooks = algo.step_hooks(False, algo.surrogate_generator(9), protos)
+    model = copy.deepcopy(flat.model)
+    loss = hooks.loss_fn(flat, x, y)
+    got = torch.autograd.grad(loss, list(flat.model.parameters()))
+
+    xs, ys = algo.draw_surrogate(algo.surrogate_generator(9))     # the same draw
+    feat = model.features(torch.cat([x, xs]))
+    logits = model.classifier(feat)
+    fr, fs = feat[:8], feat[8:]
+    ce_real = F.cross_entropy(logits[:8], y)
+    ce_sur = F.cross_entropy(logits[8:], ys + C)
+    z = torch.cat([fr / fr.norm(dim=1, keepdim=True), (fs / fs.norm(dim=1, keepdim=True)).detach()])
+    labels = torch.cat([y, ys if align == "class" else ys + C])
+    align_term = hand_supcon(z, labels, tau)
+    zs = fs / fs.norm(dim=1, keepdim=True)
+    sur_term = hand_supcon(zs, ys, tau)
+    mse = ((fs - protos[ys]) ** 2).mean()
+    want_loss = ce_real + ce_sur + lam1 * align_term + ws * sur_term + lam2 * mse
+    want = torch.autograd.grad(want_loss, list(model.parameters()))
+    torch.testing.assert_close(loss, want_loss, atol=1e-5, rtol=1e-5)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+
+
+def test_sign_and_first_participation_options():
+    """sign: against (Def. 4.5) gives e = −λ_g δ/‖δ‖; first_participation: global
+    (Table 5 case B) gives a never-trained client δ = Δ̄ (none by default)."""
+    fed = make_fed(**{"data.num_clients": 5, "algorithm.fedgps.static": False,
+                      "data.partition.min_size": 10, "algorithm.fedgps.sign": "against",
+                      "algorithm.fedgps.first_participation": "global"})
+    fixed_participants(fed, [[0, 1], [1, 2, 3], [0, 1, 4]])
+    algo: FedGPS = fed.algo
+    P = fed.flat.num_params
+    fed.round(0)
+    assert algo.nonself_gradient(2, 0) is None          # no Δ̄ in round 0
+    theta1 = fed.global_state[:P].clone()
+    fed.round(1)
+    dbar = fed.global_state[:P].clone() - theta1
+    d = {k: algo.last_delta[k].clone() for k in (1, 2, 3)}
+    algo.begin_round(2, fed.participants(2), fed.global_state, fed.state.dev[fed.D:])
+    torch.testing.assert_close(algo.nonself_gradient(4, 2).clone(), dbar, atol=0, rtol=0)
+    assert algo.perturbation(1, 2)
+    others = (d[2] + d[3]) / 2
+    torch.testing.assert_close(algo._e, -0.5 * others / torch.linalg.vector_norm(others),
+                               atol=1e-6, rtol=0)
+
+
+def test_presets_and_explicit_keys():
+    """preset paper/authors set each source's values; a key set explicitly wins."""
+    paper = make_fed(**{"algorithm.fedgps.preset": "paper"}).algo
+    assert (paper.lambda1, paper.w_surrogate, paper.lambda2) == (0.1, 0.0, 0.2)
+    assert (paper.norm_kind, paper.align_shifted, paper.eval_all) == ("global", False, False)
+    assert (paper.sign, paper.first_global, paper.augment) == (-1.0, True, False)
+    auth = make_fed(**{"algorithm.fedgps.preset": "authors", "algorithm.fedgps.lambda1": 0.5}).algo
+    assert (auth.lambda1, auth.w_surrogate, auth.lambda2) == (0.5, 0.1, 0.1)
+    assert (auth.norm_kind, auth.align_shifted, auth.eval_all) == ("per_tensor_sum", True, True)
+    assert (auth.sign, auth.first_global, auth.augment) == (1.0, False, True)
+    none = make_fed().algo          # no preset: the documented built-in defaults
+    assert (none.lambda1, none.w_surrogate, none.lambda2, none.norm_kind) == (1.0, 0.1, 0.1, "global")
+    assert (none.align_shifted, none.eval_all, none.sign, none.augment) == (False, False, 1.0, False)
+
+
+def test_authors_surrogate_normalisation_and_crop_flip():
+    """authors: (x − 0.5)/0.25 and, per draw, a 4-px black-padded crop + flip of the
+    drawn images: every augmented sample is one of the 81×2 crops/flips by hand."""
+    fed = make_fed(**{"algorithm.fedgps.surrogate_normalize": "authors",
+                      "algorithm.fedgps.surrogate_augment": "crop_flip",
+                      "algorithm.fedgps.surrogate_batch": 6, "algorithm.fedgps.dynamic": False})
+    algo: FedGPS = fed.algo
+    raw = algo.surrogate.x * 0.25 + 0.5
+    assert raw.min() >= -1e-6 and raw.max() <= 1 + 1e-6          # clamp [0, 1] then authors' norm
+    xs, ys = algo.draw_surrogate(algo.surrogate_generator(4))
+    plain = algo.surrogate.x[torch.randperm(len(algo.surrogate),
+                                            generator=algo.surrogate_generator(4))[:6]]
+    assert not torch.equal(xs, plain)
+    black = (0.0 - 0.5) / 0.25
+    H, W = plain.shape[2:]
+    for b in range(6):
+        padded = F.pad(plain[b], (4, 4, 4, 4), value=black)
+        cands = [padded[:, i:i + H, j:j + W] for i in range(9) for j in range(9)]
+        cands += [c.flip(-1) for c in cands]
+        assert any(torch.allclose(xs[b], c, atol=1e-6) for c in cands), b
+
+
+def test_download_bytes_as_written():
+    """Table 5: the download is θ^t + Δθ^t (+ prototypes) from round 1 on."""
+    fed = make_fed()
+    a, P, E = fed.algo, fed.flat.num_params, fed.algo.downlink_size()
+    assert a.downlink_bytes(0, 0) == 4 * (fed.D + E)
+    assert a.downlink_bytes(0, 3) == 4 * (fed.D + E + P)
+    assert make_fed(**{"algorithm.fedgps.dynamic": False}).algo.downlink_bytes(0, 3) == 4 * (fed.D + E)

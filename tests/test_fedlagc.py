@@ -5,6 +5,7 @@ the per-level log and the byte accounting of a whole run on digits.
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -340,3 +341,212 @@ def test_ecgr_with_submodel_methods_is_rejected():
     proc = run_fedmpi(["run", "configs/fedlagc_digits.yaml", "--set", "ecgr.enabled=true",
                        "--set", "runtime.progress=false"], n=0, check=False, timeout=120)
     assert proc.returncode == 2 and "ecgr.enabled" in proc.stderr
+
+
+# ------------------------------------------------- independent references (issue 17)
+def test_layer_importance_is_the_mean_magnitude_with_unequal_entries():
+    """S_l = mean_i |θ_{l,i}| (not max): layers whose entries have very unequal
+    magnitudes, so mean ≠ max, and r_l = S̃_l (d_n − d̃) / Σ_j S̃_j d_j by hand."""
+    flat = _cnn_flat(3)
+    theta = flat.vector.clone()
+    ex = Extractor(flat, "layer_adaptive")
+    gen = torch.Generator().manual_seed(0)
+    for i, seg in enumerate(ex.prunable):        # one large outlier per layer, different means
+        v = torch.rand(seg.numel, generator=gen) * (0.02 * (i + 1))
+        v[0] = 5.0 / (i + 1)
+        theta[seg.slice] = v * torch.sign(torch.randn(seg.numel, generator=gen))
+    r = 0.25
+    S = np.array([float(theta[s.slice].abs().mean()) for s in ex.prunable])
+    S_max = np.array([float(theta[s.slice].abs().max()) for s in ex.prunable])
+    St = np.log1p(S) / np.log1p(S).sum()
+    d = np.array([s.numel for s in ex.prunable], dtype=float)
+    crit = sum(s.numel for s, c in zip(ex.segments, ex.critical) if c)
+    B = math.floor(r * flat.num_params) - crit
+    hand = St * B / (St * d).sum()
+    assert (hand <= 1).all()                     # no clipping in this case: the bare formula
+    St_max = np.log1p(S_max) / np.log1p(S_max).sum()
+    assert not np.allclose(hand, St_max * B / (St_max * d).sum(), rtol=1e-2)   # discriminates
+    np.testing.assert_allclose(ex.ratios(theta, r), hand, rtol=1e-6)   # float32 means
+    sub = ex.extract(theta, r, 0)
+    for seg, rl in zip(ex.prunable, hand):
+        assert abs(int(sub.mask[seg.slice].sum()) - rl * seg.numel) <= 1.0
+
+
+def _fiarse_fed(**over) -> Federation:
+    c = cfg(**{"algorithm.name": "fiarse", "system.levels": [1.0, 0.25],
+               "system.allocation": [1, 2], "train.local_steps": 4, "train.lr": 0.2,
+               "train.momentum": 0.5, "train.weight_decay": 1e-3, **over})
+    return Federation(c, Comm())
+
+
+def _fiarse_reference(fed: Federation, theta: torch.Tensor, batches: list, frozen: bool,
+                      level: float) -> torch.Tensor:
+    """FIARSE's local training in plain torch (its Bern / MaskedConv2d rule):
+    one global threshold over every conv/linear weight and bias (norm layers
+    always kept), forward with w·1[|w| ≥ θ̃] recomputed each step, gradient
+    ∂/∂w of that product (frozen: 1[|w|≥θ̃]·(1 + 2|w|θ̃/(|w|+θ̃)²); recover: the
+    sent mask instead of the current indicator), SGD with momentum and weight
+    decay. Returns the upload (w_final − θ) ⊙ M_sent over the parameters."""
+    from torch.func import functional_call
+
+    model = copy.deepcopy(fed.flat.model)
+    names = [n for n, _ in model.named_parameters()]
+    norm = {f"{m}.{p}" for m, mod in model.named_modules()
+            if isinstance(mod, (nn.BatchNorm2d, nn.GroupNorm, nn.LayerNorm))
+            for p, _ in mod.named_parameters()}
+    segs = {s.name: s for s in fed.flat.param_segments}
+    w = {n: theta[segs[n].offset:segs[n].offset + segs[n].numel].view(segs[n].shape).clone()
+         for n in names}
+    mags = torch.cat([w[n].abs().reshape(-1) for n in names if n not in norm])
+    k = math.floor(level * fed.flat.num_params) - sum(w[n].numel() for n in names if n in norm)
+    thr = torch.topk(mags, k).values.min()
+    sent = {n: torch.ones_like(w[n]) if n in norm else (w[n].abs() >= thr).float() for n in names}
+    start = {n: w[n] * sent[n] for n in names}
+    w = {n: start[n].clone() for n in names}
+    buf = {}
+    cfg_t = fed.cfg.train
+    for step, (x, y) in enumerate(batches):
+        ind = {n: torch.ones_like(w[n]) if n in norm else (w[n].abs() >= thr).float() for n in names}
+        eff = {n: (w[n] * ind[n]).requires_grad_(True) for n in names}
+        loss = F.cross_entropy(functional_call(model, eff, (x,)), y)
+        g_eff = dict(zip(names, torch.autograd.grad(loss, [eff[n] for n in names])))
+        for n in names:
+            if n in norm:
+                g = g_eff[n]
+            else:
+                a = w[n].abs()
+                gate = ind[n] if frozen else sent[n]
+                g = g_eff[n] * gate * (1 + 2 * a * thr / (a + thr) ** 2)
+            g = g + cfg_t.weight_decay * w[n]
+            buf[n] = g.clone() if step == 0 else buf[n] * cfg_t.momentum + g
+            w[n] = w[n] - cfg_t.lr * buf[n]
+    return torch.cat([((w[n] - theta[segs[n].slice].view(segs[n].shape)) * sent[n]).reshape(-1)
+                      for n in names])
+
+
+@pytest.mark.parametrize("rule", ["frozen", "recover"])
+def test_fiarse_training_path_end_to_end(rule):
+    """A whole FIARSE client update through the runtime's local loop equals FIARSE's
+    rule written in plain torch (``_fiarse_reference``) on the same batches; the
+    level-0.25 client really has entries that fall below θ̃ during training."""
+    fed = _fiarse_fed(**{"algorithm.fiarse.below_threshold": rule})
+    theta = fed.global_state.clone()
+    batches, uploads = [], {}
+    orig_batches, orig_update = fed.trainer.batches, fed.algo.client_update
+
+    def spy_batches(indices, sgd, gen):
+        for b in orig_batches(indices, sgd, gen):
+            batches.append(b.clone())
+            yield b
+
+    def spy_update(task, trainer, state, extras, out, transforms=None):
+        batches.clear()
+        res = orig_update(task, trainer, state, extras, out, transforms)
+        data = fed.data
+        uploads[task.client] = (out["delta"][: fed.flat.num_params].clone(),
+                                [(data.prepare(data.x_train[b], train=True), data.y_train[b])
+                                 for b in batches])
+        return res
+
+    fed.trainer.batches, fed.algo.client_update = spy_batches, spy_update
+    fed.round(0)
+    for client, level in ((0, 1.0), (1, 0.25)):
+        got, data = uploads[client]
+        want = _fiarse_reference(fed, theta, data, rule == "frozen", level)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-3, msg=f"client {client}")
+
+
+def test_fiarse_keeps_only_norm_layers_by_default():
+    """FIARSE's code thresholds the input layer, the classifier and the biases too."""
+    flat = _cnn_flat(2)
+    ex = Extractor(flat, "global", keep="norm")
+    bn = {f"{m}.{p}" for m, mod in flat.model.named_modules() if isinstance(mod, nn.BatchNorm2d)
+          for p, _ in mod.named_parameters()}
+    assert {s.name for s, c in zip(ex.segments, ex.critical) if c} == bn
+    sub = ex.extract(flat.vector, 0.25, 0)
+    head = flat.segment("classifier.weight")
+    assert 0 < int(sub.mask[head.slice].sum()) < head.numel   # the head is pruned as well
+    kept = torch.cat([flat.vector[s.slice].abs()[sub.mask[s.slice] == 1] for s in ex.prunable])
+    dropped = torch.cat([flat.vector[s.slice].abs()[sub.mask[s.slice] == 0] for s in ex.prunable])
+    assert float(kept.min()) >= float(dropped.max())
+
+
+def test_heterofl_masked_cross_entropy():
+    """Logits of classes absent from the client's data are 0 in the training loss
+    (HeteroFL's label_split mask), computed by hand."""
+    fed = Federation(cfg(**{"algorithm.name": "heterofl", "algorithm.heterofl.masked_ce": True,
+                            "data.partition.method": "shards",
+                            "data.partition.classes_per_client": 2}), Comm())
+    algo = fed.algo
+    task = ClientTask(1, 0, fed.client_idx[1], 0)
+    present = torch.unique(fed.data.y_train[fed.client_idx[1]])
+    assert len(present) < fed.data.num_classes
+    algo._sub = algo.submodel(fed.global_state, int(algo.client_level[1]), 0)
+    algo._flat = fed.trainer.flat
+    hooks = algo.hooks(task, fed.global_state, torch.zeros(0))
+    x = fed.data.prepare(fed.data.x_train[fed.client_idx[1][:16]], train=True)
+    y = fed.data.y_train[fed.client_idx[1][:16]]
+    logits = fed.trainer.flat.model(x)
+    keep = torch.zeros(fed.data.num_classes, dtype=torch.bool)
+    keep[present] = True
+    want = F.cross_entropy(torch.where(keep, logits, torch.zeros_like(logits)), y)
+    torch.testing.assert_close(hooks.loss_fn(fed.trainer.flat, x, y), want)
+    assert not torch.allclose(want, F.cross_entropy(logits, y))
+
+
+def test_scalefl_skips_deepest_identity_blocks_and_scales_width():
+    """ScaleFL masks on ResNet-18: the deepest identity blocks are fully masked,
+    the submodel holds ≈ r·d parameters, and the masked network equals (in
+    plain torch) the network that skips those blocks."""
+    torch.manual_seed(0)
+    flat = FlatModel(build_model("resnet18", (3, 16, 16), 10, "static_bn"))
+    ex = Extractor(flat, "scaled", depth_share=0.5)
+    assert ex.num_blocks == 8 and len(ex.skippable) == 5
+    for r in (1.0, 0.25, 1 / 16):
+        skip, width = ex.depth_plan(r)
+        n_skip = min(5, math.floor((1 - r ** 0.5) * 8 + 0.5))
+        blocks = sorted({n.rsplit(".", 2)[0] if n.count(".") > 2 else n for n in skip})
+        sub = ex.extract(flat.vector, r, 0)
+        kept_params = int(sub.mask[: flat.num_params].sum())
+        assert abs(kept_params - r * flat.num_params) <= 0.15 * r * flat.num_params, (r, kept_params)
+        for seg in flat.segments:
+            if seg.name in skip:
+                assert not bool(sub.mask[seg.slice].any()), seg.name
+        skipped_blocks = {".".join(n.split(".")[:2]) for n in skip}
+        assert len(skipped_blocks) == n_skip
+        deepest = ["layer4.1", "layer3.1", "layer2.1", "layer1.1", "layer1.0"][:n_skip]
+        assert skipped_blocks == set(deepest), (r, skipped_blocks)
+        if r == 1.0:
+            assert width == 1.0 and kept_params == flat.num_params
+    # forward of the masked model == forward that skips the blocks (identity)
+    r = 0.25
+    skip, _ = ex.depth_plan(r)
+    sub = ex.extract(flat.vector, r, 0)
+    model = flat.model
+    flat.load(flat.vector * sub.mask)
+    x = torch.randn(4, 3, 16, 16)
+    model.train()
+    got = model(x)
+    skipped = {".".join(n.split(".")[:2]) for n in skip}
+    out = torch.relu(model.bn1(model.conv1(x))) if hasattr(model, "bn1") else None
+    if out is None:
+        pytest.skip("unexpected ResNet stem layout")
+    for stage in ("layer1", "layer2", "layer3", "layer4"):
+        for i, block in enumerate(getattr(model, stage)):
+            if f"{stage}.{i}" not in skipped:
+                out = block(out)
+    want = model.classifier(torch.flatten(F.adaptive_avg_pool2d(out, 1), 1))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_scalefl_round_on_digits_width_only():
+    """ScaleFL runs on the shared round protocol; on a model without residual
+    blocks it is scaled in width only (HeteroFL's masks) and says so in the log."""
+    fed = Federation(cfg(**{"algorithm.name": "scalefl"}), Comm())
+    nested = Extractor(fed.flat, "nested")
+    for r in LEVELS:
+        torch.testing.assert_close(fed.algo.extractor.extract(fed.global_state, r, 0).mask,
+                                   nested.extract(fed.global_state, r, 0).mask)
+    fed.round(0)
+    assert torch.isfinite(fed.global_state).all()
+    assert fed.algo.extractor.skippable == []

@@ -39,18 +39,34 @@ def rows_from(fed: Federation, deltas: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"delta": deltas.to(fed.device)}
 
 
-def hand_val_norms(fed: Federation, theta_k: torch.Tensor) -> np.ndarray:
-    """l1 norm per parameter tensor of ∇ mean-CE over the whole validation set (one batch)."""
+def hand_val_grads(fed: Federation, theta_k: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    """∇ of the mean CE over the whole validation set at θ_k, in plain torch.
+
+    A fresh copy of the architecture in train mode (BatchNorm normalises each
+    scoring batch with its own statistics), batches of ``batch_size`` in order,
+    Σ_b CE_sum(b)/N accumulated; one gradient per named parameter (BN weight
+    and bias included)."""
     model = copy.deepcopy(fed.flat.model)
+    named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     with torch.no_grad():
-        for (_, p), seg in zip(model.named_parameters(), fed.flat.param_segments):
-            p.copy_(theta_k[seg.slice].view(seg.shape))
+        for seg in fed.flat.segments:
+            named[seg.name].copy_(theta_k[seg.offset:seg.offset + seg.numel].view(seg.shape))
     model.train()
     idx = torch.as_tensor(fed.partition.validation_indices)
     x = fed.data.prepare(fed.data.x_train[idx], train=False)
-    loss = F.cross_entropy(model(x), fed.data.y_train[idx])
-    grads = torch.autograd.grad(loss, list(model.parameters()))
-    return np.array([float(g.abs().sum()) for g in grads])
+    y = fed.data.y_train[idx]
+    params = list(model.parameters())
+    grads = [torch.zeros_like(p) for p in params]
+    for a in range(0, len(y), batch_size):
+        loss = F.cross_entropy(model(x[a:a + batch_size]), y[a:a + batch_size], reduction="sum") / len(y)
+        for g, d in zip(grads, torch.autograd.grad(loss, params)):
+            g += d
+    return grads
+
+
+def hand_val_norms(fed: Federation, theta_k: torch.Tensor, batch_size: int = 10_000) -> np.ndarray:
+    """l1 norm per parameter tensor of the hand validation gradient."""
+    return np.array([float(g.abs().sum()) for g in hand_val_grads(fed, theta_k, batch_size)])
 
 
 # ------------------------------------------------------------------ weights
@@ -62,23 +78,34 @@ def test_identical_client_models_get_uniform_weights():
 
 
 def test_weights_match_hand_formula_and_larger_norm_gets_smaller_weight():
-    """s_k = (1/(Ḡ_k+ε)) / Σ_j 1/(Ḡ_j+ε), Ḡ_k = mean_ℓ ‖∇_ℓ L_val(θ + Δ_k)‖₁ (Eqs. 4–5)."""
-    fed = make_fed()
+    """s_k = (1/(Ḡ_k+ε)) / Σ_j 1/(Ḡ_j+ε), Ḡ_k = mean_ℓ ‖∇_ℓ L_val(θ + Δ_k)‖₁ (Eqs. 4–5).
+
+    A model with BatchNorm scored over several batches of unequal size (BN in
+    train mode: batch statistics per scoring batch; BN affine parameters are
+    layers of Ḡ_k): scoring in eval mode, dropping BN parameters or taking
+    norms per batch all fail here."""
+    bs = 64
+    fed = make_fed(**{"model.name": "cnn", "aggregation.fedvg.batch_size": bs})
+    n_val = len(fed.partition.validation_indices)
+    assert n_val % bs and n_val > 2 * bs            # ≥ 3 batches, the last one shorter
     gen = torch.Generator().manual_seed(1)
     theta = fed.global_state.clone()
     deltas = torch.stack([0.02 * torch.randn(fed.D, generator=gen) * (k + 1) for k in range(3)])
     deltas = deltas.to(fed.device)                 # θ + Δ_k on the federation's device
     clients = np.array([0, 2, 3])
     s = fed.weighting.weights(fed.global_state, clients, rows_from(fed, deltas))
-    gbar = np.array([hand_val_norms(fed, theta + d).mean() for d in deltas])
+    hand = np.stack([hand_val_norms(fed, theta + d, bs) for d in deltas])
+    names = [n for n, _ in fed.flat.model.named_parameters()]
+    assert any("bn" in n or "body.1" in n for n in names) and hand.shape[1] == len(names)
+    gbar = hand.mean(1)
     inv = 1.0 / (gbar + 1e-8)
-    np.testing.assert_allclose(s, inv / inv.sum(), rtol=1e-4)
+    np.testing.assert_allclose(s, inv / inv.sum(), rtol=1e-5)
     assert s.sum() == pytest.approx(1.0)
     order = np.argsort(gbar)                       # larger Ḡ → strictly smaller weight
     assert np.all(np.diff(s[order]) < 0)
     logged = fed.weighting.log_arrays()["fedvg/grad_norm"]
     assert np.isnan(logged[1]).all() and np.isfinite(logged[clients]).all()
-    np.testing.assert_allclose(logged[clients].mean(1), gbar, rtol=1e-4)
+    np.testing.assert_allclose(logged[clients], hand, rtol=1e-4, atol=1e-7)
     assert np.isnan(fed.weighting.log_arrays()["fedvg/grad_norm"]).all()   # reset per round
 
 
@@ -101,7 +128,8 @@ def test_scores_formula_and_nonfinite():
 
 @pytest.mark.parametrize("granularity", ["layer", "block"])
 def test_layer_and_block_weights_sum_to_one_and_apply_per_segment(granularity):
-    fed = make_fed(**{"model.name": "cnn", "aggregation.fedvg.granularity": granularity})
+    fed = make_fed(**{"model.name": "cnn", "aggregation.fedvg.granularity": granularity,
+                      "aggregation.fedvg.batch_size": 100})
     w = fed.weighting
     gen = torch.Generator().manual_seed(3)
     deltas = torch.stack([0.05 * torch.randn(fed.D, generator=gen) * (1 + k) for k in range(3)])
@@ -113,14 +141,16 @@ def test_layer_and_block_weights_sum_to_one_and_apply_per_segment(granularity):
     np.testing.assert_allclose(S.sum(0), 1.0, atol=1e-12)       # per layer/block
     np.testing.assert_allclose(s, S.mean(1))
     assert s.sum() == pytest.approx(1.0)
-    # by hand: the group mean of the logged layer norms, then E.14–E.15 / E.19–E.20
-    norms = w._norms[clients]
+    # by hand: independent per-layer validation-gradient norms (BN model, 2 batches
+    # of unequal size), their group means, then E.14–E.15 / E.19–E.20
+    theta = fed.global_state.clone()
+    norms = np.stack([hand_val_norms(fed, theta + d, 100) for d in deltas])
     names = w.layer_names
     groups = names if granularity == "layer" else [block_of(fed.flat.model, n) for n in names]
     for g, gname in enumerate(w.group_names):
         members = [i for i, n in enumerate(groups) if n == gname]
         inv = 1.0 / (norms[:, members].mean(1) + 1e-8)
-        np.testing.assert_allclose(S[:, g], inv / inv.sum(), rtol=1e-9)
+        np.testing.assert_allclose(S[:, g], inv / inv.sum(), rtol=1e-5)
     if granularity == "block":
         assert w.group_names == ["stage1", "stage2", "stage3", "stage4", "head"]
     # combination: every segment (params and BN buffers) gets its group's weights
@@ -169,8 +199,36 @@ def test_l2_and_spectral_norms():
             Segment("c", 6, 1, (1,), True))
     np.testing.assert_allclose(layer_norms(v, segs, "l2").numpy(), [5.0, 5 ** 0.5, 1.0], rtol=1e-6)
     np.testing.assert_allclose(layer_norms(v, segs, "l1").numpy(), [7.0, 3.0, 1.0], rtol=1e-6)
-    # [[1, 0], [0, 2]] has largest singular value 2; 1-d tensors use l2
-    np.testing.assert_allclose(layer_norms(v, segs, "spectral").numpy(), [5.0, 2.0, 1.0], rtol=1e-6)
+    # [[1, 0], [0, 2]] has largest singular value 2; 1-d tensors: left out (A.7.2) or l2
+    np.testing.assert_allclose(layer_norms(v, segs, "spectral", "l2").numpy(), [5.0, 2.0, 1.0],
+                               rtol=1e-6)
+    np.testing.assert_allclose(layer_norms(v, segs, "spectral").numpy(), [np.nan, 2.0, np.nan],
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("spectral_1d", ["exclude", "l2"])
+def test_spectral_weights_count_only_matrices_by_default(spectral_1d):
+    """A.7.2: Ḡ_k = mean of σ_max over the tensors with ≥ 2 dims (default); with
+    ``spectral_1d: l2`` the 1-D tensors join with their l2 norm. By hand:
+    torch.linalg.svdvals of each reshaped gradient."""
+    fed = make_fed(**{"model.name": "cnn", "aggregation.fedvg.norm": "spectral",
+                      "aggregation.fedvg.spectral_1d": spectral_1d,
+                      "aggregation.fedvg.batch_size": 100})
+    gen = torch.Generator().manual_seed(11)
+    theta = fed.global_state.clone()
+    deltas = torch.stack([0.05 * torch.randn(fed.D, generator=gen) * (k + 1) for k in range(3)])
+    s = fed.weighting.weights(fed.global_state, np.arange(3), rows_from(fed, deltas.to(fed.device)))
+    gbar = []
+    for d in deltas.to(fed.device):
+        vals = []
+        for g in hand_val_grads(fed, theta + d, 100):
+            if g.dim() >= 2:
+                vals.append(float(torch.linalg.svdvals(g.reshape(g.shape[0], -1))[0]))
+            elif spectral_1d == "l2":
+                vals.append(float(g.pow(2).sum().sqrt()))
+        gbar.append(np.mean(vals))
+    inv = 1.0 / (np.array(gbar) + 1e-8)
+    np.testing.assert_allclose(s, inv / inv.sum(), rtol=1e-4)
 
 
 def test_scoring_leaves_global_bn_statistics_unchanged():
@@ -210,7 +268,81 @@ def test_scale_adversary_gets_smallest_weight():
 
 
 # ------------------------------------------------------------- composition
-COMPOSABLE = ["fedavg", "fedprox", "fedavgm", "scaffold", "feddyn", "elastic"]
+COMPOSABLE = ["fedavg", "fedprox", "fedavgm", "fedadam", "scaffold", "feddyn", "elastic",
+              "fednova"]
+#: methods whose upload is not θ_k − θ (FedNova: Δ_k/a_k; ECGR: the re-aggregated
+#: update), each with a twin that trains its clients identically and uploads θ_k − θ
+TRANSFORMING = {"fednova": ("fedavg", {}),
+                "fednova+ecgr": ("fedavg", {"ecgr.enabled": True}),
+                "fednova+ecgr+steps": ("fedavg", {"ecgr.enabled": True,
+                                                  "algorithm.fednova.normaliser": "steps"})}
+
+
+def _round0_norms(algo: str, **over) -> tuple[np.ndarray, np.ndarray]:
+    fed = make_fed(**{"algorithm.name": algo, "model.name": "cnn", "train.local_steps": None,
+                      "train.local_epochs": 1, "train.momentum": 0.5,
+                      "aggregation.fedvg.batch_size": 100, **over})
+    logged = _capture_log(fed)
+    fed.round(0)
+    return logged["fedvg/grad_norm"], fed.history[-1]
+
+
+def _capture_log(fed: Federation) -> dict:
+    """The weighting's per-round arrays as the runtime logs them."""
+    logged: dict = {}
+    orig = fed.weighting.log_arrays
+
+    def spy():
+        out = orig()
+        logged.update(out)
+        return out
+
+    fed.weighting.log_arrays = spy
+    return logged
+
+
+@pytest.mark.parametrize("case", sorted(TRANSFORMING))
+@pytest.mark.parametrize("norm", ["l1", "delta"])
+def test_methods_that_transform_their_upload_are_scored_on_the_client_model(case, norm):
+    """FedVG Eq. 4 scores θ_k: FedNova (upload Δ_k/a_k, unequal τ_k, momentum 0.5 so
+    a_k ≠ τ_k) and FedAvg train clients identically, so their round-0 validation
+    gradient norms (and ``delta`` norms) must match; with ECGR both score the
+    re-aggregated model θ − g'."""
+    twin, over = TRANSFORMING[case]
+    over = {**over, "aggregation.fedvg.norm": norm}
+    if norm == "delta":
+        over["data.validation.fraction"] = 0.1
+    got, _ = _round0_norms("fednova", **over)
+    want, _ = _round0_norms(twin, **{k: v for k, v in over.items()
+                                     if not k.startswith("algorithm.fednova")})
+    assert np.isfinite(got[:4]).all()
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("algo", COMPOSABLE)
+def test_fedvg_scores_the_trained_client_model(algo):
+    """For every method, the logged norms are those of ∇L_val at the model the
+    client actually trained (captured from the trainer after local training),
+    computed by hand in plain torch."""
+    if algo not in ALGORITHMS:
+        pytest.skip(f"{algo} not implemented in this tree")
+    fed = make_fed(**{"algorithm.name": algo, "train.momentum": 0.5, "train.local_steps": 3})
+    trained = {}
+    orig = fed.worker.train
+
+    def spy(task, state, extras, out):
+        res = orig(task, state, extras, out)
+        trained[task.client] = fed.trainer.flat.vector.clone()
+        return res
+
+    fed.worker.train = spy
+    logged = _capture_log(fed)
+    fed.round(0)
+    gn = logged["fedvg/grad_norm"]
+    assert sorted(trained) == [0, 1, 2, 3]
+    for k, theta_k in trained.items():
+        np.testing.assert_allclose(gn[k], hand_val_norms(fed, theta_k), rtol=1e-4, atol=1e-7,
+                                   err_msg=f"{algo}: client {k}")
 
 
 @pytest.mark.parametrize("algo", COMPOSABLE)
@@ -242,6 +374,8 @@ def test_fedvg_substitutes_weights_of_every_weighted_stat(algo, granularity):
     np.testing.assert_allclose(seen["info"].weights, seen["s"])
     rows, S = seen["rows"], seen["S"]
     for stat, off in fed.uplink_plan.gathered:
+        if stat.combine != "weighted":
+            continue                       # per-client statistics are never combined
         x = rows[stat.name]
         got = seen["agg"][stat.name]
         if granularity == "model" or stat.size not in (fed.D, fed.flat.num_params):
@@ -382,9 +516,9 @@ from fedmpi.runtime import Federation
 from fedmpi.algorithms.fedvg import FedVG
 calls = []
 orig = FedVG.score
-def score(self, theta, deltas):
+def score(self, theta, deltas, *args):
     calls.append(int(deltas.shape[0]))
-    return orig(self, theta, deltas)
+    return orig(self, theta, deltas, *args)
 FedVG.score = score
 d = {"name": "arr", "seed": 5, "runtime": {"progress": False, "device": "cpu", "threads": 1},
      "data": {"num_clients": 6, "partition": {"method": "dirichlet", "alpha": 0.5, "min_size": 5},
@@ -413,3 +547,25 @@ def test_clients_are_scored_as_they_arrive(tmp_path):
     assert m.group(1) == "True" and calls == [1] * 8       # 2 rounds × 4 participants
     # (that these norms give the same weights as scoring all rows at once is the
     # world-size invariance test: -n 1 scores in one batch after training)
+
+
+def test_fedvg_scores_the_reaggregated_model_under_ecgr():
+    """With ECGR the client model is the re-aggregated θ'_k = θ − g' that ECGR uploads
+    in place of θ_k (module docstring): the logged norms are those of ∇L_val(θ'_k),
+    by hand, and differ from those of the locally trained θ_k."""
+    fed = make_fed(**{"ecgr.enabled": True, "train.momentum": 0.5, "train.local_steps": 4})
+    models = {}
+    orig = fed.worker.train
+
+    def spy(task, state, extras, out):   # the upload after every transform
+        res = orig(task, state, extras, out)
+        models[task.client] = (state + out["delta"], fed.trainer.flat.vector.clone())
+        return res
+
+    fed.worker.train = spy
+    logged = _capture_log(fed)
+    fed.round(0)
+    gn = logged["fedvg/grad_norm"]
+    for k, (reagg, trained) in models.items():
+        np.testing.assert_allclose(gn[k], hand_val_norms(fed, reagg), rtol=1e-4, atol=1e-7)
+        assert not np.allclose(gn[k], hand_val_norms(fed, trained), rtol=1e-3)

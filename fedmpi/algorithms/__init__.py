@@ -25,6 +25,7 @@ from .fedrolex import FedRolex
 from .fiarse import FIARSE
 from .heterofl import HeteroFL
 from .scaffold import Scaffold
+from .scalefl import ScaleFL
 from .transforms import TRANSFORMS, TransformChain, UpdateTransform, build_transforms, register_transform
 from .weighting import WEIGHTINGS, Weighting, build_weighting, register_weighting
 
@@ -38,7 +39,7 @@ def register_method(cls: type[Algorithm]) -> type[Algorithm]:
 
 
 _BUILTIN_METHODS = (FedAvg, FedAvgM, FedAdam, FedYogi, FedProx, Scaffold, FedDyn, FedNova, Elastic,
-                    FedGPS, FedLAGC, HeteroFL, FedRolex, FIARSE)
+                    FedGPS, FedLAGC, HeteroFL, FedRolex, FIARSE, ScaleFL)
 for _cls in _BUILTIN_METHODS:
     register_method(_cls)
 

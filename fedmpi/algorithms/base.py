@@ -177,6 +177,14 @@ class Algorithm:
     def downlink_size(self) -> int:
         return 0
 
+    def model_delta_scale(self, stats: dict[str, torch.Tensor]) -> float:
+        """c_k such that θ_k − θ = c_k·u on the parameters, u = the parameter part of
+        client k's uploaded ``delta``; float buffers are uploaded as θ_k − θ.
+        ``stats`` maps each gathered statistic's name to client k's row of it.
+        Per-client weightings score the client model θ + c_k·u (FedVG Eq. 4);
+        default 1 (the upload is θ_k − θ). FedNova: a_k (it uploads Δ_k/a_k)."""
+        return 1.0
+
     def uplink_bytes(self, client: int, round: int) -> int:
         """Bytes a real deployment uploads for ``client`` in ``round`` (rank 0;
         default: every uplink statistic as float32). Submodel methods count

@@ -36,8 +36,15 @@ corrected local gradient set") — then
 
 Rescaling to ‖u‖ rather than to ‖Δ_k‖ is what makes the variants come out
 right without special cases: FedAvg/FedProx/SCAFFOLD upload u = Δ_k, so
-‖u‖ = ‖Σ_all g‖ (Eq. 10); FedNova uploads u = Δ_k/τ_k, so the upload is
-−γv/τ_k — Algorithm 3, line 13 ("normalise g' by τ_i"), whatever the order.
+‖u‖ = ‖Σ_all g‖ (Eq. 10); FedNova uploads u = Δ_k/a_k, so the upload is
+−γv/a_k. Algorithm 3 (line 13, "normalise g' by τ_i"; server τ_eff = Σ p_i τ_i)
+normalises by the step count: ``algorithm.fednova.normaliser: steps`` (set in
+the ECGR paper-setting configs); the default ``momentum`` is FedNova's own
+momentum-aware a_k (official FedNova code), which ECGR's official code keeps.
+
+FedVG composition: the model FedVG scores is the re-aggregated client model
+θ'_k = θ − g' (what ECGR uploads in place of θ_k; for FedNova θ + a_k·u),
+see :mod:`fedmpi.algorithms.fedvg`.
 
 Memory (``ecgr.memory_budget``, bytes for the τ_max×P step buffer, τ_max the
 largest τ_k of the federation, the same on every rank): float32 on the

@@ -1,5 +1,9 @@
 r"""FedGPS (Yang et al., NeurIPS 2025): Federated Goal-Path Synergy.
 
+Over ~350 lines because the two halves of FedGPS share one local step (a single
+``loss_fn`` evaluates the surrogate objective at the perturbed point), so the
+client rule, its server side and its state live together.
+
 Seed paper ``shared/seeds/001_72a4fc989af9ce31.txt`` (Algorithm 1, Eq. 6–8,
 Definition 4.5, Table 5, Table 7); rules in ``shared/ALGORITHMS.md`` "FedGPS".
 Two parts, each switchable (the paper's ablation, Fig. 4a):
@@ -80,15 +84,54 @@ Deviations from the paper / authors' code (recorded as required):
   weights are the default; both are config keys.
 * Evaluation uses the first C logits (code: argmax over all 2C, reachable
   with ``eval_logits: all``).
-* Surrogate images are generated in memory (no files, no crop/flip
-  augmentation of surrogate images); see :mod:`fedmpi.data.surrogate`.
+* Surrogate images are generated in memory (no files); by default without
+  augmentation and with the dataset's normalisation. The authors' code
+  applies RandomCrop(pad 4) + horizontal flip to every surrogate draw and
+  normalises with mean 0.5, std 0.25 (``surrogate_augment: crop_flip``,
+  ``surrogate_normalize: authors``; the crop pads with black, 0 in image
+  units). Augmentation draws come from the client's surrogate stream.
+* First participation: no perturbation (authors' code); Table 5 case B
+  (``first_participation: global``) uses δ = Δ̄ for a client without a stored
+  update too (from round 1 on).
+* Bytes: the log counts the download of FedGPS as written (Table 5: θ^t, the
+  global update Δθ^t over the P parameters from round 1 on, and the
+  prototypes), not FedGPS-CF's; the arithmetic is the same here because every
+  worker sees every broadcast.
+
+**Presets** (``algorithm.fedgps.preset``). The keys ``norm``, ``lambda1``,
+``surrogate_supcon``, ``lambda2``, ``align_labels``, ``eval_logits``,
+``sign``, ``first_participation``, ``surrogate_augment`` and
+``surrogate_normalize`` default to null; a null key takes the preset's value
+(:data:`PRESETS`), or the built-in default (:data:`DEFAULTS`) without a preset.
+A key set explicitly (YAML or ``--set``) always wins over the preset.
+
+============================  ==================  ===================  ==============
+key                           default (no preset) ``paper``            ``authors``
+============================  ==================  ===================  ==============
+lambda1                       1.0                 0.1 (§5, Table 7)    1.0
+surrogate_supcon              0.1                 0 (not in Eq. 6)     0.1
+lambda2                       0.1                 0.2 (Table 7)        0.1
+norm (of δ)                   global              global (Eq. 7 ‖δ‖)   per_tensor_sum
+align_labels                  class               class                shifted
+eval_logits                   first               first                all
+sign                          along               against (Def. 4.5)   along
+first_participation           none                global (Table 5 B)   none
+surrogate_augment             none                none                 crop_flip
+surrogate_normalize           dataset             dataset              authors
+============================  ==================  ===================  ==============
+
+The paper-setting configs use ``preset: authors``: the paper's tables were
+produced by the authors' code (the text's λ2 = 0.1 also matches the code,
+Table 7 says 0.2).
 * Prototypes are accumulated over all local steps of the round (code: the
   last local epoch; identical for E = 1), from the training forward pass at
   the perturbed point, and a class sampled once counts once (the code's
   single-sample branch weights such a prototype by the feature dimension).
-* Definition 4.5 writes δ with a factor −η_g η_l; the code (and this module)
-  shifts *along* the others' update direction (the sign convention of the
-  code's ``first_step``; the scalar cancels in δ/‖δ‖).
+* Definition 4.5 writes δ with a factor −η_g η_l: only its size η_g η_l
+  cancels in δ/‖δ‖, its sign does not — Def. 4.5 (and B.4) shift *against*
+  the others' update, Table 5 and the authors' code (``first_step``) *along*
+  it. ``algorithm.fedgps.sign``: ``along`` (default, as the code) or
+  ``against``.
 * M counts every participant of round t−1, including one whose update the
   server excluded as non-finite (workers do not see exclusions); a client's
   own non-finite update is never stored. With M = 1 (nobody else) or ‖δ‖ = 0
@@ -109,10 +152,11 @@ import torch.nn.functional as F
 
 from ..flat import FlatModel
 from ..train import LocalTrainer, StepHooks, TrainResult
+from ..data.augment import random_crop_flip
 from .base import Algorithm, ClientTask, RoundInfo, Stat
+from .fedgps_presets import AUTHORS_MEAN, AUTHORS_STD, resolve_options
 
 _SURROGATE_TAG = 0x6F5  # separates the surrogate-batch stream from the trainer's batch order
-
 
 def supcon_loss(z: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
     r"""Supervised contrastive loss (Khosla et al. 2020, Eq. 2), one view, every
@@ -150,12 +194,16 @@ class FedGPS(Algorithm):
         g = cfg.algorithm.fedgps
         # static and dynamic both off is refused by the config validator (that is FedAvg)
         self.static, self.dynamic = bool(g.static), bool(g.dynamic)
-        self.lambda_g, self.norm_kind = float(g.lambda_g), g.norm
-        self.lambda1, self.w_surrogate = float(g.lambda1), float(g.surrogate_supcon)
-        self.lambda2, self.temperature = float(g.lambda2), float(g.temperature)
-        self.align_shifted = g.align_labels == "shifted"
+        o = self.options = resolve_options(g)
+        self.lambda_g, self.norm_kind = float(g.lambda_g), o["norm"]
+        self.lambda1, self.w_surrogate = float(o["lambda1"]), float(o["surrogate_supcon"])
+        self.lambda2, self.temperature = float(o["lambda2"]), float(g.temperature)
+        self.align_shifted = o["align_labels"] == "shifted"
         self.surrogate_batch, self.per_class = int(g.surrogate_batch), int(g.surrogate_per_class)
-        self.surrogate_std, self.eval_all = float(g.surrogate_std), g.eval_logits == "all"
+        self.surrogate_std, self.eval_all = float(g.surrogate_std), o["eval_logits"] == "all"
+        self.sign = -1.0 if o["sign"] == "against" else 1.0
+        self.first_global = o["first_participation"] == "global"
+        self.augment = o["surrogate_augment"] == "crop_flip"
         head = layout.model.classifier
         self.C = head.out_features // 2 if self.static else head.out_features
         self.feat_dim = int(layout.model.feature_dim)
@@ -191,8 +239,13 @@ class FedGPS(Algorithm):
             return
         if self.static:
             data = ctx.data
-            self.surrogate = make_surrogate(self.cfg.seed, self.C, data.input_shape, data.mean,
-                                            data.std, self.per_class, self.surrogate_std).to(dev)
+            mean, std = data.mean, data.std
+            if self.options["surrogate_normalize"] == "authors":
+                mean, std = (AUTHORS_MEAN,) * len(mean), (AUTHORS_STD,) * len(std)
+            self.surrogate = make_surrogate(self.cfg.seed, self.C, data.input_shape, mean,
+                                            std, self.per_class, self.surrogate_std).to(dev)
+            # black (0 in image units) in normalised units: the crop's padding
+            self._pad_value = (-torch.tensor(mean) / torch.tensor(std)).float().to(dev)
             self._psum = torch.zeros(self.C, self.feat_dim, dtype=torch.float64, device=dev)
             self._pcount = torch.zeros(self.C, dtype=torch.float64, device=dev)
         if self.dynamic:
@@ -210,6 +263,12 @@ class FedGPS(Algorithm):
 
     def downlink_size(self) -> int:
         return 1 + self.C * self.feat_dim if self.static else 0
+
+    def downlink_bytes(self, client: int, round: int) -> int:
+        """FedGPS as written (Table 5): θ^t, prototypes and, from round 1 on, the
+        global update Δθ^t over the P parameters (# Comm 2M + C·d)."""
+        extra = 4 * self._P if self.dynamic and round > 0 else 0
+        return super().downlink_bytes(client, round) + extra
 
     # ------------------------------------------------------- non-self gradient
     def begin_round(self, round: int, mask: np.ndarray, state: torch.Tensor,
@@ -238,9 +297,14 @@ class FedGPS(Algorithm):
     def nonself_gradient(self, k: int, t: int) -> Optional[torch.Tensor]:
         """δ of client k in round t (Definition 4.5 via consecutive broadcasts), written
         into the perturbation buffer; None when there is none (see module docstring)."""
-        if self._dbar_round != t or k not in self.last_delta:
+        if self._dbar_round != t:
             return None
         delta = self._e
+        if k not in self.last_delta:
+            if not self.first_global:
+                return None               # authors' code: none at the first participation
+            delta.copy_(self._dbar)       # Table 5 case B
+            return delta
         if self.last_round[k] == t - 1:
             m = self._inverse_weight(k)
             if m <= 1.0 + 1e-12:
@@ -258,14 +322,15 @@ class FedGPS(Algorithm):
         return sum(torch.linalg.vector_norm(v[s.slice]) for s in self.param_segments)
 
     def perturbation(self, k: int, t: int) -> bool:
-        """Set the step perturbation e = λ_g δ/‖δ‖ for client k; False if none."""
+        """Set the step perturbation e = ±λ_g δ/‖δ‖ for client k (+ along the
+        others' update, − against it: ``sign``); False if none."""
         delta = self.nonself_gradient(k, t)
         if delta is None or self.lambda_g == 0:
             return False
         norm = float(self._norm(delta))
         if not (norm > 0 and np.isfinite(norm)):
             return False
-        delta.mul_(self.lambda_g / norm)
+        delta.mul_(self.sign * self.lambda_g / norm)
         return True
 
     # ----------------------------------------------------------------- client
@@ -298,10 +363,17 @@ class FedGPS(Algorithm):
         flat.params.copy_(self._saved)
 
     def draw_surrogate(self, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """A surrogate batch (without replacement) from the client's stream ``gen``."""
+        """A surrogate batch (without replacement) from the client's stream ``gen``
+        (cropped and flipped with ``surrogate_augment: crop_flip``)."""
         n = len(self.surrogate)
         idx = torch.randperm(n, generator=gen)[: self.surrogate_batch].to(self.device)
-        return self.surrogate.x[idx], self.surrogate.y[idx]
+        xs = self.surrogate.x[idx]
+        if self.augment:   # pad with black: 0 in image units = pad_value after normalisation
+            seed = int(torch.randint(0, 2 ** 62, (1,), generator=gen))
+            dev_gen = torch.Generator(self.device).manual_seed(seed)
+            pad = self._pad_value.view(1, -1, 1, 1)
+            xs = random_crop_flip(xs - pad, 4, dev_gen) + pad
+        return xs, self.surrogate.y[idx]
 
     def objective(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
                   xs: torch.Tensor, ys: torch.Tensor,

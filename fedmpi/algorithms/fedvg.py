@@ -1,5 +1,8 @@
 r"""FedVG: validation-gradient aggregation weights, computed on rank 0.
 
+(Over ~350 lines mostly because this docstring states every option and its
+source; the code is scoring, grouping and combining — one weighting.)
+
 FedVG (CVPR 2026, arXiv 2602.21399; seeds ``004_…`` and ``000_…``) scores each
 participating client model :math:`\theta_k = \theta + \Delta_k` by the layer-wise
 norms of the gradient of the cross-entropy on a server-held validation set
@@ -24,9 +27,13 @@ buffers excluded), L of them.
 Options (``aggregation.fedvg.*``):
 
 * ``norm``: ``l1`` (authors' code default), ``l2``, ``spectral`` (largest
-  singular value; tensors with ≥ 2 dims reshaped to ``[shape[0], -1]``, others
-  use l2; A.7.2) or ``delta`` (E.10: :math:`\|\theta^{(\ell)} - \theta_k^{(\ell)}\|_1`
-  per layer — no validation pass at all).
+  singular value; tensors with ≥ 2 dims reshaped to ``[shape[0], -1]``; A.7.2
+  considers only those: with ``spectral_1d: exclude`` (default) 1-D tensors are
+  left out of :math:`\bar G_k` — logged as NaN — and ``spectral_1d: l2`` scores
+  them with their l2 norm) or ``delta`` (E.10:
+  :math:`\|\theta^{(\ell)} - \theta_k^{(\ell)}\|_1` per layer — no validation pass
+  at all). A layer/block with no scored tensor (e.g. a norm-only block under
+  ``spectral``) takes the mean of the client's weights over the scored groups.
 * ``granularity``: ``model`` (default, one weight per client), ``layer``
   (E.13–E.16: a weight :math:`s_k^{(\ell)}` per parameter tensor, normalised
   over clients per layer) or ``block`` (E.17–E.21: :math:`\bar G_k^{(b)}` = mean of
@@ -41,9 +48,21 @@ Options (``aggregation.fedvg.*``):
 ``fedvg_avg`` uses :math:`(s_k + n_k/\sum_{j\in S_t} n_j)/2` (Table A.8
 "average" integration), per layer/block as well.
 
+The client model (Eq. 4) is :math:`\theta_k = \theta + c_k u_k` with
+:math:`u_k` the uploaded ``delta`` and :math:`c_k` the method's
+:meth:`~fedmpi.algorithms.base.Algorithm.model_delta_scale` (1 for every method
+that uploads :math:`\theta_k - \theta`; FedNova uploads :math:`\Delta_k/a_k`
+and declares :math:`c_k = a_k`), so FedVG scores the trained model whatever the
+method uploads; the weights then combine the uploads as they are (FedNova's
+own average stays FedNova's). With ECGR the client model is the re-aggregated
+:math:`\theta'_k = \theta - g'_k` that ECGR uploads in place of
+:math:`\theta_k` (Algorithm 1: the server never receives :math:`\theta_k`; it is
+the model FedVG's average is made of). ``delta`` norms are taken of
+:math:`c_k u_k` as well.
+
 Scoring (rank 0): a scratch :class:`~fedmpi.flat.FlatModel` (a copy of the
 architecture, separate from the global model and the trainer) is loaded with
-:math:`\theta + \Delta_k`, put in train mode (BatchNorm uses batch statistics,
+:math:`\theta + c_k u_k`, put in train mode (BatchNorm uses batch statistics,
 as the authors' code does) with every BN momentum set to 0, so scoring changes
 no running statistic — and the global model's buffers are never touched. The
 gradient of the **mean** cross-entropy over all of :math:`D_{val}` is
@@ -120,11 +139,13 @@ def block_of(model: nn.Module, name: str) -> str:
     return ".".join(parts[:-1]) or parts[0]
 
 
-def layer_norms(vec: torch.Tensor, layers: tuple[Segment, ...], norm: str) -> torch.Tensor:
+def layer_norms(vec: torch.Tensor, layers: tuple[Segment, ...], norm: str,
+                spectral_1d: str = "exclude") -> torch.Tensor:
     """‖·‖ of every layer slice of the flat vector ``vec`` → ``[L]`` (float32).
 
     ``l1``/``delta``: Σ|g|; ``l2``: √Σg²; ``spectral``: σ_max of the tensor
-    reshaped to ``[shape[0], -1]`` (≥ 2 dims), l2 otherwise.
+    reshaped to ``[shape[0], -1]`` (≥ 2 dims); 1-D tensors NaN (``exclude``,
+    A.7.2) or l2 (``spectral_1d="l2"``).
     """
     out = []
     for seg in layers:
@@ -133,6 +154,8 @@ def layer_norms(vec: torch.Tensor, layers: tuple[Segment, ...], norm: str) -> to
             out.append(torch.linalg.vector_norm(v, 1))
         elif norm == "spectral" and len(seg.shape) >= 2:
             out.append(torch.linalg.matrix_norm(v.view(seg.shape[0], -1), ord=2))
+        elif norm == "spectral" and spectral_1d == "exclude":
+            out.append(torch.full((), float("nan"), device=vec.device))
         else:
             out.append(torch.linalg.vector_norm(v, 2))
     return torch.stack(out).float()
@@ -165,11 +188,19 @@ class FedVG(Weighting):
         self.eps = float(c.eps)
         self.batch_size = int(c.batch_size)
         self.bf16 = bool(c.bf16)
+        self.spectral_1d: str = c.spectral_1d
         self.K = ctx.num_clients
         flat: FlatModel = ctx.flat
         self.D, self.P = flat.size, flat.num_params
         self.layers = flat.param_segments
         self.layer_names = [s.name for s in self.layers]
+        # layers that enter Ḡ_k (A.7.2: the spectral norm counts only tensors with ≥ 2 dims)
+        self.scored = np.array([not (self.norm == "spectral" and self.spectral_1d == "exclude"
+                                     and len(s.shape) < 2) for s in self.layers])
+        if not self.scored.any():
+            raise ConfigError("config key 'aggregation.fedvg.norm': 'spectral' scores only tensors "
+                              "with >= 2 dims and this model has none (set "
+                              "aggregation.fedvg.spectral_1d=l2)")
         self._groups(flat)
         self._norms = np.full((self.K, len(self.layers)), np.nan)
         self._group_w = np.full((self.K, self.G), np.nan)
@@ -216,7 +247,10 @@ class FedVG(Weighting):
         self.group_names = names
         A = np.zeros((L, self.G))
         A[np.arange(L), layer_group] = 1.0
-        self.A = A / A.sum(0, keepdims=True)          # mean over the layers of a group
+        A *= self.scored[:, None]                     # unscored layers do not enter Ḡ
+        count = A.sum(0, keepdims=True)
+        self.group_scored = count[0] > 0              # groups with at least one scored layer
+        self.A = A / np.where(count > 0, count, 1.0)  # mean over the scored layers of a group
         # Every segment of the flat state gets a column of S_ext = [S | mean_g S].
         mean_col = self.G
         by_name = {n: g for n, g in zip(self.layer_names, layer_group)}
@@ -240,31 +274,45 @@ class FedVG(Weighting):
         self.spans = [tuple(s) for s in spans]
 
     # ------------------------------------------------------------ scoring
-    def score(self, theta: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
-        """Per-layer norms ``[n, L]`` of the validation gradient at θ + Δ_k (or of Δ_k)."""
+    def model_scales(self, rows) -> list[float]:
+        """c_k of each client's statistics (name → [n, size]), from the method's
+        :meth:`Algorithm.model_delta_scale`: θ_k − θ = c_k·u_k on the parameters."""
+        n = len(rows["delta"])
+        scale = self.ctx.model_delta_scale
+        return [float(scale({k: v[i] for k, v in rows.items()})) for i in range(n)]
+
+    def score(self, theta: torch.Tensor, deltas: torch.Tensor,
+              scales: "list[float] | None" = None) -> torch.Tensor:
+        """Per-layer norms ``[n, L]`` of the validation gradient at the client model
+        θ_k = θ + c_k u_k (or of θ_k − θ for ``delta``); ``deltas`` are the uploads
+        u_k, ``scales`` the c_k (default 1)."""
         n = deltas.shape[0]
+        scales = [1.0] * n if scales is None else scales
+        P = self.P
         out = torch.empty(n, len(self.layers), device=deltas.device)
         if self.norm == "delta":
             for i in range(n):
-                out[i] = layer_norms(deltas[i, : self.P], self.layers, "delta")
+                out[i] = layer_norms(deltas[i, :P], self.layers, "delta") * abs(scales[i])
             return out
         flat, val = self.scratch, self.val
         model, N = flat.model, len(val)
         for i in range(n):
-            torch.add(theta[: self.D], deltas[i, : self.D], out=flat.vector)
+            torch.add(theta[:P], deltas[i, :P], alpha=scales[i], out=flat.vector[:P])
+            torch.add(theta[P:self.D], deltas[i, P:self.D], out=flat.vector[P:])
             flat.zero_grad()
             for xb, yb in val.batches(self.batch_size):
                 with self.accel.autocast_context():
                     loss = F.cross_entropy(model(xb), yb, reduction="sum")
                 (loss.float() / N).backward()
             with torch.no_grad():
-                out[i] = layer_norms(flat.grad, self.layers, self.norm)
+                out[i] = layer_norms(flat.grad, self.layers, self.norm, self.spectral_1d)
         return out
 
     def on_arrival(self, state: torch.Tensor, client: int, row) -> None:
         """Score client ``client`` as soon as its model arrives (ALGORITHMS.md FedVG §8):
         the scoring of early clients overlaps the training of later ones."""
-        self._arrived[client] = self.score(state, row["delta"][None])[0]
+        self._arrived[client] = self.score(
+            state, row["delta"][None], self.model_scales({k: v[None] for k, v in row.items()}))[0]
 
     def weights(self, state: torch.Tensor, clients: np.ndarray, rows) -> np.ndarray:
         """s_k of the accepted ``clients`` (rows in the same order); see module docstring."""
@@ -272,9 +320,11 @@ class FedVG(Weighting):
         if all(int(k) in arrived for k in clients):
             norms = torch.stack([arrived[int(k)] for k in clients]).double().cpu().numpy()
         else:
-            norms = self.score(state, rows["delta"]).double().cpu().numpy()
+            norms = self.score(state, rows["delta"], self.model_scales(rows)).double().cpu().numpy()
         self._norms[clients] = norms
-        S = fedvg_scores(norms @ self.A, self.eps)                  # [n, G]
+        S = fedvg_scores(np.where(self.scored, norms, 0.0) @ self.A, self.eps)   # [n, G]
+        if not self.group_scored.all():   # groups with no scored layer: mean of the others
+            S[:, ~self.group_scored] = S[:, self.group_scored].mean(1, keepdims=True)
         if self.mix_samples:
             nk = self.num_samples[clients]
             S = 0.5 * (S + (nk / nk.sum())[:, None])

@@ -3,15 +3,25 @@
 The ``global`` rule of :mod:`fedmpi.algorithms.submodel`: the top (⌊r·d⌋ − d̃)
 magnitudes over all prunable entries form the submodel, θ̃ = the smallest kept
 |θ|. During local training the forward pass uses θ ⊙ 1[|θ| ≥ θ̃] recomputed
-after every step (the mask is recomputed each forward), and the gradient is the
-straight-through estimate ∇ ⊙ M_sent ⊙ (1 + 2|θ|θ̃/(|θ|+θ̃)²) on every entry of
-the sent submodel, so an entry that dropped below θ̃ can recover. The client
-uploads its full (un-re-masked) values on the sent submodel; aggregation is
-overlap-aware and unweighted.
+after every step (the mask is recomputed each forward). The client uploads its
+full (un-re-masked) values on the sent submodel; aggregation is overlap-aware
+and unweighted.
 
-Deviation (recorded): the always-kept critical set (input/output layers,
-normalisation layers, biases) is the same as FedLAGC's, so FIARSE and FedLAGC
-here differ only in how the budget is spread over layers.
+Gradient (``algorithm.fiarse.below_threshold``):
+
+* ``frozen`` (default; FIARSE's code, ``Bern.backward``): d(θ·1[|θ|≥θ̃])/dθ =
+  1[|θ| ≥ θ̃]·(1 + 2|θ|θ̃/(|θ|+θ̃)²), so the gradient is
+  ∇ ⊙ 1[|θ| ≥ θ̃] ⊙ STE with the *current* |θ|: an entry that falls below θ̃
+  during local training gets zero gradient from then on (weight decay and
+  momentum still act on it, as in the code's torch SGD);
+* ``recover``: straight-through on every entry of the sent submodel,
+  ∇ ⊙ M_sent ⊙ STE, so an entry that dropped below θ̃ can come back.
+
+Always kept (``algorithm.fiarse.always_keep``): ``norm`` (default; FIARSE's
+code masks every conv/linear weight and bias, including the input layer and the
+classifier, and keeps only the normalisation layers) or ``critical``
+(FedLAGC's set: input/output layers, normalisation layers, biases).
+``algorithm.submodel.ste: false`` drops the STE factor (the 1[·] stays).
 """
 from __future__ import annotations
 
@@ -23,3 +33,9 @@ class FIARSE(SubmodelMethod):
     rule = "global"
     use_ste = True
     dynamic_mask = True
+
+    def __init__(self, cfg, layout, num_clients: int) -> None:
+        f = cfg.algorithm.fiarse
+        self.keep = f.always_keep
+        self.frozen_below = f.below_threshold == "frozen"
+        super().__init__(cfg, layout, num_clients)

@@ -5,6 +5,12 @@ trains the first ⌈√r·c⌉ channels of every layer (width √r ⇒ ≈ r of 
 parameters); plain masked gradients (no STE); overlap-aware averaging, so each
 coordinate is averaged over the clients whose slice contains it.
 
+``algorithm.heterofl.masked_ce`` (HeteroFL code's ``cfg['mask']`` /
+``label_split``): during local training the logits of classes absent from the
+client's data are set to 0 (``masked_fill(·, 0)``, not −∞) before the
+cross-entropy; evaluation uses all logits. Off by default (the paper does not
+describe it).
+
 Deviations (recorded): no "scaler" module (HeteroFL divides activations by the
 width rate in training); models must be channel-sliceable (``cnn``, ResNets).
 """
@@ -16,3 +22,7 @@ from .submodel import SubmodelMethod
 class HeteroFL(SubmodelMethod):
     name = "heterofl"
     rule = "nested"
+
+    def __init__(self, cfg, layout, num_clients: int) -> None:
+        self.masked_ce = bool(cfg.algorithm.heterofl.masked_ce)
+        super().__init__(cfg, layout, num_clients)

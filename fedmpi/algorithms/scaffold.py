@@ -18,6 +18,16 @@ Server (Eq. 5, Algorithm 1):
 fedvg`` only the model update takes FedVG's weights; the c update is
 unchanged (FedVG Table A.8).
 
+Server c (``algorithm.scaffold.server_c``):
+
+* ``increment`` (default; SCAFFOLD Algorithm 1 / Eq. 5, official code):
+  c ← c + (1/N) Σ_{k∈S} δc_k — under partial participation the absent
+  clients' c_k enter through the old c;
+* ``weighted`` (ECGR Algorithm 4, line 20; the ECGR paper-setting configs):
+  c ← Σ_{k∈S} p_k c_k⁺ with p_k the round's aggregation weights
+  (``aggregation.weighting``; FedVG's s_k under FedVG). The client then
+  uploads c_k⁺ ("weighted", P floats) instead of δc_k.
+
 Deviations: the paper averages Δ_k uniformly; here s_k follows
 ``aggregation.weighting`` (``uniform`` reproduces the paper). With client
 momentum or weight decay, option II still divides by K_k η_l (as the official
@@ -28,15 +38,26 @@ finite.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..flat import FlatModel
+from ..params import param
 from ..train import LocalTrainer, StepHooks, TrainResult
 from .base import Algorithm, ClientTask, RoundInfo, Stat
 
 
+@dataclass(frozen=True)
+class ScaffoldParams:
+    server_c: str = param("increment", "SCAFFOLD server c: c + (1/N) sum dc_k (SCAFFOLD Alg. 1) or "
+                          "weighted = sum p_k c'_k (ECGR Alg. 4 line 20)",
+                          choices=("increment", "weighted"))
+
+
 class Scaffold(Algorithm):
     name = "scaffold"
+    params = {"scaffold": ScaffoldParams}
 
     def __init__(self, cfg, layout, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
@@ -44,8 +65,13 @@ class Scaffold(Algorithm):
         self.c: torch.Tensor | None = None             # server variate (rank 0)
         self._corr: torch.Tensor | None = None         # c − c_k of the client in training
         self.device = torch.device("cpu")
+        self.weighted_c = cfg.algorithm.scaffold.server_c == "weighted"
+        self._dc: torch.Tensor | None = None
 
     def uplink_stats(self) -> list[Stat]:
+        if self.weighted_c:
+            return [Stat("delta", self.state_size, "weighted"),
+                    Stat("c_new", self.num_params, "weighted")]
         return [Stat("delta", self.state_size, "weighted"), Stat("dc", self.num_params, "sum")]
 
     def downlink_size(self) -> int:
@@ -72,9 +98,16 @@ class Scaffold(Algorithm):
         c_k = self.c_local.vector(task.client, state.device)
         scale = 1.0 / (max(result.steps, 1) * (result.lr or self.local_sgd(task).lr))
         # δc_k = c_k⁺ − c_k = −c + (θ − θ_k)/(K η_l) = −c − Δ_k/(K η_l)
-        dc = out["dc"]
+        if self.weighted_c:
+            if self._dc is None:
+                self._dc = torch.empty(P, device=state.device)
+            dc = self._dc
+        else:
+            dc = out["dc"]
         torch.mul(out["delta"][:P], -scale, out=dc)
         dc.sub_(extras)
+        if self.weighted_c:
+            torch.add(c_k, dc, out=out["c_new"])       # c_k⁺ (ECGR Alg. 4)
         if bool(torch.isfinite(dc).all()):
             c_k.add_(dc)
 
@@ -85,7 +118,10 @@ class Scaffold(Algorithm):
     def server_update(self, state: torch.Tensor, agg: dict[str, torch.Tensor],
                       info: RoundInfo) -> None:
         state.add_(agg["delta"], alpha=self.server_lr)
-        self.c.add_(agg["dc"], alpha=1.0 / info.num_clients)
+        if self.weighted_c:
+            self.c.copy_(agg["c_new"])                   # Σ_k p_k c_k⁺
+        else:
+            self.c.add_(agg["dc"], alpha=1.0 / info.num_clients)
 
     # ------------------------------------------------------------------ state
     def server_state(self) -> dict[str, torch.Tensor]:

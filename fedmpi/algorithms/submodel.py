@@ -1,5 +1,9 @@
 """Submodel extraction for system-heterogeneous FL: the ONE mask module behind
-FedLAGC, FIARSE, HeteroFL and FedRolex (ALGORITHMS.md "FedLAGC").
+FedLAGC, FIARSE, HeteroFL, FedRolex and ScaleFL (ALGORITHMS.md "FedLAGC").
+
+Over ~350 lines because it holds both halves of that one idea — the mask rules
+(:class:`Extractor`) and the method seam every submodel method shares
+(:class:`SubmodelMethod`) — so each rule is one branch here, not a copy.
 
 Resource levels and clients
     ``system.levels`` r_1 … r_V ∈ (0, 1] and ``system.allocation`` N_1 … N_V
@@ -38,9 +42,12 @@ Rules (``rule`` of :class:`Extractor`):
     layer; threshold θ̃_l = the smallest kept |θ_l|. d_n ≤ d̃ is rejected.
 ``global`` (FIARSE, Wu et al. 2024)
     One magnitude threshold across all prunable entries: the top (d_n − d̃)
-    |θ| entries, θ̃ = the smallest kept. (Deviation, recorded: FIARSE here
-    uses the same critical set as FedLAGC, so the two differ only in how the
-    budget is spread over layers.)
+    |θ| entries, θ̃ = the smallest kept. FIARSE's code always keeps only the
+    normalisation layers (``keep="norm"``, the FIARSE default; input/output
+    layers and biases then compete for the budget); ``keep="critical"`` uses
+    FedLAGC's critical set (``algorithm.fiarse.always_keep``). Deviation: the
+    budget is ⌊r·d⌋ − d̃ as for every method (FIARSE's code keeps
+    ⌊r·(maskable entries)⌋, which differs by r·d̃).
 ``nested`` (HeteroFL, Diao et al. 2021)
     Width factor w = √r (a width-w network has ≈ r of the parameters, which is
     how {1, 1/4, 1/16, 1/64} map to HeteroFL's widths {1, 1/2, 1/4, 1/8}); every
@@ -50,6 +57,14 @@ Rules (``rule`` of :class:`Extractor`):
 ``rolling`` (FedRolex, Alam et al. 2022)
     As ``nested`` but the kept window of every dimension of size c starts at
     (round mod c) and wraps around: it advances one channel per round.
+``scaled`` (ScaleFL, Ilhan et al. 2023: width *and* depth)
+    Depth fraction δ = r^share, share = ``algorithm.scalefl.depth_share``: the
+    deepest ⌊(1 − δ)B + ½⌋ of the B residual blocks are skipped (all their
+    entries masked: an identity residual block with zero weights and zero norm
+    affine outputs its input), as far as they are identity blocks; then nested
+    width slices with w = min(1, √(r·d / d_rest)) over the d_rest parameters
+    outside the skipped blocks, so the submodel has ≈ r·d parameters. Models
+    without residual blocks are scaled in width only (w = √r).
 
 Masking the full-width network is exactly the narrow network for ``nested`` and
 ``rolling`` with static BN or running-stat BN: a channel whose weights, bias and
@@ -65,12 +80,13 @@ from typing import Optional
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
 from ..flat import FlatModel, Segment
 
-RULES = ("layer_adaptive", "global", "nested", "rolling")
+RULES = ("layer_adaptive", "global", "nested", "rolling", "scaled")
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
 
 
@@ -84,6 +100,18 @@ def client_levels(levels: Optional[list[float]], allocation: Optional[list[int]]
         raise ConfigError(f"config key 'system.allocation' must sum to data.num_clients "
                           f"({num_clients}), got {allocation}")
     return np.repeat(np.arange(len(levels)), allocation).astype(np.int64)
+
+
+def _identity_blocks(model: nn.Module) -> tuple[list[set[str]], int]:
+    """ResNet residual blocks in depth order: (parameter/buffer names of every
+    identity block — no shortcut projection, so it can be skipped by zeroing it —,
+    total number of blocks). Other models have none: ([], 0)."""
+    from ..models import BasicBlock, Bottleneck
+
+    blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, (BasicBlock, Bottleneck))]
+    ident = [{f"{n}.{p}" for p, _ in m.named_parameters()} | {f"{n}.{b}" for b, _ in m.named_buffers()}
+             for n, m in blocks if len(m.shortcut) == 0]
+    return ident, len(blocks)
 
 
 def layer_importance(theta: torch.Tensor, segments: list[Segment], kind: str = "mean",
@@ -180,10 +208,12 @@ class Extractor:
     """Computes :class:`Submodel` masks for one model layout (see module doc)."""
 
     def __init__(self, flat: FlatModel, rule: str, importance: str = "mean",
-                 log_normalize: bool = True) -> None:
+                 log_normalize: bool = True, keep: str = "critical",
+                 depth_share: float = 0.5) -> None:
         if rule not in RULES:
             raise ValueError(f"unknown submodel rule {rule!r}")
         self.rule, self.importance, self.log_normalize = rule, importance, log_normalize
+        self.depth_share = float(depth_share)
         self.device = flat.device
         self.D, self.P = flat.size, flat.num_params
         self.segments = list(flat.param_segments)
@@ -199,8 +229,12 @@ class Extractor:
         if not head and multi:
             head = {multi[-1].name}
         self.head = head
-        self.critical = [s.name in norm_params or s.name in head or len(s.shape) < 2
-                         or s.name == self.input_name for s in self.segments]
+        if keep == "norm":   # FIARSE's code: only normalisation layers escape the threshold
+            self.critical = [s.name in norm_params for s in self.segments]
+        else:
+            self.critical = [s.name in norm_params or s.name in head or len(s.shape) < 2
+                             or s.name == self.input_name for s in self.segments]
+        self.skippable, self.num_blocks = _identity_blocks(model)
         self.prunable = [s for s, c in zip(self.segments, self.critical) if not c]
         self.critical_size = sum(s.numel for s, c in zip(self.segments, self.critical) if c)
         self.prunable_sizes = np.array([s.numel for s in self.prunable], dtype=np.float64)
@@ -241,6 +275,8 @@ class Extractor:
         """The submodel of resource level ``level`` for the global state ``theta`` [D]."""
         if self.rule in ("nested", "rolling"):
             return self._width(level, round)
+        if self.rule == "scaled":
+            return self._scaled(level)
         mask = self._base.clone()
         thr = torch.zeros(self.P, device=self.device)
         kept = np.array([s.numel if c else 0 for s, c in zip(self.segments, self.critical)],
@@ -280,11 +316,35 @@ class Extractor:
         start = round % c if self.rule == "rolling" else 0
         return (start + torch.arange(k, device=self.device)) % c
 
-    def _width(self, level: float, round: int) -> Submodel:
-        width = math.sqrt(level)
+    def depth_plan(self, level: float) -> tuple[set[str], float]:
+        """``scaled`` rule: (names skipped, width factor) of level r.
+
+        Depth fraction δ = r^share (``algorithm.scalefl.depth_share``); the
+        deepest ⌊(1 − δ)·B + ½⌋ of the B residual blocks are skipped, as far as
+        they are identity blocks (a skipped block's weights and norm affine are 0,
+        so it outputs its input); the width w = √(r·d / d_rest) spreads the rest of
+        the budget over the d_rest parameters outside the skipped blocks (w ≤ 1).
+        """
+        n = 0
+        if self.num_blocks:
+            delta = level ** self.depth_share
+            n = min(len(self.skippable), int(math.floor((1 - delta) * self.num_blocks + 0.5)))
+        skip = set().union(*self.skippable[len(self.skippable) - n:]) if n else set()
+        rest = sum(seg.numel for seg in self.segments if seg.name not in skip)
+        return skip, min(1.0, math.sqrt(level * self.P / rest))
+
+    def _scaled(self, level: float) -> Submodel:
+        skip, width = self.depth_plan(level)
+        return self._width(level, 0, width, skip)
+
+    def _width(self, level: float, round: int, width: Optional[float] = None,
+               skip: frozenset[str] | set[str] = frozenset()) -> Submodel:
+        width = math.sqrt(level) if width is None else width
         mask = torch.zeros(self.D, device=self.device)
         kept = np.zeros(len(self.segments), dtype=np.int64)
         for i, s in enumerate(list(self.segments) + self.buffers):
+            if s.name in skip:
+                continue
             m = torch.ones(s.shape, device=self.device)
             is_head = s.name in self.head
             if len(s.shape) >= 2:
@@ -306,7 +366,7 @@ class Extractor:
 
 
 # --------------------------------------------------------------------------- #
-# The method seam shared by FedLAGC, FIARSE, HeteroFL and FedRolex
+# The method seam shared by FedLAGC, FIARSE, HeteroFL, FedRolex and ScaleFL
 # --------------------------------------------------------------------------- #
 from ..train import StepHooks  # noqa: E402
 from .transforms import TransformChain
@@ -342,6 +402,12 @@ class SubmodelMethod(Algorithm):
     rule = "layer_adaptive"
     use_ste = False
     dynamic_mask = False
+    #: FIARSE: entries below θ̃ during local training get zero gradient (Bern.backward)
+    frozen_below = False
+    #: always-kept set of :class:`Extractor` (``critical`` or ``norm``)
+    keep = "critical"
+    #: HeteroFL's masked cross-entropy (logits of absent classes set to 0)
+    masked_ce = False
 
     def __init__(self, cfg, layout: FlatModel, num_clients: int) -> None:
         # ECGR is refused by the config validator (fedmpi.config SUBMODEL_METHODS): it
@@ -351,7 +417,8 @@ class SubmodelMethod(Algorithm):
         self.levels = [float(r) for r in (cfg.system.levels or [])]
         self.client_level = client_levels(cfg.system.levels, cfg.system.allocation, num_clients,
                                           self.name)
-        self.extractor = Extractor(layout, self.rule, a.fedlagc.importance, a.fedlagc.log_normalize)
+        self.extractor = Extractor(layout, self.rule, a.fedlagc.importance, a.fedlagc.log_normalize,
+                                   self.keep, a.scalefl.depth_share)
         self.extractor.check_levels(self.levels, cfg.model.name)
         self.ste = self.use_ste and bool(a.submodel.ste)
         self.P = layout.num_params
@@ -415,6 +482,7 @@ class SubmodelMethod(Algorithm):
         mask = sub.mask[:P]
         lam, h = self.correction(task)
         flat = self._flat
+        loss_fn = self.masked_loss(task) if self.masked_ce else None
         if not self.dynamic_mask:
             def grad_hook(f: FlatModel) -> None:
                 g = f.grad
@@ -423,15 +491,18 @@ class SubmodelMethod(Algorithm):
                 if lam is not None and h:
                     g.sub_(lam, alpha=h)
                 g.mul_(mask)
-            return StepHooks(grad_hook=grad_hook)
+            return StepHooks(grad_hook=grad_hook, loss_fn=loss_fn)
 
         # FIARSE: the forward uses θ ⊙ 1[|θ| ≥ θ̃] recomputed after every step,
-        # the full values θ live in ``shadow``; the gradient reaches every entry
-        # of the sent submodel (straight-through), so masked entries can recover.
+        # the full values θ live in ``shadow``. ``frozen_below`` (FIARSE's
+        # Bern.backward): the gradient is ∇ ⊙ 1[|θ| ≥ θ̃] ⊙ STE, so an entry that
+        # fell below θ̃ gets none; otherwise (``recover``) it reaches every entry
+        # of the sent submodel (straight-through) and masked entries can recover.
         if self._shadow is None:
             self._shadow = torch.empty(P, device=flat.device)
         shadow = self._shadow
         shadow.copy_(flat.params)
+        frozen = self.frozen_below
 
         def grad_hook(f: FlatModel) -> None:
             g = f.grad
@@ -440,6 +511,8 @@ class SubmodelMethod(Algorithm):
             if lam is not None and h:
                 g.sub_(lam, alpha=h)
             g.mul_(mask)
+            if frozen:
+                g.mul_(shadow.abs() >= sub.threshold)
             f.params.copy_(shadow)          # the step acts on the full values
 
         def step_hook(direction: torch.Tensor, lr: float) -> None:
@@ -447,6 +520,18 @@ class SubmodelMethod(Algorithm):
             flat.params.mul_(mask * (shadow.abs() >= sub.threshold))
 
         return StepHooks(grad_hook=grad_hook, step_hook=step_hook)
+
+    def masked_loss(self, task: ClientTask):
+        """HeteroFL's masked cross-entropy (its code's ``cfg['mask']``): the logits of
+        classes absent from client ``task.client``'s data are set to 0 before the CE."""
+        assert self.ctx is not None, "setup() first"
+        data = self.ctx.data
+        present = torch.zeros(data.num_classes, dtype=torch.bool, device=task.indices.device)
+        present[data.y_train[task.indices]] = True
+
+        def loss(flat: FlatModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(flat.model(x).masked_fill(~present, 0.0), y)
+        return loss
 
     def finish_client(self, task, trainer, state, extras, out, result) -> None:
         """Upload M ⊙ Δ (FIARSE: Δ of the full values, not the re-masked ones)."""

@@ -23,8 +23,10 @@ every rank and every run with the same seed; the interpolation runs on the CPU
 before the tensor is moved to the training device.
 
 Deviation: the authors' code (VHL lineage) reads pre-generated images from
-disk and applies random crop + flip to them; here nothing is read and no
-augmentation is applied to surrogate images.
+disk; here nothing is read. Its per-draw augmentation (RandomCrop with padding
+4 + horizontal flip) is applied by FedGPS with
+``algorithm.fedgps.surrogate_augment: crop_flip``
+(:func:`~fedmpi.data.augment.random_crop_flip`).
 """
 from __future__ import annotations
 

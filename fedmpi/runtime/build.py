@@ -131,7 +131,8 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray]) -> Built:
                   forward=forward, accel=accel, data=data, partition=partition, log=log,
                   broadcast=broadcast,
                   participants=plan, test=test,
-                  client_weight=None if weighting.per_client else weighting.raw)
+                  client_weight=None if weighting.per_client else weighting.raw,
+                  model_delta_scale=algo.model_delta_scale)
     start(algo, ctx)
     start(weighting, ctx)
     transforms.setup(ctx)
