@@ -49,14 +49,14 @@ import torch
 from . import __version__
 from .accel import Accel, set_deterministic
 from .adversary import Adversary
-from . import checkpoint, signals
-from .algorithms import (Algorithm, ClientTask, RoundInfo, Stat, algorithm_class, build_algorithm,
-                         build_weighting)
+from . import checkpoint, metrics, signals
+from .algorithms import Algorithm, ClientTask, RoundInfo, Stat
 from .comm import CHUNK, Comm, CommTimeout
-from .data import Dataset, Partition, build_partition, load_dataset
+from .data import Dataset, Partition, build_local
 from .errors import ConfigError, UserError
 from .flat import FlatModel
-from .models import build_model
+from .imports import UserCode
+from .models import build_model, model_spec
 from .placement import gpu_for_local_rank, threads_per_rank
 from .train import LocalTrainer, evaluate
 
@@ -154,7 +154,8 @@ def plan_layout(stats: list[Stat], per_client_weighting: bool) -> Layout:
 class Federation:
     """Sets up one rank of a run and executes rounds (see module docstring)."""
 
-    def __init__(self, cfg, comm: Comm, out_dir: Optional[Path] = None) -> None:
+    def __init__(self, cfg, comm: Comm, out_dir: Optional[Path] = None,
+                 code: Optional[UserCode] = None) -> None:
         self.cfg = cfg
         self.comm = comm
         self.rank, self.size = comm.rank, comm.size
@@ -165,35 +166,40 @@ class Federation:
         self.device = resolve_device(cfg.runtime.device, local_rank)
         set_deterministic(cfg.runtime.deterministic)
 
-        # Data and partition: computed identically on every rank (deterministic).
-        self.data: Dataset = load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.download,
-                                          augment=cfg.data.augment, image_size=cfg.data.image_size)
-        self.partition: Partition = build_partition(cfg, self.data)   # = `fedmpi partition`
+        code = code or UserCode()   # objects given to fedmpi.run instead of config names
+        # Client placement and the clients this rank hosts.
         self.K = cfg.data.num_clients
-        self.num_samples = np.array([len(ix) for ix in self.partition.client_indices], dtype=np.int64)
-        self.data = self.data.to(self.device)
+        self.W = max(1, self.size - 1)
+        self.host = np.array([0 if self.size == 1 else 1 + k % self.W for k in range(self.K)])
+        self.my_clients = [k for k in range(self.K) if self.host[k] == self.rank]
+
+        # Data and partition: pooled, computed identically on every rank (= `fedmpi
+        # partition`), or silo-local: each rank reads its clients' silos only, n_k of
+        # every client arrives as metadata (fedmpi.data.silos).
+        local = build_local(cfg, comm, self.my_clients, self.is_server, code.data)
+        self.data: Dataset = local.data.to(self.device)
+        self.partition: Partition = local.partition
+        self.num_samples = local.num_samples
 
         # Model: every rank builds the same initial model from the seed.
         torch.manual_seed(cfg.seed)
-        outputs = algorithm_class(cfg).num_outputs(cfg, self.data.num_classes)  # FedGPS: 2C
-        model = build_model(cfg.model.name, self.data.input_shape, outputs, cfg.model.norm)
+        algo_class = code.algorithm_class(cfg)
+        outputs = algo_class.num_outputs(cfg, self.data.num_classes)  # FedGPS: 2C
+        model = build_model(model_spec(cfg, code.model), self.data.input_shape, outputs,
+                            cfg.model.norm)
         self.flat = FlatModel(model, self.device)
         self.D = self.flat.size
         self.accel = Accel.from_config(cfg.runtime, self.device)
         self.forward = self.accel.wrap(self.flat.model)   # compiled once, shared by train/eval
 
-        self.algo: Algorithm = build_algorithm(cfg, self.flat, self.K)
+        self.algo: Algorithm = algo_class(cfg, self.flat, self.K)
         self.algo.set_client_sizes(self.num_samples)   # before uplink_stats (ECGR sizes τ_max)
-        self.weighting = build_weighting(cfg.aggregation.weighting, self.num_samples)
+        self.weighting = code.build_weighting(cfg, self.num_samples)
         self.adversary = Adversary(cfg.adversary.clients, cfg.adversary.kind, cfg.adversary.factor)
         self.stats = self.algo.uplink_stats() + self.algo.transform_stats()
         self.layout = plan_layout(self.stats, self.weighting.per_client)
         self.E = self.algo.downlink_size()
 
-        # Client placement and the clients this rank hosts.
-        self.W = max(1, self.size - 1)
-        self.host = np.array([0 if self.size == 1 else 1 + k % self.W for k in range(self.K)])
-        self.my_clients = [k for k in range(self.K) if self.host[k] == self.rank]
         self.client_idx = {k: torch.as_tensor(self.partition.client_indices[k], device=self.device)
                            for k in self.my_clients}
         self.trainer = (LocalTrainer(self.flat, self.data, self.accel, self.forward)
@@ -211,8 +217,9 @@ class Federation:
         self.meta_recv = self.up_recv[:nmeta].reshape(self.K, len(META_FIELDS))
         self.signal_send, self.signal_recv = self.up_send[nmeta:], self.up_recv[nmeta:]
         self.err_send = np.zeros(ERR_BYTES, dtype=np.uint8)
-        self.eval_send = np.zeros(3, dtype=np.float64)     # Σ loss, #correct, n (sharded eval)
-        self.eval_recv = np.zeros(3, dtype=np.float64)
+        # Σ loss, n, confusion matrix (sharded evaluation, fedmpi.metrics)
+        self.eval_send = np.zeros(2 + metrics.confusion_size(self.data.num_classes), dtype=np.float64)
+        self.eval_recv = np.zeros_like(self.eval_send)
         self.err_recv = np.zeros((self.size, ERR_BYTES), dtype=np.uint8)
         # float64 sums: partial sums from any rank layout round to the same float32
         # result, which is what makes the global model independent of world size.
@@ -462,7 +469,7 @@ class Federation:
             weights[accepted] = s
         overlapped = self._overlaps_evaluation(t)
         t_eval = time.perf_counter()
-        test_loss, test_acc = (float("nan"),) * 2 if overlapped else self._maybe_evaluate(t)
+        evals = metrics.nan_scalars(self.cfg.eval.metrics) if overlapped else self._maybe_evaluate(t)
         t_end = t_eval if overlapped else time.perf_counter()
 
         seen = meta[accepted, M_SEEN].sum()
@@ -474,7 +481,7 @@ class Federation:
         self._exposed_arrival_seconds = 0.0
         sel = [int(k) for k in np.flatnonzero(mask)]
         scalars = {
-            "test_accuracy": test_acc, "test_loss": test_loss, "train_loss": train_loss,
+            **evals, "train_loss": train_loss,
             "wall_seconds": wall, "bytes_up": sum(self.algo.uplink_bytes(k, t) for k in sel),
             "bytes_down": sum(self.algo.downlink_bytes(k, t) for k in sel),
             "train_seconds": train_seconds, "aggregate_seconds": agg_seconds,
@@ -524,8 +531,7 @@ class Federation:
         t, scalars, per_client, arrays = self._pending_row
         self._pending_row = None
         t0 = time.perf_counter()
-        loss, acc = self._maybe_evaluate(t)
-        scalars.update(test_loss=loss, test_accuracy=acc, eval_seconds=time.perf_counter() - t0)
+        scalars.update(self._maybe_evaluate(t), eval_seconds=time.perf_counter() - t0)
         self._append_row(t, scalars, per_client, arrays)
 
     def _aggregate(self, t: int, mask: np.ndarray, accepted: np.ndarray) -> np.ndarray:
@@ -585,20 +591,21 @@ class Federation:
         """
         return (self.cfg.eval.sharded and self.size > 1 and self._is_eval_round(t)
                 and type(self.algo).evaluate is Algorithm.evaluate
-                and self.cfg.model.norm != "static_bn")
+                and self.cfg.model.norm != "static_bn" and metrics.shardable(self.cfg.eval.metrics))
 
-    def _maybe_evaluate(self, t: int) -> tuple[float, float]:
+    def _maybe_evaluate(self, t: int) -> dict[str, float]:
         if not self._is_eval_round(t):
-            return float("nan"), float("nan")
+            return metrics.nan_scalars(self.cfg.eval.metrics)
         if self._shards_evaluation(t):
             return self._sharded_evaluate()
         return self.evaluate()
 
-    def _sharded_evaluate(self) -> tuple[float, float]:
+    def _sharded_evaluate(self) -> dict[str, float]:
         """Evaluate θ with every rank taking a contiguous slice of the test set.
 
         One ``Bcast`` of the new state (workers otherwise get it with the next
-        round), local sums, one ``Reduce`` of (Σ loss, #correct, n); result on rank 0.
+        round), local sums, one ``Reduce`` of (Σ loss, n, confusion matrix); result
+        on rank 0 (an empty dict elsewhere).
         """
         if self.is_server:
             self.state.pull()
@@ -608,27 +615,33 @@ class Federation:
         self.flat.load(self.state.dev[: self.D])
         n = self.data.y_test.numel()
         part = slice(self.rank * n // self.size, (self.rank + 1) * n // self.size)
-        loss, correct, count = evaluate(self.forward, self.data, self.data.x_test[part],
-                                        self.data.y_test[part], self.cfg.eval.batch_size,
-                                        num_logits=self.algo.eval_logits(), accel=self.accel)
-        self.eval_send[:] = (loss, correct, count)
+        collect = metrics.Collector(self.data.num_classes, (), self.device)
+        loss, _, count = evaluate(self.forward, self.data, self.data.x_test[part],
+                                  self.data.y_test[part], self.cfg.eval.batch_size,
+                                  num_logits=self.algo.eval_logits(), accel=self.accel,
+                                  collect=collect)
+        self.eval_send[:2] = (loss, count)
+        self.eval_send[2:] = collect.confusion.cpu().numpy()
         self.comm.reduce_sum(self.eval_send, self.eval_recv, what="evaluation Reduce")
         if not self.is_server:
-            return float("nan"), float("nan")
-        total_loss, total_correct, total = self.eval_recv
-        return total_loss / total, total_correct / total
+            return {}
+        return metrics.scalars(self.eval_recv[0], self.eval_recv[1], self.eval_recv[2:],
+                               self.data.num_classes, self.cfg.eval.metrics)
 
-    def evaluate(self) -> tuple[float, float]:
-        """(test loss, test accuracy) of the global model (or the method's own
-        evaluation, e.g. the mean over FedLAGC resource levels)."""
+    def evaluate(self) -> dict[str, float]:
+        """``test_loss``, ``test_accuracy`` and the other ``eval.metrics`` of the global
+        model (:mod:`fedmpi.metrics`), or the method's own evaluation (loss and
+        accuracy only, e.g. the mean over FedLAGC resource levels)."""
         custom = self.algo.evaluate(self)
         if custom is not None:
-            return custom
+            return {**metrics.nan_scalars(self.cfg.eval.metrics),
+                    "test_loss": custom[0], "test_accuracy": custom[1]}
         self.flat.load(self.state.dev[: self.D])
-        loss, correct, n = evaluate(self.forward, self.data, self.data.x_test, self.data.y_test,
-                                    self.cfg.eval.batch_size, num_logits=self.algo.eval_logits(),
-                                    accel=self.accel)
-        return loss / n, correct / n
+        collect = metrics.Collector(self.data.num_classes, self.cfg.eval.metrics, self.device)
+        loss, _, n = evaluate(self.forward, self.data, self.data.x_test, self.data.y_test,
+                              self.cfg.eval.batch_size, num_logits=self.algo.eval_logits(),
+                              accel=self.accel, collect=collect)
+        return collect.scalars(loss, n)
 
     def _event(self, t: int, rank: int, client: int, message: str) -> None:
         if self.writer is not None:
@@ -665,20 +678,22 @@ def _open_log(fed: Federation, path: Path, resume_rounds: Optional[int] = None):
                      resume_rounds=resume_rounds)
 
 
-def _logged_history(path: Path, rounds: int) -> list[dict]:
+def _logged_history(path: Path, rounds: int, fed_metrics: tuple[str, ...] = ()) -> list[dict]:
     """Rounds < ``rounds`` of an existing log as :attr:`Federation.history` rows."""
     from .log import read
 
     log = read(path)
     keep = log.rounds["round"] < rounds
-    names = ("test_accuracy", "train_loss")
+    names = ("test_accuracy", "train_loss", *metrics.extra_names(fed_metrics))
     return [{"round": int(r), **{n: float(log.rounds[n][i]) for n in names if n in log.rounds}}
             for i, r in enumerate(log.rounds["round"]) if keep[i]]
 
 
 def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
-        resume: bool = False) -> Optional[float]:
-    """Run a whole experiment on this rank; returns the final test accuracy on rank 0.
+        resume: bool = False, code: Optional[UserCode] = None) -> Optional[dict[str, float]]:
+    """Run a whole experiment on this rank; returns on rank 0 the final metrics
+    (``test_accuracy`` and the other ``eval.metrics`` of the last evaluated round), None
+    elsewhere. ``code``: objects replacing the config's names (:func:`fedmpi.run`).
 
     Raises :class:`UserError` (same on every rank) for bad input, and exits the
     whole job non-zero when a rank fails or a collective times out. ``resume``
@@ -689,24 +704,25 @@ def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
     """
     signals.install()
     try:
-        return _run(cfg, out_dir, comm, resume)
+        return _run(cfg, out_dir, comm, resume, code)
     finally:
         signals.restore()
 
 
-def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool) -> Optional[float]:
+def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
+         code: Optional[UserCode] = None) -> Optional[dict[str, float]]:
     comm = comm or Comm(timeout=cfg.runtime.round_timeout)
     out = Path(out_dir) if out_dir else Path(cfg.runtime.out_dir) / cfg.name
     error: Optional[BaseException] = None
     fed = None
     restored: Optional[checkpoint.Restored] = None
     try:
-        fed = Federation(cfg, comm, out)
+        fed = Federation(cfg, comm, out, code)
         if comm.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             if resume:
                 restored = checkpoint.load_server_side(fed, checkpoint.checkpoint_path(out))
-                fed.history = _logged_history(out / "log.h5", restored.round)
+                fed.history = _logged_history(out / "log.h5", restored.round, cfg.eval.metrics)
             fed.writer = _open_log(fed, out / "log.h5", restored.round if restored else None)
             (out / "config.yaml").write_text(cfg.to_yaml())
     except UserError as exc:
@@ -786,6 +802,6 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool)
               f"{checkpoint.checkpoint_path(out)}; continue with: fedmpi run ... --resume",
               file=sys.stderr, flush=True)
         raise SystemExit(signals.EXIT_INTERRUPTED)
-    final = next((h["test_accuracy"] for h in reversed(fed.history)
-                  if not np.isnan(h["test_accuracy"])), float("nan"))
-    return final
+    names = ("test_accuracy", *metrics.extra_names(cfg.eval.metrics))
+    final = next((h for h in reversed(fed.history) if not np.isnan(h["test_accuracy"])), {})
+    return {n: float(final.get(n, float("nan"))) for n in names}

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..flat import FlatModel
+from ..imports import method_params
 from ..train import LocalTrainer, SGDConfig, StepHooks, TrainResult, step_decay_lr
 from .ecgr import ECGR, SELECTED_STAT
 
@@ -116,6 +117,8 @@ class Algorithm:
         self.ecgr: ECGR | None = None    # set by set_client_sizes when ecgr.enabled
         self.device = torch.device("cpu")  # the training device, set by the runtime before bind()
         self._client_stores: list[ClientVectors] = []
+        # algorithm.params checked against the class's ``Params`` dataclass (None without one)
+        self.params = method_params(type(self), cfg.algorithm.params)
 
     def client_store(self, name: str, size: int) -> ClientVectors:
         """A per-client vector store that :meth:`client_state` checkpoints by client id."""
