@@ -116,7 +116,7 @@ def write_table(path: str | os.PathLike, x: np.ndarray, y: np.ndarray, label: st
         return path
     import pandas as pd
 
-    flat = x.reshape(len(x), -1)
+    flat = x.reshape(len(x), int(np.prod(x.shape[1:])))
     names = columns if columns is not None else [f"x{i}" for i in range(flat.shape[1])]
     frame = pd.DataFrame(flat, columns=names)
     frame[label] = np.asarray(y, dtype=np.int64)
