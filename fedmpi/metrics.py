@@ -29,6 +29,7 @@ fall into one extra column :math:`p = C`: wrong for every class.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -106,7 +107,9 @@ def scalars(loss_sum: float, n: float, confusion: np.ndarray, num_classes: int,
         if n == 0:
             out[name] = math.nan
         elif name == "balanced_accuracy":
-            out[name] = float(balanced_accuracy_score(y_true, y_pred))
+            with warnings.catch_warnings():   # "y_pred contains classes not in y_true": expected
+                warnings.simplefilter("ignore", UserWarning)
+                out[name] = float(balanced_accuracy_score(y_true, y_pred))
         elif name == "macro_f1":
             out[name] = float(f1_score(y_true, y_pred, average="macro", zero_division=0))
         elif name == "auroc":

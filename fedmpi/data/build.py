@@ -16,19 +16,22 @@ def load_pool(cfg: Any, data: Optional[Any] = None) -> Dataset:
     ``(train, test)`` pair or a zero-argument callable, from :func:`fedmpi.run`),
     else ``data.dataset``: an import path, ``tabular`` (``data.tabular.*`` files),
     an embedded tabular set, or a built-in name (:func:`~fedmpi.data.load_dataset`)."""
-    from fedmpi import imports
+    import dataclasses
 
-    d = cfg.data
-    if data is not None:
-        return imports.dataset_factory(data)()
-    if imports.is_import_path(d.dataset):
-        return imports.dataset_factory(d.dataset)()
+    from fedmpi import imports
     from fedmpi.data import tabular
 
-    if d.dataset == "tabular":
-        return tabular.load_tabular(d.tabular.train, d.tabular.test, d.tabular.label)
-    if d.dataset in tabular.EMBEDDED:
-        return tabular.load_embedded(d.dataset)
+    d = cfg.data
+    if data is not None or imports.is_import_path(d.dataset) or d.dataset == "tabular" \
+            or d.dataset in tabular.EMBEDDED:
+        if data is not None or imports.is_import_path(d.dataset):
+            pool = imports.dataset_factory(data if data is not None else d.dataset)()
+        elif d.dataset == "tabular":
+            pool = tabular.load_tabular(d.tabular.train, d.tabular.test, d.tabular.label)
+        else:
+            pool = tabular.load_embedded(d.dataset)
+        # data.augment applies to these too (and refuses inputs that are not images)
+        return dataclasses.replace(pool, augment=True) if d.augment else pool
     from fedmpi.data.datasets import load_dataset
 
     return load_dataset(d.dataset, d.root, d.download, augment=d.augment,

@@ -5,7 +5,7 @@ Files (by extension):
 - ``.csv``: one column per feature, plus the label column ``data.tabular.label``
   (default ``label``), read with pandas;
 - ``.parquet`` / ``.pq``: the same columns, read with pandas + pyarrow
-  (``pip install pyarrow``);
+  (``pip install 'fedmpi[tabular]'`` installs both);
 - ``.h5`` / ``.hdf5``: datasets ``x`` ``[N, F]`` (any shape ``[N, ...]``) and ``y`` ``[N]``.
 
 Labels must be integers ``>= 0``; features are stored as float32 and
@@ -43,6 +43,15 @@ def _suffix(path: str) -> str:
     return suffix
 
 
+def _pandas(path: str):
+    try:
+        import pandas
+    except ImportError:
+        raise DataError(f"{path}: reading and writing CSV/Parquet tables needs pandas "
+                        "(pip install 'fedmpi[tabular]')") from None
+    return pandas
+
+
 def read_table(path: str | os.PathLike, label: str = "label") -> tuple[np.ndarray, np.ndarray]:
     """``(x float32 [N, ...], y int64 [N])`` from one CSV, Parquet or HDF5 file."""
     path = os.fspath(path)
@@ -62,8 +71,7 @@ def read_table(path: str | os.PathLike, label: str = "label") -> tuple[np.ndarra
         except OSError as exc:
             raise DataError(f"{path}: not a readable HDF5 file ({exc})") from None
     else:
-        import pandas as pd
-
+        pd = _pandas(path)
         try:
             frame = pd.read_csv(path) if suffix == ".csv" else pd.read_parquet(path)
         except ImportError as exc:
@@ -80,7 +88,8 @@ def read_table(path: str | os.PathLike, label: str = "label") -> tuple[np.ndarra
         try:
             x = features.to_numpy(dtype=np.float32)
         except (ValueError, TypeError):
-            bad = [c for c in features.columns if not np.issubdtype(features[c].dtype, np.number)]
+            bad = [c for c in features.columns
+                   if not pd.api.types.is_numeric_dtype(features[c])]
             raise DataError(f"{path}: feature column(s) {', '.join(map(str, bad[:5]))} are not "
                             "numeric (encode them as numbers first)") from None
     y = np.asarray(y)
@@ -114,8 +123,7 @@ def write_table(path: str | os.PathLike, x: np.ndarray, y: np.ndarray, label: st
             f.create_dataset("x", data=x.astype(np.float32))
             f.create_dataset("y", data=np.asarray(y, dtype=np.int64))
         return path
-    import pandas as pd
-
+    pd = _pandas(str(path))
     flat = x.reshape(len(x), int(np.prod(x.shape[1:])))
     names = columns if columns is not None else [f"x{i}" for i in range(flat.shape[1])]
     frame = pd.DataFrame(flat, columns=names)
