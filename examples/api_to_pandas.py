@@ -2,10 +2,13 @@
 
     python examples/api_to_pandas.py                  # or under mpiexec -n 3
 """
+from pathlib import Path
+
 import fedmpi
 from fedmpi.log import read
 
-result = fedmpi.run("configs/tabular_silos.yaml",
+config = Path(__file__).resolve().parents[1] / "configs" / "tabular_silos.yaml"
+result = fedmpi.run(config,
                     overrides=["data.partition.method=dirichlet",   # pooled: no silo files needed
                                "train.rounds=5", "name=api_to_pandas"])
 if result.is_root:

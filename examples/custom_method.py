@@ -5,7 +5,7 @@
 The same objects by import path, from the repository root (no Python API):
 
     fedmpi run configs/quickstart.yaml --set model.name=examples.custom_method:Net \
-        --set data.dataset=examples.custom_method:wine \
+        --set data.dataset=examples.custom_method:wine --set data.partition.min_size=5 \
         --set algorithm.name=examples.custom_method:ClippedFedAvg --set algorithm.params.max_norm=1
 """
 from dataclasses import dataclass
