@@ -157,6 +157,7 @@ def _silos(cfg: Any, comm: Any, hosted: list[int], is_server: bool) -> LocalData
 
     # 2. per-client class counts and channel sums (one row per client + validation)
     rows = np.zeros((K + 1, C + 2 * F + 1), dtype=np.float64)
+    x = y = None
     for r, (x, y) in [*parts.items(), *([(K, val)] if val is not None else [])]:
         rows[r, :C] = np.bincount(y, minlength=C)
         if len(y):
@@ -174,23 +175,27 @@ def _silos(cfg: Any, comm: Any, hosted: list[int], is_server: bool) -> LocalData
     mean, std = stats_from_sums(torch.from_numpy(tot[C:C + F]), torch.from_numpy(tot[C + F:C + 2 * F]),
                                 float(tot[-1]))
 
-    # 3. the local pool: hosted clients back to back, then (rank 0) the validation set
-    xs = [parts[k][0] for k in hosted] + ([val[0]] if val is not None else [])
-    ys = [parts[k][1] for k in hosted] + ([val[1]] if val is not None else [])
-    offsets = np.cumsum([0, *(len(y) for y in ys)])
+    # 3. the local pool: hosted clients back to back, then (rank 0) the validation set,
+    # moved in one at a time so the peak is the pool plus one silo, not twice the pool
+    del arrays, x, y
+    order = [parts.pop(k) for k in hosted] + ([val] if val is not None else [])
+    val = None
+    offsets = np.cumsum([0, *(len(y) for _, y in order)])
     client_indices = [np.zeros(0, dtype=np.int64)] * K
     for i, k in enumerate(hosted):
         client_indices[k] = np.arange(offsets[i], offsets[i + 1], dtype=np.int64)
-    validation = (np.arange(offsets[-2], offsets[-1], dtype=np.int64) if val is not None
-                  else np.zeros(0, dtype=np.int64))
-
-    def cat(a: list[np.ndarray], dtype: Any, tail: tuple[int, ...]) -> torch.Tensor:
-        return torch.from_numpy(np.concatenate(a).astype(dtype, copy=False) if a
-                                else np.zeros((0, *tail), dtype=dtype))
-
+    validation = np.arange(offsets[len(hosted)], offsets[-1], dtype=np.int64)
+    if len(order) == 1:
+        x_pool, y_pool = order.pop()
+    else:
+        x_pool = np.empty((int(offsets[-1]), *shape), dtype=np.float32)
+        y_pool = np.empty(int(offsets[-1]), dtype=np.int64)
+        for i in range(len(order)):
+            x_pool[offsets[i]:offsets[i + 1]], y_pool[offsets[i]:offsets[i + 1]] = order[i]
+            order[i] = None   # release this silo's arrays
     x_test, y_test = test if test is not None else (np.zeros((0, *shape), np.float32),
                                                     np.zeros(0, np.int64))
-    data = Dataset("silos", cat(xs, np.float32, shape), cat(ys, np.int64, ()),
+    data = Dataset("silos", torch.from_numpy(x_pool), torch.from_numpy(y_pool),
                    torch.from_numpy(x_test), torch.from_numpy(y_test), num_classes=C,
                    mean=mean, std=std, scale=1.0)
     return LocalData(data, Partition(client_indices, validation, class_counts), num_samples)
