@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, mpiexec_path, run_fedmpi
+from conftest import ROOT, mpiexec_path, run_fedmpi, set_dotted
 from fedmpi.config import config_from_dict
 from fedmpi.errors import ConfigError, DataError
 
@@ -71,12 +71,7 @@ def _config_file(tmp_path: Path, **over) -> Path:
     cfg["data"]["silos"].update(path=str(root / "silo_{client}" / "data.csv"),
                                 test=str(root / "server" / "test.csv"),
                                 validation=str(root / "server" / "validation.csv"))
-    for k, v in over.items():
-        node = cfg
-        *parents, leaf = k.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = v
+    set_dotted(cfg, over)
     path = tmp_path / "silos.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import set_dotted
 from fedmpi.cli import main
 from fedmpi.config import config_from_dict
 from fedmpi.errors import ConfigError
@@ -154,13 +155,7 @@ def _small(**over):
          "train": {"rounds": 2, "local_steps": 2, "batch_size": 16, "lr": 0.1},
          "eval": {"metrics": ["accuracy", "macro_f1"]},
          "runtime": {"device": "cpu", "progress": False, "threads": 1}}
-    for k, v in over.items():
-        node = d
-        *parents, leaf = k.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = v
-    return d
+    return set_dotted(d, over)
 
 
 def test_run_api_uses_the_objects_given(usermod, tmp_path):
