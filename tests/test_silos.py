@@ -232,3 +232,21 @@ def test_empty_silo_is_a_data_error(tmp_path):
                                                "test": str(tmp_path / "t.csv")}}})
     with pytest.raises(DataError, match="client 1 has no samples"):
         build_local(cfg, _Rank(0, 1), [0, 1], is_server=True)
+
+
+def test_silo_run_resumes_under_another_world_size(tmp_path):
+    """SCAFFOLD's per-client controls live on the hosting worker and are checkpointed by
+    client id: 2 rounds at -n 3, resumed to 3 rounds at -n 2, equals 3 rounds at -n 1."""
+    config = _config_file(tmp_path, **{"algorithm.name": "scaffold",
+                                       "aggregation.weighting": "samples"})
+    _export(config)
+    out, ref = tmp_path / "resumed", tmp_path / "straight"
+    run_fedmpi(["run", str(config), "--set", "train.rounds=2", "--out", str(out)], n=3)
+    run_fedmpi(["run", str(config), "--resume", "--out", str(out)], n=2)
+    run_fedmpi(["run", str(config), "--out", str(ref)], n=1)
+    a, b = _model(out), _model(ref)
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    from fedmpi.log import read
+    log = read(out / "log.h5")
+    assert list(log.attrs["resumed_world_sizes"]) == [2] and list(log.rounds["round"]) == [0, 1, 2]
+    assert any("resumed at round 2 with world_size=2 (was 3)" in m for m in log.events["message"])
