@@ -127,3 +127,8 @@ def test_image_only_paths_refuse_features():
         _fed(**{"model.name": "cnn"})
     with pytest.raises(DataError, match="data.augment"):
         _fed(**{"data.augment": "true"})
+
+
+def test_fedgps_refuses_feature_vectors():
+    with pytest.raises(ConfigError, match="fedgps .* needs inputs \\[C, H, W\\]"):
+        _fed(**{"algorithm.name": "fedgps"})
