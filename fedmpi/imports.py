@@ -215,7 +215,7 @@ def method_params(cls: type, given: Mapping[str, Any], key: str = "algorithm.par
             continue
         value = _check_value(f"{key}.{name}", field_spec, given[name])
         values[name] = list(value) if isinstance(value, tuple) else value
-    return spec(**values)
+    return spec(**values)  # type: ignore[operator]  # a dataclass type, checked above
 
 
 # ------------------------------------------------------------ objects in hand

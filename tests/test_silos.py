@@ -250,3 +250,12 @@ def test_silo_run_resumes_under_another_world_size(tmp_path):
     log = read(out / "log.h5")
     assert list(log.attrs["resumed_world_sizes"]) == [2] and list(log.rounds["round"]) == [0, 1, 2]
     assert any("resumed at round 2 with world_size=2 (was 3)" in m for m in log.events["message"])
+
+
+def test_worker_hosting_no_client(tmp_path):
+    """More workers than clients (-n 3, one client): rank 2 reads nothing and the run
+    still agrees on shapes and counts."""
+    config = _config_file(tmp_path, **{"data.num_clients": 1, "train.clients_per_round": 1})
+    _export(config)
+    proc = run_fedmpi(["run", str(config), "--out", str(tmp_path / "out")], n=3)
+    assert proc.stdout.strip().splitlines()[-1].startswith("final test_accuracy=")

@@ -39,6 +39,7 @@ def export_silos(cfg: Any, data: Dataset, partition: Partition,
     ``DIR/test.csv`` and ``DIR/validation.csv``.
     """
     s = cfg.data.silos
+    val: Optional[Path]
     if directory is not None:
         d = Path(directory)
         template, test, val = str(d / "{client}.csv"), d / "test.csv", d / "validation.csv"

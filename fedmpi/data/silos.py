@@ -32,6 +32,7 @@ rank stops with the same one-line :class:`~fedmpi.errors.DataError`.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -80,7 +81,7 @@ def read_silo(cfg: Any, client: int,
               loader: Optional[Callable[[int], Any]] = None) -> tuple[np.ndarray, np.ndarray]:
     """Client ``client``'s ``(x float32, y int64)`` from ``data.silos.path`` or the loader."""
     s = cfg.data.silos
-    if s.path is not None:
+    if s.path is not None or loader is None:
         return read_table(s.path.format(client=client), cfg.data.tabular.label)
     try:
         x, y = loader(client)
@@ -178,21 +179,22 @@ def _silos(cfg: Any, comm: Any, hosted: list[int], is_server: bool) -> LocalData
     # 3. the local pool: hosted clients back to back, then (rank 0) the validation set,
     # moved in one at a time so the peak is the pool plus one silo, not twice the pool
     del arrays, x, y
-    order = [parts.pop(k) for k in hosted] + ([val] if val is not None else [])
+    queue = deque([parts.pop(k) for k in hosted] + ([val] if val is not None else []))
     val = None
-    offsets = np.cumsum([0, *(len(y) for _, y in order)])
+    offsets = np.cumsum([0, *(len(y) for _, y in queue)])
     client_indices = [np.zeros(0, dtype=np.int64)] * K
     for i, k in enumerate(hosted):
         client_indices[k] = np.arange(offsets[i], offsets[i + 1], dtype=np.int64)
     validation = np.arange(offsets[len(hosted)], offsets[-1], dtype=np.int64)
-    if len(order) == 1:
-        x_pool, y_pool = order.pop()
+    if len(queue) == 1:
+        x_pool, y_pool = queue.popleft()
     else:
         x_pool = np.empty((int(offsets[-1]), *shape), dtype=np.float32)
         y_pool = np.empty(int(offsets[-1]), dtype=np.int64)
-        for i in range(len(order)):
-            x_pool[offsets[i]:offsets[i + 1]], y_pool[offsets[i]:offsets[i + 1]] = order[i]
-            order[i] = None   # release this silo's arrays
+        for i in range(len(queue)):
+            x, y = queue.popleft()   # the queue drops this silo's arrays
+            x_pool[offsets[i]:offsets[i + 1]], y_pool[offsets[i]:offsets[i + 1]] = x, y
+            x = y = None
     x_test, y_test = test if test is not None else (np.zeros((0, *shape), np.float32),
                                                     np.zeros(0, np.int64))
     data = Dataset("silos", torch.from_numpy(x_pool), torch.from_numpy(y_pool),
