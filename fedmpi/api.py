@@ -104,8 +104,8 @@ def run(config: ConfigSource, overrides: Sequence[str] = (), *,
     from .runtime import run as run_federation
 
     cfg = resolve_config(config, overrides)
-    for key, obj in (("model.name", model), ("algorithm.name", algorithm),
-                     ("aggregation.weighting", weighting)):
+    for key, obj in (("model.name", model), ("data.dataset", data if callable(data) else None),
+                     ("algorithm.name", algorithm), ("aggregation.weighting", weighting)):
         cfg = _record(cfg, key, obj)
     code = UserCode(model=model, data=data, algorithm=algorithm, weighting=weighting)
     out_dir = Path(out) if out else Path(cfg.runtime.out_dir) / cfg.name

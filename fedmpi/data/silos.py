@@ -43,7 +43,7 @@ from fedmpi.data.base import Dataset, channel_sums, stats_from_sums
 from fedmpi.data.build import build_partition, load_pool
 from fedmpi.data.partition import Partition
 from fedmpi.data.tabular import read_table
-from fedmpi.errors import DataError, UserError
+from fedmpi.errors import ConfigError, DataError, UserError
 
 __all__ = ["LocalData", "build_local", "read_silo"]
 
@@ -74,6 +74,9 @@ def build_local(cfg: Any, comm: Any, hosted: Sequence[int], is_server: bool,
         pool = load_pool(cfg, data)
         partition = build_partition(cfg, pool)
         return LocalData(pool, partition, partition.sizes)
+    if data is not None:
+        raise ConfigError("a dataset object was given, but data.partition.method is 'silos' "
+                          "(silo data comes from data.silos.path or data.silos.loader)")
     return _silos(cfg, comm, list(hosted), is_server)
 
 
