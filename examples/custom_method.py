@@ -44,12 +44,15 @@ class ClippedFedAvg(Algorithm):
     """A method: FedAvg whose aggregated update is clipped to norm max_norm."""
 
     @dataclass(frozen=True)
-    class Params:                                   # algorithm.params, checked by fedmpi
+    class Params:
         max_norm: float = 1.0
+
+    params = {"params": Params}                     # algorithm.params, checked by fedmpi
 
     def server_update(self, state, agg, info):
         delta = agg["delta"]
-        scale = min(1.0, self.params.max_norm / (float(delta.norm()) + 1e-12))
+        max_norm = self.hparams("params").max_norm
+        scale = min(1.0, max_norm / (float(delta.norm()) + 1e-12))
         state.add_(delta, alpha=self.server_lr * scale)
 
 

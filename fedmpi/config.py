@@ -226,7 +226,7 @@ SCHEMA: dict[str, Field] = {
     "algorithm.name": Field(str, "fedavg", "federated method, or pkg.module:Class (a subclass "
                             "of fedmpi.algorithms.Algorithm)", choices=_ALGORITHMS, **_IMPORT),
     "algorithm.params": Field(dict, {}, "parameters of a user method (pkg.module:Class), checked "
-                              "against its Params dataclass"),
+                              "against its params['params'] dataclass"),
     "algorithm.server_lr": Field(float | None, None, "server learning rate; null = method default "
                                  "(1; fedadam/fedyogi 0.01)", gt=0),
     "algorithm.mu": Field(float, 0.01, "FedProx proximal coefficient", ge=0),

@@ -173,32 +173,36 @@ def weighting_class(obj: Any, key: str = "aggregation.weighting") -> type:
 
 
 def method_params(cls: type, given: Mapping[str, Any], key: str = "algorithm.params") -> Any:
-    """``algorithm.params`` checked against ``cls.Params``.
+    """``algorithm.params`` checked against the method's parameters dataclass.
 
-    Convention: a method declares its parameters as a class attribute ``Params``,
-    a dataclass whose fields have defaults where optional and types ``int``,
-    ``float``, ``str``, ``bool``, ``list[...]`` or ``X | None`` (the config's
-    typing rules: an integer is accepted for a float, never a bool for an
-    integer). Unknown, missing and mistyped entries raise a ConfigError naming
-    ``algorithm.params.<field>``. Without ``Params`` the mapping must be empty.
-    Returns the ``Params`` instance (or None without ``Params``).
+    Convention (that of :mod:`fedmpi.params` for the built-in methods): a method
+    names its parameter dataclasses by config block in the class attribute
+    ``params``; a method given by import path reads the block ``algorithm.params``,
+    so it declares ``params = {"params": MyParams}`` and gets the instance from
+    ``self.hparams("params")``. Fields have defaults where optional and types
+    ``int``, ``float``, ``str``, ``bool``, ``list[...]`` or ``X | None`` (the
+    config's typing rules: an integer is accepted for a float, never a bool for an
+    integer); bounds and choices in a field's metadata (``fedmpi.params.param``,
+    keys ``ge``, ``gt``, ``le``, ``lt``, ``choices``) are checked too. Unknown,
+    missing and mistyped entries raise a ConfigError naming
+    ``algorithm.params.<field>``. Without a ``"params"`` block the mapping must be
+    empty. Returns the dataclass instance (None without one).
     """
-    spec = getattr(cls, "Params", None)
+    spec = (getattr(cls, "params", None) or {}).get("params")
     if spec is None:
         if given:
-            raise ConfigError(f"config key {key!r}: {cls.__qualname__} declares no Params "
-                              f"dataclass, so it takes no parameters; got {sorted(given)}")
+            raise ConfigError(f"config key {key!r}: {cls.__qualname__} declares no parameters "
+                              f"(params = {{'params': <dataclass>}}); got {sorted(given)}")
         return None
-    if not dataclasses.is_dataclass(spec):
-        raise ConfigError(f"config key {key!r}: {cls.__qualname__}.Params must be a dataclass")
-    from .config import Field, _check_value
+    if not dataclasses.is_dataclass(spec) or not isinstance(spec, type):
+        raise ConfigError(f"config key {key!r}: {cls.__qualname__}.params['params'] must be a "
+                          "dataclass")
+    from .config import Field, _check_value, _suggest
 
     hints = typing.get_type_hints(spec)
     fields = {f.name: f for f in dataclasses.fields(spec) if f.init}
     unknown = sorted(set(given) - set(fields))
     if unknown:
-        from .config import _suggest
-
         raise ConfigError(f"config key '{key}.{unknown[0]}' is not a parameter of "
                           f"{cls.__qualname__}{_suggest(unknown[0], list(fields))}; "
                           f"parameters: {', '.join(fields) or 'none'}")
@@ -208,14 +212,16 @@ def method_params(cls: type, given: Mapping[str, Any], key: str = "algorithm.par
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise ConfigError(f"config key '{key}.{name}' is required by {cls.__qualname__}")
             continue
+        bounds = {k: f.metadata[k] for k in ("ge", "gt", "le", "lt", "choices")
+                  if f.metadata.get(k) is not None}
         try:
-            field_spec = Field(hints[name], None)
+            field_spec = Field(hints[name], None, **bounds)
         except TypeError:   # a type the config cannot check (e.g. a callable): passed as is
             values[name] = given[name]
             continue
         value = _check_value(f"{key}.{name}", field_spec, given[name])
         values[name] = list(value) if isinstance(value, tuple) else value
-    return spec(**values)  # type: ignore[operator]  # a dataclass type, checked above
+    return spec(**values)
 
 
 # ------------------------------------------------------------ objects in hand

@@ -15,7 +15,7 @@ from fedmpi.config import config_from_dict
 from fedmpi.errors import ConfigError
 
 USER_MODULE = '''
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import torch
 from torch import nn
 from fedmpi.algorithms import Algorithm, Weighting
@@ -43,13 +43,14 @@ def wine_pair():
 class Damped(Algorithm):
     """θ ← θ + scale·Σ s_k Δ_k; scale 0 leaves the initial model."""
     @dataclass(frozen=True)
-    class Params:
+    class P:
         scale: float
-        steps: int = 1
-        tag: str = "x"
+        steps: int = field(default=1, metadata={"ge": 1})
+        tag: str = field(default="x", metadata={"choices": ("x", "y")})
+    params = {"params": P}
 
     def server_update(self, state, agg, info):
-        state.add_(agg["delta"], alpha=self.params.scale)
+        state.add_(agg["delta"], alpha=self.hparams("params").scale)
 
 class NoParams(Algorithm):
     pass
@@ -109,6 +110,10 @@ def test_bad_import_paths_exit_2_naming_the_key(usermod, capsys, setting, key, w
      "expects an integer"),
     (["algorithm.params.scale=1", "algorithm.params.tag=[1]"], "algorithm.params.tag",
      "expects a string"),
+    (["algorithm.params.scale=1", "algorithm.params.tag=z"], "algorithm.params.tag",
+     "expects one of x, y"),
+    (["algorithm.params.scale=1", "algorithm.params.steps=0"], "algorithm.params.steps",
+     "must be >= 1"),
 ])
 def test_method_params_checked_field_by_field(usermod, capsys, params, key, words):
     code, err = check("algorithm.name=usermod_i16:Damped", *params, capsys=capsys)
@@ -120,8 +125,8 @@ def test_method_params_typing_rules(usermod):
 
     cls = algorithm_class("usermod_i16:Damped")
     p = method_params(cls, {"scale": 2, "steps": 3})       # int accepted for a float
-    assert p == cls.Params(scale=2.0, steps=3, tag="x") and isinstance(p.scale, float)
-    with pytest.raises(ConfigError, match="declares no Params"):
+    assert p == cls.P(scale=2.0, steps=3, tag="x") and isinstance(p.scale, float)
+    with pytest.raises(ConfigError, match="declares no parameters"):
         method_params(algorithm_class("usermod_i16:NoParams"), {"a": 1})
     with pytest.raises(ConfigError, match="'algorithm.params' is for a method given by import"):
         from fedmpi.imports import check_config_paths

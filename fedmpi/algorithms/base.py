@@ -27,7 +27,7 @@ The base class *is* FedAvg (McMahan et al. 2017):
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -117,8 +117,18 @@ class Algorithm:
         self.ecgr: ECGR | None = None    # set by set_client_sizes when ecgr.enabled
         self.device = torch.device("cpu")  # the training device, set by the runtime before bind()
         self._client_stores: list[ClientVectors] = []
-        # algorithm.params checked against the class's ``Params`` dataclass (None without one)
-        self.params = method_params(type(self), cfg.algorithm.params)
+        # a user method's block algorithm.params, checked against params["params"]
+        self._user_params = method_params(type(self), cfg.algorithm.params)
+
+    #: parameter dataclasses by config block (:func:`fedmpi.imports.method_params`)
+    params: ClassVar[dict[str, type]] = {}
+
+    def hparams(self, group: str) -> Any:
+        """The validated parameters of block ``algorithm.<group>`` (here: ``params``,
+        the block of a method given by import path)."""
+        if group != "params":
+            raise KeyError(f"no parameter block algorithm.{group} on this branch")
+        return self._user_params
 
     def client_store(self, name: str, size: int) -> ClientVectors:
         """A per-client vector store that :meth:`client_state` checkpoints by client id."""
