@@ -1,4 +1,19 @@
-"""fedmpi: MPI-native federated learning for cross-silo training."""
+"""fedmpi: MPI-native federated learning for cross-silo training.
+
+``fedmpi.run(config, ...)`` runs an experiment from Python (:mod:`fedmpi.api`).
+"""
 from __future__ import annotations
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Lazy: `import fedmpi` (and `fedmpi check`) stay light; fedmpi.run pulls in torch.
+    if name in ("run", "RunResult"):
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'fedmpi' has no attribute {name!r}")
+
+
+__all__ = ["RunResult", "__version__", "run"]

@@ -75,31 +75,31 @@ def _parser() -> argparse.ArgumentParser:
     part.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     part.add_argument("--out", default=None,
                       help="output directory (default runtime.out_dir/<name>)")
+    part.add_argument("--export", nargs="?", const="", default=None, metavar="DIR",
+                      help="also write one table per client (silo), the test set and the server "
+                           "hold-out: to the files data.silos.path/test/validation name, or as "
+                           "DIR/{client}.csv, DIR/test.csv, DIR/validation.csv")
     return p
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .comm import mpi_library_version, world_size
-    from .config import load_config
-    from .launcher import check_world
+    from .api import run
 
-    # right after MPI init, before anything reads the config or touches the output
-    check_world(os.environ, world_size(), mpi_library_version())
-    from .runtime import run
-
-    cfg = load_config(args.config, args.overrides)
-    final = run(cfg, args.out, resume=args.resume, overwrite=args.overwrite)
-    if final is not None:
-        print(f"final test_accuracy={final:.6f}", flush=True)
+    result = run(args.config, args.overrides, out=args.out, resume=args.resume,
+                 overwrite=args.overwrite)
+    if result.metrics:
+        print("final " + " ".join(f"{k}={v:.6f}" for k, v in result.metrics.items()), flush=True)
     return 0
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from .config import load_config
+    from .imports import check_config_paths
 
     cfg = load_config(args.config, args.overrides)
     for old, new in cfg.renamed:
         print(f"fedmpi: note: config key {old!r} is now {new!r}", file=sys.stderr)
+    check_config_paths(cfg)
     sys.stdout.write(cfg.to_yaml())
     return 0
 
@@ -201,15 +201,21 @@ def _cmd_partition(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .config import load_config
-    from .data import build_partition, load_dataset
+    from .data import build_partition, load_pool
+    from .data.export import export_silos, pooled_config
     from .report import partition_preview
     from .rundir import output_dir
 
     cfg = load_config(args.config, args.overrides)
-    data = load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.download)
+    pooled = pooled_config(cfg)   # silos: the split `--export` writes (data.silos.split)
+    data = load_pool(pooled)
+    partition = build_partition(pooled, data)
     out = output_dir(args.out if args.out is not None else Path(cfg.runtime.out_dir) / cfg.name)
-    for line in partition_preview(build_partition(cfg, data), out, cfg.name):
+    for line in partition_preview(partition, out, cfg.name):
         print(line)
+    if args.export is not None:
+        for path in export_silos(cfg, data, partition, args.export or None):
+            print(path)
     return 0
 
 

@@ -277,6 +277,14 @@ class Comm:
         self._wait([self.comm.Iallreduce(sendbuf, recvbuf, op=self.MPI.SUM)], what, patient)
         self.traffic.add("allreduce", sendbuf.nbytes, time.perf_counter() - t0)
 
+    def allreduce_max(self, sendbuf: np.ndarray, recvbuf: np.ndarray,
+                      what: str = "Allreduce") -> None:
+        """``recvbuf = max_ranks sendbuf`` elementwise on every rank (small setup buffers)."""
+        if self.size == 1:
+            np.copyto(recvbuf, sendbuf)
+            return
+        self._wait([self.comm.Iallreduce(sendbuf, recvbuf, op=self.MPI.MAX)], what)
+
     def max_int(self, value: int, what: str = "Allreduce") -> int:
         """Max of an integer over all ranks (setup agreement on error codes)."""
         if self.size == 1:

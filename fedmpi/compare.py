@@ -21,7 +21,10 @@ or several partition scenarios of one method), over its :math:`n` runs:
   group reached the target** (otherwise NaN, shown as "not reached", and the
   ``reached`` column says how many did): averaging only the runs that got
   there would flatter a method that often fails;
-- **speed-up** ("SpeedUp") :math:`\bar\tau_{\text{baseline}} / \bar\tau_{\text{group}}`.
+- **speed-up** ("SpeedUp") :math:`\bar\tau_{\text{baseline}} / \bar\tau_{\text{group}}`;
+- the further test metrics of ``eval.metrics`` that the logs hold
+  (``/rounds/balanced_accuracy``, ``macro_f1``, ``auroc``): mean ± std of their
+  value at each run's final evaluated round, one column each.
 
 Target accuracy: ``--target-accuracy`` if given. Otherwise, with a baseline
 group, FedGPS's rule ("the target accuracy set as the best performance of
@@ -48,8 +51,12 @@ from typing import Any
 
 import numpy as np
 
+from fedmpi.config import METRIC_NAMES
 from fedmpi.errors import UserError
 from fedmpi.log import RunLog, ended_without_status, read
+
+#: ``/rounds/<metric>`` series beyond test_accuracy that the table and report show.
+EXTRA_METRICS: tuple[str, ...] = tuple(m for m in METRIC_NAMES if m != "accuracy")
 
 __all__ = ["ALIASES", "IGNORED_KEYS", "GroupRow", "RunMetrics", "Table", "compare",
            "compare_logs", "config_value", "flatten_config", "rounds_to_target",
@@ -69,7 +76,9 @@ ALIASES: dict[str, str] = {
 
 #: Config keys (or prefixes ending in ".") never used for default grouping.
 IGNORED_KEYS: tuple[str, ...] = ("name", "seed", "data.partition.seed", "data.partition.file",
-                                 "data.root", "data.download", "runtime.")
+                                 "data.root", "data.download", "data.silos.path",
+                                 "data.silos.test", "data.silos.validation", "data.tabular.train",
+                                 "data.tabular.test", "runtime.")
 
 
 # -- per run ---------------------------------------------------------------------
@@ -97,6 +106,7 @@ class RunMetrics:
     best_round: int | None
     rounds_to_target: float = math.nan
     note: str | None = None   # a "running" log whose writer is gone (log.ended_without_status)
+    final_metrics: dict[str, float] = field(default_factory=dict)   # EXTRA_METRICS in the log
 
 
 def run_metrics(log: RunLog, target: float | None = None) -> RunMetrics:
@@ -114,6 +124,10 @@ def run_metrics(log: RunLog, target: float | None = None) -> RunMetrics:
         best = evaluated[int(np.argmax(acc[evaluated]))]
         m.final_accuracy, m.final_round = float(acc[last]), int(rounds[last])
         m.best_accuracy, m.best_round = float(acc[best]), int(rounds[best])
+    for name in EXTRA_METRICS:
+        if name in log.rounds:
+            m.final_metrics[name] = float(log.rounds[name][evaluated[-1]]) if evaluated.size \
+                else math.nan
     if target is not None:
         m.rounds_to_target = rounds_to_target(rounds, acc, target)
     return m
@@ -192,6 +206,7 @@ class GroupRow:
     reached: int = 0
     speedup: float = math.nan
     baseline: bool = False
+    metrics: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def incomplete(self) -> int:
@@ -210,11 +225,17 @@ class Table:
     baseline: str | None = None
     runs: list[RunMetrics] = field(default_factory=list)
 
+    @property
+    def metric_names(self) -> list[str]:
+        """The further metrics some run of the table logged (:data:`EXTRA_METRICS` order)."""
+        return [n for n in EXTRA_METRICS if any(n in r.final_metrics for r in self.runs)]
+
     def markdown(self) -> str:
         """The table in GitHub markdown (accuracies in percent)."""
         with_rounds = self.target is not None
         with_speedup = with_rounds and self.baseline is not None
-        head = ["group", "runs", "final acc (%)", "best acc (%)"]
+        extra = self.metric_names
+        head = ["group", "runs", "final acc (%)", "best acc (%)", *(f"final {n} (%)" for n in extra)]
         if with_rounds:
             head += ["rounds to target", "reached"]
         if with_speedup:
@@ -223,7 +244,8 @@ class Table:
         for row in self.rows:
             label = row.label + (" (baseline)" if row.baseline else "")
             runs = f"{len(row.runs)}" + (f" ({row.incomplete} incomplete)" if row.incomplete else "")
-            cells = [label, runs, _pm(row.final, 100, 2), _pm(row.best, 100, 2)]
+            cells = [label, runs, _pm(row.final, 100, 2), _pm(row.best, 100, 2),
+                     *(_pm(row.metrics.get(n, (math.nan, math.nan)), 100, 2) for n in extra)]
             if with_rounds:
                 cells += [_pm(row.rounds, 1, 1) if row.reached == len(row.runs) else "not reached",
                           f"{row.reached}/{len(row.runs)}"]
@@ -249,12 +271,15 @@ class Table:
         w = csv.writer(buf, lineterminator="\n")
         w.writerow(["group", *self.keys, "runs", "incomplete", "final_mean", "final_std",
                     "best_mean", "best_std", "target", "rounds_mean", "rounds_std", "reached",
-                    "speedup", "baseline"])
+                    "speedup", "baseline", *(f"{n}_{s}" for n in self.metric_names
+                                             for s in ("mean", "std"))])
         for row in self.rows:
             w.writerow([row.label, *(row.values.get(k, "") for k in self.keys), len(row.runs),
                         row.incomplete, *map(_num, (*row.final, *row.best)),
                         _num(self.target), *map(_num, row.rounds), row.reached,
-                        _num(row.speedup), int(row.baseline)])
+                        _num(row.speedup), int(row.baseline),
+                        *(_num(v) for n in self.metric_names
+                          for v in row.metrics.get(n, (math.nan, math.nan)))])
         return buf.getvalue()
 
     def runs_csv(self) -> str:
@@ -263,14 +288,15 @@ class Table:
         w = csv.writer(buf, lineterminator="\n")
         w.writerow(["path", "group", "status", "rounds_logged", "rounds_configured",
                     "final_accuracy", "final_round", "best_accuracy", "best_round",
-                    "rounds_to_target"])
+                    "rounds_to_target", *(f"final_{n}" for n in self.metric_names)])
         for row in self.rows:
             for m in row.runs:
                 w.writerow([m.path, row.label, m.status, m.rounds_logged,
                             "" if m.rounds_configured is None else m.rounds_configured,
                             _num(m.final_accuracy), "" if m.final_round is None else m.final_round,
                             _num(m.best_accuracy), "" if m.best_round is None else m.best_round,
-                            _num(m.rounds_to_target)])
+                            _num(m.rounds_to_target),
+                            *(_num(m.final_metrics.get(n, math.nan)) for n in self.metric_names)])
         return buf.getvalue()
 
 
@@ -346,7 +372,9 @@ def compare_logs(logs: Sequence[RunLog], *, target: float | None = None,
         all_runs += ms
         row = GroupRow(label=label(values), values=dict(zip(keys, values)), runs=ms,
                        final=_mean_std(m.final_accuracy for m in ms),
-                       best=_mean_std(m.best_accuracy for m in ms))
+                       best=_mean_std(m.best_accuracy for m in ms),
+                       metrics={n: _mean_std(m.final_metrics[n] for m in ms if n in m.final_metrics)
+                                for n in EXTRA_METRICS if any(n in m.final_metrics for m in ms)})
         if target is not None:
             taus = [m.rounds_to_target for m in ms]
             row.reached = sum(math.isfinite(t) for t in taus)

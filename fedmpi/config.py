@@ -46,7 +46,8 @@ __all__ = ["SCHEMA", "Field", "Section", "Config", "load_config", "config_from_d
 # --------------------------------------------------------------------------- #
 # Schema
 # --------------------------------------------------------------------------- #
-_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "a boolean"}
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
+               dict: "a mapping"}
 _ITEM_NAMES = {int: "integers", float: "numbers", str: "strings", bool: "booleans"}
 
 
@@ -56,12 +57,15 @@ class Field:
 
     Args:
         type: ``int``, ``float``, ``str``, ``bool``, ``list[int]``, ``list[float]``,
-            ``list[str]``, each optionally ``| None`` (then ``null`` is allowed).
+            ``list[str]``, each optionally ``| None`` (then ``null`` is allowed); or
+            ``dict``: a free-form mapping (``algorithm.params``) whose entries are
+            validated later by whoever consumes them, set whole or entry by entry
+            (``--set algorithm.params.width=8``).
         default: value used when no source sets the key.
         help: one-line description for humans.
-        choices: allowed values (strings). Together with ``pattern``, a value
-            is accepted if it is one of the choices *or* fully matches the
-            pattern.
+        choices: allowed values (strings; for ``list[str]`` each item). Together
+            with ``pattern``, a value is accepted if it is one of the choices *or*
+            fully matches the pattern.
         pattern: regular expression (``re.fullmatch``) for accepted strings.
         pattern_help: how to describe ``pattern`` in error messages.
         ge, gt, le, lt: inclusive / exclusive bounds for numbers (for lists:
@@ -101,7 +105,7 @@ class Field:
         if typing.get_origin(tp) is list:
             (item,) = typing.get_args(tp)
             tp = list
-        if tp not in (int, float, str, bool, list) or item not in (None, int, float, str, bool):
+        if tp not in (int, float, str, bool, list, dict) or item not in (None, int, float, str, bool):
             raise TypeError(f"unsupported field type {self.type!r}")
         object.__setattr__(self, "base", tp)
         object.__setattr__(self, "item", item)
@@ -142,7 +146,15 @@ def _fmt(x: float) -> str:
 
 _DATASETS = ("digits", "mnist", "fashionmnist", "cifar10", "cifar100", "svhn", "stl10",
              "imagefolder", "hdf5", "synthetic")
+_TABULAR = ("tabular", "breast_cancer", "wine")
+#: ``pkg.module:attr``, a Python object named by import path (:mod:`fedmpi.imports`).
+IMPORT_PATTERN = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
+_IMPORT = dict(pattern=IMPORT_PATTERN, pattern_help="pkg.module:attr")
 _MEDMNIST = dict(pattern=r"medmnist:\S+", pattern_help="medmnist:<flag>")
+_DATASET_PATTERN = dict(pattern=f"medmnist:\\S+|{IMPORT_PATTERN}",
+                        pattern_help="medmnist:<flag> or pkg.module:attr")
+#: ``eval.metrics`` names (:mod:`fedmpi.metrics`).
+METRIC_NAMES = ("accuracy", "balanced_accuracy", "macro_f1", "auroc")
 
 
 def _live_names(registry: str) -> tuple[str, ...]:
@@ -174,20 +186,38 @@ SCHEMA: dict[str, Field] = {
     "seed": Field(int, 0, "master seed: sampling, client RNG streams, surrogate data", ge=0,
                   lt=2**63),
     # data
-    "data.dataset": Field(str, "digits", "dataset name", choices=_DATASETS, **_MEDMNIST),
+    "data.dataset": Field(str, "digits", "dataset name, or pkg.module:fn returning a Dataset or "
+                          "(train, test) map-style datasets", choices=_DATASETS + _TABULAR,
+                          **_DATASET_PATTERN),
     "data.root": Field(str, "./data", "directory holding (or receiving) dataset files"),
     "data.download": Field(bool, False, "download torchvision datasets if missing"),
     "data.num_clients": Field(int, 10, "number of logical clients (silos)", ge=1),
     "data.augment": Field(bool, False, "random crop + flip on 32x32 RGB datasets"),
     "data.image_size": Field(int, 32, "imagefolder: side images are resized/cropped to", ge=1),
     "data.partition.method": Field(str, "dirichlet", "how the training pool is split",
-                                   choices=("iid", "dirichlet", "shards", "file")),
+                                   choices=("iid", "dirichlet", "shards", "file", "silos")),
     "data.partition.alpha": Field(float, 0.5, "Dirichlet concentration", gt=0),
     "data.partition.classes_per_client": Field(int, 2, "classes per client (shards)", ge=1),
     "data.partition.min_size": Field(int, 10, "minimum samples per client", ge=0),
     "data.partition.file": Field(str | None, None, "JSON partition file (method: file)", file=True),
     "data.partition.seed": Field(int | None, None, "partition seed; null = top-level seed", ge=0,
                                  lt=2**63),
+    # silo-local data (fedmpi/data/silos.py): each rank reads only the silos it hosts
+    "data.silos.path": Field(str | None, None, "silos: per-client file template with {client} "
+                             "(.csv/.parquet: feature columns + data.tabular.label; .h5: x, y)"),
+    "data.silos.loader": Field(str | None, None, "silos: pkg.module:fn called as fn(client) -> "
+                               "(x, y) on the rank hosting the client", **_IMPORT),
+    "data.silos.test": Field(str | None, None, "silos: test-set file, read by rank 0 only",
+                             file=True),
+    "data.silos.validation": Field(str | None, None, "silos: server validation file (FedVG), read "
+                                   "by rank 0 only; null = none", file=True),
+    "data.silos.split": Field(str, "dirichlet", "how `fedmpi partition --export` splits "
+                              "data.dataset into the silo files", choices=("iid", "dirichlet", "shards")),
+    # tabular files (fedmpi/data/tabular.py)
+    "data.tabular.train": Field(str | None, None, "dataset tabular: training-pool file "
+                                "(.csv/.parquet/.h5)", file=True),
+    "data.tabular.test": Field(str | None, None, "dataset tabular: test file", file=True),
+    "data.tabular.label": Field(str, "label", "label column of CSV/Parquet files"),
     "data.validation.fraction": Field(float, 0.1, "server hold-out share of the pool (0 = none)",
                                       ge=0, lt=1),
     "data.validation.source": Field(str, "holdout", "'holdout' or an external dataset name",
@@ -199,9 +229,10 @@ SCHEMA: dict[str, Field] = {
     "data.validation.rho": Field(float | None, None, "class imbalance rho of the FedVG validation "
                                  "set (Eqs. E.8-E.9); null = off", gt=0, le=1),
     # model
-    "model.name": Field(str, "cnn", "architecture",
-                        choices=("lenet", "cnn", "resnet18", "resnet34", "resnet50",
-                                 "vit_s16", "vit_b16")),
+    "model.name": Field(str, "cnn", "architecture, or pkg.module:fn (input_shape, num_classes) "
+                        "-> nn.Module", choices=("lenet", "cnn", "resnet18", "resnet34", "resnet50",
+                                                  "vit_s16", "vit_b16", "mlp"), **_IMPORT),
+    "model.mlp.hidden": Field(list[int], [64, 64], "mlp: hidden layer widths", ge=1),
     "model.norm": Field(str, "bn", "normalisation layers", choices=("bn", "static_bn", "gn")),
     # train (client side)
     "train.rounds": Field(int, 30, "communication rounds", ge=1),
@@ -219,8 +250,11 @@ SCHEMA: dict[str, Field] = {
                             "lr_decay_every) (ECGR paper: 0.5 every 10 rounds)", gt=0, le=1),
     "train.lr_decay_every": Field(int, 0, "rounds per lr_decay step; 0 = constant lr", ge=0),
     # algorithm (server rule and method parameters)
-    "algorithm.name": Field(str, "fedavg", "federated method", choices=_ALGORITHMS,
+    "algorithm.name": Field(str, "fedavg", "federated method, or pkg.module:Class (a subclass "
+                            "of fedmpi.algorithms.Algorithm)", choices=_ALGORITHMS, **_IMPORT,
                             registry="algorithm"),
+    "algorithm.params": Field(dict, {}, "parameters of a user method (pkg.module:Class), checked "
+                              "against its params['params'] dataclass"),
     "algorithm.server_lr": Field(float | None, None, "server learning rate; null = method default "
                                  "(1; fedadam/fedyogi 0.01)", gt=0),
     # FedGPS (fedmpi/algorithms/fedgps.py)
@@ -285,8 +319,9 @@ SCHEMA: dict[str, Field] = {
                                            "depth fraction r^share, width sqrt(r^(1-share))",
                                            ge=0, le=1),
     # aggregation weights
-    "aggregation.weighting": Field(str, "samples", "client weights in the server average",
-                                   choices=("samples", "uniform", "fedvg", "fedvg_avg"),
+    "aggregation.weighting": Field(str, "samples", "client weights in the server average, or "
+                                   "pkg.module:Class (a Weighting subclass)",
+                                   choices=("samples", "uniform", "fedvg", "fedvg_avg"), **_IMPORT,
                                    registry="weighting"),
     "aggregation.fedvg.norm": Field(str, "l1", "FedVG gradient norm",
                                     choices=("l1", "l2", "spectral", "delta")),
@@ -314,6 +349,9 @@ SCHEMA: dict[str, Field] = {
     # evaluation
     "eval.every": Field(int, 1, "evaluate every N rounds", ge=1),
     "eval.batch_size": Field(int, 1024, "evaluation batch size", ge=1),
+    "eval.metrics": Field(list[str], ["accuracy"], "test metrics logged as /rounds/<metric> "
+                          "(accuracy is test_accuracy); auroc evaluates on rank 0 only",
+                          choices=METRIC_NAMES),
     "eval.overlap": Field(bool, True, "rank 0 evaluates round t's model while the workers train "
                           "round t+1 (world_size > 1, not sharded); round t's log row is "
                           "written then"),
@@ -351,6 +389,8 @@ def _method_fields() -> dict[str, Field]:
     out: dict[str, Field] = {}
     for cls in _registry().values():
         for group, params_cls in cls.params.items():
+            if group == "params":   # a user method's free-form block (fedmpi.imports)
+                continue
             for name, tp, default, meta in group_fields(params_cls):
                 key = f"algorithm.{group}.{name}"
                 if key not in out:
@@ -429,6 +469,11 @@ def _check_value(key: str, f: Field, value: Any) -> Any:
         if f.optional:
             return None
         raise ConfigError(f"config key {key!r} expects {f.type_name}, got null")
+    if f.base is dict:
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"config key {key!r} expects a mapping with string keys, "
+                              f"{_got(value)}")
+        return {k: value[k] for k in value}
     if f.base is list:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"config key {key!r} expects {f.type_name}, {_got(value)}")
@@ -443,6 +488,11 @@ def _check_value(key: str, f: Field, value: Any) -> Any:
             if f.item in (int, float) and not f.in_range(x):
                 raise ConfigError(
                     f"config key {key!r} items must each be {f.range_text}; item {i} is {x!r}")
+            if f.choices is not None and x not in f.choices:
+                raise ConfigError(f"config key {key!r} item {i} expects one of "
+                                  f"{', '.join(f.choices)}, got {x!r}{_suggest(x, f.choices)}")
+            if f.choices is not None and x in items:
+                raise ConfigError(f"config key {key!r} lists {x!r} twice")
             items.append(x)
         return tuple(items)
     ok, value = _coerce_scalar(f.base, value)
@@ -488,6 +538,16 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
     if prefix in SCHEMA or prefix in _RENAMED:
         out[prefix] = value
         return
+    owner = _mapping_owner(prefix)
+    if owner is not None:   # an entry of a free-form mapping: --set algorithm.params.width=8
+        node = out[owner] = _deep_copy_mapping(out.get(owner) or {})
+        *parents, leaf = prefix[len(owner) + 1:].split(".")
+        for p in parents:
+            child = _deep_copy_mapping(node[p]) if isinstance(node.get(p), Mapping) else {}
+            node[p] = child
+            node = child
+        node[leaf] = value
+        return
     if prefix and prefix not in _sections() and not (isinstance(value, Mapping) and value):
         raise _unknown_key(prefix)
     if value is None and prefix:
@@ -497,6 +557,21 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
         raise ConfigError(f"{where} expects a mapping of keys, {_got(value)}")
     for k, v in value.items():
         _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+
+
+def _mapping_owner(key: str) -> str | None:
+    """The ``dict`` field that ``key`` lies inside (``algorithm.params`` for
+    ``algorithm.params.width``), or None."""
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        f = SCHEMA.get(".".join(parts[:i]))
+        if f is not None:
+            return ".".join(parts[:i]) if f.base is dict else None
+    return None
+
+
+def _deep_copy_mapping(m: Mapping) -> dict:
+    return {k: _deep_copy_mapping(v) if isinstance(v, Mapping) else v for k, v in m.items()}
 
 
 class _Loader(yaml.SafeLoader):
@@ -560,6 +635,13 @@ def _parse_override(item: str, out: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- #
 # Config objects
 # --------------------------------------------------------------------------- #
+def _plain(value: Any) -> Any:
+    """A caller's copy of a stored value: tuples as lists, mappings copied."""
+    if isinstance(value, tuple):
+        return list(value)
+    return _deep_copy_mapping(value) if isinstance(value, Mapping) else value
+
+
 class Section:
     """Read-only view of one section of a :class:`Config` (``cfg.data.partition``).
 
@@ -595,8 +677,7 @@ class Section:
         """
         key = f"{self._prefix}.{dotted}" if self._prefix else dotted
         if key in SCHEMA:
-            value = self._values[key]
-            return list(value) if isinstance(value, tuple) else value
+            return _plain(self._values[key])
         if key in _sections():
             return Section(self._values, key)
         if default is not ...:
@@ -614,7 +695,7 @@ class Section:
             node = out
             for p in parents:
                 node = node.setdefault(p, {})
-            node[leaf] = list(value) if isinstance(value, tuple) else value
+            node[leaf] = _plain(value)
         return out
 
     def __eq__(self, other: object) -> bool:
@@ -645,7 +726,7 @@ class Config(Section):
 
     def to_flat_dict(self) -> dict[str, Any]:
         """All values keyed by dotted name, in schema order."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in self._values.items()}
+        return {k: _plain(v) for k, v in self._values.items()}
 
     def to_yaml(self) -> str:
         """The full config (defaults filled in) as YAML; loads back to an equal config."""
@@ -688,6 +769,8 @@ def _cross_checks(cfg: Config) -> None:
                               "data.partition.method is 'file'")
         if not Path(part.file).is_file():
             raise ConfigError(f"config key 'data.partition.file': file not found: {part.file}")
+
+    _data_checks(cfg)
 
     levels, alloc = cfg.system.levels, cfg.system.allocation
     if (levels is None) != (alloc is None):
@@ -733,7 +816,13 @@ def _cross_checks(cfg: Config) -> None:
 
     agg, val = cfg.aggregation, cfg.data.validation
     if (agg.weighting in ("fedvg", "fedvg_avg") and agg.fedvg.norm != "delta"
-            and val.source == "holdout" and val.fraction == 0):
+            and part.method == "silos" and val.source == "holdout"
+            and cfg.data.silos.validation is None):
+        raise ConfigError(
+            f"config key 'data.silos.validation' must name the server validation file for "
+            f"aggregation.weighting {agg.weighting!r} (FedVG scores on it) with silo-local data")
+    if (agg.weighting in ("fedvg", "fedvg_avg") and agg.fedvg.norm != "delta"
+            and part.method != "silos" and val.source == "holdout" and val.fraction == 0):
         raise ConfigError(
             f"config key 'data.validation.fraction' must be > 0 for aggregation.weighting "
             f"{agg.weighting!r} (FedVG scores on a server validation set), or set "
@@ -753,6 +842,36 @@ def _resolve_renamed(given: dict[str, Any]) -> list[tuple[str, str]]:
         given[new] = given.pop(old)
         moved.append((old, new))
     return moved
+
+
+def _data_checks(cfg: Config) -> None:
+    """Silo-local data and tabular files: the keys each mode needs."""
+    d = cfg.data
+    if d.partition.method == "silos":
+        s = d.silos
+        if (s.path is None) == (s.loader is None):
+            raise ConfigError("config key 'data.silos.path' or 'data.silos.loader' (exactly one) "
+                              "must be set when data.partition.method is 'silos'")
+        if s.path is not None:
+            try:
+                ok = s.path.format(client=0) != s.path.format(client=1)
+            except (KeyError, IndexError, ValueError):
+                ok = False
+            if not ok:
+                raise ConfigError(f"config key 'data.silos.path' must be a file template with "
+                                  f"{{client}} as its only field, e.g. silos/{{client}}.csv; got "
+                                  f"{s.path!r}")
+        if s.test is None:
+            raise ConfigError("config key 'data.silos.test' is required when "
+                              "data.partition.method is 'silos' (rank 0 reads the test set)")
+        if cfg.eval.sharded:
+            raise ConfigError("config key 'eval.sharded' must be false when data.partition.method "
+                              "is 'silos' (rank 0 alone holds the test set)")
+    if d.dataset == "tabular":
+        for key in ("train", "test"):
+            if d.tabular.get(key) is None:
+                raise ConfigError(f"config key 'data.tabular.{key}' is required when "
+                                  "data.dataset is 'tabular'")
 
 
 def _build(given: Mapping[str, Any], base_dir: str | os.PathLike | None) -> Config:

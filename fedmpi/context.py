@@ -94,9 +94,10 @@ class Context:
         broadcast: the one collective a method may use (rank 0 → all, in place);
             every rank must call it the same number of times.
         participants: round t's participant mask (the same on every rank).
-        test: ``test(state, part=slice(None))`` — (Σ loss, #correct, n) of a flat
-            state vector on the test set (or the slice ``part`` of it), through
-            the run's forward, evaluation batch size and evaluated logits.
+        test: ``test(state, part=slice(None), collect=None)`` — (Σ loss, #correct,
+            n) of a flat state vector on the test set (or the slice ``part`` of it),
+            through the run's forward, evaluation batch size and evaluated logits;
+            ``collect`` (a :class:`fedmpi.metrics.Collector`) sees each batch.
         client_weight: w̃_k, the weighting's unnormalised weight of client k
             (None for weightings that score clients on rank 0).
         model_delta_scale: the method's c_k with θ_k − θ = c_k·u_k on the parameters,
@@ -121,7 +122,7 @@ class Context:
     participants: Callable[[int], np.ndarray] = field(
         default=lambda t: np.zeros(0, dtype=bool))
     test: Callable[..., tuple[float, float, float]] = field(
-        default=lambda state, part=slice(None): (float("nan"), float("nan"), 0.0))
+        default=lambda state, part=slice(None), collect=None: (float("nan"), float("nan"), 0.0))
     client_weight: Optional[Callable[[int], float]] = None
     model_delta_scale: Callable[[Mapping[str, torch.Tensor]], float] = field(
         default=lambda stats: 1.0)

@@ -13,7 +13,7 @@ HeteroFL/FedLAGC: batch statistics in training *and* evaluation) or ``gn``
 from __future__ import annotations
 
 import abc
-from typing import Callable
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -178,6 +178,29 @@ class ResNet(FeatureModel):
         return torch.flatten(self.pool(out), 1)
 
 
+class MLP(FeatureModel):
+    """Multi-layer perceptron on the flattened input (tabular features, or any tensor
+    shape): ``Linear → ReLU`` per width of ``model.mlp.hidden``, then the head. No
+    normalisation layers (the inputs are standardised by :meth:`Dataset.prepare`)."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int,
+                 hidden: tuple[int, ...] = (64, 64)) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Flatten()]
+        width = 1
+        for d in input_shape:
+            width *= int(d)
+        for h in hidden:
+            layers += [nn.Linear(width, int(h)), nn.ReLU()]
+            width = int(h)
+        self.body = nn.Sequential(*layers)
+        self.feature_dim = width
+        self.classifier = nn.Linear(width, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
 class ViT(FeatureModel):
     """Vision Transformer from torchvision (``VisionTransformer``, patch 16).
 
@@ -207,16 +230,44 @@ class ViT(FeatureModel):
         return self.body(x)
 
 
-MODEL_NAMES = ("lenet", "cnn", "resnet18", "resnet34", "resnet50", "vit_s16", "vit_b16")
+MODEL_NAMES = ("lenet", "cnn", "resnet18", "resnet34", "resnet50", "vit_s16", "vit_b16", "mlp")
+#: A built-in name or a factory ``(input_shape, num_classes) -> nn.Module``.
+ModelSpec = Union[str, Callable[[tuple[int, ...], int], nn.Module]]
 
 
-def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int,
-                norm: str = "bn") -> FeatureModel:
-    """Build ``model.name`` for inputs of shape ``(C, H, W)``.
+def model_spec(cfg, model: Optional[Callable] = None) -> ModelSpec:
+    """What :func:`build_model` builds for ``cfg``: a factory given to :func:`fedmpi.run`
+    (``model``), an import path's factory (:mod:`fedmpi.imports`), the MLP with
+    ``model.mlp.hidden``, or a built-in name."""
+    from . import imports
+
+    if model is not None:
+        return imports.model_factory(model)
+    name = cfg.model.name
+    if imports.is_import_path(name):
+        return imports.model_factory(name)
+    if name == "mlp":
+        hidden = tuple(cfg.model.mlp.hidden)
+        return lambda input_shape, num_classes: MLP(input_shape, num_classes, hidden)
+    return name
+
+
+def build_model(name: ModelSpec, input_shape: tuple[int, ...], num_classes: int,
+                norm: str = "bn") -> nn.Module:
+    """Build ``model.name`` (or a factory from :func:`model_spec`) for inputs of
+    shape ``input_shape``: ``(C, H, W)`` for the image models, any shape for
+    ``mlp`` and user factories.
 
     Parameter initialisation uses the global torch RNG; callers seed it so that
     every rank builds the identical initial model.
     """
+    if callable(name):
+        return name(tuple(input_shape), num_classes)
+    if name == "mlp":
+        return MLP(input_shape, num_classes)
+    if len(input_shape) != 3:
+        raise ConfigError(f"config key 'model.name': {name} needs images [C, H, W], the data has "
+                          f"inputs of shape {tuple(input_shape)} (use mlp or your own model)")
     c, h, w = input_shape
     if name == "lenet":
         return LeNet(c, num_classes, h)

@@ -522,6 +522,8 @@ def summary_markdown(log: RunLog, target: float | None = None,
                + (f" (round {m.final_round})" if m.final_round is not None else "") + " |")
     out.append(f"| best test accuracy | {_pct(m.best_accuracy)}"
                + (f" (round {m.best_round})" if m.best_round is not None else "") + " |")
+    for name, value in m.final_metrics.items():   # further eval.metrics of the log
+        out.append(f"| final {name} | {_pct(value)} |")
     if target is not None:
         tau = m.rounds_to_target
         out.append(f"| rounds to {_pct(target)} | "

@@ -188,13 +188,16 @@ class LocalTrainer:
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: Dataset, x: torch.Tensor, y: torch.Tensor,
              batch_size: int, num_logits: Optional[int] = None,
-             accel: Accel = OFF) -> tuple[float, int, int]:
+             accel: Accel = OFF,
+             collect: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None
+             ) -> tuple[float, int, int]:
     """Return (Σ cross-entropy, #correct, #samples) of ``model`` on (x, y).
 
     ``num_logits``: score only the first N outputs (FedGPS's 2C-way head is
     evaluated on the C real classes); None = all outputs. ``model`` may be the
     ``torch.compile`` wrapper; ``accel`` applies the same autocast/layout
-    switches as training.
+    switches as training. ``collect(outputs, labels)`` sees every batch (the
+    further metrics of :class:`fedmpi.metrics.Collector`).
     """
     model.eval()
     loss_sum, correct = 0.0, 0
@@ -207,4 +210,6 @@ def evaluate(model: torch.nn.Module, data: Dataset, x: torch.Tensor, y: torch.Te
             out = out[:, :num_logits]
         loss_sum += float(F.cross_entropy(out, yb, reduction="sum"))
         correct += int((out.argmax(1) == yb).sum())
+        if collect is not None:
+            collect(out, yb)
     return loss_sum, correct, int(y.numel())

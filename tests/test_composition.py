@@ -68,8 +68,8 @@ def test_combination_runs_and_logs_what_it_declares(name, weighting, ecgr, tmp_p
                        comm=Comm())
         return
     cfg = config_from_dict(set_dotted(dict(BASE), over))
-    acc = driver.run(cfg, tmp_path / "out", comm=Comm())
-    assert acc is not None and 0.0 <= acc <= 1.0
+    final = driver.run(cfg, tmp_path / "out", comm=Comm())
+    assert final is not None and 0.0 <= final["test_accuracy"] <= 1.0
     fed = built[0]
     assert bool(torch.isfinite(fed.global_state).all())
     declared = fed.algo.log_outputs() + fed.weighting.log_outputs() + fed.transforms.log_outputs()

@@ -298,8 +298,9 @@ def test_adding_a_key_is_one_schema_entry(monkeypatch):
 def test_field_type_names():
     assert Field(int | None, None).type_name == "an integer or null"
     assert Field(list[float], []).type_name == "a list of numbers"
+    assert Field(dict, {}).type_name == "a mapping"
     with pytest.raises(TypeError):
-        Field(dict, {})
+        Field(set, set())
 
 
 @pytest.mark.parametrize("old,method,new", [

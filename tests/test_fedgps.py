@@ -252,7 +252,7 @@ def test_evaluation_on_first_c_logits():
         fed.state.dev[: fed.D].copy_(fed.flat.vector)
         accs[mode] = (base, fed.evaluate())
     assert accs["first"][1] == accs["first"][0]
-    assert accs["all"][1][1] == 0.0
+    assert accs["all"][1]["test_accuracy"] == 0.0
 
 
 def test_ablation_switches_and_errors():

@@ -103,7 +103,8 @@ COMMON = {"algorithm.name", "aggregation.weighting", "ecgr.enabled", "data.valid
     ({"algorithm.name": "fedadam", "aggregation.weighting": "fedvg", "ecgr.enabled": "true"},
      COMMON | {"algorithm.fedadam.beta1", "algorithm.fedadam.beta2", "algorithm.fedadam.tau",
                "aggregation.fedvg.norm", "aggregation.fedvg.granularity", "aggregation.fedvg.eps",
-               "aggregation.fedvg.batch_size", "aggregation.fedvg.bf16", "data.validation.source",
+               "aggregation.fedvg.batch_size", "aggregation.fedvg.bf16",
+               "aggregation.fedvg.spectral_1d", "data.validation.source",
                "data.validation.size_fraction", "ecgr.beta", "ecgr.memory_budget"}),
 ])
 def test_summary_lists_only_the_keys_of_the_runs_method(tmp_path, over, expected):

@@ -144,8 +144,9 @@ def test_client_statistics_become_nan_padded_arrays():
 # ----------------------------------------------------------- server rules
 @pytest.mark.parametrize("rho", [0.0, 0.5])
 def test_fednova_tau_eff(rho):
-    """FedNova Eq. 10: a_k = Σ_{t=1}^{τ_k} (1 − ρ^t)/(1 − ρ) (τ_k for ρ = 0),
-    τ_eff = Σ p_k a_k, θ ← θ + τ_eff Σ p_k d_k on the parameters, buffers averaged."""
+    """FedNova Eq. 10: a_k = Σ_{t=1}^{τ_k} (1 − ρ^t)/(1 − ρ) (τ_k for ρ = 0), uploaded by
+    the clients; τ_eff = Σ p_k a_k, θ ← θ + τ_eff Σ p_k d_k on the parameters, buffers
+    averaged."""
     algo, w, flat = setup("fednova", train={"momentum": rho})
     theta = flat.vector.clone().numpy().astype(np.float64)
     steps = np.array([2, 9, 0, 4, 7])
@@ -153,7 +154,10 @@ def test_fednova_tau_eff(rho):
                   for n in steps])
     d = deltas(flat.size)                               # the uploads d_k = Δ_k / a_k
     raw = N_K / N_K.sum()
-    server_step(flat.vector, record(0, MASK, STATUS, raw, steps, {"delta": reduced_sum(d, raw)}),
+    order = [0, 1, 3, 4]                                # a_k travels per client ("fednova/a")
+    a_rows = {"fednova/a": torch.tensor(a[order], dtype=torch.float32)[:, None]}
+    server_step(flat.vector, record(0, MASK, STATUS, raw, steps, {"delta": reduced_sum(d, raw)},
+                                    rows=a_rows, row_clients=order),
                 algo, w, algo.uplink_stats(), N_K)
     p = raw[ACC] / raw[ACC].sum()
     tau_eff = float(p @ a[ACC])

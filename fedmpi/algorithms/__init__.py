@@ -51,6 +51,10 @@ register_transform("adversary", lambda cfg: bool(cfg.adversary.clients), Adversa
 def algorithm_class(cfg) -> type[Algorithm]:
     """The class of ``algorithm.name`` (ConfigError if not implemented)."""
     name = cfg.algorithm.name
+    if ":" in name:   # pkg.module:Class, a user method (fedmpi.imports)
+        from ..imports import algorithm_class as by_path
+
+        return by_path(name)
     try:
         return ALGORITHMS[name]
     except KeyError:

@@ -27,12 +27,13 @@ The base class *is* FedAvg (McMahan et al. 2017):
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, ClassVar, Literal, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Optional
 
 import numpy as np
 import torch
 
 from ..flat import FlatModel
+from ..imports import method_params
 from ..params import load_group
 from ..train import LocalTrainer, SGDConfig, StepHooks, TrainResult, step_decay_lr
 from .transforms import TransformChain
@@ -114,7 +115,8 @@ class Algorithm:
 
     name: ClassVar[str] = "fedavg"
     #: config blocks of the method: ``{"fedprox": FedProxParams}`` gives the keys
-    #: ``algorithm.fedprox.*`` from that frozen dataclass (:mod:`fedmpi.params`)
+    #: ``algorithm.fedprox.*`` from that frozen dataclass (:mod:`fedmpi.params`); a
+    #: method given by import path uses the block ``"params"`` (``algorithm.params``)
     params: ClassVar[dict[str, type]] = {}
     default_server_lr = 1.0
 
@@ -129,9 +131,15 @@ class Algorithm:
         self.ctx: Optional[Context] = None
         self.device = torch.device("cpu")      # the training device, from the context
         self._client_stores: list[ClientVectors] = []
+        # a user method's block algorithm.params, checked against params["params"]
+        self._user_params = method_params(type(self), cfg.algorithm.params)
 
-    def hparams(self, group: str):
-        """The validated, typed parameters of block ``algorithm.<group>``."""
+    def hparams(self, group: str) -> Any:
+        """The validated, typed parameters of block ``algorithm.<group>``; the block
+        ``params`` is that of a method given by import path (``algorithm.params``,
+        :func:`fedmpi.imports.method_params`)."""
+        if group == "params":
+            return self._user_params
         return load_group(self.cfg, group, self.params[group])
 
     def client_store(self, name: str, size: int) -> ClientVectors:

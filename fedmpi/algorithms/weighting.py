@@ -107,6 +107,10 @@ _register_builtin()
 
 
 def build_weighting(name: str, num_samples: np.ndarray) -> Weighting:
+    if ":" in name:   # pkg.module:Class, a user weighting (fedmpi.imports)
+        from ..imports import weighting_class
+
+        return weighting_class(name)(num_samples)
     try:
         cls = WEIGHTINGS[name]
     except KeyError:

@@ -2,17 +2,21 @@
 from __future__ import annotations
 
 from fedmpi.data.base import Dataset
-from fedmpi.data.build import build_partition
+from fedmpi.data.build import build_partition, load_pool
 from fedmpi.data.datasets import DATASET_NAMES, load_dataset, synthetic_dataset
 from fedmpi.data.partition import PARTITION_METHODS, Partition, make_partition, stratified_holdout
+from fedmpi.data.silos import LocalData, build_local
 
 __all__ = [
     "DATASET_NAMES",
     "PARTITION_METHODS",
     "Dataset",
+    "LocalData",
     "Partition",
+    "build_local",
     "build_partition",
     "load_dataset",
+    "load_pool",
     "make_partition",
     "stratified_holdout",
     "synthetic_dataset",

@@ -1,8 +1,10 @@
 """The in-memory :class:`Dataset` container and its batch preprocessing.
 
-A dataset is held as four tensors (training pool and test set, images and
+A dataset is held as four tensors (training pool and test set, inputs and
 labels) in their *raw* storage type: ``uint8`` pixels for image datasets,
-``float32`` for ``digits`` and the synthetic blobs. Conversion to the
+``float32`` for ``digits``, the synthetic blobs and tabular features. Inputs
+are ``[N, C, ...]``: images ``[N, C, H, W]``, feature vectors ``[N, F]`` (each
+feature is a "channel" of the normalisation). Conversion to the
 network's input happens per batch, on the batch's device, in
 :meth:`Dataset.prepare`; this keeps the resident copy 4x smaller than a
 float copy and lets the whole pool sit on the GPU next to the model.
@@ -18,8 +20,9 @@ import numpy as np
 import torch
 
 from fedmpi.data.augment import random_crop_flip
+from fedmpi.errors import DataError
 
-__all__ = ["Dataset", "channel_stats"]
+__all__ = ["Dataset", "channel_stats", "channel_sums", "stats_from_sums"]
 
 
 @dataclass(eq=False)
@@ -65,20 +68,22 @@ class Dataset:
     )
 
     def __post_init__(self) -> None:
-        channels = self.x_train.shape[1] if self.x_train.dim() == 4 else -1
+        channels = self.x_train.shape[1] if self.x_train.dim() >= 2 else -1
         if not (len(self.mean) == len(self.std) == channels):
             raise ValueError(
-                f"dataset {self.name!r}: x_train must be [N, C, H, W] with C = "
-                f"len(mean) = len(std), got shape {tuple(self.x_train.shape)}, "
-                f"{len(self.mean)} means, {len(self.std)} stds"
+                f"dataset {self.name!r}: x_train must be [N, C, ...] (images [N, C, H, W], "
+                f"features [N, F]) with C = len(mean) = len(std), got shape "
+                f"{tuple(self.x_train.shape)}, {len(self.mean)} means, {len(self.std)} stds"
             )
+        if self.augment and self.x_train.dim() != 4:
+            raise DataError(f"data.augment: random crop + flip needs images [N, C, H, W]; dataset "
+                            f"{self.name!r} has inputs of shape {tuple(self.x_train.shape[1:])}")
 
     # ------------------------------------------------------------------ shape
     @property
-    def input_shape(self) -> tuple[int, int, int]:
-        """``(C, H, W)`` of one input image."""
-        c, h, w = self.x_train.shape[1:]
-        return (int(c), int(h), int(w))
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of one input: ``(C, H, W)`` for images, ``(F,)`` for feature vectors."""
+        return tuple(int(d) for d in self.x_train.shape[1:])
 
     @property
     def num_train(self) -> int:
@@ -102,16 +107,18 @@ class Dataset:
         )
 
     # ---------------------------------------------------------- preprocessing
-    def _gain_offset(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        r"""Cached ``[1, C, 1, 1]`` tensors :math:`a_c = s/\sigma_c`, :math:`b_c = -\mu_c/\sigma_c`."""
-        cached = self._affine.get(device)
+    def _gain_offset(self, device: torch.device, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""Cached ``[1, C, 1, ...]`` tensors :math:`a_c = s/\sigma_c`, :math:`b_c = -\mu_c/\sigma_c`
+        for batches of ``dim`` dimensions (channel axis 1)."""
+        cached = self._affine.get((device, dim))
         if cached is None:
             mean = torch.tensor(self.mean, dtype=torch.float64)
             std = torch.tensor(self.std, dtype=torch.float64)
-            gain = (self.scale / std).to(torch.float32).view(1, -1, 1, 1).to(device)
-            offset = (-mean / std).to(torch.float32).view(1, -1, 1, 1).to(device)
+            shape = (1, -1) + (1,) * (dim - 2)
+            gain = (self.scale / std).to(torch.float32).view(shape).to(device)
+            offset = (-mean / std).to(torch.float32).view(shape).to(device)
             cached = (gain, offset)
-            self._affine[device] = cached
+            self._affine[(device, dim)] = cached
         return cached
 
     def prepare(
@@ -126,7 +133,8 @@ class Dataset:
 
             y_{b,c,h,w} = \frac{s\,x_{b,c,h,w} - \mu_c}{\sigma_c}
 
-        computed in ``float32`` on ``x.device``. When ``train`` and
+        (per feature :math:`c` for feature vectors ``[B, F]``) computed in ``float32``
+        on ``x.device``. When ``train`` and
         :attr:`augment` are both true the raw batch first goes through
         :func:`~fedmpi.data.augment.random_crop_flip` (4-px padding with raw 0,
         i.e. black, as torchvision pads before normalising).
@@ -134,7 +142,7 @@ class Dataset:
         Parameters
         ----------
         x:
-            Raw batch ``[B, C, H, W]`` (a slice of :attr:`x_train` or :attr:`x_test`).
+            Raw batch ``[B, C, ...]`` (a slice of :attr:`x_train` or :attr:`x_test`).
         train:
             Whether this is a training batch (enables augmentation).
         generator:
@@ -143,7 +151,7 @@ class Dataset:
         """
         if train and self.augment:
             x = random_crop_flip(x, padding=4, generator=generator)
-        gain, offset = self._gain_offset(x.device)
+        gain, offset = self._gain_offset(x.device, x.dim())
         return torch.addcmul(offset, x.to(torch.float32), gain)
 
 
@@ -157,20 +165,35 @@ def channel_stats(
         \mu_c = \frac{1}{NHW}\sum_{n,h,w} s\,x_{n,c,h,w}, \qquad
         \sigma_c = \Big(\frac{1}{NHW}\sum_{n,h,w} (s\,x_{n,c,h,w})^2 - \mu_c^2\Big)^{1/2}
 
-    accumulated in ``float64`` over chunks of ``chunk`` images, so a large
-    ``uint8`` pool is never expanded to floating point all at once.
+    over every axis but the channel axis 1 (for feature vectors ``[N, F]``: per
+    feature), accumulated in ``float64`` over chunks of ``chunk`` samples, so a
+    large ``uint8`` pool is never expanded to floating point all at once.
     A constant channel gets :math:`\sigma_c = 1` to keep normalisation finite.
     """
-    if x.dim() != 4 or x.shape[0] == 0:
-        raise ValueError(f"expected a non-empty [N, C, H, W] tensor, got shape {tuple(x.shape)}")
+    if x.dim() < 2 or x.shape[0] == 0:
+        raise ValueError(f"expected a non-empty [N, C, ...] tensor, got shape {tuple(x.shape)}")
+    total, total_sq, count = channel_sums(x, scale, chunk)
+    return stats_from_sums(total, total_sq, count)
+
+
+def channel_sums(x: torch.Tensor, scale: float = 1.0,
+                 chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(Σ s·x, Σ (s·x)², count)`` per channel (float64 ``[C]``, count per channel)."""
     c = x.shape[1]
+    axes = (0, *range(2, x.dim()))
     total = torch.zeros(c, dtype=torch.float64)
     total_sq = torch.zeros(c, dtype=torch.float64)
     for start in range(0, x.shape[0], chunk):
         part = x[start : start + chunk].to(torch.float64) * scale
-        total += part.sum(dim=(0, 2, 3)).cpu()
-        total_sq += part.square().sum(dim=(0, 2, 3)).cpu()
-    count = x.shape[0] * x.shape[2] * x.shape[3]
+        total += part.sum(dim=axes).cpu()
+        total_sq += part.square().sum(dim=axes).cpu()
+    return total, total_sq, x.numel() // max(c, 1)
+
+
+def stats_from_sums(total: torch.Tensor, total_sq: torch.Tensor,
+                    count: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    r"""Mean and population std from per-channel sums: :math:`\mu = S/n`,
+    :math:`\sigma = (Q/n - \mu^2)^{1/2}` (1 for a constant channel)."""
     mean = total / count
     var = (total_sq / count - mean.square()).clamp_min(0.0)
     std = torch.where(var > 0, var.sqrt(), torch.ones_like(var))

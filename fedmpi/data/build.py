@@ -3,13 +3,40 @@
 exactly the partition a run with the same config trains on)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from fedmpi.data.base import Dataset
 from fedmpi.data.partition import Partition, make_partition
 from fedmpi.errors import DataError
 
-__all__ = ["build_partition"]
+__all__ = ["build_partition", "load_pool"]
+
+
+def load_pool(cfg: Any, data: Optional[Any] = None) -> Dataset:
+    """The pooled dataset of ``cfg``: ``data`` when given (a :class:`Dataset`, a
+    ``(train, test)`` pair or a zero-argument callable, from :func:`fedmpi.run`),
+    else ``data.dataset``: an import path, ``tabular`` (``data.tabular.*`` files),
+    an embedded tabular set, or a built-in name (:func:`~fedmpi.data.load_dataset`)."""
+    import dataclasses
+
+    from fedmpi import imports
+    from fedmpi.data import tabular
+
+    d = cfg.data
+    if data is not None or imports.is_import_path(d.dataset) or d.dataset == "tabular" \
+            or d.dataset in tabular.EMBEDDED:
+        if data is not None or imports.is_import_path(d.dataset):
+            pool = imports.dataset_factory(data if data is not None else d.dataset)()
+        elif d.dataset == "tabular":
+            pool = tabular.load_tabular(d.tabular.train, d.tabular.test, d.tabular.label)
+        else:
+            pool = tabular.load_embedded(d.dataset)
+        # data.augment applies to these too (and refuses inputs that are not images)
+        return dataclasses.replace(pool, augment=True) if d.augment else pool
+    from fedmpi.data.datasets import load_dataset
+
+    return load_dataset(d.dataset, d.root, d.download, augment=d.augment,
+                        image_size=d.image_size)
 
 
 def build_partition(cfg: Any, dataset: Dataset) -> Partition:

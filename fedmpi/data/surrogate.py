@@ -36,6 +36,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedmpi.errors import ConfigError
+
 __all__ = ["SurrogateData", "make_surrogate", "LATENT_SHAPE"]
 
 LATENT_SHAPE = (3, 8, 8)
@@ -72,6 +74,9 @@ def make_surrogate(seed: int, num_classes: int, input_shape: tuple[int, int, int
         per_class: samples per class (FedGPS default 200, VHL's script).
         noise_std: σ of the class Gaussians in the latent.
     """
+    if len(input_shape) != 3:
+        raise ConfigError(f"config key 'algorithm.name': fedgps generates image-like surrogate "
+                          f"data and needs inputs [C, H, W], the data has {tuple(input_shape)}")
     c_in, h, w = (int(v) for v in input_shape)
     if c_in not in (1, 3):
         raise ValueError(f"FedGPS surrogate data supports 1- or 3-channel inputs, got {c_in}")

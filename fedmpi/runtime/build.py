@@ -17,15 +17,15 @@ import numpy as np
 import torch
 
 from ..accel import Accel, set_deterministic
-from ..algorithms import (Algorithm, Stat, TransformChain, Weighting, algorithm_class, build_transforms,
-                          build_weighting, start)
+from ..algorithms import Algorithm, Stat, TransformChain, Weighting, build_transforms, start
 from ..comm import Comm
 from ..config import Config
 from ..context import Context, LogSink
-from ..data import Dataset, Partition, build_partition, load_dataset
+from ..data import Dataset, Partition, build_local
 from ..errors import ConfigError
 from ..flat import FlatModel
-from ..models import build_model
+from ..imports import UserCode
+from ..models import build_model, model_spec
 from ..placement import gpu_for_local_rank, threads_per_rank
 from .evaluation import test_state
 
@@ -94,37 +94,44 @@ def setup_process(cfg: Config, comm: Comm) -> torch.device:
     return device
 
 
-def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray]) -> Built:
-    """Build this rank; ``plan(t)`` is the participant mask of round t (for the context)."""
+def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
+          code: UserCode | None = None) -> Built:
+    """Build this rank; ``plan(t)`` is the participant mask of round t (for the context);
+    ``code``: objects given to :func:`fedmpi.run` in place of the config's names."""
+    code = code or UserCode()
     rank, size = comm.rank, comm.size
     device = setup_process(cfg, comm)
-    data = load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.download,
-                        augment=cfg.data.augment, image_size=cfg.data.image_size)
-    partition = build_partition(cfg, data)   # = `fedmpi partition`
-    num_samples = np.array([len(ix) for ix in partition.client_indices], dtype=np.int64)
+    K = cfg.data.num_clients
+    host = client_hosts(K, size)
+    hosted = [k for k in range(K) if host[k] == rank]
+    # pooled data partitioned identically on every rank (= `fedmpi partition`), or
+    # silo-local: a rank reads only its clients' silos; n_k of all clients arrive as
+    # metadata (fedmpi.data.silos)
+    local = build_local(cfg, comm, hosted, rank == 0, code.data)
+    data, partition = local.data.to(device), local.partition
+    num_samples = np.asarray(local.num_samples, dtype=np.int64)
     num_samples.setflags(write=False)
-    data = data.to(device)
 
     torch.manual_seed(cfg.seed)   # every rank builds the same initial model
-    outputs = algorithm_class(cfg).num_outputs(cfg, data.num_classes)  # FedGPS: 2C
-    flat = FlatModel(build_model(cfg.model.name, data.input_shape, outputs, cfg.model.norm), device)
+    algo_class = code.algorithm_class(cfg)
+    outputs = algo_class.num_outputs(cfg, data.num_classes)  # FedGPS: 2C
+    flat = FlatModel(build_model(model_spec(cfg, code.model), data.input_shape, outputs,
+                                 cfg.model.norm), device)
     accel = Accel.from_config(cfg.runtime, device)
     forward = accel.wrap(flat.model)   # compiled once, shared by training and evaluation
 
-    K = cfg.data.num_clients
-    algo = algorithm_class(cfg)(cfg, flat, K)
-    weighting = build_weighting(cfg.aggregation.weighting, num_samples)
+    algo = algo_class(cfg, flat, K)
+    weighting = code.build_weighting(cfg, num_samples)
     transforms = build_transforms(cfg)
-    host = client_hosts(K, size)
-    hosted = [k for k in range(K) if host[k] == rank]
     log = LogSink(enabled=rank == 0)
 
     def broadcast(buf: np.ndarray, what: str = "method Bcast") -> None:
         comm.broadcast(buf, what=what)
 
-    def test(state: torch.Tensor, part: slice = slice(None)) -> tuple[float, float, float]:
+    def test(state: torch.Tensor, part: slice = slice(None),
+             collect=None) -> tuple[float, float, float]:
         return test_state(flat, forward, data, accel, cfg.eval.batch_size, algo.eval_logits(),
-                          state, part)
+                          state, part, collect)
 
     ctx = Context(cfg=cfg, device=device, role="server" if rank == 0 else "worker", rank=rank,
                   world_size=size, num_samples=num_samples, hosted=tuple(hosted), flat=flat,

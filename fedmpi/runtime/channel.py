@@ -117,7 +117,6 @@ class Channel:
         self.signal_send, self.signal_recv = self.up_send[nmeta:], self.up_recv[nmeta:]
         self.err_send = np.zeros(ERR_BYTES, dtype=np.uint8)
         self.err_recv = np.zeros((self.size, ERR_BYTES), dtype=np.uint8)
-        self.eval_recv = np.zeros(3, dtype=np.float64)
         # float64 sums: partial sums from any rank layout round to the same float32
         # result, which is what makes the global model independent of world size.
         self.red_send = Mirror((plan.reduce_size,), torch.float64, device)
@@ -157,9 +156,10 @@ class Channel:
         return self.state.dev[: self.D]
 
     def reduce_eval(self, sums: np.ndarray) -> Optional[np.ndarray]:
-        """Σ over ranks of (Σ loss, #correct, n); the result on rank 0, None elsewhere."""
-        self.comm.reduce_sum(sums, self.eval_recv, what="evaluation Reduce")
-        return self.eval_recv.copy() if self.is_server else None
+        """Σ over ranks of the evaluation sums; the result on rank 0, None elsewhere."""
+        recv = np.zeros_like(sums)
+        self.comm.reduce_sum(sums, recv, what="evaluation Reduce")
+        return recv if self.is_server else None
 
     # --------------------------------------------------------- worker side
     def begin_uplink(self) -> None:

@@ -17,9 +17,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .. import checkpoint, rundir, signals
+from .. import checkpoint, metrics, rundir, signals
 from ..comm import Comm, CommTimeout
 from ..errors import UserError
+from ..imports import UserCode
 from ..outputs import OutputError, write_model
 from . import guard
 from .federation import CMD_ABORT, CMD_ROUND, Federation
@@ -41,8 +42,11 @@ def _finish_pending_quietly(fed: Federation) -> None:
 
 
 def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
-        resume: bool = False, overwrite: bool = False) -> Optional[float]:
-    """Run a whole experiment on this rank; returns the final test accuracy on rank 0.
+        resume: bool = False, overwrite: bool = False,
+        code: Optional[UserCode] = None) -> Optional[dict[str, float]]:
+    """Run a whole experiment on this rank; returns on rank 0 the final metrics
+    (``test_accuracy`` and the other ``eval.metrics`` of the last evaluated round),
+    None elsewhere. ``code``: objects replacing the config's names (:func:`fedmpi.run`).
 
     Raises :class:`UserError` (same on every rank) for bad input, and exits the
     whole job non-zero when a rank fails or a collective times out. ``resume``
@@ -54,14 +58,14 @@ def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
     """
     signals.install()
     try:
-        return _run(cfg, out_dir, comm, resume, overwrite)
+        return _run(cfg, out_dir, comm, resume, overwrite, code)
     finally:
         signals.restore()
         rundir.release()
 
 
 def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
-         overwrite: bool = False) -> Optional[float]:
+         overwrite: bool = False, code: Optional[UserCode] = None) -> Optional[dict[str, float]]:
     comm = comm or Comm(timeout=cfg.runtime.round_timeout)
     if comm.rank == 0:
         for old, new in getattr(cfg, "renamed", ()):
@@ -71,7 +75,7 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
     fed = None
     restored: Optional[checkpoint.Restored] = None
     try:
-        fed = Federation(cfg, comm, out)
+        fed = Federation(cfg, comm, out, code)
         if comm.rank == 0:   # lock, fingerprint and resume checks, the log (guard, rundir)
             restored = guard.open_run(fed, out, resume, overwrite)
     except (UserError, OutputError) as exc:
@@ -149,6 +153,6 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
     if status == "interrupted":
         print(guard.interrupted_message(fed, t, out), file=sys.stderr, flush=True)
         raise SystemExit(signals.EXIT_INTERRUPTED)
-    final = next((h["test_accuracy"] for h in reversed(fed.history)
-                  if not np.isnan(h["test_accuracy"])), float("nan"))
-    return final
+    names = ("test_accuracy", *metrics.extra_names(cfg.eval.metrics))
+    final = next((h for h in reversed(fed.history) if not np.isnan(h["test_accuracy"])), {})
+    return {n: float(final.get(n, float("nan"))) for n in names}

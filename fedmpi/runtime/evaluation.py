@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
+from .. import metrics
 from ..train import evaluate
 
 if TYPE_CHECKING:
@@ -31,59 +32,77 @@ if TYPE_CHECKING:
     from ..flat import FlatModel
     from .channel import Channel
 
-NAN2 = (float("nan"), float("nan"))
+Scalars = dict[str, float]
 
 
 def test_state(flat: FlatModel, forward, data: Dataset, accel: Accel, batch_size: int,
-               num_logits: Optional[int], state: torch.Tensor,
-               part: slice = slice(None)) -> tuple[float, float, float]:
-    """(Σ cross-entropy, #correct, n) of the flat ``state`` on the test set (or its slice ``part``)."""
+               num_logits: Optional[int], state: torch.Tensor, part: slice = slice(None),
+               collect: Optional[metrics.Collector] = None) -> tuple[float, float, float]:
+    """(Σ cross-entropy, #correct, n) of the flat ``state`` on the test set (or its slice
+    ``part``); ``collect`` also sees every batch's outputs (:mod:`fedmpi.metrics`)."""
     flat.load(state)
     loss, correct, n = evaluate(forward, data, data.x_test[part], data.y_test[part], batch_size,
-                                num_logits=num_logits, accel=accel)
+                                num_logits=num_logits, accel=accel, collect=collect)
     return float(loss), float(correct), float(n)
 
 
 class Evaluation:
-    """The evaluation policy of a run and its execution on one rank."""
+    """The evaluation policy of a run and its execution on one rank.
+
+    Every evaluation yields the log's scalars: ``test_loss``, ``test_accuracy`` and
+    the other ``eval.metrics`` (:mod:`fedmpi.metrics`; NaN where not evaluated).
+    """
 
     def __init__(self, cfg: Config, rank: int, world_size: int, owned_by_method: bool) -> None:
         self.cfg = cfg
         self.rank, self.size = rank, world_size
         self.owned = owned_by_method
+        self.names = tuple(cfg.eval.metrics)
+
+    def none(self) -> Scalars:
+        """The scalars of a round that is not evaluated (or not yet)."""
+        return metrics.nan_scalars(self.names)
 
     def is_eval_round(self, t: int) -> bool:
         return (t + 1) % self.cfg.eval.every == 0 or t == self.cfg.train.rounds - 1
 
     def shards(self, t: int) -> bool:
-        """Whether round ``t`` evaluates on every rank (``eval.sharded``)."""
+        """Whether round ``t`` evaluates on every rank (``eval.sharded``): not for a
+        method's own evaluation, static BN, or metrics that need every sample (AUROC)."""
         return (self.cfg.eval.sharded and self.size > 1 and self.is_eval_round(t)
-                and not self.owned and self.cfg.model.norm != "static_bn")
+                and not self.owned and self.cfg.model.norm != "static_bn"
+                and metrics.shardable(self.names))
 
     def overlaps(self, t: int) -> bool:
         """Rank 0: evaluate round ``t``'s model during round t + 1 (``eval.overlap``)?"""
         return (self.cfg.eval.overlap and self.size > 1 and self.is_eval_round(t)
                 and not self.shards(t) and t + 1 < self.cfg.train.rounds and not self.owned)
 
-    def run(self, t: int, state: torch.Tensor, ctx, algo, channel: Channel) -> tuple[float, float]:
-        """(test loss, test accuracy) of round ``t``'s global ``state``; NaN off eval rounds
-        and on workers. Collective when the round shards its evaluation."""
+    def run(self, t: int, state: torch.Tensor, ctx, algo, channel: Channel) -> Scalars:
+        """The scalars of round ``t``'s global ``state``; NaN off eval rounds, ``{}`` on
+        workers of a sharded evaluation (which is collective)."""
         if not self.is_eval_round(t):
-            return NAN2
+            return self.none()
         if self.shards(t):
             return self.sharded(state, ctx, channel)
         if self.owned:
-            return algo.evaluate(ctx, state)
-        loss, correct, n = ctx.test(state)
-        return loss / n, correct / n
+            loss, acc = algo.evaluate(ctx, state)
+            return {**self.none(), "test_loss": loss, "test_accuracy": acc}
+        collect = metrics.Collector(ctx.data.num_classes, self.names, ctx.device)
+        loss, _, n = ctx.test(state, slice(None), collect)
+        return collect.scalars(loss, int(n))
 
-    def sharded(self, state: torch.Tensor, ctx, channel: Channel) -> tuple[float, float]:
-        """Every rank evaluates a contiguous slice of the test set; result on rank 0."""
+    def sharded(self, state: torch.Tensor, ctx, channel: Channel) -> Scalars:
+        """Every rank evaluates a contiguous slice of the test set; one ``Reduce`` of
+        (Σ loss, n, confusion matrix); the scalars on rank 0, ``{}`` elsewhere."""
         theta = channel.broadcast_eval_state()
         n = ctx.data.y_test.numel()
         part = slice(self.rank * n // self.size, (self.rank + 1) * n // self.size)
-        total = channel.reduce_eval(np.asarray(ctx.test(theta, part), dtype=np.float64))
+        C = ctx.data.num_classes
+        collect = metrics.Collector(C, (), ctx.device)
+        loss, _, count = ctx.test(theta, part, collect)
+        sums = np.concatenate([[loss, count], collect.confusion.cpu().numpy().ravel()])
+        total = channel.reduce_eval(sums.astype(np.float64))
         if total is None:
-            return NAN2
-        loss, correct, count = total
-        return loss / count, correct / count
+            return {}
+        return metrics.scalars(total[0], total[1], total[2:], C, self.names)

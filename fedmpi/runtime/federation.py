@@ -21,11 +21,12 @@ import torch
 
 from .. import checkpoint, signals
 from ..comm import Comm
+from ..imports import UserCode
 from ..train import LocalTrainer
 from .build import build, participants
 from .channel import Channel, plan_uplink
 from . import guard
-from .evaluation import NAN2, Evaluation
+from .evaluation import Evaluation
 from .record import RoundRecorder
 from .server import STATUS_FAILED, server_step
 from .worker import Worker
@@ -42,11 +43,12 @@ class JobFailed(RuntimeError):
 class Federation:
     """Sets up one rank of a run and executes rounds (see module docstring)."""
 
-    def __init__(self, cfg, comm: Comm, out_dir: Optional[Path] = None) -> None:
+    def __init__(self, cfg, comm: Comm, out_dir: Optional[Path] = None,
+                 code: Optional[UserCode] = None) -> None:
         self.cfg, self.comm, self.out_dir = cfg, comm, out_dir
         self.rank, self.size = comm.rank, comm.size
         self.is_server = self.rank == 0
-        b = build(cfg, comm, plan=lambda t: self.participants(t))
+        b = build(cfg, comm, plan=lambda t: self.participants(t), code=code)
         self.built = b
         self.ctx, self.device, self.data, self.partition = b.ctx, b.device, b.data, b.partition
         self.flat, self.accel, self.forward = b.flat, b.accel, b.forward
@@ -207,7 +209,7 @@ class Federation:
             return
         overlapped = self.evals.overlaps(t)
         t_eval = time.perf_counter()
-        loss, acc = NAN2 if overlapped else self._evaluate(t)
+        evals = self.evals.none() if overlapped else self._evaluate(t)
         t_end = t_eval if overlapped else time.perf_counter()
         sel = [int(k) for k in np.flatnonzero(up.mask)]
         arrays = {**self.algo.log_arrays(), **self.weighting.log_arrays(), **self.transforms.log_arrays()}
@@ -216,21 +218,26 @@ class Federation:
                                 sum(self.algo.uplink_bytes(k, t) for k in sel),
                                 sum(self.algo.downlink_bytes(k, t) for k in sel), arrays)
         self.channel.exposed_arrival_seconds = 0.0
-        row[1].update(test_loss=loss, test_accuracy=acc)
+        row[1].update(evals)
         if overlapped:
             self.recorder.pending = row
         else:
             self.recorder.append(row)
 
-    def _evaluate(self, t: int) -> tuple[float, float]:
+    def _evaluate(self, t: int) -> dict[str, float]:
         return self.evals.run(t, self.global_state, self.ctx, self.algo, self.channel)
 
-    def evaluate(self) -> tuple[float, float]:
-        """(test loss, test accuracy) of the global model (or the method's own)."""
+    def evaluate(self) -> dict[str, float]:
+        """``test_loss``, ``test_accuracy`` and the other ``eval.metrics`` of the global
+        model now (the method's own evaluation where it has one), on this rank alone."""
         if self.algo.owns_evaluation:
-            return self.algo.evaluate(self.ctx, self.global_state)
-        loss, correct, n = self.ctx.test(self.global_state)
-        return loss / n, correct / n
+            loss, acc = self.algo.evaluate(self.ctx, self.global_state)
+            return {**self.evals.none(), "test_loss": loss, "test_accuracy": acc}
+        from .. import metrics
+
+        collect = metrics.Collector(self.data.num_classes, self.cfg.eval.metrics, self.device)
+        loss, _, n = self.ctx.test(self.global_state, slice(None), collect)
+        return collect.scalars(loss, int(n))
 
     def finish_pending_row(self) -> None:
         self.recorder.finish_pending(self._evaluate)

@@ -73,7 +73,7 @@ class RoundRecorder:
         if self.writer is not None:
             self.writer.append_round(t, scalars, per_client, arrays)
 
-    def finish_pending(self, evaluate: Callable[[int], tuple[float, float]]) -> None:
+    def finish_pending(self, evaluate: Callable[[int], dict[str, float]]) -> None:
         """Evaluate the pending round's model and append its row. The state still holds
         that round's θ: it changes only at the next aggregation, and this runs before it.
         ``wall_seconds`` of that round excludes this evaluation; ``eval_seconds`` is it."""
@@ -82,6 +82,5 @@ class RoundRecorder:
         t, scalars, per_client, arrays = self.pending
         self.pending = None
         t0 = time.perf_counter()
-        loss, acc = evaluate(t)
-        scalars.update(test_loss=loss, test_accuracy=acc, eval_seconds=time.perf_counter() - t0)
+        scalars.update(evaluate(t), eval_seconds=time.perf_counter() - t0)
         self.append((t, scalars, per_client, arrays))

@@ -1,0 +1,206 @@
+r"""Each rank's share of the federation's data: pooled, or silo-local (``data.partition.method: silos``).
+
+Pooled (every other method): every rank loads the whole pool and computes the
+same partition (:func:`~fedmpi.data.build_partition`), as before.
+
+Silo-local: client ``k``'s samples are read **only on the rank that hosts k**,
+from ``data.silos.path`` with ``{client}`` replaced by ``k`` (a CSV, Parquet or
+HDF5 table, :mod:`fedmpi.data.tabular`) or from ``fn(k)`` for
+``data.silos.loader: "pkg.module:fn"`` returning ``(x [n_k, ...], y [n_k])``.
+Rank 0 alone reads the test set (``data.silos.test``) and the server validation
+set (``data.silos.validation``, FedVG). A rank's :class:`Dataset` then holds its
+hosted clients' samples back to back (rank 0: then the validation samples), and
+its :class:`Partition` indexes into that local pool.
+
+What every rank must know travels as metadata in two small collectives through
+:mod:`fedmpi.comm` (no sample leaves its silo):
+
+1. ``Allreduce(MAX)`` of the input shape (and its negation, for the minimum) and
+   the largest label: the ranks agree on the input shape and on C.
+2. ``Allreduce(SUM)`` of one float64 row per client (and one for the validation
+   set): class counts ``[C]``, per-channel sums :math:`S_c = \sum x` and
+   :math:`Q_c = \sum x^2` and the count. A row is non-zero on exactly one rank,
+   so the sum is exact and every rank gets the same rows whatever the layout; the
+   class counts give :math:`n_k` (sample weights, sampling, FedVG, ECGR, logs) and
+   the normalisation is :math:`\mu_c = \sum_r S_{r,c} / \sum_r n_r`,
+   :math:`\sigma_c = (\sum_r Q_{r,c} / \sum_r n_r - \mu_c^2)^{1/2}` summed over
+   the rows in client order: the statistics of the union of the silos and the
+   validation set, i.e. of the training pool they were cut from.
+
+A read error on any rank is agreed on first (one more ``Allreduce``), so every
+rank stops with the same one-line :class:`~fedmpi.errors.DataError`.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from fedmpi.data.base import Dataset, channel_sums, stats_from_sums
+from fedmpi.data.build import build_partition, load_pool
+from fedmpi.data.partition import Partition
+from fedmpi.data.tabular import read_table
+from fedmpi.errors import ConfigError, DataError, UserError
+
+__all__ = ["LocalData", "build_local", "read_silo"]
+
+MAX_DIMS = 6          # input rank supported by the shape agreement
+ERR_BYTES = 512       # one error line per rank in the failure agreement
+
+
+@dataclass
+class LocalData:
+    """This rank's data: ``data`` (hosted clients' samples; rank 0 also the test and
+    validation sets), ``partition`` (indices into ``data``'s pool for the hosted clients,
+    empty for the others; class counts of *all* clients) and ``num_samples`` n_k of all K."""
+
+    data: Dataset
+    partition: Partition
+    num_samples: np.ndarray
+
+
+def build_local(cfg: Any, comm: Any, hosted: Sequence[int], is_server: bool,
+                data: Optional[Any] = None) -> LocalData:
+    """This rank's :class:`LocalData` (see the module docstring).
+
+    ``hosted``: the clients this rank trains; ``is_server``: rank 0 (reads the
+    test and validation sets); ``data``: a user dataset for the pooled mode
+    (:func:`fedmpi.run`'s ``data=``). Collective in silo mode.
+    """
+    if cfg.data.partition.method != "silos":
+        pool = load_pool(cfg, data)
+        partition = build_partition(cfg, pool)
+        return LocalData(pool, partition, partition.sizes)
+    if data is not None:
+        raise ConfigError("a dataset object was given, but data.partition.method is 'silos' "
+                          "(silo data comes from data.silos.path or data.silos.loader)")
+    return _silos(cfg, comm, list(hosted), is_server)
+
+
+def read_silo(cfg: Any, client: int,
+              loader: Optional[Callable[[int], Any]] = None) -> tuple[np.ndarray, np.ndarray]:
+    """Client ``client``'s ``(x float32, y int64)`` from ``data.silos.path`` or the loader."""
+    s = cfg.data.silos
+    if s.path is not None or loader is None:
+        return read_table(s.path.format(client=client), cfg.data.tabular.label)
+    try:
+        x, y = loader(client)
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - user code: name the key and client
+        raise DataError(f"data.silos.loader {s.loader!r} failed for client {client}: "
+                        f"{type(exc).__name__}: {exc}") from None
+    x = np.asarray(x.cpu() if isinstance(x, torch.Tensor) else x, dtype=np.float32)
+    y = np.asarray(y.cpu() if isinstance(y, torch.Tensor) else y)
+    if x.ndim == 1:
+        x = x[:, None]
+    if y.ndim != 1 or len(y) != len(x) or (len(y) and (not np.issubdtype(y.dtype, np.integer)
+                                                       or y.min() < 0)):
+        raise DataError(f"data.silos.loader {s.loader!r}: client {client} must give x [n, ...] "
+                        f"and integer labels y [n] >= 0; got x {x.shape}, y {y.shape} {y.dtype}")
+    return np.ascontiguousarray(x), y.astype(np.int64)
+
+
+def _agree_on_errors(comm: Any, error: Optional[UserError]) -> None:
+    """Collective: raise the first rank's error (same text on every rank) if any rank failed."""
+    buf = np.zeros((comm.size, ERR_BYTES), dtype=np.uint8)
+    if error is not None:
+        raw = f"rank {comm.rank}: {error}".encode()[: ERR_BYTES - 1]
+        buf[comm.rank, : len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    out = np.zeros_like(buf)
+    comm.allreduce_sum(buf, out, what="silo read agreement Allreduce")
+    for row in out:
+        if row.any():
+            raise DataError(bytes(row).rstrip(b"\0").decode(errors="replace"))
+
+
+def _silos(cfg: Any, comm: Any, hosted: list[int], is_server: bool) -> LocalData:
+    from fedmpi import imports
+
+    s, K = cfg.data.silos, cfg.data.num_clients
+    parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    test = val = None
+    error: Optional[UserError] = None
+    try:
+        loader = imports.silo_loader(s.loader) if s.loader is not None else None
+        for k in hosted:
+            parts[k] = read_silo(cfg, k, loader)
+        if is_server:
+            test = read_table(s.test, cfg.data.tabular.label)
+            if s.validation is not None:
+                val = read_table(s.validation, cfg.data.tabular.label)
+        arrays = [*parts.values(), *(a for a in (test, val) if a is not None)]
+        shapes = {x.shape[1:] for x, _ in arrays}
+        if len(shapes) > 1 or any(len(sh) > MAX_DIMS or len(sh) == 0 for sh in shapes):
+            raise DataError(f"silo inputs must share one shape [n, ...] of at most {MAX_DIMS} "
+                            f"dimensions; this rank reads shapes {sorted(shapes)}")
+    except UserError as exc:
+        error = exc
+    _agree_on_errors(comm, error)
+
+    # 1. input shape and class count: max of (d, BIG - d) over the ranks holding data
+    shape = next(iter({x.shape[1:] for x, _ in arrays}), None)
+    big = np.int64(1) << 40
+    head = np.zeros(2 * (MAX_DIMS + 1) + 1, dtype=np.int64)
+    if shape is not None:
+        dims = np.zeros(MAX_DIMS + 1, dtype=np.int64)
+        dims[0], dims[1:1 + len(shape)] = len(shape), shape
+        head[: MAX_DIMS + 1], head[MAX_DIMS + 1: -1] = dims, big - dims
+        head[-1] = max((int(y.max()) + 1 for _, y in arrays if len(y)), default=0)
+    agreed = np.zeros_like(head)
+    comm.allreduce_max(head, agreed, what="silo shape Allreduce")
+    hi, lo = agreed[: MAX_DIMS + 1], big - agreed[MAX_DIMS + 1: -1]
+    if not np.array_equal(hi, lo):
+        raise DataError(f"silos disagree on the input shape: between "
+                        f"{tuple(lo[1:1 + lo[0]])} and {tuple(hi[1:1 + hi[0]])} per sample")
+    shape = tuple(int(d) for d in hi[1:1 + hi[0]])
+    C, F = int(agreed[-1]), shape[0]
+
+    # 2. per-client class counts and channel sums (one row per client + validation)
+    rows = np.zeros((K + 1, C + 2 * F + 1), dtype=np.float64)
+    x = y = None
+    for r, (x, y) in [*parts.items(), *([(K, val)] if val is not None else [])]:
+        rows[r, :C] = np.bincount(y, minlength=C)
+        if len(y):
+            total, total_sq, count = channel_sums(torch.from_numpy(x))
+            rows[r, C:C + F], rows[r, C + F:C + 2 * F], rows[r, -1] = total, total_sq, count
+    summed = np.zeros_like(rows)
+    comm.allreduce_sum(rows, summed, what="silo metadata Allreduce")
+    class_counts = np.rint(summed[:K, :C]).astype(np.int64)
+    num_samples = class_counts.sum(1)
+    empty = np.flatnonzero(num_samples == 0)
+    if empty.size:
+        raise DataError(f"silo of client {int(empty[0])} has no samples "
+                        f"({s.path or s.loader})")
+    tot = summed.sum(0)   # same rows in the same order on every rank
+    mean, std = stats_from_sums(torch.from_numpy(tot[C:C + F]), torch.from_numpy(tot[C + F:C + 2 * F]),
+                                float(tot[-1]))
+
+    # 3. the local pool: hosted clients back to back, then (rank 0) the validation set,
+    # moved in one at a time so the peak is the pool plus one silo, not twice the pool
+    del arrays, x, y
+    queue = deque([parts.pop(k) for k in hosted] + ([val] if val is not None else []))
+    val = None
+    offsets = np.cumsum([0, *(len(y) for _, y in queue)])
+    client_indices = [np.zeros(0, dtype=np.int64)] * K
+    for i, k in enumerate(hosted):
+        client_indices[k] = np.arange(offsets[i], offsets[i + 1], dtype=np.int64)
+    validation = np.arange(offsets[len(hosted)], offsets[-1], dtype=np.int64)
+    if len(queue) == 1:
+        x_pool, y_pool = queue.popleft()
+    else:
+        x_pool = np.empty((int(offsets[-1]), *shape), dtype=np.float32)
+        y_pool = np.empty(int(offsets[-1]), dtype=np.int64)
+        for i in range(len(queue)):
+            x, y = queue.popleft()   # the queue drops this silo's arrays
+            x_pool[offsets[i]:offsets[i + 1]], y_pool[offsets[i]:offsets[i + 1]] = x, y
+            x = y = None
+    x_test, y_test = test if test is not None else (np.zeros((0, *shape), np.float32),
+                                                    np.zeros(0, np.int64))
+    data = Dataset("silos", torch.from_numpy(x_pool), torch.from_numpy(y_pool),
+                   torch.from_numpy(x_test), torch.from_numpy(y_test), num_classes=C,
+                   mean=mean, std=std, scale=1.0)
+    return LocalData(data, Partition(client_indices, validation, class_counts), num_samples)
