@@ -48,7 +48,7 @@ def make_fed(args, ecgr: bool) -> Federation:
          "ecgr": {"enabled": ecgr, "beta": 0.2}, "eval": {"every": 1000}}
     fed = Federation(config_from_dict(d), Comm())
     if ecgr and budget is None:   # just below fp32: forces bf16
-        e = fed.algo.ecgr
+        e = fed.ecgr
         d["ecgr"]["memory_budget"] = e.tau_max * e.P * 4 - 1
         fed = Federation(config_from_dict(d), Comm())
     elif ecgr:
@@ -84,16 +84,16 @@ def measure(feds: dict[str, Federation], repeats: int, rounds: int) -> dict[str,
     tasks = {m: _task(f) for m, f in feds.items()}
     for m, f in feds.items():                       # warm-up and first allocation
         task, theta, extras, out = tasks[m]
-        f.algo.client_update(task, f.trainer, theta, extras, out)
+        f.worker.train(task, theta, extras, out)
         f.round(0)
     for _ in range(repeats):
         for m, f in feds.items():
             task, theta, extras, out = tasks[m]
             res[m]["client"].append(timed(
-                lambda: f.algo.client_update(task, f.trainer, theta, extras, out), f.device))
+                lambda: f.worker.train(task, theta, extras, out), f.device))
             hooks = f.algo.hooks(task, theta, extras)
-            if f.algo.ecgr is not None:
-                hooks = f.algo.ecgr.hooks(hooks, f.device)
+            if f.ecgr is not None:
+                hooks = f.ecgr.hooks(hooks, f.device)
             f.trainer.flat.load(theta)
             box = {}
             res[m]["step"].append(timed(lambda: box.setdefault("r", f.trainer.train(
@@ -105,7 +105,7 @@ def measure(feds: dict[str, Federation], repeats: int, rounds: int) -> dict[str,
     out = {m: {k + "_ms": 1e3 * float(np.median(v)) for k, v in r.items()} for m, r in res.items()}
     # ECGR's own work, timed directly: the recording hook per step, the finish per client
     f = feds["on"]
-    e = f.algo.ecgr
+    e = f.ecgr
     task, theta, extras, outs = tasks["on"]
     hooks = e.hooks(StepHooks(), f.device)
     b = f.trainer.momentum_buf
@@ -143,7 +143,7 @@ def main() -> None:
     feds["on"] = make_fed(args, True)
     res = measure(feds, args.repeats, args.rounds)
     off, on = res["off"], res["on"]
-    e = feds["on"].algo.ecgr
+    e = feds["on"].ecgr
     owned = [e._X, e._v] + ([e._chunk] if e._chunk is not None else [])
     ecgr_bytes = int(sum(t.nbytes for t in owned))
     for m in ("off", "on"):

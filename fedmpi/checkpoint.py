@@ -412,5 +412,5 @@ def resume(fed, restored: Optional[Restored]) -> int:
     if code:
         raise SystemExit(code)
     if head[0] > 0:   # the same test on every rank: after_resume is collective
-        fed.algo.after_resume(fed, int(head[0]))
+        fed.algo.after_resume(fed.ctx, int(head[0]))
     return int(head[0])

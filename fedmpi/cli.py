@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     info.add_argument("-n", "--ranks", type=int, default=None, metavar="N",
                       help="show the rank -> GPU placement for N ranks on this node "
                            "(default: 1 aggregator + 1 worker per GPU)")
+    info.add_argument("--launcher", action="store_true",
+                      help="print only the command that starts the ranks in a Slurm job for "
+                           "this MPI (srun --mpi=pmi2|pmix ... or mpirun), as used by slurm/*.sbatch")
 
     report = sub.add_parser("report", help="PNG plots and summary.md of one run log")
     report.add_argument("log", help="run log (log.h5), also one still being written")
@@ -76,7 +79,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from .comm import mpi_library_version, world_size
     from .config import load_config
+    from .launcher import check_world
+
+    # right after MPI init, before anything reads the config or touches the output
+    check_world(os.environ, world_size(), mpi_library_version())
     from .runtime import run
 
     cfg = load_config(args.config, args.overrides)
@@ -90,6 +98,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from .config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    for old, new in cfg.renamed:
+        print(f"fedmpi: note: config key {old!r} is now {new!r}", file=sys.stderr)
     sys.stdout.write(cfg.to_yaml())
     return 0
 
@@ -111,6 +121,7 @@ def info_lines(ranks: Optional[int] = None) -> list[str]:
     except ImportError:
         lines.append("mpi4py not installed (pip install mpi4py, or build it against the system MPI)")
     lines.append(f"MPI library: {mpi_library_version()}")
+    lines.append("Slurm launcher (fedmpi info --launcher): {} ({})".format(*launcher_choice()))
     aware = cuda_aware_mpi()
     lines.append(f"CUDA-aware MPI: {'unknown' if aware is None else ('yes' if aware else 'no')}")
     lines.append(f"CPU cores: {os.cpu_count()}, torch threads: {torch.get_num_threads()}")
@@ -131,7 +142,29 @@ def info_lines(ranks: Optional[int] = None) -> list[str]:
     return lines
 
 
+def launcher_choice() -> tuple[str, str]:
+    """(launcher words for a Slurm job step, shell-quoted; why), for ``fedmpi info
+    --launcher`` (:func:`fedmpi.launcher.choose_launcher`)."""
+    import shlex
+
+    from .comm import mpi_library_version
+    from .launcher import choose_launcher, find_mpirun, srun_mpi_plugins
+
+    version = mpi_library_version(initialize=False)
+    try:
+        mpirun = find_mpirun(sys.executable)
+    except UserError:
+        mpirun = "mpirun"
+    words, why = choose_launcher(version, srun_mpi_plugins(), mpirun)
+    return shlex.join(words), why
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
+    if args.launcher:
+        line, why = launcher_choice()
+        print(f"fedmpi info: {why}", file=sys.stderr)
+        print(line)
+        return 0
     if args.ranks is not None and args.ranks < 1:
         raise UserError(f"fedmpi info --ranks expects a positive number of ranks, got {args.ranks}")
     print("\n".join(info_lines(args.ranks)))
@@ -139,10 +172,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from .report import write_report
+    from .report import PLOT_HINT, have_matplotlib, write_report
 
     for path in write_report(args.log, args.out, args.target_accuracy):
         print(path)
+    if not have_matplotlib():
+        print(f"fedmpi report: summary.md only; {PLOT_HINT}", file=sys.stderr)
     return 0
 
 

@@ -309,9 +309,24 @@ class Comm:
         os._exit(code)
 
 
-def mpi_library_version() -> str:
-    """The MPI library's version string (first line)."""
+def world_size() -> int:
+    """Number of ranks in ``MPI_COMM_WORLD`` (initialises MPI)."""
+    return int(_mpi().COMM_WORLD.Get_size())
+
+
+def mpi_library_version(initialize: bool = True) -> str:
+    """The MPI library's version string (first line).
+
+    ``initialize=False`` asks without initialising MPI (``MPI_Get_library_version``
+    may be called before ``MPI_Init``), e.g. in a batch script outside any job step;
+    only effective when mpi4py's ``MPI`` module is not imported yet.
+    """
     try:
+        if not initialize and "mpi4py.MPI" not in sys.modules:
+            import mpi4py
+
+            mpi4py.rc.initialize = False
+            mpi4py.rc.finalize = False
         return _mpi().Get_library_version().strip().splitlines()[0]
     except Exception as exc:  # noqa: BLE001 - informational only
         return f"unavailable ({exc.__class__.__name__}: {exc})"

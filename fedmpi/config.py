@@ -82,6 +82,9 @@ class Field:
     le: float | None = None
     lt: float | None = None
     file: bool = False
+    #: the value names an entry of a live registry ("algorithm" or "weighting"):
+    #: ``choices`` lists the built-ins for the docs; names registered later count too
+    registry: str | None = None
     # Derived from ``type`` in __post_init__.
     base: type = field(init=False, repr=False, compare=False)
     item: type | None = field(init=False, repr=False, compare=False)
@@ -140,8 +143,25 @@ def _fmt(x: float) -> str:
 _DATASETS = ("digits", "mnist", "fashionmnist", "cifar10", "cifar100", "svhn", "stl10",
              "imagefolder", "hdf5", "synthetic")
 _MEDMNIST = dict(pattern=r"medmnist:\S+", pattern_help="medmnist:<flag>")
-_ALGORITHMS = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedprox", "scaffold", "feddyn",
-               "fednova", "elastic", "fedgps", "fedlagc", "heterofl", "fedrolex", "fiarse")
+
+
+def _live_names(registry: str) -> tuple[str, ...]:
+    """Names registered now in the method or weighting registry."""
+    if registry == "algorithm":
+        return tuple(_registry())
+    from .algorithms import WEIGHTINGS
+
+    return tuple(WEIGHTINGS)
+
+
+def _registry():
+    """The built-in methods (:mod:`fedmpi.algorithms`): their names and parameter blocks."""
+    from .algorithms import ALGORITHMS
+
+    return ALGORITHMS
+
+
+_ALGORITHMS = tuple(_registry())
 
 #: Methods that train submodels of resource levels (need ``system.levels``, exclude ECGR).
 SUBMODEL_METHODS = ("fedlagc", "heterofl", "fedrolex", "fiarse")
@@ -199,23 +219,10 @@ SCHEMA: dict[str, Field] = {
                             "lr_decay_every) (ECGR paper: 0.5 every 10 rounds)", gt=0, le=1),
     "train.lr_decay_every": Field(int, 0, "rounds per lr_decay step; 0 = constant lr", ge=0),
     # algorithm (server rule and method parameters)
-    "algorithm.name": Field(str, "fedavg", "federated method", choices=_ALGORITHMS),
+    "algorithm.name": Field(str, "fedavg", "federated method", choices=_ALGORITHMS,
+                            registry="algorithm"),
     "algorithm.server_lr": Field(float | None, None, "server learning rate; null = method default "
                                  "(1; fedadam/fedyogi 0.01)", gt=0),
-    "algorithm.mu": Field(float, 0.01, "FedProx proximal coefficient", ge=0),
-    "algorithm.server_momentum": Field(float, 0.9, "FedAvgM server SGD momentum", ge=0, lt=1),
-    "algorithm.nesterov": Field(bool | None, None, "FedAvgM Nesterov momentum; null = on with "
-                                "weighting fedvg/fedvg_avg (FedVG code), else off"),
-    "algorithm.beta1": Field(float, 0.9, "FedAdam/FedYogi first-moment decay", ge=0, lt=1),
-    "algorithm.beta2": Field(float, 0.99, "FedAdam/FedYogi second-moment decay", ge=0, lt=1),
-    "algorithm.tau": Field(float, 1e-3, "FedAdam/FedYogi adaptivity tau (also v_0 = tau^2)", gt=0),
-    "algorithm.alpha": Field(float, 0.1, "FedDyn regularisation alpha", gt=0),
-    "algorithm.max_grad_norm": Field(float | None, 10.0, "FedDyn local gradient clip (official "
-                                     "code: 10); null = train.grad_clip", gt=0),
-    "algorithm.elastic_mu": Field(float, 0.95, "Elastic sensitivity EMA decay mu", ge=0, lt=1),
-    "algorithm.elastic_tau": Field(float, 0.5, "Elastic zeta = 1 + tau - s_agg/s_max", ge=0),
-    "algorithm.elastic_sample": Field(float, 0.3, "Elastic share of client data measured per round",
-                                      gt=0, le=1),
     # FedGPS (fedmpi/algorithms/fedgps.py)
     "algorithm.fedgps.static": Field(bool, True, "FedGPS surrogate-alignment objective (Eq. 6)"),
     "algorithm.fedgps.dynamic": Field(bool, True, "FedGPS non-self-gradient rectification (Eq. 7-8)"),
@@ -245,7 +252,8 @@ SCHEMA: dict[str, Field] = {
     "algorithm.submodel.ste": Field(bool, True, "STE gradient factor (fedlagc, fiarse)"),
     # aggregation weights
     "aggregation.weighting": Field(str, "samples", "client weights in the server average",
-                                   choices=("samples", "uniform", "fedvg", "fedvg_avg")),
+                                   choices=("samples", "uniform", "fedvg", "fedvg_avg"),
+                                   registry="weighting"),
     "aggregation.fedvg.norm": Field(str, "l1", "FedVG gradient norm",
                                     choices=("l1", "l2", "spectral", "delta")),
     "aggregation.fedvg.granularity": Field(str, "model", "FedVG weight per model/layer/block",
@@ -297,6 +305,43 @@ SCHEMA: dict[str, Field] = {
                                                       "max-autotune-no-cudagraphs")),
 }
 
+
+
+def _method_fields() -> dict[str, Field]:
+    """``algorithm.<group>.*`` keys from the methods' parameter dataclasses (:mod:`fedmpi.params`)."""
+    from .params import group_fields
+
+    out: dict[str, Field] = {}
+    for cls in _registry().values():
+        for group, params_cls in cls.params.items():
+            for name, tp, default, meta in group_fields(params_cls):
+                key = f"algorithm.{group}.{name}"
+                if key not in out:
+                    out[key] = Field(tp, default, meta["help"], choices=meta["choices"],
+                                     ge=meta["ge"], gt=meta["gt"], le=meta["le"], lt=meta["lt"])
+                    if meta["renamed_from"]:
+                        _RENAMED.setdefault(meta["renamed_from"], []).append(key)
+    return out
+
+
+#: flat keys of earlier versions → their nested names (one per method that has the field)
+_RENAMED: dict[str, list[str]] = {}
+
+
+def renamed_to(old_key: str) -> list[str]:
+    """The nested keys a flat key of earlier versions became (e.g. ``algorithm.mu`` →
+    ``["algorithm.fedprox.mu"]``); empty for a current key. For reading old logs."""
+    return list(_RENAMED.get(old_key, ()))
+
+
+def _with_method_fields(schema: dict[str, Field]) -> dict[str, Field]:
+    keys = list(schema)
+    at = keys.index("algorithm.server_lr") + 1
+    methods = _method_fields()
+    return {**{k: schema[k] for k in keys[:at]}, **methods, **{k: schema[k] for k in keys[at:]}}
+
+
+SCHEMA = _with_method_fields(SCHEMA)
 
 def _sections() -> set[str]:
     """Dotted names of every section (``"data"``, ``"data.partition"``, ...)."""
@@ -371,16 +416,17 @@ def _check_value(key: str, f: Field, value: Any) -> Any:
     if f.base in (int, float) and not f.in_range(value):
         raise ConfigError(f"config key {key!r} must be {f.range_text}, got {value!r}")
     if f.choices is not None or f.pattern is not None:
-        if not ((f.choices and value in f.choices)
+        choices = _live_names(f.registry) if f.registry else f.choices
+        if not ((choices and value in choices)
                 or (f.pattern and re.fullmatch(f.pattern, value))):
-            allowed = ", ".join(f.choices or ())
+            allowed = ", ".join(choices or ())
             if f.pattern:
                 alt = f.pattern_help or f"a string matching {f.pattern}"
                 allowed = f"{allowed} or {alt}" if allowed else alt
-            hint = _suggest(value, f.choices) if f.choices else ""
+            hint = _suggest(value, choices) if choices else ""
             raise ConfigError(
                 f"config key {key!r} expects one of {allowed}, got {value!r}{hint}"
-                if f.choices else f"config key {key!r} expects {allowed}, got {value!r}")
+                if choices else f"config key {key!r} expects {allowed}, got {value!r}")
     return value
 
 
@@ -402,7 +448,7 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
     ``prefix`` may be a leaf key, a section (then ``value`` must be a mapping,
     or null for an empty section) or ``""`` for the top level.
     """
-    if prefix in SCHEMA:
+    if prefix in SCHEMA or prefix in _RENAMED:
         out[prefix] = value
         return
     if prefix and prefix not in _sections() and not (isinstance(value, Mapping) and value):
@@ -557,6 +603,8 @@ class Config(Section):
         """Internal: ``values`` must already be complete and validated; see :func:`_build`."""
         super().__init__(dict(values))
         object.__setattr__(self, "_base_dir", base_dir)
+        #: (old flat key, new nested key) pairs the sources used (see :mod:`fedmpi.params`)
+        object.__setattr__(self, "renamed", [])
 
     def to_flat_dict(self) -> dict[str, Any]:
         """All values keyed by dotted name, in schema order."""
@@ -659,12 +707,30 @@ def _cross_checks(cfg: Config) -> None:
             "data.validation.source to an external dataset")
 
 
+def _resolve_renamed(given: dict[str, Any]) -> list[tuple[str, str]]:
+    """Move values given under an old flat key to the new nested key of the chosen
+    method (``algorithm.mu`` → ``algorithm.fedprox.mu``); returns (old, new) pairs."""
+    moved = []
+    method = given.get("algorithm.name", SCHEMA["algorithm.name"].default)
+    for old in [k for k in given if k in _RENAMED]:
+        targets = _RENAMED[old]
+        new = next((t for t in targets if t.split(".")[1] == method), targets[0])
+        if new in given:
+            raise ConfigError(f"config key {old!r} is the old name of {new!r}; give only {new!r}")
+        given[new] = given.pop(old)
+        moved.append((old, new))
+    return moved
+
+
 def _build(given: Mapping[str, Any], base_dir: str | os.PathLike | None) -> Config:
     """Fill defaults, validate every field, resolve file paths, run cross-checks."""
+    given = dict(given)
+    renamed = _resolve_renamed(given)
     values = {key: _check_value(key, f, given[key]) if key in given else
               _check_value(key, f, f.default) for key, f in SCHEMA.items()}
     _resolve_files(values, base_dir)
     cfg = Config(values, base_dir)
+    object.__setattr__(cfg, "renamed", renamed)
     _cross_checks(cfg)
     return cfg
 

@@ -478,7 +478,8 @@ def _frame(columns: Mapping[str, np.ndarray], caller: str) -> "pandas.DataFrame"
     try:
         import pandas as pd
     except ImportError as exc:
-        raise ImportError(f"RunLog.{caller}() needs pandas: pip install pandas") from exc
+        raise ImportError(f"RunLog.{caller}() needs pandas: pip install -e '.[analysis]' "
+                          "(or pip install pandas)") from exc
     return pd.DataFrame(dict(columns))
 
 

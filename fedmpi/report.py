@@ -21,9 +21,19 @@ x axis are the round numbers of the log, counted from 0):
 ``bytes_per_round.png``    bytes sent up/down per round and cumulative
 =========================  =====================================================
 
-The time split uses the log's ``train_seconds`` (slowest worker),
-``aggregate_seconds``, ``eval_seconds`` and ``overhead_seconds`` (= wall time
-minus the other three: communication, waiting and bookkeeping).
+The time split (:func:`time_split`) uses the log's ``train_seconds`` (slowest
+worker), ``aggregate_seconds``, ``overhead_seconds`` and ``eval_seconds``. The
+runtime logs ``overhead = wall − train − aggregate − (evaluation inside the
+round)``; with ``eval.overlap`` round t is evaluated while the workers train
+round t + 1, outside round t's wall time, so the evaluation inside the round is
+``wall − train − aggregate − overhead`` (0 for an overlapped round) and the rest
+of ``eval_seconds`` is reported apart: the in-round parts add up to 100 % of
+the wall time.
+
+Rounds: "round t" is always the log's ``/rounds/round`` index, counted from 0
+(as in ``fedmpi compare``, the events and the plots' x axes); counts of rounds
+("rounds to target", the progress bar) are numbers of completed rounds, so a
+target first met in round t took t + 1 rounds.
 
 Matplotlib is imported lazily (the ``plot`` extra) and used through
 :class:`matplotlib.figure.Figure` with the Agg canvas only, so the module never
@@ -54,6 +64,11 @@ _DPI = 120
 _MAX_EVENTS = 50
 
 
+#: What to do when matplotlib is missing (plots skipped, summary.md still written).
+PLOT_HINT = ("plots need matplotlib, which is not installed: pip install -e '.[plot]' "
+             "(or pip install matplotlib), then run fedmpi report again")
+
+
 def _mpl() -> Any:
     """``matplotlib`` (for ``Figure``, ``colors``), or a UserError saying how to install it."""
     try:
@@ -62,9 +77,17 @@ def _mpl() -> Any:
         import matplotlib.figure  # noqa: F401
         import matplotlib.ticker  # noqa: F401
     except ImportError:
-        raise UserError("plots need matplotlib, which is not installed: "
-                        "pip install 'fedmpi[plot]' (or pip install matplotlib)") from None
+        raise UserError(PLOT_HINT) from None
     return matplotlib
+
+
+def have_matplotlib() -> bool:
+    """Whether :func:`write_report` can draw the plots."""
+    try:
+        _mpl()
+    except UserError:
+        return False
+    return True
 
 
 def _figure(w: float, h: float):
@@ -299,25 +322,58 @@ _TIME_PARTS = (("train_seconds", "local training (slowest worker)", "C0"),
                ("overhead_seconds", "communication + other", "C1"),
                ("aggregate_seconds", "aggregation", "C2"),
                ("eval_seconds", "evaluation", "C3"))
+_OVERLAPPED = "evaluation overlapped with the next round's training (not in the wall time)"
+
+
+def time_split(log: RunLog) -> dict[str, np.ndarray]:
+    """Per-round seconds: the :data:`_TIME_PARTS` present in the log, with
+    ``eval_seconds`` cut to its part inside the round's wall time, plus
+    ``eval_overlapped`` (the rest) and ``wall_seconds``. NaN counts as 0.
+
+    In-round evaluation = clip(wall − train − aggregate − overhead, 0, eval): the
+    runtime computes overhead as the remainder of the wall time with the in-round
+    evaluation only, so the in-round parts sum to the wall time.
+    """
+    parts = {name: np.nan_to_num(np.asarray(log.rounds[name], dtype=np.float64))
+             for name, _, _ in _TIME_PARTS if name in log.rounds}
+    if "wall_seconds" in log.rounds:
+        wall = np.nan_to_num(np.asarray(log.rounds["wall_seconds"], dtype=np.float64))
+        parts["wall_seconds"] = wall
+        if "eval_seconds" in parts and {"train_seconds", "aggregate_seconds",
+                                        "overhead_seconds"} <= parts.keys():
+            rest = wall - parts["train_seconds"] - parts["aggregate_seconds"] \
+                - parts["overhead_seconds"]
+            inside = np.clip(rest, 0.0, parts["eval_seconds"])
+            parts["eval_overlapped"] = parts["eval_seconds"] - inside
+            parts["eval_seconds"] = inside
+    return parts
 
 
 def plot_time(log: RunLog, path: Path) -> Path | None:
-    """Stacked bars: time per round split into training/communication/aggregation/evaluation."""
+    """Stacked bars: time per round split into training/communication/aggregation/evaluation
+    (inside the round); an overlapped evaluation is drawn hatched on top."""
     r = log.rounds.get("round")
     if r is None or len(r) == 0:
         return None
-    parts = [(name, label, color) for name, label, color in _TIME_PARTS if name in log.rounds]
+    split = time_split(log)
+    parts = [(name, label, color) for name, label, color in _TIME_PARTS if name in split]
     wall = log.rounds.get("wall_seconds")
     if not parts and wall is None:
         return None
     fig = _figure(min(14, 6 + 0.08 * len(r)), 5)
     ax = fig.subplots()
     bottom = np.zeros(len(r))
+    width = 0.85 if len(r) < 200 else 1.0
     for name, label, color in parts:
-        v = np.nan_to_num(log.rounds[name].astype(np.float64))
-        ax.bar(r, v, bottom=bottom, width=0.85 if len(r) < 200 else 1.0, color=color,
-               label=f"{label}: mean {_seconds(v.mean())}")
+        v = split[name]
+        ax.bar(r, v, bottom=bottom, width=width, color=color,
+               label=f"{label}{' (in the round)' if name == 'eval_seconds' else ''}: "
+                     f"mean {_seconds(v.mean())}")
         bottom += v
+    over = split.get("eval_overlapped")
+    if over is not None and over.any():
+        ax.bar(r, over, bottom=bottom, width=width, color="none", edgecolor="C3", hatch="//",
+               label=f"{_OVERLAPPED}: mean {_seconds(over.mean())}")
     if wall is not None:
         ax.plot(r, wall, "k_" if len(r) <= 60 else "k-", ms=10, lw=0.8,
                 label=f"wall time: mean {_seconds(np.nanmean(wall))}")
@@ -380,13 +436,56 @@ def _byte_unit(x: float) -> tuple[str, float]:
 
 # -- summary --------------------------------------------------------------------------
 
-#: Config keys listed in the summary's digest (when present in the log's config).
+#: Config keys listed in the summary of every run (when present in the log's config).
 DIGEST_KEYS: tuple[str, ...] = (
     "seed", "data.dataset", "data.num_clients", "data.partition.method", "data.partition.alpha",
     "data.partition.classes_per_client", "data.validation.fraction", "model.name", "model.norm",
-    "aggregation.weighting", "ecgr.enabled", "train.rounds", "train.clients_per_round",
-    "train.local_epochs", "train.local_steps", "train.batch_size", "train.lr", "train.momentum",
-    "train.weight_decay", "eval.every")
+    "algorithm.name", "aggregation.weighting", "ecgr.enabled", "train.rounds",
+    "train.clients_per_round", "train.local_epochs", "train.local_steps", "train.batch_size",
+    "train.lr", "train.momentum", "train.weight_decay", "train.grad_clip", "eval.every")
+
+def relevant_keys(flat: dict[str, Any]) -> list[str]:
+    """The config keys that matter for this run, in summary order: :data:`DIGEST_KEYS`,
+    ``algorithm.server_lr``, the parameter blocks the method declares
+    (``Algorithm.params``: ``algorithm.<group>.*``, e.g. ``algorithm.fedprox.*``) or that
+    carry its name, in logs of earlier versions the flat keys that became them (e.g.
+    ``algorithm.mu``), the resource levels (``system.*``, with ``algorithm.submodel.*``);
+    then FedVG's keys with FedVG weighting, ECGR's when
+    enabled, the lr schedule when it decays, the adversary when there is one. Unset
+    (None) values and partition parameters of other partition methods are left out."""
+    from fedmpi.algorithms import ALGORITHMS
+    from fedmpi.config import renamed_to
+
+    def under(*prefixes: str) -> list[str]:
+        return [k for k in flat if any(k == p or (p.endswith(".") and k.startswith(p))
+                                       for p in prefixes)]
+
+    algo = str(flat.get("algorithm.name", ""))
+    cls = ALGORITHMS.get(algo)
+    # declared blocks, and the block named after the method (keys not yet declared as params)
+    groups = tuple(f"algorithm.{g}."
+                   for g in dict.fromkeys([*(cls.params if cls is not None else ()), algo]))
+    if flat.get("system.levels"):      # a resource-level (submodel) run
+        groups += ("algorithm.submodel.",)
+    legacy = [k for k in flat if any(new.startswith(groups) for new in renamed_to(k))]
+    method = flat.get("data.partition.method")
+    skip = {"data.partition.alpha": method not in (None, "dirichlet"),
+            "data.partition.classes_per_client": method not in (None, "shards")}
+    keys = [k for k in DIGEST_KEYS if k in flat]
+    keys += [*under("algorithm.server_lr", *groups), *legacy, *under("system.")]
+    if flat.get("aggregation.weighting") in ("fedvg", "fedvg_avg"):
+        keys += under("aggregation.fedvg.", "data.validation.")
+    if flat.get("ecgr.enabled"):
+        keys += under("ecgr.")
+    if flat.get("train.lr_decay_every"):
+        keys += under("train.lr_decay", "train.lr_decay_every")
+    if flat.get("adversary.clients"):
+        keys += under("adversary.")
+    out: list[str] = []
+    for k in keys:
+        if k not in out and flat.get(k) is not None and not skip.get(k, False):
+            out.append(k)
+    return out
 
 
 def _pct(x: float) -> str:
@@ -394,8 +493,9 @@ def _pct(x: float) -> str:
 
 
 def summary_markdown(log: RunLog, target: float | None = None,
-                     plots: Sequence[str] = ()) -> str:
-    """``summary.md``: config digest, accuracies, rounds to target, timing, exclusions, events."""
+                     plots: Sequence[str] = (), plots_note: str | None = None) -> str:
+    """``summary.md``: config digest, accuracies, rounds to target, timing, exclusions, events.
+    ``plots_note``: why no plots were drawn (shown under "Plots")."""
     m = run_metrics(log, target)
     flat = flatten_config(log.config)
     digest = hashlib.sha256(str(log.attrs.get("config_yaml", "")).encode()).hexdigest()[:12]
@@ -408,16 +508,14 @@ def summary_markdown(log: RunLog, target: float | None = None,
            f"{log.attrs.get('world_size', '?')}"
            + (f" (resumed with world sizes {log.attrs['resumed_world_sizes']})"
               if "resumed_world_sizes" in log.attrs else ""),
+           "- rounds are numbered from 0 as in the log (`/rounds/round`); \"N rounds\" "
+           "counts completed rounds",
            "", "## Configuration", "",
-           f"Config digest `sha256:{digest}` (of the resolved YAML stored in the log).", "",
-           "| key | value |", "|---|---|"]
-    algo = sorted(k for k in flat if k.startswith("algorithm."))
-    method = flat.get("data.partition.method")
-    irrelevant = {"data.partition.alpha": method not in (None, "dirichlet"),
-                  "data.partition.classes_per_client": method not in (None, "shards")}
-    for key in [*DIGEST_KEYS[:9], *algo, *DIGEST_KEYS[9:]]:
-        if key in flat and flat[key] is not None and not irrelevant.get(key, False):
-            out.append(f"| {key} | {flat[key]} |")
+           f"Config digest `sha256:{digest}` (of the resolved YAML stored in the log); the keys "
+           "that matter for this run's method (all: `config.yaml`, or `config_yaml` in the log).",
+           "", "| key | value |", "|---|---|"]
+    for key in relevant_keys(flat):
+        out.append(f"| {key} | {flat[key]} |")
 
     out += ["", "## Results", "", "| metric | value |", "|---|---|"]
     out.append(f"| final test accuracy | {_pct(m.final_accuracy)}"
@@ -427,7 +525,8 @@ def summary_markdown(log: RunLog, target: float | None = None,
     if target is not None:
         tau = m.rounds_to_target
         out.append(f"| rounds to {_pct(target)} | "
-                   + (f"{int(tau)}" if math.isfinite(tau) else "not reached") + " |")
+                   + (f"{int(tau)} (first reached in round {int(tau) - 1})" if math.isfinite(tau)
+                      else "not reached") + " |")
     loss = log.rounds.get("test_loss")
     if loss is not None and np.isfinite(loss).any():
         out.append(f"| final test loss | {loss[np.isfinite(loss)][-1]:.4f} |")
@@ -437,15 +536,7 @@ def summary_markdown(log: RunLog, target: float | None = None,
         cells = [f"{name}: {_pct(la[idx[-1], v])}" if idx.size else f"{name}: —"
                  for v, (name, idx) in enumerate(zip(_level_labels(log, la.shape[1]), last))]
         out.append(f"| final accuracy per submodel level | {'; '.join(cells)} |")
-    wall = log.rounds.get("wall_seconds")
-    if wall is not None and len(wall):
-        out.append(f"| mean time per round | {np.nanmean(wall):.3f} s "
-                   f"(total {np.nansum(wall):.1f} s) |")
-        for key, label, _ in _TIME_PARTS:
-            if key in log.rounds:
-                v = np.nanmean(log.rounds[key])
-                share = v / np.nanmean(wall) if np.nanmean(wall) > 0 else math.nan
-                out.append(f"| &nbsp;&nbsp;{label} | {v:.3f} s ({100 * share:.1f}%) |")
+    out += _time_lines(log)
     for key, label in (("bytes_up", "uplink"), ("bytes_down", "downlink")):
         if key in log.rounds and len(log.rounds[key]):
             total = float(np.sum(log.rounds[key]))
@@ -456,13 +547,35 @@ def summary_markdown(log: RunLog, target: float | None = None,
     out += _client_lines(log)
     out += ["", "## Events", ""]
     out += _event_lines(log)
-    if plots:
+    if plots or plots_note:
         out += ["", "## Plots", ""]
         out += [f"![{p}]({p})" for p in plots]
+        out += [f"Not drawn: {plots_note}."] if plots_note else []
     if m.rounds_logged == 0:
         out.insert(5, "- **no complete round in the log** (the run stopped or is still in its "
                       "first round)")
     return "\n".join(out) + "\n"
+
+
+def _time_lines(log: RunLog) -> list[str]:
+    """Mean time per round and its split (:func:`time_split`); the in-round parts are
+    shares of the wall time and add up to 100 %."""
+    split = time_split(log) if len(log.rounds.get("round", ())) else {}
+    wall = split.get("wall_seconds")
+    if wall is None:
+        return []
+    mean_wall = float(wall.mean())
+    lines = [f"| mean time per round | {mean_wall:.3f} s (total {wall.sum():.1f} s) |"]
+    for key, label, _ in _TIME_PARTS:
+        if key in split:
+            v = float(split[key].mean())
+            share = f"{100 * v / mean_wall:.1f}%" if mean_wall > 0 else "—"
+            label += " (in the round)" if key == "eval_seconds" else ""
+            lines.append(f"| &nbsp;&nbsp;{label} | {v:.3f} s ({share}) |")
+    over = split.get("eval_overlapped")
+    if over is not None and over.any():
+        lines.append(f"| {_OVERLAPPED} | {over.mean():.3f} s per round |")
+    return lines
 
 
 def _client_lines(log: RunLog) -> list[str]:
@@ -547,13 +660,15 @@ def write_report(log: RunLog | str | os.PathLike, out_dir: str | os.PathLike | N
     ``out_dir`` defaults to ``<log directory>/report``. Returns the files
     written (``summary.md`` last). Works on a log that is still being written
     or whose run failed (what is in the log up to its last complete round).
+    Without matplotlib only ``summary.md`` is written, saying how to get the
+    plots (:data:`PLOT_HINT`; ``fedmpi report`` prints it too).
 
     Raises
     ------
     LogFormatError
         The file is not a readable fedmpi log.
     UserError
-        ``target`` out of (0, 1], or matplotlib is missing.
+        ``target`` out of (0, 1].
     """
     if not isinstance(log, RunLog):
         log = read(log)
@@ -564,7 +679,7 @@ def write_report(log: RunLog | str | os.PathLike, out_dir: str | os.PathLike | N
 
     out = output_dir(Path(out_dir) if out_dir is not None
                      else Path(log.path).resolve().parent / "report")
-    _mpl()
+    draw = have_matplotlib()
     written: list[Path] = []
     makers = {
         "accuracy.png": lambda p: plot_accuracy(log, p, target),
@@ -579,12 +694,13 @@ def write_report(log: RunLog | str | os.PathLike, out_dir: str | os.PathLike | N
     }
     for name in PLOTS:
         path = out / name
-        made = makers[name](path)
+        made = makers[name](path) if draw else None
         if made is not None:
             written.append(made)
-        elif path.exists():
+        elif draw and path.exists():
             path.unlink()   # stale plot from an earlier report of this directory
     summary = out / "summary.md"
-    summary.write_text(summary_markdown(log, target, [p.name for p in written]), encoding="utf-8")
+    summary.write_text(summary_markdown(log, target, [p.name for p in written],
+                                        None if draw else PLOT_HINT), encoding="utf-8")
     written.append(summary)
     return written

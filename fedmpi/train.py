@@ -15,7 +15,7 @@ per-round allocation of model-sized tensors. Methods plug in through
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -52,7 +52,6 @@ class TrainResult:
     loss_sum: float = 0.0      # Σ over steps of (batch mean loss × batch size)
     samples: int = 0           # samples seen (with repetition over epochs)
     steps: int = 0             # τ_k, number of optimizer steps
-    extra: dict = field(default_factory=dict)
     lr: float = 0.0            # learning rate of this client-round (after train.lr_decay)
 
 

@@ -31,7 +31,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+QUICK = os.environ.get("FEDMPI_QUICK") == "1"
+
+
 def mpiexec_path() -> str | None:
+    """``mpiexec`` of this environment; a quick local run (``FEDMPI_QUICK=1``)
+    skips every test that launches one (CI runs them all)."""
+    if QUICK:
+        pytest.skip("FEDMPI_QUICK=1: MPI launches skipped (quick local run)")
     for cand in (BIN / "mpiexec", shutil.which("mpiexec")):
         if cand and Path(cand).exists():
             return str(cand)
@@ -111,3 +118,31 @@ SMALL = [
     "--set", "train.batch_size=64", "--set", "runtime.progress=false",
     "--set", "runtime.round_timeout=120",
 ]
+
+
+def build_fed(base: dict, **over):
+    """The one in-process :class:`~fedmpi.runtime.Federation` factory of the tests:
+    ``base`` (a nested config dict, not modified) with dotted overrides, world size 1."""
+    import copy
+
+    from fedmpi.comm import Comm
+    from fedmpi.config import config_from_dict
+    from fedmpi.runtime import Federation
+
+    return Federation(config_from_dict(set_dotted(copy.deepcopy(base), over)), Comm())
+
+
+def bare_context(cfg, flat, num_samples, role: str = "server", hosted: tuple = (), **fields):
+    """A :class:`~fedmpi.context.Context` without data, communicator or log file, for
+    tests of methods and of the server step outside a run (rank 0, world size 1)."""
+    import numpy as np
+    import torch
+
+    from fedmpi.accel import Accel
+    from fedmpi.context import Context
+
+    ns = np.asarray(num_samples, dtype=np.int64)
+    return Context(cfg=cfg, device=torch.device("cpu"), role=role, rank=0, world_size=1,
+                   num_samples=ns, hosted=tuple(hosted), flat=flat, forward=flat.model,
+                   accel=Accel("cpu"), data=fields.pop("data", None),
+                   partition=fields.pop("partition", None), **fields)

@@ -6,16 +6,15 @@ P = softmax(XWᵀ + b), computed here in float64 numpy, independent of torch.
 """
 from __future__ import annotations
 
-import types
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-import fedmpi.runtime as runtime_mod
-from conftest import SMALL, TEST_DEVICE, run_fedmpi, set_dotted
-from fedmpi.algorithms import ALGORITHMS, ClientTask, RoundInfo
+import fedmpi.runtime.build as runtime_build
+from conftest import SMALL, TEST_DEVICE, bare_context, run_fedmpi, set_dotted
+from fedmpi.algorithms import ALGORITHMS, ClientTask, RoundInfo, start
 from fedmpi.algorithms.elastic import Elastic
 from fedmpi.algorithms.fednova import normaliser
 from fedmpi.comm import Comm
@@ -47,7 +46,7 @@ def linear(monkeypatch):
     def build(name, input_shape, num_classes, norm="bn"):
         c, h, w = input_shape
         return nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, num_classes))
-    monkeypatch.setattr(runtime_mod, "build_model", build)
+    monkeypatch.setattr(runtime_build, "build_model", build)
 
 
 def client_xy(fed: Federation, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -92,13 +91,13 @@ def test_degenerate_baselines_equal_fedavg_exactly():
     (local_steps fixed; client momentum 0.5) reproduce FedAvg on the same seed, CNN with BN."""
     ref = _trajectory("fedavg")
     assert not torch.equal(ref, make_fed().global_state)           # it trained
-    torch.testing.assert_close(_trajectory("fedprox", **{"algorithm.mu": 0.0}), ref, atol=0, rtol=0)
-    got = _trajectory("fedavgm", **{"algorithm.server_momentum": 0.0, "algorithm.nesterov": True})
+    torch.testing.assert_close(_trajectory("fedprox", **{"algorithm.fedprox.mu": 0.0}), ref, atol=0, rtol=0)
+    got = _trajectory("fedavgm", **{"algorithm.fedavgm.server_momentum": 0.0, "algorithm.fedavgm.nesterov": True})
     torch.testing.assert_close(got, ref, atol=0, rtol=0)
     # /a_k then ×τ_eff: equal up to float rounding only
     torch.testing.assert_close(_trajectory("fednova"), ref, atol=1e-6, rtol=0)
     # and the methods are not FedAvg when their parameter is on
-    assert not torch.allclose(_trajectory("fedprox", **{"algorithm.mu": 1.0}), ref, atol=1e-4)
+    assert not torch.allclose(_trajectory("fedprox", **{"algorithm.fedprox.mu": 1.0}), ref, atol=1e-4)
 
 
 def test_fednova_unequal_steps_matches_formula():
@@ -189,8 +188,8 @@ def test_feddyn_h_and_server_update_two_rounds(linear):
     """α_k = α/(N n_k/Σn); step g = G(w) + α_k(h_k − θ) + α_k w; h_k += θ_k − θ;
     θ ← θ + Σ_S s_k Δ_k + (1/N) Σ_{all N} h_k."""
     lr, K, N, alpha = 0.1, 2, 4, 0.5
-    fed = make_fed(**{"algorithm.name": "feddyn", "algorithm.alpha": alpha,
-                      "algorithm.max_grad_norm": None, "train.clients_per_round": 3, "train.lr": lr})
+    fed = make_fed(**{"algorithm.name": "feddyn", "algorithm.feddyn.alpha": alpha,
+                      "algorithm.feddyn.max_grad_norm": None, "train.clients_per_round": 3, "train.lr": lr})
     n = fed.num_samples.astype(np.float64)
     a_k = alpha / (N * n / n.sum())
     np.testing.assert_allclose(fed.algo.alpha_k, a_k, rtol=1e-12)
@@ -231,8 +230,7 @@ def _server_algo(name: str, **alg):
     layout = FlatModel(nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)))
     cfg = config_from_dict({"algorithm": {"name": name, **alg}})
     algo = ALGORITHMS[name](cfg, layout, 4)
-    algo.bind(types.SimpleNamespace(is_server=True, device=torch.device("cpu"),
-                                    num_samples=np.ones(4, dtype=np.int64)))
+    start(algo, bare_context(cfg, layout, np.ones(4)))
     return algo, layout
 
 
@@ -301,8 +299,8 @@ def test_elastic_sensitivity_and_zeta_match_formula(linear):
     """s_{k,l} ← μ s + (1−μ)‖∇_l ℓ_k(θ)‖² (whole client data, one batch); ζ_l = 1 + τ −
     Σ s_k s_{k,l} / max_k s_{k,l}; θ_l ← θ_l + ζ_l Σ s_k Δ_{k,l}; one local step Δ_k = −ηG_k."""
     lr, mu, tau, N = 0.1, 0.9, 0.5, 4
-    fed = make_fed(**{"algorithm.name": "elastic", "algorithm.elastic_mu": mu,
-                      "algorithm.elastic_tau": tau, "algorithm.elastic_sample": 1.0,
+    fed = make_fed(**{"algorithm.name": "elastic", "algorithm.elastic.mu": mu,
+                      "algorithm.elastic.tau": tau, "algorithm.elastic.sample": 1.0,
                       "train.local_steps": 1, "train.clients_per_round": 3, "train.lr": lr})
     xy = {k: client_xy(fed, k) for k in range(N)}
     nW = 10 * 64
@@ -348,9 +346,9 @@ def test_fedvg_composition_layout(name):
     assert all(s.combine == "sum" for s, _ in layout.reduced)
 
 
-@pytest.mark.parametrize("key,value", [("algorithm.elastic_sample", 0), ("algorithm.beta2", 1.0),
-                                        ("algorithm.tau", 0), ("algorithm.server_momentum", -0.1),
-                                        ("algorithm.alpha", "big")])
+@pytest.mark.parametrize("key,value", [("algorithm.elastic.sample", 0), ("algorithm.fedadam.beta2", 1.0),
+                                        ("algorithm.fedadam.tau", 0), ("algorithm.fedavgm.server_momentum", -0.1),
+                                        ("algorithm.feddyn.alpha", "big")])
 def test_bad_baseline_keys_name_the_key(key, value):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         config_from_dict({}, [f"{key}={value}"])

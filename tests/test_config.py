@@ -144,7 +144,7 @@ def test_unknown_key_in_yaml_names_full_key_and_suggests(tmp_path):
 def test_unknown_key_in_override_suggests():
     msg = raises(["unknown config key 'train.lrr'"], config_from_dict, {}, ["train.lrr=0.1"])
     assert msg == "unknown config key 'train.lrr' (did you mean 'train.lr'?)"
-    raises(["unknown config key 'mu'", "did you mean 'algorithm.mu'?"],
+    raises(["unknown config key 'mu'", "did you mean 'algorithm.fedprox.mu'?"],
            config_from_dict, {}, ["mu=0.1"])
     raises(["unknown config key 'trian.lr'", "'train.lr'"], config_from_dict, {"trian": {"lr": 1}})
 
@@ -300,3 +300,29 @@ def test_field_type_names():
     assert Field(list[float], []).type_name == "a list of numbers"
     with pytest.raises(TypeError):
         Field(dict, {})
+
+
+@pytest.mark.parametrize("old,method,new", [
+    ("algorithm.mu", "fedprox", "algorithm.fedprox.mu"),
+    ("algorithm.beta1", "fedyogi", "algorithm.fedyogi.beta1"),
+    ("algorithm.beta1", "fedadam", "algorithm.fedadam.beta1"),
+    ("algorithm.elastic_tau", "elastic", "algorithm.elastic.tau"),
+    ("algorithm.max_grad_norm", "feddyn", "algorithm.feddyn.max_grad_norm"),
+])
+def test_flat_method_keys_of_earlier_versions_point_to_their_block(old, method, new):
+    """Old flat keys still load, into the block of the chosen method, and say so."""
+    cfg = config_from_dict({}, [f"{old}=0.25", f"algorithm.name={method}"])
+    assert cfg.get(new) == 0.25 and cfg.renamed == [(old, new)]
+    raises([old, new], config_from_dict, {}, [f"{old}=0.25", f"{new}=0.5",
+                                              f"algorithm.name={method}"])
+
+
+def test_check_names_the_new_key(tmp_path, capsys):
+    from fedmpi.cli import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text("algorithm:\n  name: fedprox\n  mu: 0.3\n")
+    assert main(["check", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert "'algorithm.mu' is now 'algorithm.fedprox.mu'" in captured.err
+    assert "fedprox:\n    mu: 0.3" in captured.out

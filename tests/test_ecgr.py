@@ -82,7 +82,7 @@ def client_out(fed: Federation, k: int = 0, t: int = 0) -> tuple[dict[str, torch
     theta = fed.global_state.clone()
     out = {s.name: torch.zeros(s.size, device=fed.device) for s in fed.stats}
     task = ClientTask(k, t, fed.client_idx[k], stream_seed(fed.cfg.seed, k, t))
-    result = fed.algo.client_update(task, fed.trainer, theta, fed.state.dev[fed.D:].clone(), out)
+    result = fed.worker.train(task, theta, fed.state.dev[fed.D:].clone(), out)
     return out, result
 
 
@@ -188,7 +188,7 @@ def test_bf16_storage_and_chunks(monkeypatch):
 # --------------------------------------------------------------------------- in the runtime
 def test_client_update_records_steps_and_rewrites_params_only():
     fed = make_fed(**{"model.name": "cnn", "ecgr.beta": 0.2})
-    P, e = fed.flat.num_params, fed.algo.ecgr
+    P, e = fed.flat.num_params, fed.ecgr
     out, result = client_out(fed)
     tau = result.steps
     assert tau == 5 and e.storage == "fp32"
@@ -270,7 +270,7 @@ def test_partition_gives_two_batches_with_ecgr():
     fed = make_fed(**{"train.local_steps": None, "train.batch_size": 64,
                       "data.partition.alpha": 0.05, "data.partition.min_size": 1})
     steps = [num_local_steps(int(n), fed.algo.sgd) for n in fed.num_samples]
-    assert min(steps) >= 2 and fed.algo.ecgr.tau_max == max(steps)
+    assert min(steps) >= 2 and fed.ecgr.tau_max == max(steps)
     # the partitioner counts batches as the trainer forms them (n = B + 1 is one batch)
     for B in (1, 3, 16):
         for n in range(1, 60):

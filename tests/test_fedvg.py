@@ -34,12 +34,9 @@ def make_fed(**over) -> Federation:
     return Federation(config_from_dict(cfg_dict(**over)), Comm())
 
 
-def rows_from(fed: Federation, deltas: torch.Tensor) -> torch.Tensor:
-    """Gather-row layout for the algorithm's per-client stats with only ``delta`` filled."""
-    rows = torch.zeros(deltas.shape[0], fed.layout.row_size, device=fed.device)
-    off = next(o for s, o in fed.layout.gathered if s.name == "delta")
-    rows[:, off:off + fed.D] = deltas.to(fed.device)
-    return rows
+def rows_from(fed: Federation, deltas: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The per-client statistics a weighting receives, with only ``delta`` given."""
+    return {"delta": deltas.to(fed.device)}
 
 
 def hand_val_norms(fed: Federation, theta_k: torch.Tensor) -> np.ndarray:
@@ -60,7 +57,7 @@ def hand_val_norms(fed: Federation, theta_k: torch.Tensor) -> np.ndarray:
 def test_identical_client_models_get_uniform_weights():
     fed = make_fed()
     delta = 0.01 * torch.randn(fed.D, generator=torch.Generator().manual_seed(0))
-    s = fed.weighting.weights(fed, np.arange(4), rows_from(fed, delta.repeat(4, 1)))
+    s = fed.weighting.weights(fed.global_state, np.arange(4), rows_from(fed, delta.repeat(4, 1)))
     np.testing.assert_allclose(s, 0.25, atol=1e-12)
 
 
@@ -72,7 +69,7 @@ def test_weights_match_hand_formula_and_larger_norm_gets_smaller_weight():
     deltas = torch.stack([0.02 * torch.randn(fed.D, generator=gen) * (k + 1) for k in range(3)])
     deltas = deltas.to(fed.device)                 # θ + Δ_k on the federation's device
     clients = np.array([0, 2, 3])
-    s = fed.weighting.weights(fed, clients, rows_from(fed, deltas))
+    s = fed.weighting.weights(fed.global_state, clients, rows_from(fed, deltas))
     gbar = np.array([hand_val_norms(fed, theta + d).mean() for d in deltas])
     inv = 1.0 / (gbar + 1e-8)
     np.testing.assert_allclose(s, inv / inv.sum(), rtol=1e-4)
@@ -89,9 +86,9 @@ def test_fedvg_avg_mixes_sample_weights():
     fed = make_fed(**{"aggregation.weighting": "fedvg_avg"})
     gen = torch.Generator().manual_seed(2)
     deltas = torch.stack([0.05 * torch.randn(fed.D, generator=gen) for _ in range(4)])
-    s = fed.weighting.weights(fed, np.arange(4), rows_from(fed, deltas))
+    s = fed.weighting.weights(fed.global_state, np.arange(4), rows_from(fed, deltas))
     ref = make_fed()
-    s_vg = ref.weighting.weights(ref, np.arange(4), rows_from(ref, deltas))
+    s_vg = ref.weighting.weights(ref.global_state, np.arange(4), rows_from(ref, deltas))
     nk = fed.num_samples / fed.num_samples.sum()
     np.testing.assert_allclose(s, (s_vg + nk) / 2, rtol=1e-6)
 
@@ -110,7 +107,7 @@ def test_layer_and_block_weights_sum_to_one_and_apply_per_segment(granularity):
     deltas = torch.stack([0.05 * torch.randn(fed.D, generator=gen) * (1 + k) for k in range(3)])
     deltas = deltas.to(fed.device)
     clients = np.array([0, 1, 3])
-    s = w.weights(fed, clients, rows_from(fed, deltas))
+    s = w.weights(fed.global_state, clients, rows_from(fed, deltas))
     S = w._S
     assert S.shape == (3, w.G)
     np.testing.assert_allclose(S.sum(0), 1.0, atol=1e-12)       # per layer/block
@@ -156,7 +153,7 @@ def test_delta_norm_needs_no_validation_pass(monkeypatch):
     monkeypatch.setattr(w.scratch.model, "forward", lambda *a: pytest.fail("forward called"))
     gen = torch.Generator().manual_seed(4)
     deltas = torch.stack([0.1 * torch.randn(fed.D, generator=gen) * (k + 1) for k in range(4)])
-    s = w.weights(fed, np.arange(4), rows_from(fed, deltas))
+    s = w.weights(fed.global_state, np.arange(4), rows_from(fed, deltas))
     gbar = np.array([np.mean([float(d[seg.slice].abs().sum()) for seg in fed.flat.param_segments])
                      for d in deltas])
     inv = 1 / (gbar + 1e-8)
@@ -183,7 +180,7 @@ def test_scoring_leaves_global_bn_statistics_unchanged():
     assert bufs  # the CNN has BN running statistics
     gen = torch.Generator().manual_seed(6)
     deltas = torch.stack([0.1 * torch.randn(fed.D, generator=gen) for _ in range(2)]).to(fed.device)
-    fed.weighting.weights(fed, np.arange(2), rows_from(fed, deltas))
+    fed.weighting.weights(fed.global_state, np.arange(2), rows_from(fed, deltas))
     torch.testing.assert_close(fed.global_state, theta, atol=0, rtol=0)
     scratch = fed.weighting.scratch.vector            # the scored θ_k's buffers too
     for seg in bufs:
@@ -224,14 +221,15 @@ def test_fedvg_substitutes_weights_of_every_weighted_stat(algo, granularity):
         pytest.skip(f"{algo} not implemented in this tree")
     fed = make_fed(**{"algorithm.name": algo, "model.name": "cnn",
                       "aggregation.fedvg.granularity": granularity})
-    weighted = [s for s, _ in fed.layout.gathered]
+    weighted = [s for s, _ in fed.uplink_plan.gathered]
     assert any(s.name == "delta" for s in weighted)
     seen = {}
     orig_w, orig_u = fed.weighting.weights, fed.algo.server_update
 
     def spy_w(f, clients, rows):
         s = orig_w(f, clients, rows)
-        seen["rows"], seen["s"], seen["S"] = rows.clone(), s, fed.weighting._S.copy()
+        seen["rows"] = {k: v.clone() for k, v in rows.items()}
+        seen["s"], seen["S"] = s, fed.weighting._S.copy()
         return s
 
     def spy_u(state, agg, info):
@@ -243,8 +241,8 @@ def test_fedvg_substitutes_weights_of_every_weighted_stat(algo, granularity):
     fed.round(0)
     np.testing.assert_allclose(seen["info"].weights, seen["s"])
     rows, S = seen["rows"], seen["S"]
-    for stat, off in fed.layout.gathered:
-        x = rows[:, off:off + stat.size]
+    for stat, off in fed.uplink_plan.gathered:
+        x = rows[stat.name]
         got = seen["agg"][stat.name]
         if granularity == "model" or stat.size not in (fed.D, fed.flat.num_params):
             want = torch.as_tensor(seen["s"], dtype=torch.float32, device=x.device) @ x

@@ -1,4 +1,5 @@
-"""Operations (issue 5): checkpoints, --resume, signals, faults, SLURM scripts, launcher.
+"""Operations (issue 5): checkpoints, --resume, signals, faults (Slurm scripts and the
+launcher: tests/test_slurm.py).
 
 The MPI tests share one configuration (FedDyn, so every client has a state h_k
 on its worker and the server has Σh) and one uninterrupted reference run; an
@@ -11,7 +12,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -366,134 +366,3 @@ def test_info_shows_placement(capsys):
     assert "CUDA-aware MPI:" in out and "placement of 3 ranks on this node" in out
     assert "local rank 0 (aggregator) ->" in out and "local rank 2 (worker) ->" in out
     assert _main("info", "--ranks", "0") == 2
-
-
-# ---------------------------------------------------- launcher and SLURM
-def _fake_bin(tmp_path: Path) -> tuple[Path, Path]:
-    """Fake sbatch/srun/scontrol/mpirun that append their command line to a log."""
-    bindir, log = tmp_path / "bin", tmp_path / "calls.log"
-    bindir.mkdir()
-    body = """#!/bin/bash
-echo "$(basename "$0") $*" >> "$FAKE_LOG"
-if [[ "$(basename "$0")" == mpirun && "$1" == --version ]]; then echo "mpirun (Open MPI) 4.1.6"; exit 0; fi
-if [[ -n "${FAKE_SLEEP:-}" && "$(basename "$0")" =~ ^(srun|mpirun)$ ]]; then
-    trap 'echo "$(basename "$0") got USR1" >> "$FAKE_LOG"; exit 75' USR1
-    for i in $(seq 300); do sleep 0.1; done
-fi
-exit ${FAKE_RC:-0}
-"""
-    for name in ("sbatch", "srun", "scontrol", "mpirun"):
-        (bindir / name).write_text(body)
-        (bindir / name).chmod(0o755)
-    return bindir, log
-
-
-def _script_env(bindir: Path, log: Path, **extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    return {**env, "PATH": f"{bindir}:{env['PATH']}", "FAKE_LOG": str(log),
-            "SLURM_SUBMIT_DIR": str(ROOT), **extra}
-
-
-@pytest.mark.parametrize("script", ["fedmpi.sbatch", "multinode.sbatch", "sweep.sbatch", "lib.sh",
-                                    "submit-sweep.sh"])
-def test_slurm_scripts_parse(script):
-    path = ROOT / "slurm" / script
-    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
-    if script.endswith(".sbatch"):
-        text = path.read_text()
-        assert "#SBATCH --signal=B:USR1@" in text and "#SBATCH --requeue" in text
-        assert "EDIT" in text
-
-
-def test_sbatch_dry_run_requeues_on_75_and_resumes(tmp_path):
-    bindir, log = _fake_bin(tmp_path)
-    out = tmp_path / "out"
-    env = _script_env(bindir, log, SLURM_JOB_ID="4242", SLURM_CPUS_PER_TASK="3", OUT=str(out),
-                      FAKE_RC="75")
-    script = str(ROOT / "slurm" / "fedmpi.sbatch")
-    proc = subprocess.run(["bash", script, CFG, "--set", "train.rounds=7"], env=env,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 75
-    calls = log.read_text().splitlines()
-    assert calls == [
-        f"srun --kill-on-bad-exit=1 python -m fedmpi run {CFG} --out {out} --set runtime.progress=false"
-        " --set runtime.threads=3 --set train.rounds=7",
-        "scontrol requeue 4242"]
-    # the requeued job finds the checkpoint and resumes; exit 0 → no requeue
-    (out / "checkpoint.pt").write_bytes(b"")
-    log.unlink()
-    env.update(FAKE_RC="0", SLURM_RESTART_COUNT="1")
-    proc = subprocess.run(["bash", script, CFG], env=env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0
-    assert log.read_text().splitlines() == [
-        f"srun --kill-on-bad-exit=1 python -m fedmpi run {CFG} --out {out} --set runtime.progress=false"
-        " --set runtime.threads=3 --resume"]
-    # the requeue limit holds
-    log.unlink()
-    env.update(FAKE_RC="75", SLURM_RESTART_COUNT="3", MAX_REQUEUES="3")
-    proc = subprocess.run(["bash", script, CFG], env=env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 75 and "scontrol" not in log.read_text()
-
-
-def test_sbatch_forwards_usr1_to_the_launcher(tmp_path):
-    bindir, log = _fake_bin(tmp_path)
-    env = _script_env(bindir, log, SLURM_JOB_ID="9", OUT=str(tmp_path / "o"), FAKE_SLEEP="1",
-                      LAUNCHER="mpirun -n 4")
-    proc = subprocess.Popen(["bash", str(ROOT / "slurm" / "multinode.sbatch"), CFG], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while not (log.exists() and log.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.3)                      # the trap is set before the launcher starts
-    proc.send_signal(signal.SIGUSR1)     # what `--signal=B:USR1@T` does
-    _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 75, err
-    calls = log.read_text().splitlines()
-    assert calls[0].startswith(f"mpirun -n 4 python -m fedmpi run {CFG} --out ")
-    assert calls[1:] == ["mpirun got USR1", "scontrol requeue 9"]
-
-
-def test_sweep_submission_and_tasks(tmp_path):
-    bindir, log = _fake_bin(tmp_path)
-    sweep = ROOT / "slurm" / "sweep_example.txt"
-    env = _script_env(bindir, log, MAX_PARALLEL="4")
-    proc = subprocess.run([str(ROOT / "slurm" / "submit-sweep.sh"), str(sweep), CFG], env=env,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert log.read_text().splitlines() == [
-        f"sbatch --array=0-11%4 {ROOT / 'slurm' / 'sweep.sbatch'} {sweep} {CFG}"]
-    log.unlink()
-    env.update(SLURM_JOB_ID="500", SLURM_ARRAY_JOB_ID="499", SLURM_ARRAY_TASK_ID="5",
-               OUT_ROOT=str(tmp_path / "sw"))
-    proc = subprocess.run(["bash", str(ROOT / "slurm" / "sweep.sbatch"), str(sweep), CFG],
-                          env=env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    # task 5 = (seed index 1, alpha index 0, method index 1); the last key varies fastest
-    out = tmp_path / "sw" / "5_seed=1_alpha=0.1_name=scaffold"
-    assert log.read_text().splitlines() == [
-        f"srun --kill-on-bad-exit=1 python -m fedmpi run {CFG} --out {out} --set runtime.progress=false"
-        " --set runtime.threads=1 --set seed=1 --set data.partition.alpha=0.1"
-        " --set algorithm.name=scaffold"]
-    env["SLURM_ARRAY_TASK_ID"] = "12"
-    proc = subprocess.run(["bash", str(ROOT / "slurm" / "sweep.sbatch"), str(sweep), CFG],
-                          env=env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "out of range" in proc.stderr
-
-
-def test_launcher_dry_run(tmp_path):
-    bindir, log = _fake_bin(tmp_path)
-    env = {**_script_env(bindir, log), "CUDA_VISIBLE_DEVICES": "0,1"}
-    env.pop("OMP_NUM_THREADS", None)
-    cmd = [sys.executable, str(ROOT / "launch" / "fedmpi-launch"), "-n", "5", "--mpirun",
-           str(bindir / "mpirun"), "--python", "py", "--dry-run", "--", "run", CFG]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    cores = os.cpu_count() or 1
-    threads = max(1, cores // 5)
-    over = " --oversubscribe" if 5 > cores else ""
-    assert (f"OMP_NUM_THREADS={threads} {bindir / 'mpirun'} -n 5 --bind-to none{over} py -m fedmpi "
-            f"run {CFG} --set runtime.threads={threads}") in proc.stderr
-    assert "local rank 0 (aggregator) -> cuda:0" in proc.stderr
-    assert "local rank 2 (worker) -> cuda:0" in proc.stderr
-    assert "local rank 3 (worker) -> cuda:1" in proc.stderr
-    assert log.read_text().splitlines() == ["mpirun --version"]     # dry run: nothing launched

@@ -69,7 +69,7 @@ def test_report_writes_every_plot_and_summary(log_path, tmp_path):
     s = (out / "summary.md").read_text()
     assert "| best test accuracy | 87.50% (round 3) |" in s
     assert "| final test accuracy | 75.00% (round 4) |" in s
-    assert "| rounds to 50.00% | 2 |" in s                 # round 1 reached it: 2 rounds
+    assert "| rounds to 50.00% | 2 (first reached in round 1) |" in s
     assert "| mean time per round | 1.000 s (total 5.0 s) |" in s
     assert "local training (slowest worker) | 0.500 s (50.0%) |" in s
     assert "| 1 | 1 | 1 |" in s                              # client 1 excluded once, round 1

@@ -132,12 +132,13 @@ def test_resume_of_a_run_killed_before_its_first_checkpoint_is_refused(previous,
 
 
 def test_slurm_restart_without_checkpoint_overwrites(tmp_path):
-    from test_ops import _fake_bin, _script_env
+    from test_slurm import _fake_bin, _script_env
 
     bindir, calls = _fake_bin(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
     (out / "log.h5").write_bytes(b"")
+    (out / ".slurm-job").write_text("cluster:1\n")   # this job's own earlier start
     env = _script_env(bindir, calls, SLURM_JOB_ID="1", SLURM_CPUS_PER_TASK="1", OUT=str(out),
                       SLURM_RESTART_COUNT="1")
     proc = subprocess.run(["bash", str(ROOT / "slurm" / "fedmpi.sbatch"), CFG], env=env,
@@ -150,7 +151,7 @@ def test_slurm_restart_without_checkpoint_overwrites(tmp_path):
 @pytest.mark.parametrize("key, value", [("seed", 5), ("data.partition.alpha", 0.1),
                                         ("data.partition.method", "iid"),
                                         ("aggregation.weighting", "uniform"),
-                                        ("algorithm.mu", 0.5), ("train.lr", 0.01)])
+                                        ("algorithm.fedprox.mu", 0.5), ("train.lr", 0.01)])
 def test_resume_with_a_changed_run_defining_key_exits_2_naming_it(previous, tmp_path, capsys,
                                                                    key, value):
     out = tmp_path / "run"

@@ -1,31 +1,50 @@
-"""FL methods. ``build_algorithm`` maps ``algorithm.name`` to its class."""
+"""FL methods, weightings and update transforms, and the one registry of each.
+
+A new method is one module defining an :class:`Algorithm` subclass with a
+``name``, plus one line in :data:`_BUILTIN_METHODS` (or
+:func:`register_method` from user code); the same holds for weightings
+(:func:`register_weighting`) and update transforms
+(:func:`~fedmpi.algorithms.transforms.register_transform`).
+"""
 from __future__ import annotations
 
 from ..errors import ConfigError
-from .base import Algorithm, ClientTask, RoundInfo, Stat
+from .adversary import Adversary
+from .base import Algorithm, ClientTask, RoundInfo, Stat, start
+from .ecgr import EcgrTransform
+from .elastic import Elastic
 from .fedavg import FedAvg
+from .fedavgm import FedAvgM
+from .feddyn import FedDyn
 from .fedgps import FedGPS
-from .weighting import Weighting, build_weighting
+from .fedlagc import FedLAGC
+from .fednova import FedNova
+from .fedopt import FedAdam, FedYogi
+from .fedprox import FedProx
+from .fedrolex import FedRolex
+from .fiarse import FIARSE
+from .heterofl import HeteroFL
+from .scaffold import Scaffold
+from .transforms import TRANSFORMS, TransformChain, UpdateTransform, build_transforms, register_transform
+from .weighting import WEIGHTINGS, Weighting, build_weighting, register_weighting
 
-ALGORITHMS: dict[str, type[Algorithm]] = {"fedavg": FedAvg, "fedgps": FedGPS}
+ALGORITHMS: dict[str, type[Algorithm]] = {}
 
-from .fedlagc import FedLAGC  # noqa: E402
-from .fedrolex import FedRolex  # noqa: E402
-from .fiarse import FIARSE  # noqa: E402
-from .heterofl import HeteroFL  # noqa: E402
 
-ALGORITHMS.update({c.name: c for c in (FedLAGC, FIARSE, HeteroFL, FedRolex)})
+def register_method(cls: type[Algorithm]) -> type[Algorithm]:
+    """Make ``cls`` available as ``algorithm.name: <cls.name>`` (usable as a decorator)."""
+    ALGORITHMS[cls.name] = cls
+    return cls
 
-from .elastic import Elastic  # noqa: E402
-from .fedavgm import FedAvgM  # noqa: E402
-from .feddyn import FedDyn  # noqa: E402
-from .fednova import FedNova  # noqa: E402
-from .fedopt import FedAdam, FedYogi  # noqa: E402
-from .fedprox import FedProx  # noqa: E402
-from .scaffold import Scaffold  # noqa: E402
 
-ALGORITHMS.update({c.name: c for c in (FedAvgM, FedAdam, FedYogi, FedProx, Scaffold, FedDyn,
-                                       FedNova, Elastic)})
+_BUILTIN_METHODS = (FedAvg, FedAvgM, FedAdam, FedYogi, FedProx, Scaffold, FedDyn, FedNova, Elastic,
+                    FedGPS, FedLAGC, HeteroFL, FedRolex, FIARSE)
+for _cls in _BUILTIN_METHODS:
+    register_method(_cls)
+
+# Update transforms, applied in this order (ECGR first: an adversary corrupts the real upload).
+register_transform("ecgr", lambda cfg: bool(cfg.ecgr.enabled), EcgrTransform)
+register_transform("adversary", lambda cfg: bool(cfg.adversary.clients), Adversary.from_config)
 
 
 def algorithm_class(cfg) -> type[Algorithm]:
@@ -42,5 +61,7 @@ def build_algorithm(cfg, layout, num_clients: int) -> Algorithm:
     return algorithm_class(cfg)(cfg, layout, num_clients)
 
 
-__all__ = ["Algorithm", "ClientTask", "RoundInfo", "Stat", "Weighting", "algorithm_class", "build_algorithm",
-           "build_weighting", "ALGORITHMS"]
+__all__ = ["ALGORITHMS", "Algorithm", "ClientTask", "RoundInfo", "Stat", "TRANSFORMS", "TransformChain",
+           "UpdateTransform", "WEIGHTINGS", "Weighting", "algorithm_class", "build_algorithm",
+           "build_transforms", "build_weighting", "register_method", "register_transform",
+           "register_weighting", "start"]

@@ -26,15 +26,19 @@ The base class *is* FedAvg (McMahan et al. 2017):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, ClassVar, Literal, Optional
 
 import numpy as np
 import torch
 
 from ..flat import FlatModel
+from ..params import load_group
 from ..train import LocalTrainer, SGDConfig, StepHooks, TrainResult, step_decay_lr
-from .ecgr import ECGR, SELECTED_STAT
+from .transforms import TransformChain
+
+if TYPE_CHECKING:
+    from ..context import Context
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,6 @@ class RoundInfo:
     steps: np.ndarray            # τ_k of those clients
     num_clients: int             # N, all clients of the federation
     num_selected: int            # |S_t| including excluded clients
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def sgd_config(cfg) -> SGDConfig:
@@ -100,9 +103,19 @@ class ClientVectors(dict):
 
 
 class Algorithm:
-    """FedAvg; the base of every method (see module docstring)."""
+    """FedAvg; the base of every method (see module docstring).
 
-    name = "fedavg"
+    Lifecycle: the runtime constructs the method, then calls :meth:`setup` once
+    with the run's :class:`~fedmpi.context.Context` (after :attr:`ctx` and
+    :attr:`device` are set by :func:`start`), then asks for
+    :meth:`uplink_stats` and :meth:`downlink_size`. Nothing in the framework
+    depends on an override calling ``super().setup``.
+    """
+
+    name: ClassVar[str] = "fedavg"
+    #: config blocks of the method: ``{"fedprox": FedProxParams}`` gives the keys
+    #: ``algorithm.fedprox.*`` from that frozen dataclass (:mod:`fedmpi.params`)
+    params: ClassVar[dict[str, type]] = {}
     default_server_lr = 1.0
 
     def __init__(self, cfg, layout: FlatModel, num_clients: int) -> None:
@@ -113,22 +126,19 @@ class Algorithm:
         self.sgd = sgd_config(cfg)
         lr = cfg.algorithm.server_lr     # null = the method's default (FedAdam/FedYogi: 0.01)
         self.server_lr = self.default_server_lr if lr is None else float(lr)
-        self.ecgr: ECGR | None = None    # set by set_client_sizes when ecgr.enabled
-        self.device = torch.device("cpu")  # the training device, set by the runtime before bind()
+        self.ctx: Optional[Context] = None
+        self.device = torch.device("cpu")      # the training device, from the context
         self._client_stores: list[ClientVectors] = []
+
+    def hparams(self, group: str):
+        """The validated, typed parameters of block ``algorithm.<group>``."""
+        return load_group(self.cfg, group, self.params[group])
 
     def client_store(self, name: str, size: int) -> ClientVectors:
         """A per-client vector store that :meth:`client_state` checkpoints by client id."""
         store = ClientVectors(name, size)
         self._client_stores.append(store)
         return store
-
-    def set_client_sizes(self, num_samples: "np.ndarray") -> None:
-        """Called by the runtime right after construction with n_k of all K
-        clients, before :meth:`uplink_stats`: ECGR sizes its τ_max×P step
-        buffer and its selection uplink from τ_k (the same on every rank)."""
-        if self.cfg.ecgr.enabled:
-            self.ecgr = ECGR(self.cfg, self.num_params, num_samples, self.sgd)
 
     @classmethod
     def num_outputs(cls, cfg, num_classes: int) -> int:
@@ -140,13 +150,9 @@ class Algorithm:
         """Evaluate on the first N logits only (FedGPS: C of 2C); None = all."""
         return None
 
-    def bind(self, fed) -> None:
-        """Called once by the runtime with the :class:`~fedmpi.runtime.Federation`
-        (data, partition, device, hosted clients) before the first round.
-        Overrides call ``super().bind(fed)`` (ECGR chooses its storage here)."""
-        if self.ecgr is not None:
-            self.ecgr.setup(fed.device)
-            self._ecgr_log = fed if fed.is_server else None
+    def setup(self, ctx: Context) -> None:
+        """Prepare per-run state from the context (data, device, client sizes,
+        hosted clients). Called once on every rank before the first round."""
 
     def begin_round(self, round: int, mask: "np.ndarray", state: torch.Tensor,
                     extras: torch.Tensor) -> None:
@@ -154,32 +160,19 @@ class Algorithm:
         not the rank hosts a participant (FedGPS keeps θ^{t−1} to form θ^t − θ^{t−1})."""
 
     def log_arrays(self) -> dict[str, "np.ndarray"]:
-        """Per-round arrays for the HDF5 log, e.g. ``{"fedvg/grad_norm": a}`` (rank 0).
-        Overrides call ``super().log_arrays()`` (it writes ECGR's ``/ecgr``
-        attributes — storage of the step buffer — once)."""
-        fed = getattr(self, "_ecgr_log", None)
-        if fed is not None and fed.writer is not None:
-            info = self.ecgr.describe()
-            for key, value in info.items():
-                fed.writer.set_attr("ecgr", key, value)
-            fed.writer.event(0, 0, -1, "ecgr: step buffer " + ", ".join(
-                f"{k}={v}" for k, v in info.items()))
-            self._ecgr_log = None
+        """Per-round arrays for the HDF5 log, e.g. ``{"submodel/keep_ratio": a}`` (rank 0)."""
         return {}
 
     # ----------------------------------------------------------- declarations
+    def log_outputs(self) -> list[str]:
+        """What this component writes to the HDF5 log, as paths: per-round arrays and
+        static datasets (``"submodel/levels"``) and group attributes (``"ecgr@storage"``).
+        The composition test checks every run's log holds what its parts declare."""
+        return []
+
     def uplink_stats(self) -> list[Stat]:
         """Per-client statistics; ``delta`` = θ_k − θ over the whole state."""
         return [Stat("delta", self.state_size, "weighted")]
-
-    def transform_stats(self) -> list[Stat]:
-        """Diagnostics of client-side transforms, uplinked after the method's
-        own statistics (not counted in :meth:`uplink_bytes`: a deployment would
-        not send them): ECGR's per-client selection row ``ecgr/selected``
-        [τ_max] (1 convergent, 0 exploratory, −1 no such step)."""
-        if self.ecgr is None:
-            return []
-        return [Stat(SELECTED_STAT, self.ecgr.stat_size(), "client")]
 
     def downlink_size(self) -> int:
         return 0
@@ -194,10 +187,16 @@ class Algorithm:
         """Bytes sent to ``client`` in ``round`` (default: state + extras, float32)."""
         return 4 * (self.state_size + self.downlink_size())
 
-    def evaluate(self, fed) -> "tuple[float, float] | None":
-        """Replace the global-model evaluation: (test loss, test accuracy), or
-        None for the default (submodel methods: mean over resource levels)."""
-        return None
+    #: True when the method replaces the global-model evaluation (:meth:`evaluate`);
+    #: such an evaluation feeds the round's own log arrays, so it is never
+    #: overlapped with the next round nor sharded.
+    owns_evaluation: ClassVar[bool] = False
+
+    def evaluate(self, ctx: Context, state: torch.Tensor) -> "tuple[float, float]":
+        """The method's own evaluation of the global ``state`` (rank 0): (test loss,
+        test accuracy); only called when :attr:`owns_evaluation` (submodel
+        methods: mean over resource levels)."""
+        raise NotImplementedError(f"{type(self).__name__} does not own its evaluation")
 
     # ----------------------------------------------------------------- client
     def hooks(self, task: ClientTask, state: torch.Tensor, extras: torch.Tensor) -> StepHooks:
@@ -215,34 +214,27 @@ class Algorithm:
         return self.sgd if lr == self.sgd.lr else replace(self.sgd, lr=lr)
 
     def client_update(self, task: ClientTask, trainer: LocalTrainer, state: torch.Tensor,
-                      extras: torch.Tensor, out: dict[str, torch.Tensor]) -> TrainResult:
+                      extras: torch.Tensor, out: dict[str, torch.Tensor],
+                      transforms: TransformChain = TransformChain()) -> TrainResult:
         """Train from the global ``state`` and write the statistics into ``out``.
 
         The one local-training path of every method: methods customise it via
         :meth:`hooks` (inside the loop) and :meth:`finish_client` (after it,
-        with the actual final model in ``trainer.flat``); client-side update
-        transforms (ECGR) rewrite ``out["delta"]`` last.
+        with the actual final model in ``trainer.flat``); the update transforms
+        (:mod:`fedmpi.algorithms.transforms`, e.g. ECGR) wrap the hooks and see
+        Δ_k = θ_k − θ before ``finish_client``; their final rewrite of the upload
+        runs after this returns (:meth:`TransformChain.on_upload`).
 
         The learning rate is :meth:`local_sgd`'s (step decay by round; the
-        value used is ``result.lr``). With ``ecgr.enabled`` the local steps are
-        recorded, and after ``finish_client`` (which sees the actual final
-        model) the parameter part of ``out["delta"]`` is replaced by ECGR's
-        re-aggregated update at the norm the method uploads (see
-        :mod:`fedmpi.algorithms.ecgr`); float buffers stay from the final model.
+        value used is ``result.lr``).
         """
         sgd = self.local_sgd(task)
         trainer.flat.load(state)
-        hooks = self.hooks(task, state, extras)
-        if self.ecgr is not None:
-            hooks = self.ecgr.hooks(hooks, state.device)
+        hooks = transforms.wrap_hooks(self.hooks(task, state, extras), task)
         result = trainer.train(task.indices, sgd, task.seed, hooks, task.flip_labels)
         torch.sub(trainer.flat.vector, state, out=out["delta"])
-        P = self.num_params
-        if self.ecgr is not None:
-            self.ecgr.combine(out["delta"][:P], out.get(SELECTED_STAT))
+        transforms.on_delta(task, out)
         self.finish_client(task, trainer, state, extras, out, result)
-        if self.ecgr is not None:
-            self.ecgr.apply(out["delta"][:P])
         return result
 
     def finish_client(self, task: ClientTask, trainer: LocalTrainer, state: torch.Tensor,
@@ -267,7 +259,7 @@ class Algorithm:
     def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
         pass
 
-    def after_resume(self, fed, round: int) -> None:
+    def after_resume(self, ctx: Context, round: int) -> None:
         """Collective on every rank after a checkpoint restore, before round ``round``:
         hand restored server-side state that workers need back to them (FedGPS's
         θ^{t−1}). Default: nothing."""
@@ -281,3 +273,14 @@ class Algorithm:
         for st in self._client_stores:
             if st.name in state:
                 st[client] = state[st.name].to(self.device, torch.float32).clone()
+
+
+def start(component, ctx: Context) -> None:
+    """Give a method, weighting or transform its context, then call its ``setup``.
+
+    The one place the runtime's lifecycle touches a component: ``ctx`` and
+    ``device`` are set here, so an override of ``setup`` needs no ``super()``.
+    """
+    component.ctx = ctx
+    component.device = ctx.device
+    component.setup(ctx)

@@ -77,6 +77,7 @@ import numpy as np
 import torch
 
 from ..train import SGDConfig, StepHooks, num_local_steps
+from .transforms import UpdateTransform
 
 STORAGE_MODES = ("fp32", "bf16", "host")
 SELECTED_STAT = "ecgr/selected"
@@ -265,3 +266,48 @@ class ECGR:
         if float(have) == 0.0:
             return
         torch.mul(self._v, target / have, out=upload)
+
+
+class EcgrTransform(UpdateTransform):
+    """ECGR as an update transform (``ecgr.enabled``), around any method.
+
+    Records the local steps (:meth:`wrap_hooks`), selects on Δ_k before the
+    method's ``finish_client`` (:meth:`on_delta`), and replaces the parameter
+    part of the final upload by the re-aggregated update (:meth:`on_upload`).
+    Declares the per-client diagnostic ``ecgr/selected`` and writes the step
+    buffer's storage as ``/ecgr`` attributes (and one event) of the log.
+    """
+
+    name = "ecgr"
+
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+        self.engine: Optional[ECGR] = None
+
+    def setup(self, ctx) -> None:
+        from .base import sgd_config
+
+        self.P = ctx.flat.num_params
+        self.engine = ECGR(ctx.cfg, self.P, ctx.num_samples, sgd_config(ctx.cfg))
+        self.engine.setup(ctx.device)
+        info = self.engine.describe()
+        for key, value in info.items():
+            ctx.log.set_attr("ecgr", key, value)
+        ctx.log.event(0, -1, "ecgr: step buffer " + ", ".join(f"{k}={v}" for k, v in info.items()))
+
+    def stats(self) -> list:
+        from .base import Stat
+
+        return [Stat(SELECTED_STAT, self.engine.stat_size(), "client")]
+
+    def log_outputs(self) -> list[str]:
+        return [SELECTED_STAT, *(f"ecgr@{k}" for k in self.engine.describe())]
+
+    def wrap_hooks(self, hooks: StepHooks, task) -> StepHooks:
+        return self.engine.hooks(hooks, self.engine.device)
+
+    def on_delta(self, task, out: dict[str, torch.Tensor]) -> None:
+        self.engine.combine(out["delta"][: self.P], out.get(SELECTED_STAT))
+
+    def on_upload(self, task, out: dict[str, torch.Tensor]) -> None:
+        self.engine.apply(out["delta"][: self.P])

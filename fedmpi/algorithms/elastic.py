@@ -3,15 +3,15 @@
 Client k keeps a sensitivity s_{k,l} per parameter tensor l (zero at the
 start, kept on the worker that hosts k across rounds). Each round, before
 local training, at the received global model θ, on a random
-``algorithm.elastic_sample`` share (0.3) of its data, batch by batch:
+``algorithm.elastic.sample`` share (0.3) of its data, batch by batch:
 
-    s_{k,l} ← μ s_{k,l} + (1 − μ) ‖∇_l ℓ_k‖²          (μ = ``algorithm.elastic_mu`` = 0.95)
+    s_{k,l} ← μ s_{k,l} + (1 − μ) ‖∇_l ℓ_k‖²          (μ = ``algorithm.elastic.mu`` = 0.95)
 
 then trains as FedAvg. The server, with weights s_k of
 ``aggregation.weighting`` over the accepted clients,
 
     s̄_l = Σ_k s_k s_{k,l},      s^max_l = max_k s_{k,l},
-    ζ_l = 1 + τ − s̄_l / s^max_l                         (τ = ``algorithm.elastic_tau`` = 0.5)
+    ζ_l = 1 + τ − s̄_l / s^max_l                         (τ = ``algorithm.elastic.tau`` = 0.5)
     θ_l ← θ_l + η_g ζ_l Σ_k s_k (θ_{k,l} − θ_l)           (= θ_l − ζ_l Σ_k s_k (θ_l − θ_{k,l}))
 
 so sensitive tensors move less (ζ → τ) and insensitive ones more (ζ → 1 + τ).
@@ -34,32 +34,43 @@ buffers take the plain weighted average (ζ = 1).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..params import param
 from ..train import LocalTrainer, TrainResult
 from .base import Algorithm, ClientTask, RoundInfo, Stat
+from .transforms import TransformChain
 
 SENSITIVITY_STREAM = 0xE1A57C
 
 
+@dataclass(frozen=True)
+class ElasticParams:
+    mu: float = param(0.95, "Elastic sensitivity EMA decay mu", ge=0, lt=1,
+                      renamed_from="algorithm.elastic_mu")
+    tau: float = param(0.5, "Elastic zeta = 1 + tau - s_agg/s_max", ge=0,
+                       renamed_from="algorithm.elastic_tau")
+    sample: float = param(0.3, "Elastic share of client data measured per round", gt=0, le=1,
+                          renamed_from="algorithm.elastic_sample")
+
+
 class Elastic(Algorithm):
     name = "elastic"
+    params = {"elastic": ElasticParams}
 
     def __init__(self, cfg, layout, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
-        a = cfg.algorithm
-        self.mu, self.tau, self.sample = float(a.elastic_mu), float(a.elastic_tau), float(a.elastic_sample)
+        a = self.hparams("elastic")
+        self.mu, self.tau, self.sample = float(a.mu), float(a.tau), float(a.sample)
         self.segments = layout.param_segments
         self.L = len(self.segments)
         self.sens_local = self.client_store("sensitivity", self.L)   # s_k of hosted clients (worker)
         self.last_zeta: np.ndarray = np.ones(self.L)
         self.device = torch.device("cpu")
-
-    def bind(self, fed) -> None:
-        super().bind(fed)
-        self.device = fed.device
 
     def uplink_stats(self) -> list[Stat]:
         return [Stat("delta", self.state_size, "weighted"),
@@ -98,9 +109,9 @@ class Elastic(Algorithm):
         return s_k
 
     def client_update(self, task: ClientTask, trainer: LocalTrainer, state: torch.Tensor,
-                      extras: torch.Tensor, out: dict[str, torch.Tensor]) -> TrainResult:
+                      extras: torch.Tensor, out: dict[str, torch.Tensor], transforms: TransformChain = TransformChain()) -> TrainResult:
         s_k = self.measure(task, trainer, state)
-        result = super().client_update(task, trainer, state, extras, out)
+        result = super().client_update(task, trainer, state, extras, out, transforms)
         slots = out["sensitivity"]
         slots.zero_()
         slots[task.client * self.L:(task.client + 1) * self.L].copy_(s_k)
@@ -128,6 +139,9 @@ class Elastic(Algorithm):
             state[s.slice].add_(delta[s.slice], alpha=self.server_lr * float(z))
         P = self.num_params
         state[P:].add_(delta[P:], alpha=self.server_lr)
+
+    def log_outputs(self) -> list[str]:
+        return ["elastic/zeta"]
 
     def log_arrays(self) -> dict[str, np.ndarray]:
         return {**super().log_arrays(), "elastic/zeta": self.last_zeta.astype(np.float64)}

@@ -3,8 +3,8 @@
     g_t = −Σ_k s_k (θ_k − θ)
     b_t = m·b_{t−1} + g_t,   d_t = g_t + m·b_t (Nesterov) or b_t,   θ ← θ − η·d_t
 
-η = ``algorithm.server_lr`` (default 1), m = ``algorithm.server_momentum``
-(0.9, FedVG Table A.2), Nesterov = ``algorithm.nesterov``. s_k come from
+η = ``algorithm.server_lr`` (default 1), m = ``algorithm.fedavgm.server_momentum``
+(0.9, FedVG Table A.2), Nesterov = ``algorithm.fedavgm.nesterov``. s_k come from
 ``aggregation.weighting``, so ``weighting: fedvg`` gives FedVG × FedAvgM
 (ALGORITHMS.md FedVG.6: the FedVG-weighted pseudo-gradient into server SGD,
 lr 1, momentum 0.9, Nesterov). With m = 0 the rule is FedAvg exactly.
@@ -16,17 +16,30 @@ running statistics are averaged (see :class:`ServerOptAlgorithm`).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ..params import param
 from .server_opt import ServerOptAlgorithm, ServerSGD
+
+
+@dataclass(frozen=True)
+class FedAvgMParams:
+    server_momentum: float = param(0.9, "FedAvgM server SGD momentum", ge=0, lt=1,
+                                   renamed_from="algorithm.server_momentum")
+    nesterov: bool | None = param(None, "FedAvgM Nesterov momentum; null = on with weighting "
+                                  "fedvg/fedvg_avg (FedVG code), else off",
+                                  renamed_from="algorithm.nesterov")
 
 
 class FedAvgM(ServerOptAlgorithm):
     name = "fedavgm"
+    params = {"fedavgm": FedAvgMParams}
 
     def __init__(self, cfg, layout, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
-        a = cfg.algorithm
+        a = self.hparams("fedavgm")
         self.momentum = float(a.server_momentum)
         self.nesterov = (cfg.aggregation.weighting in ("fedvg", "fedvg_avg")
                          if a.nesterov is None else bool(a.nesterov))

@@ -7,7 +7,7 @@ minimises
     ℓ_k(w) + α_k ⟨w, −θ + h_k⟩ + ((α_k + wd)/2)‖w‖²
 
 i.e. every local step adds α_k (h_k − θ) to the gradient (``grad_hook``), the
-gradient is clipped to ``algorithm.max_grad_norm`` (10, official code and FedVG
+gradient is clipped to ``algorithm.feddyn.max_grad_norm`` (10, official code and FedVG
 Table A.2), then weight decay α_k + wd is applied (``local_sgd``; the
 optimizer's weight decay, after the clip, as in the official code). After
 training, from the actual final model θ_k (``finish_client``):
@@ -19,7 +19,7 @@ Server (rank 0 keeps H = Σ_{all N} h_k, updated by the "sum" statistic
 
     θ ← θ + Σ_{k∈S} s_k (θ_k − θ) + (1/N)·H    ( = mean_S θ_k + mean_N h_k )
 
-α = ``algorithm.alpha`` (0.1, FedVG Table A.2). With ``weighting: fedvg`` the
+α = ``algorithm.feddyn.alpha`` (0.1, FedVG Table A.2). With ``weighting: fedvg`` the
 averaging step takes FedVG's weights and the h correction is unchanged (FedVG
 Table A.8); h is never reweighted because its statistic is "sum".
 
@@ -33,22 +33,34 @@ are averaged. ``algorithm.server_lr`` is not used (FedDyn has no server lr).
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ..flat import FlatModel
+from ..params import param
 from ..train import LocalTrainer, SGDConfig, StepHooks, TrainResult
 from .base import Algorithm, ClientTask, RoundInfo, Stat
 
 
+@dataclass(frozen=True)
+class FedDynParams:
+    alpha: float = param(0.1, "FedDyn regularisation alpha", gt=0, renamed_from="algorithm.alpha")
+    max_grad_norm: float | None = param(10.0, "FedDyn local gradient clip (official code: 10); "
+                                        "null = train.grad_clip", gt=0,
+                                        renamed_from="algorithm.max_grad_norm")
+
+
 class FedDyn(Algorithm):
     name = "feddyn"
+    params = {"feddyn": FedDynParams}
 
     def __init__(self, cfg, layout, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
-        self.alpha = float(cfg.algorithm.alpha)
-        clip = cfg.algorithm.max_grad_norm
+        p = self.hparams("feddyn")
+        self.alpha = float(p.alpha)
+        clip = p.max_grad_norm
         self.clip = self.sgd.grad_clip if clip is None else float(clip)
         self.alpha_k = np.full(num_clients, self.alpha)   # replaced in bind (needs n_k)
         self.h_local = self.client_store("h", self.num_params)   # h_k of hosted clients (worker)
@@ -56,12 +68,10 @@ class FedDyn(Algorithm):
         self._lin: torch.Tensor | None = None
         self.device = torch.device("cpu")
 
-    def bind(self, fed) -> None:
-        super().bind(fed)
-        self.device = fed.device
-        self.alpha_k = self.adaptive_alpha(self.alpha, np.asarray(fed.num_samples))
-        if fed.is_server:
-            self.h_sum = torch.zeros(self.num_params, device=fed.device)
+    def setup(self, ctx) -> None:
+        self.alpha_k = self.adaptive_alpha(self.alpha, np.asarray(ctx.num_samples))
+        if ctx.is_server:
+            self.h_sum = torch.zeros(self.num_params, device=ctx.device)
 
     @staticmethod
     def adaptive_alpha(alpha: float, num_samples: np.ndarray) -> np.ndarray:

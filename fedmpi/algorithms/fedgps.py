@@ -168,7 +168,6 @@ class FedGPS(Algorithm):
         # worker side (allocated in bind when the rank hosts clients)
         self.hosts = False
         self.surrogate = None
-        self.fed = None
         self.last_delta: dict[int, torch.Tensor] = {}   # Δ_k (parameters) of the last participation
         self.last_round: dict[int, int] = {}
         self._prev_round = -1        # round of the θ kept in _prev
@@ -181,18 +180,17 @@ class FedGPS(Algorithm):
     def eval_logits(self) -> Optional[int]:
         return None if (self.eval_all or not self.static) else self.C
 
-    def bind(self, fed) -> None:
+    def setup(self, ctx) -> None:
         from ..data.surrogate import make_surrogate
 
-        self.fed = fed
-        self.hosts = bool(fed.my_clients)
+        self.hosts = bool(ctx.hosted)
         P, dev = self._P, self.device
         if self.dynamic:   # every rank: rank 0 checkpoints it, workers form Δ̄^t from it
             self._prev = torch.zeros(P, device=dev)     # θ^{t−1} (parameters)
         if not self.hosts:
             return
         if self.static:
-            data = fed.data
+            data = ctx.data
             self.surrogate = make_surrogate(self.cfg.seed, self.C, data.input_shape, data.mean,
                                             data.std, self.per_class, self.surrogate_std).to(dev)
             self._psum = torch.zeros(self.C, self.feat_dim, dtype=torch.float64, device=dev)
@@ -231,11 +229,11 @@ class FedGPS(Algorithm):
     def _inverse_weight(self, k: int) -> float:
         """1/s_k of client k in round t−1 (M for uniform weights)."""
         prev = self._prev_mask
-        w = self.fed.weighting if self.fed is not None else None
-        if w is None or w.per_client:
+        w = self.ctx.client_weight if self.ctx is not None else None
+        if w is None:
             return float(prev.sum())
-        raw = np.array([w.raw(j) for j in np.flatnonzero(prev)], dtype=np.float64)
-        return float(raw.sum() / w.raw(k))
+        raw = np.array([w(j) for j in np.flatnonzero(prev)], dtype=np.float64)
+        return float(raw.sum() / w(k))
 
     def nonself_gradient(self, k: int, t: int) -> Optional[torch.Tensor]:
         """δ of client k in round t (Definition 4.5 via consecutive broadcasts), written
@@ -391,21 +389,21 @@ class FedGPS(Algorithm):
             self._prev.copy_(state["prev_theta"])
             self._prev_round = int(state["prev_round"])
 
-    def after_resume(self, fed, round: int) -> None:
+    def after_resume(self, ctx, round: int) -> None:
         """Rank 0 broadcasts the checkpointed θ^{t−1} and its round; every rank then
         holds what it would have kept had the run not stopped (the round's
         participants are recomputed from the seed)."""
         if not self.dynamic:
             return
         head = np.array([self._prev_round], dtype=np.int64)
-        fed.comm.broadcast(head, what="FedGPS resume Bcast")
-        buf = self._prev.cpu().numpy() if fed.is_server else np.empty(self._P, dtype=np.float32)
-        fed.comm.broadcast(buf, what="FedGPS resume Bcast")
+        ctx.broadcast(head, "FedGPS resume Bcast")
+        buf = self._prev.cpu().numpy() if ctx.is_server else np.empty(self._P, dtype=np.float32)
+        ctx.broadcast(buf, "FedGPS resume Bcast")
         self._prev_round = int(head[0])
-        if not fed.is_server:
+        if not ctx.is_server:
             self._prev.copy_(torch.from_numpy(buf))
         if self._prev_round >= 0:
-            self._mask = fed.participants(self._prev_round)
+            self._mask = ctx.participants(self._prev_round)
 
     def client_state(self, client: int) -> dict[str, torch.Tensor]:
         if client not in self.last_delta:

@@ -28,6 +28,7 @@ import torch
 
 from ..train import LocalTrainer, TrainResult
 from .base import Algorithm, ClientTask, RoundInfo
+from .transforms import TransformChain
 
 
 def normaliser(steps: np.ndarray | int, momentum: float) -> np.ndarray:
@@ -43,8 +44,8 @@ class FedNova(Algorithm):
     name = "fednova"
 
     def client_update(self, task: ClientTask, trainer: LocalTrainer, state: torch.Tensor,
-                      extras: torch.Tensor, out: dict[str, torch.Tensor]) -> TrainResult:
-        result = super().client_update(task, trainer, state, extras, out)
+                      extras: torch.Tensor, out: dict[str, torch.Tensor], transforms: TransformChain = TransformChain()) -> TrainResult:
+        result = super().client_update(task, trainer, state, extras, out, transforms)
         a_k = float(normaliser(result.steps, self.local_sgd(task).momentum))
         out["delta"][: self.num_params].div_(max(a_k, 1e-12))
         return result

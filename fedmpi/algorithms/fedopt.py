@@ -9,8 +9,8 @@ Clients run the plain local loop (FedAvg clients); the server treats
     θ  ← θ + η m_t / (√v_t + τ)
 
 η = ``algorithm.server_lr`` (default 0.01 for these methods), β1 =
-``algorithm.beta1`` (0.9), β2 = ``algorithm.beta2`` (0.99), τ =
-``algorithm.tau`` (1e-3); m_{−1} = 0, v_{−1} = τ². The optimizer lives in
+``algorithm.fedadam.beta1`` (``fedyogi.*`` for FedYogi) (0.9), β2 = ``algorithm.fedadam.beta2`` (0.99), τ =
+``algorithm.fedadam.tau`` (1e-3); m_{−1} = 0, v_{−1} = τ². The optimizer lives in
 :mod:`fedmpi.algorithms.server_opt` (shared with FedAvgM).
 
 Deviations: no bias correction (as the paper's Algorithm 2); the adaptive
@@ -18,19 +18,31 @@ step acts on parameters only, BN running statistics are averaged.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ..params import param
 from .server_opt import ServerAdam, ServerOptAlgorithm
+
+
+@dataclass(frozen=True)
+class AdaptiveParams:
+    beta1: float = param(0.9, "first-moment decay beta1", ge=0, lt=1, renamed_from="algorithm.beta1")
+    beta2: float = param(0.99, "second-moment decay beta2", ge=0, lt=1,
+                         renamed_from="algorithm.beta2")
+    tau: float = param(1e-3, "adaptivity tau (also v_0 = tau^2)", gt=0, renamed_from="algorithm.tau")
 
 
 class FedAdam(ServerOptAlgorithm):
     name = "fedadam"
+    params = {"fedadam": AdaptiveParams}
     default_server_lr = 0.01
     yogi = False
 
     def __init__(self, cfg, layout, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
-        a = cfg.algorithm
+        a = self.hparams(self.name)
         self.beta1, self.beta2, self.tau = float(a.beta1), float(a.beta2), float(a.tau)
 
     def make_optimizer(self, size: int, device: torch.device) -> ServerAdam:
@@ -40,4 +52,5 @@ class FedAdam(ServerOptAlgorithm):
 
 class FedYogi(FedAdam):
     name = "fedyogi"
+    params = {"fedyogi": AdaptiveParams}
     yogi = True

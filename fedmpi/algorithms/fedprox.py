@@ -4,24 +4,33 @@ Local loss ℓ_k(w) + (μ/2)‖w − θ‖² over the parameters, so every local
 adds μ(w − θ) to the gradient (the ``grad_hook`` on ``flat.grad``, before
 clipping and weight decay). Server: FedAvg (weighted average with s_k from
 ``aggregation.weighting``; ``fedvg`` substitutes FedVG's weights, FedVG Table
-A.8). μ = ``algorithm.mu`` (0.01 FedVG; 0.125 FedGPS; 0.1 ECGR code). μ = 0 is
+A.8). μ = ``algorithm.fedprox.mu`` (0.01 FedVG; 0.125 FedGPS; 0.1 ECGR code). μ = 0 is
 FedAvg exactly (adding 0·(w − θ) leaves every gradient bit-identical).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..flat import FlatModel
+from ..params import param
 from ..train import StepHooks
 from .base import Algorithm, ClientTask
 
 
+@dataclass(frozen=True)
+class FedProxParams:
+    mu: float = param(0.01, "FedProx proximal coefficient", ge=0, renamed_from="algorithm.mu")
+
+
 class FedProx(Algorithm):
     name = "fedprox"
+    params = {"fedprox": FedProxParams}
 
     def __init__(self, cfg, layout, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
-        self.mu = float(cfg.algorithm.mu)
+        self.mu = self.hparams("fedprox").mu
         self._diff: torch.Tensor | None = None   # P-sized scratch on the worker
 
     def hooks(self, task: ClientTask, state: torch.Tensor, extras: torch.Tensor) -> StepHooks:

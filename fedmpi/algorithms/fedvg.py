@@ -50,8 +50,14 @@ gradient of the **mean** cross-entropy over all of :math:`D_{val}` is
 accumulated batch by batch (``Σ_b CE_sum(b)/N``) and the norms are taken once.
 :math:`D_{val}` stays resident on the scoring device.
 
+Scoring overlaps arrival (ALGORITHMS.md FedVG §8): with world size > 1 every
+client's row leaves its worker the moment its training ends and rank 0 scores
+it on arrival (:meth:`FedVG.on_arrival`) while later clients still train; the
+weights then reuse those norms. At world size 1 all clients are scored in one
+batch after training.
+
 Composition: every method's ``combine="weighted"`` statistics travel per
-client (``Gatherv``) and are combined in :meth:`FedVG.combine` — one
+client (one row per client) and are combined in :meth:`FedVG.combine` — one
 implementation for FedAvg, FedProx, FedAvgM (its pseudo-gradient), SCAFFOLD's
 model update, FedDyn's average, Elastic's averages, and any other weighted
 statistic. Statistics laid out like the flat state (size D, or P = the
@@ -75,8 +81,6 @@ Deviations from the paper / authors' code:
 * ``delta`` uses the l1 norm per layer (the paper does not name the norm).
 * A client whose validation gradient is not finite gets weight 0; if no client
   has a finite score, the weights of that layer/block fall back to uniform.
-* Scoring runs after the round's ``Gatherv`` (no overlap with the arrival of
-  the next client's model yet).
 """
 from __future__ import annotations
 
@@ -154,39 +158,36 @@ class FedVG(Weighting):
     per_client = True
     mix_samples = False
 
-    def bind(self, fed) -> None:
-        c = fed.cfg.aggregation.fedvg
+    def setup(self, ctx) -> None:
+        c = ctx.cfg.aggregation.fedvg
         self.norm: str = c.norm
         self.granularity: str = c.granularity
         self.eps = float(c.eps)
         self.batch_size = int(c.batch_size)
         self.bf16 = bool(c.bf16)
-        self.K = fed.K
-        flat: FlatModel = fed.flat
+        self.K = ctx.num_clients
+        flat: FlatModel = ctx.flat
         self.D, self.P = flat.size, flat.num_params
         self.layers = flat.param_segments
         self.layer_names = [s.name for s in self.layers]
         self._groups(flat)
-        self.fed = fed
-        self._static_written = False
         self._norms = np.full((self.K, len(self.layers)), np.nan)
         self._group_w = np.full((self.K, self.G), np.nan)
         self._S: Optional[np.ndarray] = None
         self._arrived: dict[int, torch.Tensor] = {}   # norms scored on arrival, this round
         # the same autocast switch as runtime.autocast, set separately for scoring
-        self.accel = Accel(fed.device.type, autocast="bf16" if self.bf16 else "off")
-        if self.bf16 and fed.device.type != "cuda":
+        self.accel = Accel(ctx.device.type, autocast="bf16" if self.bf16 else "off")
+        if self.bf16 and ctx.device.type != "cuda":
             raise ConfigError("config key 'aggregation.fedvg.bf16' needs a CUDA scoring device "
-                              f"(rank 0 runs on {fed.device})")
-        self._delta_off = next((off for s, off in fed.layout.gathered if s.name == "delta"), None)
-        if self._delta_off is None:
-            raise ConfigError(f"aggregation.weighting {self.name!r} needs the 'delta' uplink of "
-                              f"algorithm {fed.cfg.algorithm.name!r} as a weighted statistic")
+                              f"(rank 0 runs on {ctx.device})")
         self.scratch: Optional[FlatModel] = None
         self.val = None
-        if not fed.is_server:
+        if not ctx.is_server:
             return
-        self.scratch = FlatModel(copy.deepcopy(fed.flat.model), fed.device)
+        ctx.log.write_static("fedvg/layer_names", np.array(self.layer_names, dtype=object))
+        if self.granularity != "model":
+            ctx.log.write_static("fedvg/group_names", np.array(self.group_names, dtype=object))
+        self.scratch = FlatModel(copy.deepcopy(ctx.flat.model), ctx.device)
         for m in self.scratch.model.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
                 m.momentum = 0.0   # batch statistics in train mode, running stats unchanged
@@ -194,8 +195,8 @@ class FedVG(Weighting):
         if self.norm != "delta":
             from ..data.validation import build_validation
 
-            self.val = build_validation(fed.cfg, fed.data, fed.partition.validation_indices,
-                                        fed.device)
+            self.val = build_validation(ctx.cfg, ctx.data, ctx.partition.validation_indices,
+                                        ctx.device)
 
     # ------------------------------------------------------------- groups
     def _groups(self, flat: FlatModel) -> None:
@@ -260,20 +261,18 @@ class FedVG(Weighting):
                 out[i] = layer_norms(flat.grad, self.layers, self.norm)
         return out
 
-    def on_arrival(self, fed, client: int, row: torch.Tensor) -> None:
+    def on_arrival(self, state: torch.Tensor, client: int, row) -> None:
         """Score client ``client`` as soon as its model arrives (ALGORITHMS.md FedVG §8):
         the scoring of early clients overlaps the training of later ones."""
-        delta = row[None, self._delta_off:self._delta_off + self.D]
-        self._arrived[client] = self.score(fed.global_state, delta)[0]
+        self._arrived[client] = self.score(state, row["delta"][None])[0]
 
-    def weights(self, fed, clients: np.ndarray, rows: torch.Tensor) -> np.ndarray:
+    def weights(self, state: torch.Tensor, clients: np.ndarray, rows) -> np.ndarray:
         """s_k of the accepted ``clients`` (rows in the same order); see module docstring."""
         arrived, self._arrived = self._arrived, {}
         if all(int(k) in arrived for k in clients):
             norms = torch.stack([arrived[int(k)] for k in clients]).double().cpu().numpy()
         else:
-            deltas = rows[:, self._delta_off:self._delta_off + self.D]
-            norms = self.score(fed.global_state, deltas).double().cpu().numpy()
+            norms = self.score(state, rows["delta"]).double().cpu().numpy()
         self._norms[clients] = norms
         S = fedvg_scores(norms @ self.A, self.eps)                  # [n, G]
         if self.mix_samples:
@@ -299,13 +298,11 @@ class FedVG(Weighting):
         return out
 
     # ------------------------------------------------------------ logging
+    def log_outputs(self) -> list[str]:
+        extra = ["fedvg/group_weight", "fedvg/group_names"] if self.granularity != "model" else []
+        return ["fedvg/grad_norm", "fedvg/layer_names", *extra]
+
     def log_arrays(self) -> dict[str, np.ndarray]:
-        writer = getattr(self.fed, "writer", None)
-        if writer is not None and not self._static_written:
-            writer.write_static("fedvg/layer_names", np.array(self.layer_names, dtype=object))
-            if self.granularity != "model":
-                writer.write_static("fedvg/group_names", np.array(self.group_names, dtype=object))
-            self._static_written = True
         out = {"fedvg/grad_norm": self._norms.copy()}
         if self.granularity != "model":
             out["fedvg/group_weight"] = self._group_w.copy()

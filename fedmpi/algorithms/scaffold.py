@@ -51,11 +51,9 @@ class Scaffold(Algorithm):
     def downlink_size(self) -> int:
         return self.num_params
 
-    def bind(self, fed) -> None:
-        super().bind(fed)
-        self.device = fed.device
-        if fed.is_server:
-            self.c = torch.zeros(self.num_params, device=fed.device)
+    def setup(self, ctx) -> None:
+        if ctx.is_server:
+            self.c = torch.zeros(self.num_params, device=ctx.device)
 
     # ----------------------------------------------------------------- client
     def hooks(self, task: ClientTask, state: torch.Tensor, extras: torch.Tensor) -> StepHooks:

@@ -128,10 +128,9 @@ class ServerOptAlgorithm(Algorithm, abc.ABC):
     def make_optimizer(self, size: int, device: torch.device) -> ServerOptimizer:
         """The server optimizer over the ``size`` parameters on ``device``."""
 
-    def bind(self, fed) -> None:
-        super().bind(fed)
-        self.opt: ServerOptimizer | None = (self.make_optimizer(self.num_params, fed.device)
-                                            if fed.is_server else None)
+    def setup(self, ctx) -> None:
+        self.opt: ServerOptimizer | None = (self.make_optimizer(self.num_params, ctx.device)
+                                            if ctx.is_server else None)
 
     def server_update(self, state: torch.Tensor, agg: dict[str, torch.Tensor],
                       info: RoundInfo) -> None:

@@ -308,7 +308,8 @@ class Extractor:
 # --------------------------------------------------------------------------- #
 # The method seam shared by FedLAGC, FIARSE, HeteroFL and FedRolex
 # --------------------------------------------------------------------------- #
-from ..train import StepHooks, evaluate as _evaluate  # noqa: E402
+from ..train import StepHooks  # noqa: E402
+from .transforms import TransformChain
 from .base import Algorithm, ClientTask, RoundInfo, Stat  # noqa: E402
 
 
@@ -364,8 +365,6 @@ class SubmodelMethod(Algorithm):
         self._keep_ratio = np.full((V, L), np.nan)
         self._level_acc = np.full(V, np.nan)
         self._eval_round = 0
-        self._fed = None
-        self._static_written = False
 
     # ------------------------------------------------------------------ masks
     def submodel(self, state: torch.Tensor, level: int, round: int) -> Submodel:
@@ -380,19 +379,31 @@ class SubmodelMethod(Algorithm):
     def uplink_stats(self) -> list[Stat]:
         return [Stat("delta", self.state_size, "sum")]
 
-    def bind(self, fed) -> None:
-        self._fed = fed
+    owns_evaluation = True
+
+    def setup(self, ctx) -> None:
+        if ctx.is_server:
+            ctx.log.write_static("submodel/levels", np.array(self.levels, dtype=np.float64))
+            ctx.log.write_static("submodel/layer_names",
+                                 np.array(self.extractor.layer_names, dtype=object))
+            ctx.log.write_static("clients/level", self.client_level)
+
+    def begin_round(self, round: int, mask: np.ndarray, state: torch.Tensor,
+                    extras: torch.Tensor) -> None:
+        """Rank 0: the round's kept entries per level (the byte counts of the log)."""
+        if self.ctx is not None and self.ctx.is_server:
+            self._record(state, round)
 
     # ----------------------------------------------------------------- client
     def client_update(self, task: ClientTask, trainer, state: torch.Tensor,
-                      extras: torch.Tensor, out: dict[str, torch.Tensor]):
+                      extras: torch.Tensor, out: dict[str, torch.Tensor], transforms: TransformChain = TransformChain()):
         """Train θ^t ⊙ M through the shared local loop (base client_update)."""
         self._sub = self.submodel(state, int(self.client_level[task.client]), task.round)
         if self._masked is None:
             self._masked = torch.empty_like(state)
         torch.mul(state, self._sub.mask, out=self._masked)
         self._flat = trainer.flat
-        return super().client_update(task, trainer, self._masked, extras, out)
+        return super().client_update(task, trainer, self._masked, extras, out, transforms)
 
     def correction(self, task: ClientTask) -> tuple[Optional[torch.Tensor], float]:
         """(λ_n, h(t)) of the gradient correction; none for the baselines."""
@@ -473,38 +484,30 @@ class SubmodelMethod(Algorithm):
         self._eval_round = info.round + 1
 
     def uplink_bytes(self, client: int, round: int) -> int:
-        """4 bytes per kept entry of the client's submodel."""
-        if self._kept_round != round and self._fed is not None:
-            self._record(self._fed.global_state, round)   # no update accepted: θ unchanged
+        """4 bytes per kept entry of the client's submodel (masks of round ``round``,
+        recorded by :meth:`begin_round` on rank 0)."""
         return 4 * int(self._kept_entries[self.client_level[client]])
 
     def downlink_bytes(self, client: int, round: int) -> int:
         return self.uplink_bytes(client, round)
 
     # ------------------------------------------------------------- evaluation
-    def evaluate(self, fed) -> Optional[tuple[float, float]]:
+    def evaluate(self, ctx, state: torch.Tensor) -> tuple[float, float]:
         """Mean (loss, accuracy) over levels of θ ⊙ M(θ, r_v) on the test set."""
-        theta = fed.global_state
         losses, accs = [], []
         for r in self.levels:
-            sub = self.extractor.extract(theta, r, self._eval_round)
-            fed.flat.load(theta)
-            fed.flat.vector.mul_(sub.mask)
-            loss, correct, n = _evaluate(fed.forward, fed.data, fed.data.x_test,
-                                         fed.data.y_test, fed.cfg.eval.batch_size, accel=fed.accel)
+            sub = self.extractor.extract(state, r, self._eval_round)
+            loss, correct, n = ctx.test(state * sub.mask)
             losses.append(loss / n)
             accs.append(correct / n)
-        fed.flat.load(theta)
         self._level_acc = np.array(accs)
         return float(np.mean(losses)), float(np.mean(accs))
 
+    def log_outputs(self) -> list[str]:
+        return ["submodel/level_accuracy", "submodel/keep_ratio", "submodel/levels",
+                "submodel/layer_names", "clients/level"]
+
     def log_arrays(self) -> dict[str, np.ndarray]:
-        if not self._static_written and self._fed is not None and self._fed.writer is not None:
-            w = self._fed.writer
-            w.write_static("submodel/levels", np.array(self.levels, dtype=np.float64))
-            w.write_static("submodel/layer_names", np.array(self.extractor.layer_names, dtype=object))
-            w.write_static("clients/level", self.client_level)
-            self._static_written = True
         out = {"submodel/level_accuracy": self._level_acc.copy(),
                "submodel/keep_ratio": self._keep_ratio.copy()}
         self._level_acc[:] = np.nan

@@ -10,17 +10,34 @@ Weightings that must see every client model on rank 0 (FedVG) set
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, ClassVar, Mapping, Optional
+
 import numpy as np
 import torch
 
 from ..errors import ConfigError
 
+if TYPE_CHECKING:
+    from ..context import Context
+
+#: A per-client statistic by name: ``[n, size]`` rows (one per client) or one ``[size]`` row.
+Rows = Mapping[str, torch.Tensor]
+
 
 class Weighting:
-    name = "samples"
-    per_client = False
+    """``samples`` (s_k = n_k/Σn); the base of every weighting.
+
+    Lifecycle as for methods: constructed with n_k of every client, then
+    :func:`~fedmpi.algorithms.base.start` sets ``ctx``/``device`` and calls
+    :meth:`setup`.
+    """
+
+    name: ClassVar[str] = "samples"
+    per_client: ClassVar[bool] = False
 
     def __init__(self, num_samples: np.ndarray) -> None:
+        self.ctx: Optional[Context] = None
+        self.device = torch.device("cpu")
         # Normalising by the pool size keeps Σ w̃_k Δ_k at the scale of Δ in float32.
         self.num_samples = np.asarray(num_samples, dtype=np.float64)
         self._scale = 1.0 / max(1.0, float(self.num_samples.sum()))
@@ -29,16 +46,17 @@ class Weighting:
         """Unnormalised weight w̃_k."""
         return float(self.num_samples[client]) * self._scale
 
-    def bind(self, fed) -> None:
-        """Called once with the :class:`~fedmpi.runtime.Federation` (rank 0 holds
-        the validation set FedVG scores on)."""
+    def setup(self, ctx: Context) -> None:
+        """Prepare per-run state (rank 0 holds the validation set FedVG scores on)."""
 
-    def on_arrival(self, fed, client: int, row: "torch.Tensor") -> None:
-        """Rank 0, world size > 1: client ``client``'s row has just arrived (the others
-        may still be training). Per-client weightings can start on it here."""
+    def on_arrival(self, state: torch.Tensor, client: int, row: Rows) -> None:
+        """Rank 0, world size > 1: client ``client``'s statistics ``row`` (name → [size])
+        have just arrived (the others may still be training); ``state`` is the
+        round's global θ. Per-client weightings can start on it here."""
 
-    def weights(self, fed, clients: "np.ndarray", rows) -> "np.ndarray":
-        """Per-client weighting only: s_k for ``clients`` from their gathered rows."""
+    def weights(self, state: torch.Tensor, clients: np.ndarray, rows: Rows) -> np.ndarray:
+        """Per-client weighting only: s_k for ``clients`` from their statistics
+        (name → [n, size], rows in the order of ``clients``) at the global θ ``state``."""
         raise TypeError(f"weighting {self.name!r} is reducible; it has no per-client weights")
 
     def combine(self, s: "np.ndarray", rows: "torch.Tensor") -> "torch.Tensor":
@@ -49,9 +67,13 @@ class Weighting:
         this to apply their per-segment weights; every weighted statistic of
         every method goes through here.
         """
-        import torch
-
         return torch.as_tensor(s, dtype=rows.dtype, device=rows.device) @ rows
+
+    def log_outputs(self) -> list[str]:
+        """What this component writes to the HDF5 log, as paths: per-round arrays and
+        static datasets (``"submodel/levels"``) and group attributes (``"ecgr@storage"``).
+        The composition test checks every run's log holds what its parts declare."""
+        return []
 
     def log_arrays(self) -> dict[str, "np.ndarray"]:
         """Per-round arrays for the HDF5 log (e.g. ``fedvg/grad_norm``)."""
@@ -65,11 +87,23 @@ class Uniform(Weighting):
         return 1.0
 
 
-WEIGHTINGS: dict[str, type[Weighting]] = {"samples": Weighting, "uniform": Uniform}
+WEIGHTINGS: dict[str, type[Weighting]] = {}
 
-from .fedvg import FedVG, FedVGAvg  # noqa: E402  (subclasses of Weighting, defined above)
 
-WEIGHTINGS.update({"fedvg": FedVG, "fedvg_avg": FedVGAvg})
+def register_weighting(cls: type[Weighting]) -> type[Weighting]:
+    """Make ``cls`` available as ``aggregation.weighting: <cls.name>``."""
+    WEIGHTINGS[cls.name] = cls
+    return cls
+
+
+def _register_builtin() -> None:
+    from .fedvg import FedVG, FedVGAvg   # subclasses of Weighting: imported after it exists
+
+    for cls in (Weighting, Uniform, FedVG, FedVGAvg):
+        register_weighting(cls)
+
+
+_register_builtin()
 
 
 def build_weighting(name: str, num_samples: np.ndarray) -> Weighting:

@@ -26,14 +26,14 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import __version__, checkpoint, rundir
-from .errors import UserError
-from .outputs import OutputError, quiet_h5py_errors
+from .. import __version__, checkpoint, rundir
+from ..errors import UserError
+from ..outputs import OutputError, quiet_h5py_errors
 
 
 def open_run(fed, out: Path, resume: bool, overwrite: bool) -> Optional[checkpoint.Restored]:
     """Rank 0: own ``out``, restore the checkpoint on ``resume``, open the log."""
-    from .log import LogWriter
+    from ..log import LogWriter
 
     owned = rundir.prepare(out, fed.cfg, resume, overwrite)
     restored = None
@@ -53,7 +53,7 @@ def open_run(fed, out: Path, resume: bool, overwrite: bool) -> Optional[checkpoi
     try:
         (out / "config.yaml").write_text(fed.cfg.to_yaml())
     except OSError as exc:
-        from .outputs import write_failed
+        from ..outputs import write_failed
 
         raise write_failed(out / "config.yaml", exc) from None
     return restored
@@ -87,7 +87,7 @@ def global_model_finite(fed, t: int) -> bool:
             if path is not None and path.exists() else "no checkpoint was written before it")
     fed.failure = (f"round {t}: the global model has non-finite values after aggregation "
                    f"(diverged: lower train.lr or algorithm.server_lr); {kept}")
-    fed._event(t, 0, -1, fed.failure)
+    fed.recorder.event(t, 0, -1, fed.failure)
     return False
 
 
@@ -111,8 +111,8 @@ def interrupted_message(fed, t: int, out: Path) -> str:
     """The stop line: which rounds the checkpoint holds, or that there is none."""
     path = checkpoint.checkpoint_path(out)
     if fed.checkpoint_round > 0 and path.exists():
-        return (f"fedmpi: interrupted ({fed.stop_reason}) after round {t - 1}; checkpoint "
-                f"{path} (rounds < {fed.checkpoint_round}); continue with: fedmpi run ... "
-                "--resume")
+        return (f"fedmpi: interrupted ({fed.stop_reason}) after {t} of {fed.cfg.train.rounds} "
+                f"rounds; checkpoint {path} (rounds < {fed.checkpoint_round}); continue with: "
+                "fedmpi run ... --resume")
     return (f"fedmpi: interrupted ({fed.stop_reason}) before round {t}; no checkpoint was "
             f"written, nothing to resume: start again with: fedmpi run ... --overwrite")

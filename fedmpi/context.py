@@ -1,0 +1,130 @@
+"""What a method, a weighting or an update transform may see of the run.
+
+The runtime builds one frozen :class:`Context` per rank and hands it to
+``setup(ctx)`` of the method (:class:`~fedmpi.algorithms.Algorithm`), the
+weighting and every update transform, and to the few later calls that need
+the run (a method's own evaluation, ``after_resume``). Nothing else of the
+runtime is visible to them: no communicator, no buffers, no round driver.
+
+A method that needs a collective after a resume gets exactly one:
+:attr:`Context.broadcast` (rank 0's buffer to every rank, in place).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:  # imported for annotations only: no import cycle at run time
+    from .accel import Accel
+    from .config import Config
+    from .data import Dataset, Partition
+    from .flat import FlatModel
+    from .log import LogWriter
+
+
+class LogSink:
+    """Where methods write static log content (attributes, static arrays, events).
+
+    Writes made before the run's log file is open (``setup`` runs before it) are
+    kept and replayed when :meth:`attach` opens it, so a method never has to
+    wonder whether the writer exists yet. On workers the sink discards writes:
+    only rank 0 writes the log.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._writer: Optional[LogWriter] = None
+        self._pending: list[tuple[str, tuple[Any, ...]]] = []
+
+    def attach(self, writer: Optional[LogWriter]) -> None:
+        """Start writing into ``writer`` (replays what was written before)."""
+        self._writer = writer
+        if writer is None:
+            return
+        pending, self._pending = self._pending, []
+        for op, args in pending:
+            getattr(writer, op)(*args)
+
+    @property
+    def writer(self) -> Optional[LogWriter]:
+        return self._writer
+
+    def _do(self, op: str, *args: Any) -> None:
+        if not self.enabled:
+            return
+        if self._writer is None:
+            self._pending.append((op, args))
+        else:
+            getattr(self._writer, op)(*args)
+
+    def set_attr(self, group: str, name: str, value: Any) -> None:
+        """HDF5 attribute ``name`` of group ``/group`` (e.g. ``/ecgr`` ``storage``)."""
+        self._do("set_attr", group, name, value)
+
+    def write_static(self, path: str, data: np.ndarray) -> None:
+        """A dataset written once (e.g. ``/submodel/levels``)."""
+        self._do("write_static", path, data)
+
+    def event(self, round: int, client: int, message: str) -> None:
+        """A row of ``/events`` from rank 0 (``client`` −1: not about one client)."""
+        self._do("event", round, 0, client, message)
+
+
+@dataclass(frozen=True)
+class Context:
+    """One rank's view of the run, for methods, weightings and transforms.
+
+    Attributes:
+        cfg: the validated run configuration.
+        device: the training device of this rank.
+        role: ``"server"`` on rank 0 (aggregates, evaluates, writes the log),
+            ``"worker"`` elsewhere; with world size 1 rank 0 is both, and
+            :attr:`hosted` says which clients it trains.
+        rank, world_size: this rank and the number of ranks.
+        num_samples: n_k of every client (read-only), known on every rank.
+        hosted: the clients this rank trains (fixed for the run).
+        flat: the rank's model as one flat vector (:class:`~fedmpi.flat.FlatModel`).
+        forward: the model's forward (compiled when ``runtime.compile``).
+        accel: the autocast/channels-last switches of the forward.
+        data, partition: the rank's data and the client partition.
+        log: static log output (:class:`LogSink`).
+        broadcast: the one collective a method may use (rank 0 → all, in place);
+            every rank must call it the same number of times.
+        participants: round t's participant mask (the same on every rank).
+        test: ``test(state, part=slice(None))`` — (Σ loss, #correct, n) of a flat
+            state vector on the test set (or the slice ``part`` of it), through
+            the run's forward, evaluation batch size and evaluated logits.
+        client_weight: w̃_k, the weighting's unnormalised weight of client k
+            (None for weightings that score clients on rank 0).
+    """
+
+    cfg: Config
+    device: torch.device
+    role: Literal["server", "worker"]
+    rank: int
+    world_size: int
+    num_samples: np.ndarray
+    hosted: tuple[int, ...]
+    flat: FlatModel
+    forward: Callable[[torch.Tensor], torch.Tensor]
+    accel: Accel
+    data: Dataset
+    partition: Partition
+    log: LogSink = field(default_factory=LogSink)
+    broadcast: Callable[[np.ndarray, str], None] = field(default=lambda buf, what="": None)
+    participants: Callable[[int], np.ndarray] = field(
+        default=lambda t: np.zeros(0, dtype=bool))
+    test: Callable[..., tuple[float, float, float]] = field(
+        default=lambda state, part=slice(None): (float("nan"), float("nan"), 0.0))
+    client_weight: Optional[Callable[[int], float]] = None
+
+    @property
+    def is_server(self) -> bool:
+        return self.role == "server"
+
+    @property
+    def num_clients(self) -> int:
+        return int(self.num_samples.shape[0])

@@ -1,0 +1,143 @@
+"""Building one rank of a run: process settings, data, model, method, placement.
+
+Everything here is computed identically on every rank from the config (the
+partition, the initial model from the seed, the client placement), so no
+message is needed to agree on it. The result is a :class:`Built` record and
+the :class:`~fedmpi.context.Context` that methods, the weighting and the
+update transforms receive in their ``setup`` — in this order: method,
+weighting, transforms; then the uplink statistics are planned.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..accel import Accel, set_deterministic
+from ..algorithms import (Algorithm, Stat, TransformChain, Weighting, algorithm_class, build_transforms,
+                          build_weighting, start)
+from ..comm import Comm
+from ..config import Config
+from ..context import Context, LogSink
+from ..data import Dataset, Partition, build_partition, load_dataset
+from ..errors import ConfigError
+from ..flat import FlatModel
+from ..models import build_model
+from ..placement import gpu_for_local_rank, threads_per_rank
+from .evaluation import test_state
+
+
+def resolve_device(spec: str, local_rank: int) -> torch.device:
+    """``runtime.device``: auto → CUDA if available else CPU; ``cuda`` picks
+    GPU ``local_rank mod #GPUs`` (one rank per GPU on a node)."""
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"config key 'runtime.device' is {spec!r} but no CUDA device is available "
+                          "(use 'auto' or 'cpu')")
+    if spec == "cuda":
+        gpu = gpu_for_local_rank(local_rank, torch.cuda.device_count())
+        return torch.device("cuda", 0 if gpu is None else gpu)
+    return torch.device(spec)
+
+
+def client_hosts(num_clients: int, world_size: int) -> np.ndarray:
+    """Rank hosting each client: 1 + k mod W with W = world_size − 1 workers, or
+    rank 0 for every client when it is alone."""
+    workers = max(1, world_size - 1)
+    return np.array([0 if world_size == 1 else 1 + k % workers for k in range(num_clients)])
+
+
+def participants(seed: int, num_clients: int, m: int, t: int) -> np.ndarray:
+    """Boolean mask of S_t: m of K clients without replacement, RNG (seed, t)."""
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 0x5E1EC7, t]))
+    mask = np.zeros(num_clients, dtype=bool)
+    mask[rng.choice(num_clients, size=m, replace=False)] = True
+    return mask
+
+
+@dataclass
+class Built:
+    """One rank's run, before any round: what the round loop works with."""
+
+    cfg: Config
+    rank: int
+    world_size: int
+    device: torch.device
+    data: Dataset
+    partition: Partition
+    num_samples: np.ndarray      # n_k of every client
+    flat: FlatModel
+    accel: Accel
+    forward: Callable
+    algo: Algorithm
+    weighting: Weighting
+    transforms: TransformChain
+    host: np.ndarray             # rank of each client
+    hosted: list[int]            # clients of this rank
+    ctx: Context
+    log: LogSink
+    stats: list[Stat]            # the method's uplink statistics, then the transforms'
+
+
+def setup_process(cfg: Config, comm: Comm) -> torch.device:
+    """Threads per rank, the rank's device and the determinism switches."""
+    local_rank, local_size = comm.node_local()
+    torch.set_num_threads(cfg.runtime.threads or threads_per_rank(os.cpu_count() or 1, local_size))
+    device = resolve_device(cfg.runtime.device, local_rank)
+    set_deterministic(cfg.runtime.deterministic)
+    return device
+
+
+def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray]) -> Built:
+    """Build this rank; ``plan(t)`` is the participant mask of round t (for the context)."""
+    rank, size = comm.rank, comm.size
+    device = setup_process(cfg, comm)
+    data = load_dataset(cfg.data.dataset, cfg.data.root, cfg.data.download,
+                        augment=cfg.data.augment, image_size=cfg.data.image_size)
+    partition = build_partition(cfg, data)   # = `fedmpi partition`
+    num_samples = np.array([len(ix) for ix in partition.client_indices], dtype=np.int64)
+    num_samples.setflags(write=False)
+    data = data.to(device)
+
+    torch.manual_seed(cfg.seed)   # every rank builds the same initial model
+    outputs = algorithm_class(cfg).num_outputs(cfg, data.num_classes)  # FedGPS: 2C
+    flat = FlatModel(build_model(cfg.model.name, data.input_shape, outputs, cfg.model.norm), device)
+    accel = Accel.from_config(cfg.runtime, device)
+    forward = accel.wrap(flat.model)   # compiled once, shared by training and evaluation
+
+    K = cfg.data.num_clients
+    algo = algorithm_class(cfg)(cfg, flat, K)
+    weighting = build_weighting(cfg.aggregation.weighting, num_samples)
+    transforms = build_transforms(cfg)
+    host = client_hosts(K, size)
+    hosted = [k for k in range(K) if host[k] == rank]
+    log = LogSink(enabled=rank == 0)
+
+    def broadcast(buf: np.ndarray, what: str = "method Bcast") -> None:
+        comm.broadcast(buf, what=what)
+
+    def test(state: torch.Tensor, part: slice = slice(None)) -> tuple[float, float, float]:
+        return test_state(flat, forward, data, accel, cfg.eval.batch_size, algo.eval_logits(),
+                          state, part)
+
+    ctx = Context(cfg=cfg, device=device, role="server" if rank == 0 else "worker", rank=rank,
+                  world_size=size, num_samples=num_samples, hosted=tuple(hosted), flat=flat,
+                  forward=forward, accel=accel, data=data, partition=partition, log=log,
+                  broadcast=broadcast,
+                  participants=plan, test=test,
+                  client_weight=None if weighting.per_client else weighting.raw)
+    start(algo, ctx)
+    start(weighting, ctx)
+    transforms.setup(ctx)
+    stats = algo.uplink_stats() + transforms.stats()
+    if weighting.per_client and not any(s.name == "delta" and s.combine == "weighted" for s in stats):
+        raise ConfigError(f"config key 'aggregation.weighting': {weighting.name!r} needs the 'delta' "
+                          f"uplink of algorithm {cfg.algorithm.name!r} as a weighted statistic")
+    return Built(cfg, rank, size, device, data, partition, num_samples, flat, accel, forward, algo,
+                 weighting, transforms, host, hosted, ctx, log, stats)

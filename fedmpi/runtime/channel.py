@@ -1,0 +1,277 @@
+"""The round's communication: the only user of :mod:`fedmpi.comm` in the runtime.
+
+Per round, in order (DESIGN.md §3):
+
+1. ``Bcast`` of the int64 header [4 + K]: command, round, flags, participant mask;
+2. ``Bcast`` of the flat global state θ with the method's downlink extras appended;
+3. per-client rows (statistics that must reach rank 0 one client at a time, e.g.
+   FedVG's client models) leave the worker as one ``Isend`` per client the moment
+   its training ends; rank 0 receives them with ``Testsome`` and hands each to a
+   callback (FedVG scores it while later clients train) — or one ``Gatherv``
+   after training (world size 1, or a row longer than one message);
+4. ``Allreduce`` of the per-client metadata rows [K, F] (status word, raw weight,
+   loss, samples, steps, time) plus one stop-signal slot per rank: it completes
+   only when every rank has finished local training, so every rank knows the
+   statuses; a ``Gather`` of a fixed-size error text per rank only in a round
+   where a client failed;
+5. ``Reduce`` of the pre-reduced statistics Σ_k w̃_k x_k in float64.
+
+Steps 1 and 4 are *patient* waits (they wait for other ranks' computation and
+sleep); everything else moves data between ranks that are already there.
+The outcome on rank 0 is one typed :class:`~fedmpi.runtime.server.Uplink` record.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from ..algorithms import Stat
+from ..comm import CHUNK, Comm
+from .server import META_FIELDS, M_STATUS, STATUS_FAILED, Uplink
+
+HEADER = 4
+ERR_BYTES = 1024
+
+
+def row_tag(client: int) -> int:
+    """MPI tag of a client's row. The standard guarantees tags up to 32767; should two
+    clients of one worker share a tag, messages from one source still match in the
+    order they were sent, which is the order rank 0 posts its receives."""
+    return client % 32767
+
+
+class Mirror:
+    """A host buffer that MPI reads/writes and its twin on the compute device.
+
+    On CPU both are the same memory; on CUDA the host side is pinned and
+    :meth:`pull`/:meth:`push` copy between them.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        if device.type == "cpu":
+            self.dev = torch.zeros(shape, dtype=dtype)
+            self.host_t = self.dev
+        else:
+            self.dev = torch.zeros(shape, dtype=dtype, device=device)
+            self.host_t = torch.zeros(shape, dtype=dtype, pin_memory=True)
+        self.host = self.host_t.numpy()
+        self.shared = device.type == "cpu"
+
+    def pull(self) -> None:
+        """device → host."""
+        if not self.shared:
+            self.host_t.copy_(self.dev)
+
+    def push(self) -> None:
+        """host → device."""
+        if not self.shared:
+            self.dev.copy_(self.host_t, non_blocking=True)
+
+
+@dataclass
+class UplinkPlan:
+    """Where each uplink statistic travels: the reduce buffer or a per-client row."""
+
+    reduced: list[tuple[Stat, int]]
+    gathered: list[tuple[Stat, int]]
+    reduce_size: int
+    row_size: int
+
+
+def plan_uplink(stats: list[Stat], per_client_weighting: bool) -> UplinkPlan:
+    """``client`` statistics, and ``weighted`` ones under a per-client weighting,
+    travel as rows; the rest is summed on the workers and reduced."""
+    reduced, gathered, r, g = [], [], 0, 0
+    for s in stats:
+        if s.combine == "client" or (s.combine == "weighted" and per_client_weighting):
+            gathered.append((s, g))
+            g += s.size
+        else:
+            reduced.append((s, r))
+            r += s.size
+    return UplinkPlan(reduced, gathered, r, g)
+
+
+class Channel:
+    """Preallocated buffers and the collectives of a round on one rank."""
+
+    def __init__(self, comm: Comm, plan: UplinkPlan, state_size: int, extras_size: int,
+                 num_clients: int, max_local: int, max_rows: int, host: np.ndarray,
+                 device: torch.device) -> None:
+        self.comm = comm
+        self.rank, self.size = comm.rank, comm.size
+        self.is_server = self.rank == 0
+        self.plan, self.D, self.K, self.host, self.device = plan, state_size, num_clients, host, device
+        self.header = np.zeros(HEADER + num_clients, dtype=np.int64)
+        self.state = Mirror((state_size + extras_size,), torch.float32, device)
+        # metadata rows [K, F] + one stop-signal slot per rank, summed by one Allreduce
+        nmeta = num_clients * len(META_FIELDS)
+        self.up_send = np.zeros(nmeta + self.size, dtype=np.float64)
+        self.up_recv = np.zeros_like(self.up_send)
+        self.meta_send = self.up_send[:nmeta].reshape(num_clients, len(META_FIELDS))
+        self.meta_recv = self.up_recv[:nmeta].reshape(num_clients, len(META_FIELDS))
+        self.signal_send, self.signal_recv = self.up_send[nmeta:], self.up_recv[nmeta:]
+        self.err_send = np.zeros(ERR_BYTES, dtype=np.uint8)
+        self.err_recv = np.zeros((self.size, ERR_BYTES), dtype=np.uint8)
+        self.eval_recv = np.zeros(3, dtype=np.float64)
+        # float64 sums: partial sums from any rank layout round to the same float32
+        # result, which is what makes the global model independent of world size.
+        self.red_send = Mirror((plan.reduce_size,), torch.float64, device)
+        self.red_recv = Mirror((plan.reduce_size,), torch.float64, device) if self.is_server else None
+        self.rows_send = Mirror((max_local, plan.row_size), torch.float32, device)
+        self.rows_recv = (Mirror((max_rows, plan.row_size), torch.float32, device)
+                          if self.is_server and plan.row_size else None)
+        # Rows travel as one Isend per client as soon as it finishes, so rank 0 can
+        # work on them while later clients still train; one Gatherv after training
+        # otherwise (world size 1, or a row too long for one message).
+        self.stream_rows = bool(plan.row_size) and self.size > 1 and plan.row_size <= CHUNK
+        self._row_sends: list = []
+        self.exposed_arrival_seconds = 0.0
+
+    # ------------------------------------------------------------- downlink
+    def exchange_header(self, t: int) -> tuple[int, int, np.ndarray]:
+        """``Bcast`` of the header rank 0 filled: (command, flags, participant mask)."""
+        self.comm.broadcast(self.header, what=f"round {t} header Bcast")
+        return int(self.header[0]), int(self.header[2]), self.header[HEADER:].astype(bool)
+
+    def set_header(self, cmd: int, t: int, flags: int, mask: Optional[np.ndarray]) -> None:
+        self.header[0], self.header[1], self.header[2] = cmd, t, flags
+        if mask is not None:
+            self.header[HEADER:] = mask
+
+    def broadcast_state(self, t: int) -> None:
+        """θ and the downlink extras from rank 0's device to every rank's device."""
+        if self.is_server:
+            self.state.pull()
+        self.comm.broadcast(self.state.host, what=f"round {t} state Bcast", patient=False)
+        if not self.is_server:
+            self.state.push()
+
+    def broadcast_eval_state(self) -> torch.Tensor:
+        """The new θ for a sharded evaluation (workers otherwise get it next round)."""
+        self.broadcast_state(-1)
+        return self.state.dev[: self.D]
+
+    def reduce_eval(self, sums: np.ndarray) -> Optional[np.ndarray]:
+        """Σ over ranks of (Σ loss, #correct, n); the result on rank 0, None elsewhere."""
+        self.comm.reduce_sum(sums, self.eval_recv, what="evaluation Reduce")
+        return self.eval_recv.copy() if self.is_server else None
+
+    # --------------------------------------------------------- worker side
+    def begin_uplink(self) -> None:
+        self.up_send.fill(0.0)
+        self.err_send.fill(0)
+        if self.plan.reduce_size:
+            self.red_send.dev.zero_()
+
+    def put_client(self, row: int, client: int, stats: dict[str, torch.Tensor],
+                   meta: tuple[float, ...], raw_weight: float, accepted: bool) -> None:
+        """Client ``client``'s statistics: add to the reduce buffer (if finite), fill
+        its row (streamed at once when rows stream) and its metadata row."""
+        self.meta_send[client] = meta
+        if accepted:
+            for stat, off in self.plan.reduced:
+                alpha = raw_weight if stat.combine == "weighted" else 1.0
+                self.red_send.dev[off:off + stat.size].add_(stats[stat.name], alpha=alpha)
+        for stat, off in self.plan.gathered:
+            self.rows_send.dev[row, off:off + stat.size].copy_(stats[stat.name])
+        if self.stream_rows:
+            self._send_row(row, client)
+
+    def put_failure(self, row: int, client: int, text: str) -> None:
+        """A client raised: its error text, status FAILED and (streaming) a zero row."""
+        raw = text.encode()[: ERR_BYTES - 1]
+        self.err_send[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        self.meta_send[client, M_STATUS] = STATUS_FAILED
+        if self.stream_rows:
+            self.rows_send.dev[row].zero_()
+            self._send_row(row, client)
+
+    def _send_row(self, row: int, client: int) -> None:
+        if not self.rows_send.shared:
+            self.rows_send.host_t[row].copy_(self.rows_send.dev[row])
+        self._row_sends.append(self.comm.start_send(self.rows_send.host[row], 0, tag=row_tag(client)))
+
+    # ---------------------------------------------------------- collection
+    def row_order(self, mask: np.ndarray) -> list[int]:
+        """Participants in rank-major order: the row layout on rank 0."""
+        return [int(k) for r in range(self.size) for k in np.flatnonzero(mask & (self.host == r))]
+
+    def collect(self, t: int, mask: np.ndarray, signal: int,
+                on_arrival: Callable[[int, dict[str, torch.Tensor]], None]) -> Optional[Uplink]:
+        """Steps 3–5 of the round; the :class:`Uplink` record on rank 0, None elsewhere."""
+        if self.stream_rows and self.is_server:
+            self._receive_rows(t, mask, on_arrival)
+        self.signal_send[self.rank] = signal
+        self.comm.allreduce_sum(self.up_send, self.up_recv, what=f"round {t} metadata Allreduce")
+        if self._row_sends:
+            self.comm.wait(self._row_sends, f"round {t} per-client row sends", patient=False)
+            self._row_sends.clear()
+        failed = bool(np.any(self.meta_recv[:, M_STATUS] == STATUS_FAILED))   # every rank sees it
+        if failed:
+            self.comm.gather_fixed(self.err_send, self.err_recv, what=f"round {t} error Gather",
+                                   patient=False)
+        if self.plan.reduce_size:
+            self.red_send.pull()
+            self.comm.reduce_sum(self.red_send.host, self.red_recv.host if self.red_recv else None,
+                                 what=f"round {t} statistics Reduce", patient=False)
+        if self.plan.row_size and not self.stream_rows:
+            counts = [int(np.sum(mask & (self.host == r))) for r in range(self.size)]
+            send = self.rows_send.host[: counts[self.rank]]
+            self.rows_send.pull()
+            recv = self.rows_recv.host[: sum(counts)] if self.rows_recv is not None else None
+            self.comm.gatherv_rows(send, recv, counts, what=f"round {t} per-client Gatherv",
+                                   patient=False)
+        if not self.is_server:
+            return None
+        return self._record(t, mask, failed)
+
+    def _record(self, t: int, mask: np.ndarray, failed: bool) -> Uplink:
+        meta = self.meta_recv
+        reduced: dict[str, torch.Tensor] = {}
+        if self.red_recv is not None and self.plan.reduce_size:
+            self.red_recv.push()
+            for stat, off in self.plan.reduced:
+                reduced[stat.name] = self.red_recv.dev[off:off + stat.size]
+        order = self.row_order(mask) if self.plan.row_size else []
+        rows: dict[str, torch.Tensor] = {}
+        if self.rows_recv is not None:
+            if not self.stream_rows:
+                self.rows_recv.push()
+            block = self.rows_recv.dev[: len(order)]
+            rows = {stat.name: block[:, off:off + stat.size] for stat, off in self.plan.gathered}
+        errors = []
+        if failed:
+            errors = [bytes(self.err_recv[r, :-1]).rstrip(b"\0").decode(errors="replace")
+                      for r in range(self.size) if self.err_recv[r, :-1].any()]
+        signals = self.signal_recv.astype(np.int64)
+        return Uplink(round=t, mask=mask.copy(), meta=meta.copy(), reduced=reduced, rows=rows,
+                      row_clients=np.asarray(order, dtype=np.int64), errors=errors,
+                      signals=signals)
+
+    def _receive_rows(self, t: int, mask: np.ndarray,
+                      on_arrival: Callable[[int, dict[str, torch.Tensor]], None]) -> None:
+        """Rank 0: receive every participant's row as it is sent and hand it on
+        while the others still train."""
+        order = self.row_order(mask)
+        recv = self.rows_recv
+        assert recv is not None, "rank 0 holds the row buffer"
+        dev, host = recv.dev, recv.host
+        last = [time.perf_counter()]
+
+        def arrived(i: int) -> None:
+            last[0] = time.perf_counter()
+            if not recv.shared:
+                dev[i].copy_(recv.host_t[i])
+            on_arrival(order[i], {s.name: dev[i, off:off + s.size] for s, off in self.plan.gathered})
+
+        reqs = [self.comm.start_recv(host[i], int(self.host[k]), tag=row_tag(k))
+                for i, k in enumerate(order)]
+        self.comm.wait(reqs, f"round {t} per-client rows", on_done=arrived)
+        # server work after the last client arrived is not hidden behind training: it
+        # counts as aggregation (the log's aggregate_seconds), not as overhead
+        self.exposed_arrival_seconds = time.perf_counter() - last[0]

@@ -1,0 +1,236 @@
+"""One rank of a run and its round loop (DESIGN.md §3).
+
+Rank 0 is the aggregator; with W = world_size − 1 ≥ 1 workers, client c lives on
+rank 1 + c mod W; with world size 1 rank 0 hosts every client itself. Every
+rank runs :meth:`Federation.round` in lock-step; the collectives of
+:mod:`~fedmpi.runtime.channel` are the only synchronisation. The parts:
+:mod:`~fedmpi.runtime.build` (what a rank is made of),
+:mod:`~fedmpi.runtime.channel` (messages), :mod:`~fedmpi.runtime.worker`
+(local work), :mod:`~fedmpi.runtime.server` (the pure server step: exclusion,
+weights, server rule), :mod:`~fedmpi.runtime.evaluation` (policy) and
+:mod:`~fedmpi.runtime.record` (log rows and timing).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .. import checkpoint, signals
+from ..comm import Comm
+from ..train import LocalTrainer
+from .build import build, participants
+from .channel import Channel, plan_uplink
+from . import guard
+from .evaluation import NAN2, Evaluation
+from .record import RoundRecorder
+from .server import STATUS_FAILED, server_step
+from .worker import Worker
+
+CMD_ROUND, CMD_STOP, CMD_ABORT = 0, 1, 2
+# header[2] flags: checkpoint before acting on the command; the stop is an interruption
+FLAG_CHECKPOINT, FLAG_INTERRUPTED = 1, 2
+
+
+class JobFailed(RuntimeError):
+    """A client raised during local training; the whole job stops."""
+
+
+class Federation:
+    """Sets up one rank of a run and executes rounds (see module docstring)."""
+
+    def __init__(self, cfg, comm: Comm, out_dir: Optional[Path] = None) -> None:
+        self.cfg, self.comm, self.out_dir = cfg, comm, out_dir
+        self.rank, self.size = comm.rank, comm.size
+        self.is_server = self.rank == 0
+        b = build(cfg, comm, plan=lambda t: self.participants(t))
+        self.built = b
+        self.ctx, self.device, self.data, self.partition = b.ctx, b.device, b.data, b.partition
+        self.flat, self.accel, self.forward = b.flat, b.accel, b.forward
+        self.algo, self.weighting, self.transforms, self.stats = b.algo, b.weighting, b.transforms, b.stats
+        self.num_samples, self.host, self.my_clients = b.num_samples, b.host, b.hosted
+        self.K, self.D = cfg.data.num_clients, self.flat.size
+        self.m = cfg.train.clients_per_round or self.K
+        self.uplink_plan = plan_uplink(self.stats, self.weighting.per_client)
+        self.channel = Channel(comm, self.uplink_plan, self.D, self.algo.downlink_size(), self.K,
+                               max_local=min(self.m, len(self.my_clients)), max_rows=self.m,
+                               host=self.host, device=self.device)
+        self.state = self.channel.state
+        if self.is_server:
+            self.state.dev[: self.D].copy_(self.flat.vector)
+        self.client_idx = {k: torch.as_tensor(self.partition.client_indices[k], device=self.device)
+                           for k in self.my_clients}
+        self.trainer = (LocalTrainer(self.flat, self.data, self.accel, self.forward)
+                        if self.my_clients else None)
+        self.scratch = {s.name: torch.zeros(s.size, device=self.device) for s in self.stats}
+        self.worker = Worker(cfg.seed, self.rank, self.algo, self.weighting, self.transforms,
+                             self.trainer, self.client_idx, self.scratch, self.device)
+        self.evals = Evaluation(cfg, self.rank, self.size, self.algo.owns_evaluation)
+        self.recorder = RoundRecorder(self.host, self.size)
+        self.agg_bufs = ({s.name: torch.zeros(s.size, device=self.device)
+                          for s, _ in self.uplink_plan.reduced} if self.is_server else {})
+        self.stop_reason: Optional[str] = None   # set by a signal (fedmpi.signals)
+        self.checkpoint_round = 0                 # rounds < this are in the newest checkpoint
+        self.failure: Optional[str] = None
+
+    # ----------------------------------------------------------- accessors
+    @property
+    def global_state(self) -> torch.Tensor:
+        """θ on rank 0 (parameters and float buffers)."""
+        return self.state.dev[: self.D]
+
+    @property
+    def history(self) -> list[dict]:
+        return self.recorder.history
+
+    @history.setter
+    def history(self, rows: list[dict]) -> None:
+        self.recorder.history = rows
+
+    @property
+    def writer(self):
+        return self.recorder.writer
+
+    @writer.setter
+    def writer(self, writer) -> None:
+        self.recorder.writer = writer
+        self.ctx.log.attach(writer)
+
+    @property
+    def stream_rows(self) -> bool:
+        return self.channel.stream_rows
+
+    @property
+    def ecgr(self):
+        """The ECGR engine when ``ecgr.enabled`` (None otherwise)."""
+        tr = self.transforms.get("ecgr")
+        return tr.engine if tr is not None else None
+
+    def participants(self, t: int) -> np.ndarray:
+        """Boolean mask of S_t: m of K clients without replacement, RNG (seed, t)."""
+        return participants(self.cfg.seed, self.K, self.m, t)
+
+    # ----------------------------------------------------------------- round
+    def round(self, t: int) -> int:
+        """Run round ``t`` on this rank; returns the command that was broadcast."""
+        t_start = time.perf_counter()
+        if self.is_server:
+            self._plan(t)
+        cmd, flags, mask = self.channel.exchange_header(t)
+        if flags & FLAG_INTERRUPTED and self.stop_reason is None:
+            self.stop_reason = "interrupted"
+        if flags & FLAG_CHECKPOINT:
+            self.save_checkpoint(t)
+            t_start = time.perf_counter()   # checkpoint time is not part of round t
+        if cmd != CMD_ROUND:
+            return cmd
+        self.channel.broadcast_state(t)
+        state, extras = self.state.dev[: self.D], self.state.dev[self.D:]
+        self.algo.begin_round(t, mask, state, extras)
+        if self.is_server:   # evaluate round t − 1 while the workers train round t
+            self.recorder.finish_pending(self._evaluate)
+        t_train = time.perf_counter()
+        self.worker.run(t, mask, self.my_clients, state, extras, self.channel)
+        up = self.channel.collect(t, mask, signals.requested_signum(),
+                                  lambda k, row: self.weighting.on_arrival(state, k, row))
+        if up is not None:
+            self._server_round(t, up, t_start, t_train)
+        elif self.evals.shards(t):
+            self.evals.sharded(state, self.ctx, self.channel)
+        return CMD_ROUND
+
+    def _plan(self, t: int) -> None:
+        """Rank 0: the round's command, flags and participants into the header."""
+        if self.stop_reason is None and signals.requested():
+            self.stop_reason = f"{signals.requested()} on rank 0"
+            self.recorder.event(t, 0, -1, f"stop requested ({self.stop_reason}); checkpoint and exit")
+        cmd = CMD_ROUND
+        if self.failure is not None:
+            cmd = CMD_ABORT
+        elif self.stop_reason is not None or t >= self.cfg.train.rounds:
+            cmd = CMD_STOP
+        flags = self._flags(cmd, t)
+        self.channel.set_header(cmd, t, flags, self.participants(t) if cmd == CMD_ROUND else None)
+        if cmd == CMD_ROUND and self.algo.downlink_size():
+            self.algo.fill_downlink(self.state.dev[self.D:], t)
+        if cmd != CMD_ROUND or flags & FLAG_CHECKPOINT:
+            self.recorder.finish_pending(self._evaluate)   # the log holds every round a checkpoint covers
+
+    def _flags(self, cmd: int, t: int) -> int:
+        """A checkpoint is taken at every stop (completed or interrupted, never after a
+        failure) and when ``t % runtime.checkpoint_every == 0``, unless rounds < t are saved."""
+        interrupted = cmd == CMD_STOP and self.stop_reason is not None and t < self.cfg.train.rounds
+        flags = FLAG_INTERRUPTED if interrupted else 0
+        every = self.cfg.runtime.checkpoint_every
+        due = cmd == CMD_STOP or (cmd == CMD_ROUND and every and t % every == 0)
+        if due and self.out_dir is not None and t != self.checkpoint_round:
+            flags |= FLAG_CHECKPOINT
+        return flags
+
+    def save_checkpoint(self, t: int) -> None:
+        """Collective: checkpoint "rounds < t are done" (:mod:`fedmpi.checkpoint`)."""
+        assert self.out_dir is not None, "checkpoints are flagged only with an output directory"
+        path = checkpoint.save(self, t, checkpoint.checkpoint_path(self.out_dir))
+        self.checkpoint_round = t
+        if path is not None and self.stop_reason is not None:
+            self.recorder.event(t, 0, -1, f"checkpoint of rounds < {t} written to {path}")
+
+    # ---------------------------------------------------------------- server
+    def _server_round(self, t: int, up, t_start: float, t_train: float) -> None:
+        stopping = np.flatnonzero(up.signals)
+        if stopping.size and self.stop_reason is None:
+            r = int(stopping[0])
+            self.stop_reason = f"{signals.signal_name(int(up.signals[r]))} on rank {r}"
+            self.recorder.event(t, r, -1, f"stop requested ({self.stop_reason}); checkpoint and exit")
+        failed = np.flatnonzero(up.mask & (up.status == STATUS_FAILED))
+        if failed.size:
+            self.failure = "; ".join(up.errors) or f"clients {failed.tolist()} failed"
+            for k in failed:
+                self.recorder.event(t, int(self.host[k]), int(k),
+                                    f"local training failed: {self.failure}")
+            if self.evals.shards(t):
+                self.evals.sharded(self.global_state, self.ctx, self.channel)   # workers wait in it
+            return
+        t_agg = time.perf_counter()
+        result = server_step(self.global_state, up, self.algo, self.weighting, self.stats,
+                             self.num_samples, self.agg_bufs)
+        for k in result.excluded:
+            self.recorder.event(t, int(self.host[k]), int(k), "update excluded: non-finite values")
+        if result.accepted.size == 0:
+            self.recorder.event(t, 0, -1, "no update accepted; global model unchanged")
+        elif not guard.global_model_finite(self, t):   # stop; the last checkpoint is kept
+            if self.evals.shards(t):
+                self.evals.sharded(self.global_state, self.ctx, self.channel)   # workers wait in it
+            return
+        overlapped = self.evals.overlaps(t)
+        t_eval = time.perf_counter()
+        loss, acc = NAN2 if overlapped else self._evaluate(t)
+        t_end = t_eval if overlapped else time.perf_counter()
+        sel = [int(k) for k in np.flatnonzero(up.mask)]
+        arrays = {**self.algo.log_arrays(), **self.weighting.log_arrays(), **self.transforms.log_arrays()}
+        row = self.recorder.row(up, result, {"start": t_start, "agg": t_agg, "eval": t_eval,
+                                             "end": t_end, "arrival": self.channel.exposed_arrival_seconds},
+                                sum(self.algo.uplink_bytes(k, t) for k in sel),
+                                sum(self.algo.downlink_bytes(k, t) for k in sel), arrays)
+        self.channel.exposed_arrival_seconds = 0.0
+        row[1].update(test_loss=loss, test_accuracy=acc)
+        if overlapped:
+            self.recorder.pending = row
+        else:
+            self.recorder.append(row)
+
+    def _evaluate(self, t: int) -> tuple[float, float]:
+        return self.evals.run(t, self.global_state, self.ctx, self.algo, self.channel)
+
+    def evaluate(self) -> tuple[float, float]:
+        """(test loss, test accuracy) of the global model (or the method's own)."""
+        if self.algo.owns_evaluation:
+            return self.algo.evaluate(self.ctx, self.global_state)
+        loss, correct, n = self.ctx.test(self.global_state)
+        return loss / n, correct / n
+
+    def finish_pending_row(self) -> None:
+        self.recorder.finish_pending(self._evaluate)

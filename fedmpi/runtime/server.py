@@ -1,0 +1,138 @@
+r"""The server step of a round: a pure function of the global state and the uplink.
+
+No MPI and no dataset here: :func:`server_step` takes the round's
+:class:`Uplink` record (what reached rank 0) and the global state θ and
+
+1. **excludes** every participant whose status is not OK (non-finite update,
+   or a failed client — a failure stops the job before this step);
+2. computes the **weights** s_k of the accepted clients — reducible weightings
+   (``samples``: n_k/Σn, ``uniform``: 1/|S|) from the raw weights w̃_k the
+   workers sent, s_k = w̃_k / Σ_{j accepted} w̃_j; per-client weightings (FedVG)
+   from the clients' rows;
+3. **combines** every statistic: weighted ones as Σ_k s_k x_k — for reducible
+   weightings that is the workers' float64 Σ_k w̃_k x_k divided by Σ w̃_k, for
+   per-client ones :meth:`Weighting.combine` of the rows —, ``sum`` ones as
+   Σ_k x_k, ``client`` ones as a [K, size] array with NaN rows for
+   non-participants;
+4. applies the **method's server rule** ``Algorithm.server_update(θ, agg, info)``
+   in place (FedAvg θ ← θ + η_g Σ s_k Δ_k; FedNova τ_eff; SCAFFOLD c; FedDyn h;
+   FedAdam/FedYogi moments; submodel coverage averaging).
+
+This is where a round's weights are computed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..algorithms import Algorithm, RoundInfo, Stat, Weighting
+
+STATUS_IDLE, STATUS_OK, STATUS_NONFINITE, STATUS_FAILED = 0, 1, 2, 3
+META_FIELDS = ("status", "raw_weight", "loss_sum", "samples_seen", "steps", "train_seconds")
+M_STATUS, M_RAW, M_LOSS, M_SEEN, M_STEPS, M_TIME = range(len(META_FIELDS))
+
+
+@dataclass(frozen=True)
+class Uplink:
+    """One round's uplink as rank 0 holds it.
+
+    Attributes:
+        round: t.
+        mask: [K] participants of the round.
+        meta: [K, F] per-client metadata (:data:`META_FIELDS`): status word, raw
+            weight w̃_k, Σ loss, samples seen, local steps, training seconds.
+        reduced: name → Σ over accepted clients of w̃_k x_k (``weighted``) or of x_k
+            (``sum``), for the statistics the workers pre-reduce (float64).
+        rows: name → [n, size] per-client rows, row i belonging to ``row_clients[i]``.
+        row_clients: client id of each row.
+        errors: texts of failed clients (only in a round where one failed).
+        signals: per rank, the stop signal number it saw (0 = none).
+    """
+
+    round: int
+    mask: np.ndarray
+    meta: np.ndarray
+    reduced: dict[str, torch.Tensor] = field(default_factory=dict)
+    rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    row_clients: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    errors: list[str] = field(default_factory=list)
+    signals: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    @property
+    def status(self) -> np.ndarray:
+        return self.meta[:, M_STATUS].astype(int)
+
+    def rows_of(self, clients: np.ndarray) -> dict[str, torch.Tensor]:
+        """The rows of ``clients`` (in that order): views when they are the leading rows."""
+        where = {int(k): i for i, k in enumerate(self.row_clients)}
+        pos = np.array([where[int(k)] for k in clients], dtype=np.int64)
+        if np.array_equal(pos, np.arange(len(pos))):
+            return {n: r[: len(pos)] for n, r in self.rows.items()}
+        index = torch.as_tensor(pos, dtype=torch.long)
+        return {n: r[index.to(r.device)] for n, r in self.rows.items()}
+
+
+@dataclass
+class ServerResult:
+    """What the server step decided."""
+
+    accepted: np.ndarray                 # ids of accepted clients
+    excluded: np.ndarray                 # ids of participants left out (non-finite)
+    weights: np.ndarray                  # [K]: s_k, 0 for excluded, NaN for non-participants
+    client_arrays: dict[str, np.ndarray]  # "client" statistics [K, size] for the log
+
+
+def server_step(state: torch.Tensor, up: Uplink, algo: Algorithm, weighting: Weighting,
+                stats: list[Stat], num_samples: np.ndarray,
+                out: Optional[dict[str, torch.Tensor]] = None) -> ServerResult:
+    """Exclusion, weights, combination and the method's server rule (module docstring).
+
+    ``state`` is θ (parameters and float buffers) and is updated in place.
+    ``out`` may hold preallocated buffers for the reduced statistics (no
+    model-sized allocation per round).
+    """
+    K = up.mask.shape[0]
+    status = up.status
+    accepted = np.flatnonzero(up.mask & (status == STATUS_OK))
+    excluded = np.flatnonzero(up.mask & (status != STATUS_OK))
+    weights = np.full(K, np.nan)
+    weights[up.mask] = 0.0
+    client_arrays: dict[str, np.ndarray] = {}
+    agg: dict[str, torch.Tensor] = {}
+    kinds = {s.name: s for s in stats}
+
+    for name, rows in up.rows.items():   # per-client diagnostics: [K, size], NaN rows elsewhere
+        if kinds[name].combine == "client":
+            full = torch.full((K, rows.shape[1]), float("nan"), device=rows.device)
+            full[torch.as_tensor(up.row_clients, dtype=torch.long, device=rows.device)] = \
+                rows[: len(up.row_clients)]
+            agg[name] = full
+            client_arrays[name] = full.cpu().numpy()
+    if accepted.size == 0:
+        return ServerResult(accepted, excluded, weights, client_arrays)
+
+    raw = up.meta[accepted, M_RAW]
+    if weighting.per_client:
+        acc_rows = up.rows_of(accepted)
+        s = np.asarray(weighting.weights(state, accepted, acc_rows), dtype=np.float64)
+        for name, x in acc_rows.items():
+            if kinds[name].combine == "weighted":
+                agg[name] = weighting.combine(s, x)
+    else:
+        s = raw / raw.sum()
+    total_raw = raw.sum()
+    for name, v in up.reduced.items():
+        buf = out.get(name) if out else None
+        if buf is None:
+            buf = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        torch.div(v, total_raw if kinds[name].combine == "weighted" else 1.0, out=buf)
+        agg[name] = buf
+    info = RoundInfo(round=up.round, clients=accepted, weights=s, num_samples=num_samples[accepted],
+                     steps=up.meta[accepted, M_STEPS], num_clients=K,
+                     num_selected=int(up.mask.sum()))
+    algo.server_update(state, agg, info)
+    weights[accepted] = s
+    return ServerResult(accepted, excluded, weights, client_arrays)
