@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -403,6 +404,9 @@ def resume(fed, restored: Optional[Restored]) -> int:
         error = CheckpointError(f"{where}: cannot restore client state on rank {fed.rank} "
                                 f"({type(exc).__name__}: {exc})")
     code = fed.comm.max_int(2 if error else 0, what="resume agreement")
+    if error is not None and fed.rank != 0:   # the CLI prints rank 0's errors only
+        print(f"fedmpi: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
     if error is not None:
         raise error
     if code:

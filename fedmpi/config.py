@@ -814,6 +814,10 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError("config keys 'algorithm.fedgps.static' and 'algorithm.fedgps.dynamic' "
                           "are both false: that is FedAvg (use algorithm.name=fedavg)")
 
+    if cfg.aggregation.fedvg.bf16 and cfg.runtime.device == "cpu":
+        raise ConfigError("config key 'aggregation.fedvg.bf16' needs a CUDA scoring device "
+                          "(runtime.device is 'cpu')")
+
     agg, val = cfg.aggregation, cfg.data.validation
     if (agg.weighting in ("fedvg", "fedvg_avg") and agg.fedvg.norm != "delta"
             and part.method == "silos" and val.source == "holdout"

@@ -153,9 +153,10 @@ class LogWriter:
             self._open_resume(config_yaml, world_size, fedmpi_version, resume_rounds)
         else:
             self._create(config_yaml, world_size, fedmpi_version, num_samples, class_counts)
-        self._file.attrs.update(writer_host=socket.gethostname(), writer_pid=os.getpid())
+        f = self._writable()
+        f.attrs.update(writer_host=socket.gethostname(), writer_pid=os.getpid())
         if fingerprint is not None:
-            self._file.attrs["fingerprint"] = fingerprint
+            f.attrs["fingerprint"] = fingerprint
         self._flush()
 
     def _break(self, exc: BaseException) -> None:
@@ -165,8 +166,9 @@ class LogWriter:
 
     def _flush(self) -> None:
         """Record the time of this flush (``flushed_at``) and flush the file."""
-        self._file.attrs["flushed_at"] = time.time()
-        self._file.flush()
+        f = self._writable()
+        f.attrs["flushed_at"] = time.time()
+        f.flush()
 
     # -- opening -----------------------------------------------------------------
 
@@ -666,13 +668,16 @@ def ended_without_status(log: RunLog, now: float | None = None) -> str | None:
         return (f"ended without a final status: its writer (pid {pid} on {host}) is gone "
                 "(killed, or out of memory)")
     flushed = log.attrs.get("flushed_at")
-    runtime = log.config.get("runtime") if isinstance(log.config.get("runtime"), dict) else {}
+    section = log.config.get("runtime")
+    runtime: dict = section if isinstance(section, dict) else {}
     try:
         timeout = float(runtime.get("round_timeout", 600.0))
     except (TypeError, ValueError):
         timeout = 600.0
-    age = (time.time() if now is None else now) - float(flushed) if flushed is not None else None
-    if age is not None and age > timeout:
+    if flushed is None:
+        return None
+    age = (time.time() if now is None else now) - float(flushed)
+    if age > timeout:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(flushed)))
         return (f"ended without a final status: last written {when}, {age:.0f} s ago "
                 f"(> runtime.round_timeout = {timeout:g} s)")

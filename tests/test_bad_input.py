@@ -125,6 +125,8 @@ YAML_CASES = [
     _yaml_case("yaml-heterofl-no-levels", "algorithm: {name: heterofl}\n", "'system.levels'"),
     _yaml_case("yaml-fedgps-nothing", "algorithm: {name: fedgps, fedgps: {static: false, "
                "dynamic: false}}\n", "'algorithm.fedgps.static'"),
+    _yaml_case("yaml-fedvg-bf16-cpu", "aggregation: {weighting: fedvg, fedvg: {bf16: true}}\n"
+               "runtime: {device: cpu}\n", "'aggregation.fedvg.bf16'"),
     _yaml_case("yaml-allocation-sum", "system: {levels: [1.0, 0.5], allocation: [3, 3]}\n",
                "'system.allocation'"),
     _yaml_case("yaml-clients-per-round", "train: {clients_per_round: 11}\n",
