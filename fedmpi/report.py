@@ -214,8 +214,8 @@ def plot_grad_norm(log: RunLog, path: Path) -> Path | None:
     if g is None or r is None or g.ndim != 3 or not np.isfinite(g).any():
         return None
     n_layers = g.shape[2]
-    names = log.arrays.get("fedvg/layer_names")
-    names = ([str(s) for s in names] if names is not None and len(names) == n_layers
+    stored = log.arrays.get("fedvg/layer_names")
+    names = ([str(s) for s in stored] if stored is not None and len(stored) == n_layers
              else [f"layer {i}" for i in range(n_layers)])
     rows = [i for i in range(g.shape[0]) if np.isfinite(g[i]).any()]
     shown = sorted({rows[0], rows[-1]})

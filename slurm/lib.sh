@@ -16,7 +16,7 @@
 #   again from round 0 with --overwrite. fedmpi itself refuses a fresh run into a
 #   directory holding another run unless --overwrite is given.
 #   Stop and requeue: SIGUSR1 to this batch shell (`#SBATCH --signal=B:USR1@T` before
-#   the time limit, preemption with PreemptParameters=send_user_signal, or
+#   the time limit, preemption where Slurm sends the user signal (preempt_send_user_signal), or
 #   `scancel --signal=USR1 --batch JOBID`) or SIGUSR1 to the job's steps (`scancel
 #   --signal=USR1 JOBID`) makes fedmpi finish the current round, write the checkpoint
 #   and exit 75; the job then requeues itself (`scontrol requeue`, at most
