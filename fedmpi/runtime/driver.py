@@ -159,8 +159,7 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool)
         if status == "interrupted":
             raise SystemExit(signals.EXIT_INTERRUPTED)
         return None
-    fed.flat.load(fed.global_state)
-    torch.save(fed.flat.model.state_dict(), out / "model.pt")
+    torch.save(fed.model_state_dict(), out / "model.pt")
     fed.writer.set_status(status)
     fed.writer.close()
     if status == "failed":

@@ -53,11 +53,16 @@ class Federation:
         self.num_samples, self.host, self.my_clients = b.num_samples, b.host, b.hosted
         self.K, self.D = cfg.data.num_clients, self.flat.size
         self.m = cfg.train.clients_per_round or self.K
-        self.uplink_plan = plan_uplink(self.stats, self.weighting.per_client)
+        exact = cfg.runtime.reduction == "exact" and self.size > 1
+        self.uplink_plan = plan_uplink(self.stats, self.weighting.per_client, exact)
         self.channel = Channel(comm, self.uplink_plan, self.D, self.algo.downlink_size(), self.K,
                                max_local=min(self.m, len(self.my_clients)), max_rows=self.m,
                                host=self.host, device=self.device)
         self.state = self.channel.state
+        # integer buffers (BN's num_batches_tracked) count the batches this process
+        # trained on; model.pt stores them as built, so it depends on θ alone
+        self.local_buffers = {n: b.clone() for n, b in self.flat.model.named_buffers()
+                              if not b.is_floating_point()}
         if self.is_server:
             self.state.dev[: self.D].copy_(self.flat.vector)
         self.client_idx = {k: torch.as_tensor(self.partition.client_indices[k], device=self.device)
@@ -69,8 +74,12 @@ class Federation:
                              self.trainer, self.client_idx, self.scratch, self.device)
         self.evals = Evaluation(cfg, self.rank, self.size, self.algo.owns_evaluation)
         self.recorder = RoundRecorder(self.host, self.size)
+        summed = [s for s in self.stats if s.combine == "sum"
+                  or (s.combine == "weighted" and not self.weighting.per_client)]
         self.agg_bufs = ({s.name: torch.zeros(s.size, device=self.device)
-                          for s, _ in self.uplink_plan.reduced} if self.is_server else {})
+                          for s in summed} if self.is_server else {})
+        self.sum_bufs = ({s.name: torch.zeros(s.size, dtype=torch.float64, device=self.device)
+                          for s in summed} if self.is_server and exact else {})
         self.stop_reason: Optional[str] = None   # set by a signal (fedmpi.signals)
         self.checkpoint_round = 0                 # rounds < this are in the newest checkpoint
         self.failure: Optional[str] = None
@@ -194,7 +203,7 @@ class Federation:
             return
         t_agg = time.perf_counter()
         result = server_step(self.global_state, up, self.algo, self.weighting, self.stats,
-                             self.num_samples, self.agg_bufs)
+                             self.num_samples, self.agg_bufs, self.sum_bufs)
         for k in result.excluded:
             self.recorder.event(t, int(self.host[k]), int(k), "update excluded: non-finite values")
         if result.accepted.size == 0:
@@ -225,6 +234,15 @@ class Federation:
             return self.algo.evaluate(self.ctx, self.global_state)
         loss, correct, n = self.ctx.test(self.global_state)
         return loss / n, correct / n
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """Rank 0: the global model as a ``state_dict`` (``model.pt``): θ, and the
+        integer buffers as built (rank 0 trains every client at world size 1 and
+        none otherwise, so its own counts would depend on the world size)."""
+        self.flat.load(self.global_state)
+        state = self.flat.model.state_dict()
+        state.update(self.local_buffers)
+        return state
 
     def finish_pending_row(self) -> None:
         self.recorder.finish_pending(self._evaluate)

@@ -10,10 +10,12 @@ No MPI and no dataset here: :func:`server_step` takes the round's
    workers sent, s_k = w̃_k / Σ_{j accepted} w̃_j; per-client weightings (FedVG)
    from the clients' rows;
 3. **combines** every statistic: weighted ones as Σ_k s_k x_k — for reducible
-   weightings that is the workers' float64 Σ_k w̃_k x_k divided by Σ w̃_k, for
+   weightings that is the float64 Σ_k w̃_k x_k divided by Σ w̃_k, for
    per-client ones :meth:`Weighting.combine` of the rows —, ``sum`` ones as
    Σ_k x_k, ``client`` ones as a [K, size] array with NaN rows for
-   non-participants;
+   non-participants. The float64 sums arrive pre-summed by the workers
+   (``runtime.reduction: default``) or as per-client rows that
+   :func:`ordered_sum` adds up in client-id order (``exact``);
 4. applies the **method's server rule** ``Algorithm.server_update(θ, agg, info)``
    in place (FedAvg θ ← θ + η_g Σ s_k Δ_k; FedNova τ_eff; SCAFFOLD c; FedDyn h;
    FedAdam/FedYogi moments; submodel coverage averaging).
@@ -46,7 +48,9 @@ class Uplink:
             weight w̃_k, Σ loss, samples seen, local steps, training seconds.
         reduced: name → Σ over accepted clients of w̃_k x_k (``weighted``) or of x_k
             (``sum``), for the statistics the workers pre-reduce (float64).
-        rows: name → [n, size] per-client rows, row i belonging to ``row_clients[i]``.
+        rows: name → [n, size] per-client rows, row i belonging to ``row_clients[i]``:
+            ``client`` statistics, weighted ones under a per-client weighting, and
+            (``runtime.reduction: exact``) every other statistic too.
         row_clients: client id of each row.
         errors: texts of failed clients (only in a round where one failed).
         signals: per rank, the stop signal number it saw (0 = none).
@@ -75,6 +79,27 @@ class Uplink:
         return {n: r[index.to(r.device)] for n, r in self.rows.items()}
 
 
+def ordered_sum(up: Uplink, name: str, clients: np.ndarray, weighted: bool,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Σ_k w̃_k x_k (``weighted``) or Σ_k x_k of statistic ``name`` over ``clients``,
+    accumulated in float64 in the order of ``clients`` (ascending ids) from their rows.
+
+    Each term is added by the same operation a worker uses to pre-reduce
+    (``acc.add_(x_k, alpha=w̃_k)`` on a float64 accumulator that starts at +0), so
+    the result is a function of the clients' rows alone: the same bits for every
+    world size and rank layout, and the bits of a world-size-1 run, whose one
+    rank adds its clients in that same order.
+    """
+    where = {int(k): i for i, k in enumerate(up.row_clients)}
+    rows = up.rows[name]
+    acc = out if out is not None else torch.empty(rows.shape[1], dtype=torch.float64,
+                                                   device=rows.device)
+    acc.zero_()
+    for k in clients:
+        acc.add_(rows[where[int(k)]], alpha=float(up.meta[k, M_RAW]) if weighted else 1.0)
+    return acc
+
+
 @dataclass
 class ServerResult:
     """What the server step decided."""
@@ -87,12 +112,13 @@ class ServerResult:
 
 def server_step(state: torch.Tensor, up: Uplink, algo: Algorithm, weighting: Weighting,
                 stats: list[Stat], num_samples: np.ndarray,
-                out: Optional[dict[str, torch.Tensor]] = None) -> ServerResult:
+                out: Optional[dict[str, torch.Tensor]] = None,
+                sums: Optional[dict[str, torch.Tensor]] = None) -> ServerResult:
     """Exclusion, weights, combination and the method's server rule (module docstring).
 
     ``state`` is θ (parameters and float buffers) and is updated in place.
-    ``out`` may hold preallocated buffers for the reduced statistics (no
-    model-sized allocation per round).
+    ``out`` may hold preallocated float32 buffers for the summed statistics and
+    ``sums`` float64 ones for :func:`ordered_sum` (no model-sized allocation per round).
     """
     K = up.mask.shape[0]
     status = up.status
@@ -124,7 +150,13 @@ def server_step(state: torch.Tensor, up: Uplink, algo: Algorithm, weighting: Wei
     else:
         s = raw / raw.sum()
     total_raw = raw.sum()
-    for name, v in up.reduced.items():
+    summed = dict(up.reduced)
+    for name in up.rows:   # exact reduction: the sums the workers did not pre-reduce
+        combine = kinds[name].combine
+        if combine == "sum" or (combine == "weighted" and not weighting.per_client):
+            summed[name] = ordered_sum(up, name, accepted, combine == "weighted",
+                                       sums.get(name) if sums else None)
+    for name, v in summed.items():
         buf = out.get(name) if out else None
         if buf is None:
             buf = torch.empty(v.shape, dtype=torch.float32, device=v.device)
