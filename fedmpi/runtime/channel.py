@@ -32,7 +32,7 @@ import torch
 
 from ..algorithms import Stat
 from ..comm import CHUNK, Comm
-from .server import META_FIELDS, M_STATUS, STATUS_FAILED, Uplink
+from .server import META_FIELDS, M_STATUS, STATUS_FAILED, Uplink, is_summed
 
 HEADER = 4
 ERR_BYTES = 1024
@@ -94,7 +94,7 @@ def plan_uplink(stats: list[Stat], per_client_weighting: bool, exact: bool = Fal
     default path already adds the clients in client-id order on one rank."""
     reduced, gathered, r, g = [], [], 0, 0
     for s in stats:
-        if s.combine == "client" or exact or (s.combine == "weighted" and per_client_weighting):
+        if exact or not is_summed(s, per_client_weighting):
             gathered.append((s, g))
             g += s.size
         else:

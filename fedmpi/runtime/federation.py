@@ -26,7 +26,7 @@ from .build import build, participants
 from .channel import Channel, plan_uplink
 from .evaluation import NAN2, Evaluation
 from .record import RoundRecorder
-from .server import STATUS_FAILED, server_step
+from .server import STATUS_FAILED, is_summed, server_step
 from .worker import Worker
 
 CMD_ROUND, CMD_STOP, CMD_ABORT = 0, 1, 2
@@ -74,8 +74,7 @@ class Federation:
                              self.trainer, self.client_idx, self.scratch, self.device)
         self.evals = Evaluation(cfg, self.rank, self.size, self.algo.owns_evaluation)
         self.recorder = RoundRecorder(self.host, self.size)
-        summed = [s for s in self.stats if s.combine == "sum"
-                  or (s.combine == "weighted" and not self.weighting.per_client)]
+        summed = [s for s in self.stats if is_summed(s, self.weighting.per_client)]
         self.agg_bufs = ({s.name: torch.zeros(s.size, device=self.device)
                           for s in summed} if self.is_server else {})
         self.sum_bufs = ({s.name: torch.zeros(s.size, dtype=torch.float64, device=self.device)

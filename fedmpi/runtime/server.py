@@ -79,6 +79,12 @@ class Uplink:
         return {n: r[index.to(r.device)] for n, r in self.rows.items()}
 
 
+def is_summed(stat: Stat, per_client_weighting: bool) -> bool:
+    """Whether the server gets ``stat`` as one float64 sum over the accepted clients:
+    ``sum`` statistics, and ``weighted`` ones under a reducible weighting."""
+    return stat.combine == "sum" or (stat.combine == "weighted" and not per_client_weighting)
+
+
 def ordered_sum(up: Uplink, name: str, clients: np.ndarray, weighted: bool,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Σ_k w̃_k x_k (``weighted``) or Σ_k x_k of statistic ``name`` over ``clients``,
@@ -152,9 +158,8 @@ def server_step(state: torch.Tensor, up: Uplink, algo: Algorithm, weighting: Wei
     total_raw = raw.sum()
     summed = dict(up.reduced)
     for name in up.rows:   # exact reduction: the sums the workers did not pre-reduce
-        combine = kinds[name].combine
-        if combine == "sum" or (combine == "weighted" and not weighting.per_client):
-            summed[name] = ordered_sum(up, name, accepted, combine == "weighted",
+        if is_summed(kinds[name], weighting.per_client):
+            summed[name] = ordered_sum(up, name, accepted, kinds[name].combine == "weighted",
                                        sums.get(name) if sums else None)
     for name, v in summed.items():
         buf = out.get(name) if out else None
