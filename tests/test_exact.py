@@ -18,7 +18,7 @@ from conftest import SMALL, run_fedmpi
 from fedmpi.algorithms import Stat, build_weighting
 from fedmpi.log import read
 from fedmpi.runtime import plan_uplink
-from fedmpi.runtime.server import STATUS_NONFINITE, STATUS_OK, Uplink, ordered_sum
+from fedmpi.runtime.server import STATUS_NONFINITE, STATUS_OK, ArrivalSum, Uplink, ordered_sum
 
 QUICK = ["--set", "runtime.threads=1", "--set", "runtime.progress=false",
          "--set", "runtime.round_timeout=120"]
@@ -120,6 +120,39 @@ def test_ordered_sum_is_client_order_whatever_the_row_order():
     assert torch.equal(plain, torch.as_tensor(x[accepted].astype(np.float64)).cumsum(0)[-1])
     terms = x[accepted].astype(np.float64) * raw[accepted, None]   # and it is the sum
     assert np.all(np.abs(want.numpy() - terms.sum(0)) <= 1e-15 * np.abs(terms).sum(0))
+
+
+def test_sum_on_arrival_adds_in_client_order_whatever_the_arrival_order():
+    """Rank 0 adds rows while others train: the same bits as the client-order sum, for
+    any arrival order; handed to the server step only when it covers exactly the
+    accepted clients with their reported weights."""
+    rng = np.random.default_rng(5)
+    K, D = 6, 1031
+    x = (rng.normal(size=(K, D)) * np.logspace(-5, 3, D)).astype(np.float32)
+    raw = rng.random(K)
+    x[2, 7] = np.inf
+    status = [STATUS_OK, STATUS_OK, STATUS_NONFINITE, STATUS_OK, STATUS_OK, STATUS_OK]
+    mask = np.array([True, True, True, False, True, True])
+    want = torch.zeros(D, dtype=torch.float64)
+    for k in (0, 1, 4, 5):
+        want.add_(torch.as_tensor(x[k]), alpha=float(raw[k]))
+    for arrival in ([5, 4, 2, 1, 0], [1, 0, 5, 2, 4], [0, 1, 2, 4, 5]):
+        acc = ArrivalSum([Stat("delta", D)], lambda k: float(raw[k]),
+                         {"delta": torch.full((D,), 7.0, dtype=torch.float64)})
+        acc.start(mask)
+        for k in arrival:
+            acc.arrived(k, {"delta": torch.as_tensor(x[k])})
+        up = _uplink(x, raw, status, arrival)
+        up = Uplink(round=0, mask=mask, meta=up.meta, rows=up.rows, row_clients=up.row_clients)
+        assert torch.equal(acc.into(up).reduced["delta"], want), arrival
+        lied = up.meta.copy()
+        lied[4, 1] *= 2                                   # a weight other than it reported
+        assert acc.into(Uplink(round=0, mask=mask, meta=lied)).reduced == {}
+    early = ArrivalSum([Stat("delta", D)], lambda k: float(raw[k]),
+                       {"delta": torch.zeros(D, dtype=torch.float64)})
+    early.start(mask)
+    early.arrived(0, {"delta": torch.as_tensor(x[0])})    # the others never streamed
+    assert early.into(up).reduced == {}
 
 
 def test_server_step_sums_rows_of_a_reducible_weighting():

@@ -26,7 +26,7 @@ from .build import build, participants
 from .channel import Channel, plan_uplink
 from .evaluation import NAN2, Evaluation
 from .record import RoundRecorder
-from .server import STATUS_FAILED, is_summed, server_step
+from .server import STATUS_FAILED, ArrivalSum, is_summed, server_step
 from .worker import Worker
 
 CMD_ROUND, CMD_STOP, CMD_ABORT = 0, 1, 2
@@ -79,6 +79,9 @@ class Federation:
                           for s in summed} if self.is_server else {})
         self.sum_bufs = ({s.name: torch.zeros(s.size, dtype=torch.float64, device=self.device)
                           for s in summed} if self.is_server and exact else {})
+        # runtime.reduction: exact — rank 0 adds the rows in client-id order as they arrive
+        self.arrival_sum = (ArrivalSum(self.stats, self.weighting.raw, self.sum_bufs)
+                            if self.sum_bufs and self.channel.stream_rows else None)
         self.stop_reason: Optional[str] = None   # set by a signal (fedmpi.signals)
         self.checkpoint_round = 0                 # rounds < this are in the newest checkpoint
         self.failure: Optional[str] = None
@@ -140,14 +143,24 @@ class Federation:
         if self.is_server:   # evaluate round t − 1 while the workers train round t
             self.recorder.finish_pending(self._evaluate)
         t_train = time.perf_counter()
+        if self.arrival_sum is not None:
+            self.arrival_sum.start(mask)
         self.worker.run(t, mask, self.my_clients, state, extras, self.channel)
         up = self.channel.collect(t, mask, signals.requested_signum(),
-                                  lambda k, row: self.weighting.on_arrival(state, k, row))
+                                  lambda k, row: self._arrived(state, k, row))
         if up is not None:
+            if self.arrival_sum is not None:
+                up = self.arrival_sum.into(up)
             self._server_round(t, up, t_start, t_train)
         elif self.evals.shards(t):
             self.evals.sharded(state, self.ctx, self.channel)
         return CMD_ROUND
+
+    def _arrived(self, state: torch.Tensor, client: int, row: dict[str, torch.Tensor]) -> None:
+        """Rank 0: a client's row arrived while others may still train."""
+        if self.arrival_sum is not None:
+            self.arrival_sum.arrived(client, row)
+        self.weighting.on_arrival(state, client, row)
 
     def _plan(self, t: int) -> None:
         """Rank 0: the round's command, flags and participants into the header."""

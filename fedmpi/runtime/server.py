@@ -24,8 +24,8 @@ This is where a round's weights are computed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -106,6 +106,52 @@ def ordered_sum(up: Uplink, name: str, clients: np.ndarray, weighted: bool,
     return acc
 
 
+class ArrivalSum:
+    """:func:`ordered_sum` advanced while rows arrive, so rank 0 adds the early clients'
+    rows while later clients still train.
+
+    Rows come in any order; a client's terms are added once every participant
+    with a smaller id has been seen, so the additions happen in client-id order.
+    A row that is not finite is skipped, as its worker marks it. :meth:`into`
+    hands the sums to the server step only if the clients added are exactly the
+    accepted ones with the raw weights they reported; otherwise (or if rows did
+    not stream) the server step recomputes :func:`ordered_sum` from the rows.
+    """
+
+    def __init__(self, stats: list[Stat], raw: Callable[[int], float],
+                 out: dict[str, torch.Tensor]) -> None:
+        self.weighted = {s.name: s.combine == "weighted" for s in stats if s.name in out}
+        self.raw, self.out = raw, out
+        self.order: list[int] = []
+        self.next = 0
+        self.waiting: dict[int, dict[str, torch.Tensor]] = {}
+        self.added: list[int] = []
+
+    def start(self, mask: np.ndarray) -> None:
+        self.order, self.next, self.waiting, self.added = np.flatnonzero(mask).tolist(), 0, {}, []
+        for acc in self.out.values():
+            acc.zero_()
+
+    def arrived(self, client: int, rows: dict[str, torch.Tensor]) -> None:
+        self.waiting[client] = rows
+        while self.next < len(self.order) and self.order[self.next] in self.waiting:
+            k = self.order[self.next]
+            row = self.waiting.pop(k)
+            self.next += 1
+            if all(bool(torch.isfinite(row[n].sum(dtype=torch.float64))) for n in self.weighted):
+                for n, weighted in self.weighted.items():
+                    self.out[n].add_(row[n], alpha=self.raw(k) if weighted else 1.0)
+                self.added.append(k)
+
+    def into(self, up: Uplink) -> Uplink:
+        """``up`` with the sums as its ``reduced`` statistics, when they are the right ones."""
+        accepted = np.flatnonzero(up.mask & (up.status == STATUS_OK))
+        if self.next < len(self.order) or self.added != accepted.tolist() or \
+                any(self.raw(k) != up.meta[k, M_RAW] for k in self.added):
+            return up
+        return replace(up, reduced={**up.reduced, **self.out})
+
+
 @dataclass
 class ServerResult:
     """What the server step decided."""
@@ -157,8 +203,8 @@ def server_step(state: torch.Tensor, up: Uplink, algo: Algorithm, weighting: Wei
         s = raw / raw.sum()
     total_raw = raw.sum()
     summed = dict(up.reduced)
-    for name in up.rows:   # exact reduction: the sums the workers did not pre-reduce
-        if is_summed(kinds[name], weighting.per_client):
+    for name in up.rows:   # exact reduction: the sums nobody has added up yet
+        if is_summed(kinds[name], weighting.per_client) and name not in summed:
             summed[name] = ordered_sum(up, name, accepted, kinds[name].combine == "weighted",
                                        sums.get(name) if sums else None)
     for name, v in summed.items():
