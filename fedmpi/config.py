@@ -365,6 +365,12 @@ SCHEMA: dict[str, Field] = {
                                       ge=0),
     "runtime.round_timeout": Field(float, 600.0, "abort if a round takes longer (seconds)", gt=0),
     "runtime.progress": Field(bool, True, "show a progress bar"),
+    "runtime.reduction": Field(str, "default", "how the uplink sums reach rank 0: default = "
+                               "summed on each worker, then over ranks (equal across world sizes "
+                               "up to float rounding); exact = one row per client, summed in "
+                               "client-id order on rank 0 (bit-identical for every world size "
+                               "and rank layout at pinned runtime.threads; evaluation not "
+                               "sharded)", choices=("default", "exact")),
     "runtime.threads": Field(int | None, None, "torch threads per rank; null = torch default",
                              ge=1),
     "runtime.autocast": Field(str, "off", "forward pass under torch.autocast (bf16: parameters, "

@@ -14,7 +14,8 @@ Per round, in order (DESIGN.md §3):
    only when every rank has finished local training, so every rank knows the
    statuses; a ``Gather`` of a fixed-size error text per rank only in a round
    where a client failed;
-5. ``Reduce`` of the pre-reduced statistics Σ_k w̃_k x_k in float64.
+5. ``Reduce`` of the pre-reduced statistics Σ_k w̃_k x_k in float64 (none with
+   ``runtime.reduction: exact``: every statistic is a row of step 3).
 
 Steps 1 and 4 are *patient* waits (they wait for other ranks' computation and
 sleep); everything else moves data between ranks that are already there.
@@ -31,7 +32,7 @@ import torch
 
 from ..algorithms import Stat
 from ..comm import CHUNK, Comm
-from .server import META_FIELDS, M_STATUS, STATUS_FAILED, Uplink
+from .server import META_FIELDS, M_STATUS, STATUS_FAILED, Uplink, is_summed
 
 HEADER = 4
 ERR_BYTES = 1024
@@ -82,12 +83,18 @@ class UplinkPlan:
     row_size: int
 
 
-def plan_uplink(stats: list[Stat], per_client_weighting: bool) -> UplinkPlan:
+def plan_uplink(stats: list[Stat], per_client_weighting: bool, exact: bool = False) -> UplinkPlan:
     """``client`` statistics, and ``weighted`` ones under a per-client weighting,
-    travel as rows; the rest is summed on the workers and reduced."""
+    travel as rows; the rest is summed on the workers and reduced — unless
+    ``exact`` (``runtime.reduction: exact``, world size > 1): then every statistic
+    travels as a row and rank 0 sums them in client-id order
+    (:func:`~fedmpi.runtime.server.ordered_sum`). The default grouping of the
+    float64 sums (per worker, then over ranks) changes with the world size, and a
+    last-bit difference can survive the rounding to float32. At world size 1 the
+    default path already adds the clients in client-id order on one rank."""
     reduced, gathered, r, g = [], [], 0, 0
     for s in stats:
-        if s.combine == "client" or (s.combine == "weighted" and per_client_weighting):
+        if exact or not is_summed(s, per_client_weighting):
             gathered.append((s, g))
             g += s.size
         else:

@@ -8,7 +8,10 @@ Policies (every rank derives them from the config, so no message decides them):
   arrays, so it is never overlapped nor sharded;
 * **sharded** (``eval.sharded``, world size > 1) — one extra state ``Bcast``,
   every rank evaluates a contiguous slice, one ``Reduce`` of (Σ loss, #correct,
-  n); not with static BN, whose test outputs depend on the batch composition;
+  n); not with static BN, whose test outputs depend on the batch composition,
+  nor with ``runtime.reduction: exact``: the slices (and so the batches and the
+  order of the loss sum) change with the world size, and the log's test metrics
+  must not;
 * **overlapped** (``eval.overlap``, world size > 1) — round t's model is
   evaluated on rank 0 while the workers train round t + 1 (rank 0 is idle
   then); before a checkpoint, at a stop and after the last round it is
@@ -71,7 +74,7 @@ class Evaluation:
         method's own evaluation, static BN, or metrics that need every sample (AUROC)."""
         return (self.cfg.eval.sharded and self.size > 1 and self.is_eval_round(t)
                 and not self.owned and self.cfg.model.norm != "static_bn"
-                and metrics.shardable(self.names))
+                and metrics.shardable(self.names) and self.cfg.runtime.reduction != "exact")
 
     def overlaps(self, t: int) -> bool:
         """Rank 0: evaluate round ``t``'s model during round t + 1 (``eval.overlap``)?"""

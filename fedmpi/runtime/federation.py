@@ -28,7 +28,7 @@ from .channel import Channel, plan_uplink
 from . import guard
 from .evaluation import Evaluation
 from .record import RoundRecorder
-from .server import STATUS_FAILED, server_step
+from .server import STATUS_FAILED, ArrivalSum, is_summed, server_step
 from .worker import Worker
 
 CMD_ROUND, CMD_STOP, CMD_ABORT = 0, 1, 2
@@ -56,7 +56,8 @@ class Federation:
         self.num_samples, self.host, self.my_clients = b.num_samples, b.host, b.hosted
         self.K, self.D = cfg.data.num_clients, self.flat.size
         self.m = cfg.train.clients_per_round or self.K
-        self.uplink_plan = plan_uplink(self.stats, self.weighting.per_client)
+        exact = cfg.runtime.reduction == "exact" and self.size > 1
+        self.uplink_plan = plan_uplink(self.stats, self.weighting.per_client, exact)
         self.channel = Channel(comm, self.uplink_plan, self.D, self.algo.downlink_size(), self.K,
                                max_local=min(self.m, len(self.my_clients)), max_rows=self.m,
                                host=self.host, device=self.device)
@@ -72,8 +73,14 @@ class Federation:
                              self.trainer, self.client_idx, self.scratch, self.device)
         self.evals = Evaluation(cfg, self.rank, self.size, self.algo.owns_evaluation)
         self.recorder = RoundRecorder(self.host, self.size)
+        summed = [s for s in self.stats if is_summed(s, self.weighting.per_client)]
         self.agg_bufs = ({s.name: torch.zeros(s.size, device=self.device)
-                          for s, _ in self.uplink_plan.reduced} if self.is_server else {})
+                          for s in summed} if self.is_server else {})
+        self.sum_bufs = ({s.name: torch.zeros(s.size, dtype=torch.float64, device=self.device)
+                          for s in summed} if self.is_server and exact else {})
+        # runtime.reduction: exact — rank 0 adds the rows in client-id order as they arrive
+        self.arrival_sum = (ArrivalSum(self.stats, self.weighting.raw, self.sum_bufs)
+                            if self.sum_bufs and self.channel.stream_rows else None)
         self.stop_reason: Optional[str] = None   # set by a signal (fedmpi.signals)
         self.checkpoint_round = 0                 # rounds < this are in the newest checkpoint
         self.failure: Optional[str] = None
@@ -135,14 +142,24 @@ class Federation:
         if self.is_server:   # evaluate round t − 1 while the workers train round t
             self.recorder.finish_pending(self._evaluate)
         t_train = time.perf_counter()
+        if self.arrival_sum is not None:
+            self.arrival_sum.start(mask)
         self.worker.run(t, mask, self.my_clients, state, extras, self.channel)
         up = self.channel.collect(t, mask, signals.requested_signum(),
-                                  lambda k, row: self.weighting.on_arrival(state, k, row))
+                                  lambda k, row: self._arrived(state, k, row))
         if up is not None:
+            if self.arrival_sum is not None:
+                up = self.arrival_sum.into(up)
             self._server_round(t, up, t_start, t_train)
         elif self.evals.shards(t):
             self.evals.sharded(state, self.ctx, self.channel)
         return CMD_ROUND
+
+    def _arrived(self, state: torch.Tensor, client: int, row: dict[str, torch.Tensor]) -> None:
+        """Rank 0: a client's row arrived while others may still train."""
+        if self.arrival_sum is not None:
+            self.arrival_sum.arrived(client, row)
+        self.weighting.on_arrival(state, client, row)
 
     def _plan(self, t: int) -> None:
         """Rank 0: the round's command, flags and participants into the header."""
@@ -198,7 +215,7 @@ class Federation:
             return
         t_agg = time.perf_counter()
         result = server_step(self.global_state, up, self.algo, self.weighting, self.stats,
-                             self.num_samples, self.agg_bufs)
+                             self.num_samples, self.agg_bufs, self.sum_bufs)
         for k in result.excluded:
             self.recorder.event(t, int(self.host[k]), int(k), "update excluded: non-finite values")
         if result.accepted.size == 0:

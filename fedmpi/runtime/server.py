@@ -10,10 +10,12 @@ No MPI and no dataset here: :func:`server_step` takes the round's
    workers sent, s_k = w̃_k / Σ_{j accepted} w̃_j; per-client weightings (FedVG)
    from the clients' rows;
 3. **combines** every statistic: weighted ones as Σ_k s_k x_k — for reducible
-   weightings that is the workers' float64 Σ_k w̃_k x_k divided by Σ w̃_k, for
+   weightings that is the float64 Σ_k w̃_k x_k divided by Σ w̃_k, for
    per-client ones :meth:`Weighting.combine` of the rows —, ``sum`` ones as
    Σ_k x_k, ``client`` ones as a [K, size] array with NaN rows for
-   non-participants;
+   non-participants. The float64 sums arrive pre-summed by the workers
+   (``runtime.reduction: default``) or as per-client rows that
+   :func:`ordered_sum` adds up in client-id order (``exact``);
 4. applies the **method's server rule** ``Algorithm.server_update(θ, agg, info)``
    in place (FedAvg θ ← θ + η_g Σ s_k Δ_k; FedNova τ_eff; SCAFFOLD c; FedDyn h;
    FedAdam/FedYogi moments; submodel coverage averaging).
@@ -22,8 +24,8 @@ This is where a round's weights are computed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -46,7 +48,9 @@ class Uplink:
             weight w̃_k, Σ loss, samples seen, local steps, training seconds.
         reduced: name → Σ over accepted clients of w̃_k x_k (``weighted``) or of x_k
             (``sum``), for the statistics the workers pre-reduce (float64).
-        rows: name → [n, size] per-client rows, row i belonging to ``row_clients[i]``.
+        rows: name → [n, size] per-client rows, row i belonging to ``row_clients[i]``:
+            ``client`` statistics, weighted ones under a per-client weighting, and
+            (``runtime.reduction: exact``) every other statistic too.
         row_clients: client id of each row.
         errors: texts of failed clients (only in a round where one failed).
         signals: per rank, the stop signal number it saw (0 = none).
@@ -75,6 +79,79 @@ class Uplink:
         return {n: r[index.to(r.device)] for n, r in self.rows.items()}
 
 
+def is_summed(stat: Stat, per_client_weighting: bool) -> bool:
+    """Whether the server gets ``stat`` as one float64 sum over the accepted clients:
+    ``sum`` statistics, and ``weighted`` ones under a reducible weighting."""
+    return stat.combine == "sum" or (stat.combine == "weighted" and not per_client_weighting)
+
+
+def ordered_sum(up: Uplink, name: str, clients: np.ndarray, weighted: bool,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Σ_k w̃_k x_k (``weighted``) or Σ_k x_k of statistic ``name`` over ``clients``,
+    accumulated in float64 in the order of ``clients`` (ascending ids) from their rows.
+
+    Each term is added by the same operation a worker uses to pre-reduce
+    (``acc.add_(x_k, alpha=w̃_k)`` on a float64 accumulator that starts at +0), so
+    the result is a function of the clients' rows alone: the same bits for every
+    world size and rank layout, and the bits of a world-size-1 run, whose one
+    rank adds its clients in that same order.
+    """
+    where = {int(k): i for i, k in enumerate(up.row_clients)}
+    rows = up.rows[name]
+    acc = out if out is not None else torch.empty(rows.shape[1], dtype=torch.float64,
+                                                   device=rows.device)
+    acc.zero_()
+    for k in clients:
+        acc.add_(rows[where[int(k)]], alpha=float(up.meta[k, M_RAW]) if weighted else 1.0)
+    return acc
+
+
+class ArrivalSum:
+    """:func:`ordered_sum` advanced while rows arrive, so rank 0 adds the early clients'
+    rows while later clients still train.
+
+    Rows come in any order; a client's terms are added once every participant
+    with a smaller id has been seen, so the additions happen in client-id order.
+    A row that is not finite is skipped, as its worker marks it. :meth:`into`
+    hands the sums to the server step only if the clients added are exactly the
+    accepted ones with the raw weights they reported; otherwise (or if rows did
+    not stream) the server step recomputes :func:`ordered_sum` from the rows.
+    """
+
+    def __init__(self, stats: list[Stat], raw: Callable[[int], float],
+                 out: dict[str, torch.Tensor]) -> None:
+        self.weighted = {s.name: s.combine == "weighted" for s in stats if s.name in out}
+        self.raw, self.out = raw, out
+        self.order: list[int] = []
+        self.next = 0
+        self.waiting: dict[int, dict[str, torch.Tensor]] = {}
+        self.added: list[int] = []
+
+    def start(self, mask: np.ndarray) -> None:
+        self.order, self.next, self.waiting, self.added = np.flatnonzero(mask).tolist(), 0, {}, []
+        for acc in self.out.values():
+            acc.zero_()
+
+    def arrived(self, client: int, rows: dict[str, torch.Tensor]) -> None:
+        self.waiting[client] = rows
+        while self.next < len(self.order) and self.order[self.next] in self.waiting:
+            k = self.order[self.next]
+            row = self.waiting.pop(k)
+            self.next += 1
+            if all(bool(torch.isfinite(row[n].sum(dtype=torch.float64))) for n in self.weighted):
+                for n, weighted in self.weighted.items():
+                    self.out[n].add_(row[n], alpha=self.raw(k) if weighted else 1.0)
+                self.added.append(k)
+
+    def into(self, up: Uplink) -> Uplink:
+        """``up`` with the sums as its ``reduced`` statistics, when they are the right ones."""
+        accepted = np.flatnonzero(up.mask & (up.status == STATUS_OK))
+        if self.next < len(self.order) or self.added != accepted.tolist() or \
+                any(self.raw(k) != up.meta[k, M_RAW] for k in self.added):
+            return up
+        return replace(up, reduced={**up.reduced, **self.out})
+
+
 @dataclass
 class ServerResult:
     """What the server step decided."""
@@ -87,12 +164,13 @@ class ServerResult:
 
 def server_step(state: torch.Tensor, up: Uplink, algo: Algorithm, weighting: Weighting,
                 stats: list[Stat], num_samples: np.ndarray,
-                out: Optional[dict[str, torch.Tensor]] = None) -> ServerResult:
+                out: Optional[dict[str, torch.Tensor]] = None,
+                sums: Optional[dict[str, torch.Tensor]] = None) -> ServerResult:
     """Exclusion, weights, combination and the method's server rule (module docstring).
 
     ``state`` is θ (parameters and float buffers) and is updated in place.
-    ``out`` may hold preallocated buffers for the reduced statistics (no
-    model-sized allocation per round).
+    ``out`` may hold preallocated float32 buffers for the summed statistics and
+    ``sums`` float64 ones for :func:`ordered_sum` (no model-sized allocation per round).
     """
     K = up.mask.shape[0]
     status = up.status
@@ -124,7 +202,12 @@ def server_step(state: torch.Tensor, up: Uplink, algo: Algorithm, weighting: Wei
     else:
         s = raw / raw.sum()
     total_raw = raw.sum()
-    for name, v in up.reduced.items():
+    summed = dict(up.reduced)
+    for name in up.rows:   # exact reduction: the sums nobody has added up yet
+        if is_summed(kinds[name], weighting.per_client) and name not in summed:
+            summed[name] = ordered_sum(up, name, accepted, kinds[name].combine == "weighted",
+                                       sums.get(name) if sums else None)
+    for name, v in summed.items():
         buf = out.get(name) if out else None
         if buf is None:
             buf = torch.empty(v.shape, dtype=torch.float32, device=v.device)

@@ -1,0 +1,184 @@
+"""Bit-reproducibility across world sizes (issue 20).
+
+``runtime.reduction: exact`` must give the same ``model.pt`` bytes and the
+same log rows (every column but the timings) for every number of ranks, and
+across a stop and a resume on another number of ranks; the per-client-row path
+of a per-client weighting (FedVG) is exact in the default mode already. The
+in-process tests check the server's client-order sum against plain torch.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import SMALL, run_fedmpi
+from fedmpi.algorithms import Stat, build_weighting
+from fedmpi.log import read
+from fedmpi.runtime import plan_uplink
+from fedmpi.runtime.server import STATUS_NONFINITE, STATUS_OK, ArrivalSum, Uplink, ordered_sum
+
+QUICK = ["--set", "runtime.threads=1", "--set", "runtime.progress=false",
+         "--set", "runtime.round_timeout=120"]
+# sharded evaluation is asked for and must not happen: its slices follow the world size
+EXACT = [*QUICK, "--set", "runtime.reduction=exact", "--set", "eval.sharded=true"]
+
+
+def _run(out: Path, n: int, rounds: int, *extra: str, cfg: str = "configs/quickstart.yaml",
+         resume: bool = False) -> Path:
+    run_fedmpi(["run", cfg, *extra, "--set", f"train.rounds={rounds}", "--out", str(out),
+                *(["--resume"] if resume else [])], n=n)
+    return out
+
+
+def _assert_identical(a: Path, b: Path) -> None:
+    """Same model.pt bytes; same log rows in every non-timing column and array."""
+    assert (a / "model.pt").read_bytes() == (b / "model.pt").read_bytes()
+    la, lb = read(a / "log.h5"), read(b / "log.h5")
+    for group in ("rounds", "clients", "arrays"):
+        ga, gb = getattr(la, group), getattr(lb, group)
+        assert ga.keys() == gb.keys(), group
+        for name, v in ga.items():
+            if not name.endswith("seconds"):
+                same = (np.array_equal(v, gb[name]) if v.dtype == object
+                        else np.array_equal(v, gb[name], equal_nan=True))
+                assert same, f"{group}/{name}"
+    assert la.attrs["status"] == lb.attrs["status"] == "completed"
+
+
+@pytest.fixture(scope="module")
+def exact_n1(tmp_path_factory) -> Path:
+    """10 rounds of the quickstart, exact, alone."""
+    return _run(tmp_path_factory.mktemp("exact") / "n1", 1, 10, *EXACT)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_exact_mode_is_bit_identical_for_every_world_size(exact_n1, tmp_path, n):
+    _assert_identical(_run(tmp_path / f"n{n}", n, 10, *EXACT), exact_n1)
+
+
+@pytest.mark.mpi
+def test_exact_mode_stop_on_3_resume_on_2_is_bit_identical(exact_n1, tmp_path):
+    out = _run(tmp_path / "r", 3, 4, *EXACT)
+    _run(out, 2, 10, *EXACT, resume=True)
+    assert list(read(out / "log.h5").attrs["resumed_world_sizes"]) == [2]
+    _assert_identical(out, exact_n1)
+
+
+@pytest.mark.mpi
+def test_per_client_rows_of_fedvg_are_exact_in_default_mode(tmp_path):
+    """FedVG's weighted statistics already travel as rows and are combined in
+    client-id order (and scored one client at a time): bit-identical without
+    ``runtime.reduction: exact``."""
+    args = [*SMALL, *QUICK, "--set", "aggregation.fedvg.granularity=block"]
+    a = _run(tmp_path / "n1", 1, 3, *args, cfg="configs/fedvg_digits.yaml")
+    b = _run(tmp_path / "n3", 3, 3, *args, cfg="configs/fedvg_digits.yaml")
+    _assert_identical(b, a)
+
+
+# ------------------------------------------------------------- in process
+def test_exact_plan_sends_every_statistic_as_a_row():
+    stats = [Stat("delta", 7), Stat("dc", 5, "sum"), Stat("sel", 2, "client")]
+    default = plan_uplink(stats, per_client_weighting=False)
+    assert [s.name for s, _ in default.reduced] == ["delta", "dc"]
+    exact = plan_uplink(stats, per_client_weighting=False, exact=True)
+    assert exact.reduced == [] and exact.reduce_size == 0
+    assert [(s.name, off) for s, off in exact.gathered] == [("delta", 0), ("dc", 7), ("sel", 12)]
+
+
+def _uplink(x: np.ndarray, raw: np.ndarray, status, row_clients) -> Uplink:
+    K = x.shape[0]
+    meta = np.zeros((K, 6))
+    meta[:, 0], meta[:, 1] = status, raw
+    return Uplink(round=0, mask=np.ones(K, bool), meta=meta,
+                  rows={"delta": torch.as_tensor(x[row_clients])},
+                  row_clients=np.asarray(row_clients, dtype=np.int64))
+
+
+def test_ordered_sum_is_client_order_whatever_the_row_order():
+    """Σ_k w̃_k x_k adds the clients in id order with one ``add_(x, alpha=w̃)`` each —
+    the op a worker pre-reduces with — so every row order (rank layout) gives the
+    bits of one rank summing all clients; a non-finite client is not added."""
+    rng = np.random.default_rng(3)
+    K, D = 6, 4097
+    x = (rng.normal(size=(K, D)) * np.logspace(-6, 2, D)).astype(np.float32)
+    raw = rng.random(K) / 7
+    status = [STATUS_OK] * K
+    status[4] = STATUS_NONFINITE
+    x[4, 10] = np.nan
+    accepted = np.array([0, 1, 2, 3, 5])
+    want = torch.zeros(D, dtype=torch.float64)
+    for k in accepted:                          # one rank hosting every client
+        want.add_(torch.as_tensor(x[k]), alpha=float(raw[k]))
+    for order in ([0, 1, 2, 3, 4, 5], [0, 2, 4, 1, 3, 5], [5, 3, 1, 4, 2, 0]):   # -n 1, -n 3, any
+        got = ordered_sum(_uplink(x, raw, status, order), "delta", accepted, weighted=True)
+        assert torch.equal(got, want), order
+    plain = ordered_sum(_uplink(x, raw, status, [1, 0, 2, 3, 4, 5]), "delta", accepted, weighted=False)
+    assert torch.equal(plain, torch.as_tensor(x[accepted].astype(np.float64)).cumsum(0)[-1])
+    terms = x[accepted].astype(np.float64) * raw[accepted, None]   # and it is the sum
+    assert np.all(np.abs(want.numpy() - terms.sum(0)) <= 1e-15 * np.abs(terms).sum(0))
+
+
+def test_sum_on_arrival_adds_in_client_order_whatever_the_arrival_order():
+    """Rank 0 adds rows while others train: the same bits as the client-order sum, for
+    any arrival order; handed to the server step only when it covers exactly the
+    accepted clients with their reported weights."""
+    rng = np.random.default_rng(5)
+    K, D = 6, 1031
+    x = (rng.normal(size=(K, D)) * np.logspace(-5, 3, D)).astype(np.float32)
+    raw = rng.random(K)
+    x[2, 7] = np.inf
+    status = [STATUS_OK, STATUS_OK, STATUS_NONFINITE, STATUS_OK, STATUS_OK, STATUS_OK]
+    mask = np.array([True, True, True, False, True, True])
+    want = torch.zeros(D, dtype=torch.float64)
+    for k in (0, 1, 4, 5):
+        want.add_(torch.as_tensor(x[k]), alpha=float(raw[k]))
+    for arrival in ([5, 4, 2, 1, 0], [1, 0, 5, 2, 4], [0, 1, 2, 4, 5]):
+        acc = ArrivalSum([Stat("delta", D)], lambda k: float(raw[k]),
+                         {"delta": torch.full((D,), 7.0, dtype=torch.float64)})
+        acc.start(mask)
+        for k in arrival:
+            acc.arrived(k, {"delta": torch.as_tensor(x[k])})
+        up = _uplink(x, raw, status, arrival)
+        up = Uplink(round=0, mask=mask, meta=up.meta, rows=up.rows, row_clients=up.row_clients)
+        assert torch.equal(acc.into(up).reduced["delta"], want), arrival
+        lied = up.meta.copy()
+        lied[4, 1] *= 2                                   # a weight other than it reported
+        assert acc.into(Uplink(round=0, mask=mask, meta=lied)).reduced == {}
+    early = ArrivalSum([Stat("delta", D)], lambda k: float(raw[k]),
+                       {"delta": torch.zeros(D, dtype=torch.float64)})
+    early.start(mask)
+    early.arrived(0, {"delta": torch.as_tensor(x[0])})    # the others never streamed
+    assert early.into(up).reduced == {}
+
+
+def test_server_step_sums_rows_of_a_reducible_weighting():
+    """The exact path through the whole server step: FedAvg θ + Σ w̃_k Δ_k / Σ w̃_k."""
+    from conftest import bare_context
+    from torch import nn
+
+    from fedmpi.algorithms import ALGORITHMS, start
+    from fedmpi.config import config_from_dict
+    from fedmpi.flat import FlatModel
+    from fedmpi.runtime.server import server_step
+
+    K, n_k = 4, np.array([5, 9, 2, 7])
+    cfg = config_from_dict({"data": {"num_clients": K}})
+    torch.manual_seed(0)
+    flat = FlatModel(nn.Linear(3, 2))
+    algo, w = ALGORITHMS["fedavg"](cfg, flat, K), build_weighting("samples", n_k)
+    start(algo, bare_context(cfg, flat, n_k))
+    start(w, bare_context(cfg, flat, n_k))
+    theta = flat.vector.clone()
+    d = np.random.default_rng(0).normal(size=(K, flat.size)).astype(np.float32)
+    raw = n_k / n_k.sum()
+    up = _uplink(d, raw, [STATUS_OK] * K, [1, 3, 0, 2])
+    server_step(flat.vector, up, algo, w, algo.uplink_stats(), n_k)
+    acc = torch.zeros(flat.size, dtype=torch.float64)
+    for k in range(K):
+        acc.add_(torch.as_tensor(d[k]), alpha=float(raw[k]))
+    want = theta + (acc / raw.sum()).float()
+    assert torch.equal(flat.vector, want)
