@@ -11,24 +11,24 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import SMALL, TEST_DEVICE, run_fedmpi, set_dotted
+from conftest import SMALL, TEST_DEVICE, build_fed, run_fedmpi
 from torch import nn
 
 from fedmpi.accel import OFF, Accel
-from fedmpi.comm import Comm
-from fedmpi.config import config_from_dict
 from fedmpi.flat import FlatModel
 from fedmpi.log import read
 from fedmpi.runtime import Federation
 from fedmpi.train import LocalTrainer, SGDConfig, evaluate
 
 
+BASE = {"name": "accel", "seed": 4, "runtime": {"progress": False, "device": TEST_DEVICE, "threads": 1},
+        "data": {"num_clients": 4},
+        "model": {"name": "cnn"},
+        "train": {"rounds": 1, "local_steps": 4, "batch_size": 32, "lr": 0.05, "momentum": 0.5}}
+
+
 def make_fed(**over) -> Federation:
-    d = {"name": "accel", "seed": 4, "runtime": {"progress": False, "device": TEST_DEVICE, "threads": 1},
-         "data": {"num_clients": 4},
-         "model": {"name": "cnn"},
-         "train": {"rounds": 1, "local_steps": 4, "batch_size": 32, "lr": 0.05, "momentum": 0.5}}
-    return Federation(config_from_dict(set_dotted(d, over)), Comm())
+    return build_fed(BASE, **over)
 
 
 def first_conv(model: nn.Module) -> nn.Conv2d:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import fedmpi.runtime.build as runtime_build
-from conftest import SMALL, TEST_DEVICE, bare_context, run_fedmpi, set_dotted
+from conftest import SMALL, TEST_DEVICE, bare_context, build_fed, run_fedmpi, set_dotted
 from fedmpi.algorithms import ALGORITHMS, ClientTask, RoundInfo, start
 from fedmpi.algorithms.elastic import Elastic
 from fedmpi.comm import Comm
@@ -36,7 +36,7 @@ def cfg_dict(**over) -> dict:
 
 
 def make_fed(**over) -> Federation:
-    return Federation(config_from_dict(cfg_dict(**over)), Comm())
+    return build_fed(cfg_dict(), **over)
 
 
 @pytest.fixture

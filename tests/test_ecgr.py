@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SMALL, TEST_DEVICE, run_at_world_sizes, run_fedmpi, set_dotted
+from conftest import SMALL, TEST_DEVICE, build_fed, run_at_world_sizes, run_fedmpi
 from fedmpi.algorithms import ALGORITHMS, ClientTask
 from fedmpi.algorithms import ecgr as ecgr_mod
 from fedmpi.algorithms.base import sgd_config
 from fedmpi.algorithms.ecgr import ECGR, SELECTED_STAT, choose_storage, herding, num_selected
-from fedmpi.comm import Comm
 from fedmpi.config import config_from_dict
 from fedmpi.errors import ConfigError, DataError
 from fedmpi.runtime import Federation, stream_seed
@@ -69,13 +68,15 @@ def steps_case(seed: int = 0, tau: int = 7, P: int = 40):
     return B, lrs, delta
 
 
+BASE = {"name": "ecgr", "seed": 3, "runtime": {"progress": False, "device": TEST_DEVICE, "threads": 1},
+        "data": {"num_clients": 4, "partition": {"method": "dirichlet", "alpha": 1.0, "min_size": 5}},
+        "model": {"name": "cnn"},
+        "train": {"rounds": 1, "local_steps": 5, "batch_size": 16, "lr": 0.05, "momentum": 0.9},
+        "ecgr": {"enabled": True}}
+
+
 def make_fed(**over) -> Federation:
-    d = {"name": "ecgr", "seed": 3, "runtime": {"progress": False, "device": TEST_DEVICE, "threads": 1},
-         "data": {"num_clients": 4, "partition": {"method": "dirichlet", "alpha": 1.0, "min_size": 5}},
-         "model": {"name": "cnn"},
-         "train": {"rounds": 1, "local_steps": 5, "batch_size": 16, "lr": 0.05, "momentum": 0.9},
-         "ecgr": {"enabled": True}}
-    return Federation(config_from_dict(set_dotted(d, over)), Comm())
+    return build_fed(BASE, **over)
 
 
 def client_out(fed: Federation, k: int = 0, t: int = 0) -> tuple[dict[str, torch.Tensor], object]:

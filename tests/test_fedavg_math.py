@@ -6,21 +6,21 @@ import copy
 import numpy as np
 import torch
 import torch.nn.functional as F
-from conftest import TEST_DEVICE, set_dotted
+from conftest import TEST_DEVICE, build_fed
 
-from fedmpi.comm import Comm
-from fedmpi.config import config_from_dict
 from fedmpi.runtime import Federation
 from fedmpi.train import LocalTrainer, SGDConfig
 
 
+BASE = {"name": "math", "seed": 3, "runtime": {"progress": False, "device": TEST_DEVICE},
+        "data": {"num_clients": 4, "partition": {"method": "dirichlet", "alpha": 1.0, "min_size": 5},
+                 "validation": {"fraction": 0.1}},
+        "model": {"name": "lenet"},
+        "train": {"rounds": 1, "local_steps": 1, "batch_size": 5000, "lr": 0.1}}
+
+
 def make_fed(**over) -> Federation:
-    d = {"name": "math", "seed": 3, "runtime": {"progress": False, "device": TEST_DEVICE},
-         "data": {"num_clients": 4, "partition": {"method": "dirichlet", "alpha": 1.0, "min_size": 5},
-                  "validation": {"fraction": 0.1}},
-         "model": {"name": "lenet"},
-         "train": {"rounds": 1, "local_steps": 1, "batch_size": 5000, "lr": 0.1}}
-    return Federation(config_from_dict(set_dotted(d, over)), Comm())
+    return build_fed(BASE, **over)
 
 
 def test_fedavg_full_batch_equals_centralised_gd():

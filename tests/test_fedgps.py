@@ -12,10 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, TEST_DEVICE, mpiexec_path, run_at_world_sizes, run_fedmpi, set_dotted
+from conftest import ROOT, TEST_DEVICE, build_fed, mpiexec_path, run_at_world_sizes, run_fedmpi
 from fedmpi.algorithms.fedgps import FedGPS, supcon_loss
-from fedmpi.comm import Comm
-from fedmpi.config import config_from_dict
 from fedmpi.data.surrogate import make_surrogate
 from fedmpi.errors import ConfigError
 from fedmpi.runtime import Federation, stream_seed
@@ -24,16 +22,18 @@ from fedmpi.train import LocalTrainer, SGDConfig
 CFG = "configs/fedgps_digits.yaml"
 
 
+BASE = {"name": "gps", "seed": 3, "runtime": {"progress": False, "device": TEST_DEVICE, "threads": 1},
+        "data": {"num_clients": 4, "partition": {"method": "dirichlet", "alpha": 1.0, "min_size": 20},
+                 "validation": {"fraction": 0.0}},
+        "model": {"name": "cnn"},
+        "train": {"rounds": 5, "local_steps": 2, "batch_size": 16, "lr": 0.05},
+        "algorithm": {"name": "fedgps", "fedgps": {"surrogate_per_class": 20,
+                                                   "surrogate_batch": 32}},
+        "aggregation": {"weighting": "uniform"}}
+
+
 def make_fed(**over) -> Federation:
-    d = {"name": "gps", "seed": 3, "runtime": {"progress": False, "device": TEST_DEVICE, "threads": 1},
-         "data": {"num_clients": 4, "partition": {"method": "dirichlet", "alpha": 1.0, "min_size": 20},
-                  "validation": {"fraction": 0.0}},
-         "model": {"name": "cnn"},
-         "train": {"rounds": 5, "local_steps": 2, "batch_size": 16, "lr": 0.05},
-         "algorithm": {"name": "fedgps", "fedgps": {"surrogate_per_class": 20,
-                                                    "surrogate_batch": 32}},
-         "aggregation": {"weighting": "uniform"}}
-    return Federation(config_from_dict(set_dotted(d, over)), Comm())
+    return build_fed(BASE, **over)
 
 
 def fixed_participants(fed: Federation, rounds: list[list[int]]) -> None:

@@ -505,7 +505,6 @@ def test_scalefl_skips_deepest_identity_blocks_and_scales_width():
     for r in (1.0, 0.25, 1 / 16):
         skip, width = ex.depth_plan(r)
         n_skip = min(5, math.floor((1 - r ** 0.5) * 8 + 0.5))
-        blocks = sorted({n.rsplit(".", 2)[0] if n.count(".") > 2 else n for n in skip})
         sub = ex.extract(flat.vector, r, 0)
         kept_params = int(sub.mask[: flat.num_params].sum())
         assert abs(kept_params - r * flat.num_params) <= 0.15 * r * flat.num_params, (r, kept_params)

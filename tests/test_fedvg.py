@@ -8,10 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import SMALL, TEST_DEVICE, run_at_world_sizes, run_fedmpi, set_dotted
+from conftest import SMALL, TEST_DEVICE, build_fed, run_at_world_sizes, run_fedmpi, set_dotted
 from fedmpi.algorithms import ALGORITHMS
 from fedmpi.algorithms.fedvg import block_of, fedvg_scores, layer_norms
-from fedmpi.comm import Comm
 from fedmpi.config import config_from_dict
 from fedmpi.data import synthetic_dataset
 from fedmpi.data.validation import (CIFAR100_CLASSES, CLASS_MAPS, build_validation,
@@ -31,7 +30,7 @@ def cfg_dict(**over) -> dict:
 
 
 def make_fed(**over) -> Federation:
-    return Federation(config_from_dict(cfg_dict(**over)), Comm())
+    return build_fed(cfg_dict(), **over)
 
 
 def rows_from(fed: Federation, deltas: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -510,7 +509,6 @@ def test_vit_and_resnet50_paper_models():
 
 ARRIVAL_SCRIPT = r"""
 import numpy as np, torch
-from fedmpi.comm import Comm
 from fedmpi.config import config_from_dict
 from fedmpi.runtime import Federation
 from fedmpi.algorithms.fedvg import FedVG

@@ -15,12 +15,10 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import h5py
-import numpy as np
 import pytest
 import torch
 import yaml

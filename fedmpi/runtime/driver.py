@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
-import torch
 
 from .. import checkpoint, metrics, rundir, signals
 from ..comm import Comm, CommTimeout

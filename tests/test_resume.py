@@ -1,5 +1,6 @@
-"""Operations (issue 5): checkpoints, --resume, signals, faults (Slurm scripts and the
-launcher: tests/test_slurm.py).
+"""Checkpoints and --resume: stop, kill and resume under another number of ranks, bad
+checkpoint files, and the checkpoint format (signals: tests/test_signals.py; placement:
+tests/test_placement.py; Slurm and the launcher: tests/test_slurm.py).
 
 The MPI tests share one configuration (FedDyn, so every client has a state h_k
 on its worker and the server has Σh) and one uninterrupted reference run; an
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from conftest import ROOT, SMALL, TEST_DEVICE, fedmpi_cmd, mpiexec_path, run_fedmpi
-from fedmpi import checkpoint, placement, signals
+from fedmpi import checkpoint, signals
 from fedmpi.cli import main as fedmpi_main
 from fedmpi.log import read
 
@@ -316,53 +317,3 @@ def test_atomic_save_leaves_old_file_on_failure(tmp_path):
         checkpoint.save_atomic({"x": Boom()}, path)
     assert torch.equal(torch.load(path, weights_only=True)["x"], torch.ones(2))
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]   # no temp file left
-
-
-def test_signal_handlers_record_and_restore():
-    before = signal.getsignal(signal.SIGUSR1)
-    assert signals.install()
-    try:
-        assert signals.requested() is None
-        os.kill(os.getpid(), signal.SIGUSR1)
-        time.sleep(0.01)
-        assert signals.requested() == "SIGUSR1" and signals.requested_signum() == signal.SIGUSR1
-        os.kill(os.getpid(), signal.SIGTERM)               # the first request wins
-        time.sleep(0.01)
-        assert signals.requested() == "SIGUSR1"
-        os.kill(os.getpid(), signal.SIGINT)                # not a second SIGINT: no exception
-        time.sleep(0.01)
-    finally:
-        signals.restore()
-    assert signal.getsignal(signal.SIGUSR1) == before
-    assert signals.signal_name(15) == "SIGTERM" and signals.signal_name(250) == "signal 250"
-
-
-def test_second_sigint_raises_keyboard_interrupt():
-    signals.install()
-    try:
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.01)
-        assert signals.requested() == "SIGINT"
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.1)
-    finally:
-        signals.restore()
-
-
-def test_placement_rule():
-    assert [placement.gpu_for_local_rank(i, 4) for i in range(6)] == [0, 1, 2, 3, 0, 1]
-    assert placement.gpu_for_local_rank(3, 0) is None
-    slots = placement.plan(5, 2)
-    assert [(s.role, s.gpu) for s in slots] == [("aggregator", 0), ("worker", 1), ("worker", 0),
-                                               ("worker", 1), ("worker", 0)]
-    assert placement.describe(slots)[0] == "local rank 0 (aggregator) -> cuda:0"
-    assert placement.threads_per_rank(16, 5) == 3 and placement.threads_per_rank(2, 5) == 1
-
-
-def test_info_shows_placement(capsys):
-    assert _main("info", "--ranks", "3") == 0
-    out = capsys.readouterr().out
-    assert "CUDA-aware MPI:" in out and "placement of 3 ranks on this node" in out
-    assert "local rank 0 (aggregator) ->" in out and "local rank 2 (worker) ->" in out
-    assert _main("info", "--ranks", "0") == 2
