@@ -181,7 +181,7 @@ def digest(obj: Any) -> str:
 
 # ------------------------------------------------------------- RNG (rank 0)
 def _rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()
     py_version, py_state, py_gauss = random.getstate()
     out: dict[str, Any] = {
         "torch": torch.get_rng_state(),

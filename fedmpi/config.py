@@ -149,9 +149,9 @@ _DATASETS = ("digits", "mnist", "fashionmnist", "cifar10", "cifar100", "svhn", "
 _TABULAR = ("tabular", "breast_cancer", "wine")
 #: ``pkg.module:attr``, a Python object named by import path (:mod:`fedmpi.imports`).
 IMPORT_PATTERN = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
-_IMPORT = dict(pattern=IMPORT_PATTERN, pattern_help="pkg.module:attr")
-_MEDMNIST = dict(pattern=r"medmnist:\S+", pattern_help="medmnist:<flag>")
-_DATASET_PATTERN = dict(pattern=f"medmnist:\\S+|{IMPORT_PATTERN}",
+_IMPORT: dict[str, Any] = dict(pattern=IMPORT_PATTERN, pattern_help="pkg.module:attr")
+_MEDMNIST: dict[str, Any] = dict(pattern=r"medmnist:\S+", pattern_help="medmnist:<flag>")
+_DATASET_PATTERN: dict[str, Any] = dict(pattern=f"medmnist:\\S+|{IMPORT_PATTERN}",
                         pattern_help="medmnist:<flag> or pkg.module:attr")
 #: ``eval.metrics`` names (:mod:`fedmpi.metrics`).
 METRIC_NAMES = ("accuracy", "balanced_accuracy", "macro_f1", "auroc")

@@ -242,7 +242,7 @@ class UserCode:
     algorithm: Optional[type] = None
     weighting: Optional[type] = None
 
-    def algorithm_class(self, cfg: Any) -> type:
+    def algorithm_class(self, cfg: Any) -> Any:
         """The method class: the one given, else ``algorithm.name``'s."""
         if self.algorithm is not None:
             return algorithm_class(self.algorithm)

@@ -39,7 +39,7 @@ import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import h5py
 import numpy as np
@@ -47,6 +47,9 @@ import yaml
 
 from fedmpi.errors import LogFormatError
 from fedmpi.outputs import OutputError, quiet_h5py_errors, write_failed
+
+if TYPE_CHECKING:
+    import pandas
 
 __all__ = ["SCHEMA_VERSION", "STATUSES", "LogWriter", "RunLog", "read"]
 
@@ -273,14 +276,14 @@ class LogWriter:
 
         # Validate and convert everything before the file is touched.
         rows: dict[str, np.ndarray] = {"rounds/round": np.asarray(round, dtype=np.int64)}
-        for name, value in scalars.items():
+        for name, scalar in scalars.items():
             if name == "round":
-                if int(value) != round:
-                    raise ValueError(f"scalars['round']={value} differs from round={round}")
+                if int(scalar) != round:
+                    raise ValueError(f"scalars['round']={scalar} differs from round={round}")
                 continue
             _check_name(name, "scalar")
-            rows[f"rounds/{name}"] = (_as_int(name, value) if name.startswith("bytes_")
-                                      else np.asarray(float(value)))
+            rows[f"rounds/{name}"] = (_as_int(name, scalar) if name.startswith("bytes_")
+                                      else np.asarray(float(scalar)))
         for name, value in per_client.items():
             _check_name(name, "per-client array")
             if name == "num_samples":
@@ -291,12 +294,12 @@ class LogWriter:
                 raise ValueError(f"per_client[{name!r}] has shape {a.shape}, "
                                  f"expected ({self.num_clients},)")
             rows[f"clients/{name}"] = a
-        for key, value in arrays.items():
+        for key, array in arrays.items():
             group, _, name = key.strip("/").partition("/")
             if not name or group in _RESERVED_GROUPS:
                 raise ValueError(f"arrays key {key!r} must be '<group>/<name>' with a group "
                                  f"other than {sorted(_RESERVED_GROUPS)}")
-            a = np.asarray(value)
+            a = np.asarray(array)
             rows[f"{group}/{name}"] = a.astype(bool if a.dtype == bool else np.float64)
         for key, a in rows.items():
             if key in self._series:
@@ -316,6 +319,7 @@ class LogWriter:
 
     def _create_series(self, key: str, row: np.ndarray, n: int) -> h5py.Dataset:
         """Create a round-axis dataset with ``n`` rows of its fill value."""
+        fill: Any
         if row.dtype == bool:
             fill = False
         elif row.dtype.kind == "i":
@@ -465,16 +469,16 @@ class RunLog:
     def status(self) -> str:
         return self.attrs["status"]
 
-    def rounds_frame(self) -> "pandas.DataFrame":  # noqa: F821
+    def rounds_frame(self) -> "pandas.DataFrame":
         """``/rounds/*`` as a DataFrame with one row per round (needs pandas)."""
         return _frame(self.rounds, "rounds_frame")
 
-    def events_frame(self) -> "pandas.DataFrame":  # noqa: F821
+    def events_frame(self) -> "pandas.DataFrame":
         """``/events`` as a DataFrame with columns round, rank, client, message."""
         return _frame(self.events, "events_frame")
 
 
-def _frame(columns: Mapping[str, np.ndarray], caller: str) -> "pandas.DataFrame":  # noqa: F821
+def _frame(columns: Mapping[str, np.ndarray], caller: str) -> "pandas.DataFrame":
     try:
         import pandas as pd
     except ImportError as exc:

@@ -13,7 +13,7 @@ HeteroFL/FedLAGC: batch statistics in training *and* evaluation) or ``gn``
 from __future__ import annotations
 
 import abc
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -148,7 +148,7 @@ class ResNet(FeatureModel):
     granularity groups parameters by these module paths.
     """
 
-    def __init__(self, block: type, depths: tuple[int, int, int, int], in_channels: int,
+    def __init__(self, block: Any, depths: tuple[int, int, int, int], in_channels: int,
                  num_classes: int, norm: NormFactory, stem: str = "cifar") -> None:
         super().__init__()
         if stem == "imagenet":

@@ -144,17 +144,21 @@ Table 7 says 0.2).
 from __future__ import annotations
 
 from functools import partial
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..flat import FlatModel
 from ..train import LocalTrainer, StepHooks, TrainResult
 from ..data.augment import random_crop_flip
 from .base import Algorithm, ClientTask, RoundInfo, Stat
 from .fedgps_presets import AUTHORS_MEAN, AUTHORS_STD, resolve_options
+
+if TYPE_CHECKING:
+    from ..data.surrogate import SurrogateData
 
 _SURROGATE_TAG = 0x6F5  # separates the surrogate-batch stream from the trainer's batch order
 
@@ -204,9 +208,9 @@ class FedGPS(Algorithm):
         self.sign = -1.0 if o["sign"] == "against" else 1.0
         self.first_global = o["first_participation"] == "global"
         self.augment = o["surrogate_augment"] == "crop_flip"
-        head = layout.model.classifier
-        self.C = head.out_features // 2 if self.static else head.out_features
-        self.feat_dim = int(layout.model.feature_dim)
+        head = cast(nn.Linear, layout.model.classifier)
+        self.C: int = head.out_features // 2 if self.static else head.out_features
+        self.feat_dim = int(cast(int, layout.model.feature_dim))
         self.param_segments = layout.param_segments
         self.device = layout.device
         P, C, d = self.num_params, self.C, self.feat_dim
@@ -215,7 +219,7 @@ class FedGPS(Algorithm):
         self.has_protos = False
         # worker side (allocated in bind when the rank hosts clients)
         self.hosts = False
-        self.surrogate = None
+        self.surrogate: Optional[SurrogateData] = None
         self.last_delta: dict[int, torch.Tensor] = {}   # Δ_k (parameters) of the last participation
         self.last_round: dict[int, int] = {}
         self._prev_round = -1        # round of the θ kept in _prev
@@ -291,7 +295,7 @@ class FedGPS(Algorithm):
         w = self.ctx.client_weight if self.ctx is not None else None
         if w is None:
             return float(prev.sum())
-        raw = np.array([w(j) for j in np.flatnonzero(prev)], dtype=np.float64)
+        raw = np.array([w(int(j)) for j in np.flatnonzero(prev)], dtype=np.float64)
         return float(raw.sum() / w(k))
 
     def nonself_gradient(self, k: int, t: int) -> Optional[torch.Tensor]:
@@ -375,7 +379,7 @@ class FedGPS(Algorithm):
             xs = random_crop_flip(xs - pad, 4, dev_gen) + pad
         return xs, self.surrogate.y[idx]
 
-    def objective(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+    def objective(self, model: Any, x: torch.Tensor, y: torch.Tensor,
                   xs: torch.Tensor, ys: torch.Tensor,
                   protos: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Eq. 6 without the weight decay (added by the SGD loop); returns the loss

@@ -223,7 +223,8 @@ class Extractor:
         for mname, mod in model.named_modules():
             if isinstance(mod, _NORMS):
                 norm_params |= {f"{mname}.{p}" if mname else p for p, _ in mod.named_parameters()}
-        head = set(model.head_parameter_names()) if hasattr(model, "head_parameter_names") else set()
+        names = getattr(model, "head_parameter_names", None)
+        head = set(names()) if names is not None else set()
         multi = [s for s in self.segments if len(s.shape) >= 2]
         self.input_name = multi[0].name if multi else None
         if not head and multi:
@@ -504,7 +505,7 @@ class SubmodelMethod(Algorithm):
         shadow.copy_(flat.params)
         frozen = self.frozen_below
 
-        def grad_hook(f: FlatModel) -> None:
+        def dynamic_grad_hook(f: FlatModel) -> None:
             g = f.grad
             if self.ste:
                 g.mul_(ste_factor(shadow, sub.threshold))
@@ -519,7 +520,7 @@ class SubmodelMethod(Algorithm):
             shadow.copy_(flat.params)
             flat.params.mul_(mask * (shadow.abs() >= sub.threshold))
 
-        return StepHooks(grad_hook=grad_hook, step_hook=step_hook)
+        return StepHooks(grad_hook=dynamic_grad_hook, step_hook=step_hook)
 
     def masked_loss(self, task: ClientTask):
         """HeteroFL's masked cross-entropy (its code's ``cfg['mask']``): the logits of

@@ -63,7 +63,7 @@ class Dataset:
     scale: float
     augment: bool = False
     # Per-device (gain, offset) of the affine normalisation; not part of the value.
-    _affine: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(
+    _affine: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 

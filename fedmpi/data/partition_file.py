@@ -195,6 +195,6 @@ def write_partition_file(
     elif suffix == ".npz":
         arrays = {f"client_{k}": np.asarray(c, dtype=np.int64) for k, c in enumerate(clients)}
         arrays["validation"] = np.asarray(validation, dtype=np.int64)
-        np.savez(path, **arrays)
+        np.savez(path, **arrays)  # type: ignore[arg-type]  # numpy stubs: kwds typed as bool
     else:
         raise DataError(f"cannot write partition to {path!r}: the name must end in .json or .npz")

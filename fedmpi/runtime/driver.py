@@ -153,5 +153,5 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
         print(guard.interrupted_message(fed, t, out), file=sys.stderr, flush=True)
         raise SystemExit(signals.EXIT_INTERRUPTED)
     names = ("test_accuracy", *metrics.extra_names(cfg.eval.metrics))
-    final = next((h for h in reversed(fed.history) if not np.isnan(h["test_accuracy"])), {})
+    final: dict = next((h for h in reversed(fed.history) if not np.isnan(h["test_accuracy"])), {})
     return {n: float(final.get(n, float("nan"))) for n in names}
