@@ -257,67 +257,8 @@ SCHEMA: dict[str, Field] = {
                               "against its params['params'] dataclass"),
     "algorithm.server_lr": Field(float | None, None, "server learning rate; null = method default "
                                  "(1; fedadam/fedyogi 0.01)", gt=0),
-    # FedGPS (fedmpi/algorithms/fedgps.py)
-    "algorithm.fedgps.preset": Field(str | None, None, "FedGPS source preset for the null keys "
-                                     "below (paper | authors); null = the per-key defaults; "
-                                     "keys set explicitly win", choices=("paper", "authors")),
-    "algorithm.fedgps.static": Field(bool, True, "FedGPS surrogate-alignment objective (Eq. 6)"),
-    "algorithm.fedgps.dynamic": Field(bool, True, "FedGPS non-self-gradient rectification (Eq. 7-8)"),
-    "algorithm.fedgps.lambda_g": Field(float, 0.5, "FedGPS perturbation radius lambda_g", ge=0),
-    "algorithm.fedgps.norm": Field(str | None, None, "norm of delta: global L2 or code's sum of per-tensor L2; null = preset (default global)",
-                                   choices=("global", "per_tensor_sum")),
-    "algorithm.fedgps.lambda1": Field(float | None, None, "FedGPS weight of real/surrogate SupCon alignment; null = preset (default 1.0)", ge=0),
-    "algorithm.fedgps.surrogate_supcon": Field(float | None, None, "FedGPS weight of SupCon on surrogate features; null = preset (default 0.1)", ge=0),
-    "algorithm.fedgps.lambda2": Field(float | None, None, "FedGPS weight of MSE to global surrogate prototypes; null = preset (default 0.1)", ge=0),
-    "algorithm.fedgps.temperature": Field(float, 0.07, "FedGPS SupCon temperature", gt=0),
-    "algorithm.fedgps.align_labels": Field(str | None, None, "real c and surrogate c are SupCon positives "
-                                           "(class) or negatives (shifted, authors' code); null = preset (default class)",
-                                           choices=("class", "shifted")),
-    "algorithm.fedgps.surrogate_per_class": Field(int, 200, "FedGPS surrogate samples per class", ge=1),
-    "algorithm.fedgps.surrogate_batch": Field(int, 128, "FedGPS surrogate batch per local step", ge=1),
-    "algorithm.fedgps.surrogate_std": Field(float, 0.5, "std of the class Gaussians in the latent", gt=0),
-    "algorithm.fedgps.eval_logits": Field(str | None, None, "evaluate on the first C logits or all 2C; null = preset (default first)",
-                                          choices=("first", "all")),
-    "algorithm.fedgps.sign": Field(str | None, None, "shift along the others' update (Table 5, "
-                                   "authors' code) or against it (Def. 4.5 / B.4); null = preset "
-                                   "(default along)", choices=("along", "against")),
-    "algorithm.fedgps.first_participation": Field(str | None, None, "non-self gradient at a "
-                                                  "client's first participation: none (authors' "
-                                                  "code) or global = the global update (Table 5 "
-                                                  "case B); null = preset (default none)",
-                                                  choices=("none", "global")),
-    "algorithm.fedgps.surrogate_augment": Field(str | None, None, "surrogate images: none, or "
-                                                "crop_flip = random crop (pad 4) + flip per draw "
-                                                "(authors' code); null = preset (default none)",
-                                                choices=("none", "crop_flip")),
-    "algorithm.fedgps.surrogate_normalize": Field(str | None, None, "surrogate normalisation: "
-                                                  "dataset mean/std, or authors = (x-0.5)/0.25 "
-                                                  "(authors' code); null = preset (default "
-                                                  "dataset)", choices=("dataset", "authors")),
-    # FedLAGC and submodel baselines (fedmpi/algorithms/submodel.py, fedlagc.py)
-    "algorithm.fedlagc.correction": Field(bool, True, "FedLAGC gradient correction (false = w/o GC)"),
-    "algorithm.fedlagc.beta": Field(float, 0.1, "FedLAGC correction accumulation rate beta", gt=0),
-    "algorithm.fedlagc.correction_fraction": Field(float, 0.25, "h(t)=1 for t < floor(fraction*T)",
-                                                   ge=0, le=1),
-    "algorithm.fedlagc.importance": Field(str, "mean", "layer importance S_l of |theta_l|",
-                                          choices=("mean", "max", "equal")),
-    "algorithm.fedlagc.log_normalize": Field(bool, True, "S~_l = log(1+S_l)/sum (false: S_l/sum)"),
-    "algorithm.submodel.ste": Field(bool, True, "STE gradient factor (fedlagc, fiarse)"),
-    "algorithm.fiarse.below_threshold": Field(str, "frozen", "FIARSE entries whose |theta| falls "
-                                              "below the threshold in local training: frozen = "
-                                              "zero gradient (FIARSE Bern.backward) or recover = "
-                                              "straight-through on the whole sent submodel",
-                                              choices=("frozen", "recover")),
-    "algorithm.fiarse.always_keep": Field(str, "norm", "FIARSE always-kept set: norm layers only "
-                                          "(FIARSE code) or critical = FedLAGC's (input/output "
-                                          "layers, norm layers, biases)",
-                                          choices=("norm", "critical")),
-    "algorithm.heterofl.masked_ce": Field(bool, False, "HeteroFL masked cross-entropy: logits of "
-                                          "classes absent from the client's data set to 0 "
-                                          "(HeteroFL code option)"),
-    "algorithm.scalefl.depth_share": Field(float, 0.5, "ScaleFL: share of log(r) spent on depth: "
-                                           "depth fraction r^share, width sqrt(r^(1-share))",
-                                           ge=0, le=1),
+    # method blocks algorithm.<method>.*: generated from the methods' parameter dataclasses
+    # (_method_fields, fedmpi.params)
     # aggregation weights
     "aggregation.weighting": Field(str, "samples", "client weights in the server average, or "
                                    "pkg.module:Class (a Weighting subclass)",
@@ -425,6 +366,7 @@ def _with_method_fields(schema: dict[str, Field]) -> dict[str, Field]:
 
 
 SCHEMA = _with_method_fields(SCHEMA)
+
 
 def _sections() -> set[str]:
     """Dotted names of every section (``"data"``, ``"data.partition"``, ...)."""

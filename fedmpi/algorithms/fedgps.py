@@ -143,6 +143,8 @@ Table 7 says 0.2).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from functools import partial
 from typing import TYPE_CHECKING, Any, Optional, cast
 
@@ -151,6 +153,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..params import param
 from ..flat import FlatModel
 from ..train import LocalTrainer, StepHooks, TrainResult
 from ..data.augment import random_crop_flip
@@ -183,10 +186,57 @@ def supcon_loss(z: torch.Tensor, labels: torch.Tensor, temperature: float) -> to
     return -mean_pos.mean()
 
 
+@dataclass(frozen=True)
+class FedGPSParams:
+    """``algorithm.fedgps.*`` (:mod:`fedmpi.params`)."""
+
+    preset: str | None = param(None, "FedGPS source preset for the null keys below (paper | "
+                                     "authors); null = the per-key defaults; keys set "
+                                     "explicitly win", choices=('paper', 'authors'))
+    static: bool = param(True, "FedGPS surrogate-alignment objective (Eq. 6)")
+    dynamic: bool = param(True, "FedGPS non-self-gradient rectification (Eq. 7-8)")
+    lambda_g: float = param(0.5, "FedGPS perturbation radius lambda_g", ge=0)
+    norm: str | None = param(None, "norm of delta: global L2 or code's sum of per-tensor L2; "
+                                   "null = preset (default global)",
+                                   choices=('global', 'per_tensor_sum'))
+    lambda1: float | None = param(None, "FedGPS weight of real/surrogate SupCon alignment; null"
+                                        " = preset (default 1.0)", ge=0)
+    surrogate_supcon: float | None = param(None, "FedGPS weight of SupCon on surrogate "
+                                                 "features; null = preset (default 0.1)", ge=0)
+    lambda2: float | None = param(None, "FedGPS weight of MSE to global surrogate prototypes; "
+                                        "null = preset (default 0.1)", ge=0)
+    temperature: float = param(0.07, "FedGPS SupCon temperature", gt=0)
+    align_labels: str | None = param(None, "real c and surrogate c are SupCon positives (class)"
+                                           " or negatives (shifted, authors' code); null = "
+                                           "preset (default class)", choices=('class', 'shifted'))
+    surrogate_per_class: int = param(200, "FedGPS surrogate samples per class", ge=1)
+    surrogate_batch: int = param(128, "FedGPS surrogate batch per local step", ge=1)
+    surrogate_std: float = param(0.5, "std of the class Gaussians in the latent", gt=0)
+    eval_logits: str | None = param(None, "evaluate on the first C logits or all 2C; null = "
+                                          "preset (default first)", choices=('first', 'all'))
+    sign: str | None = param(None, "shift along the others' update (Table 5, authors' code) or "
+                                   "against it (Def. 4.5 / B.4); null = preset (default along)",
+                                   choices=('along', 'against'))
+    first_participation: str | None = param(None, "non-self gradient at a client's first "
+                                                  "participation: none (authors' code) or "
+                                                  "global = the global update (Table 5 case B);"
+                                                  " null = preset (default none)",
+                                                  choices=('none', 'global'))
+    surrogate_augment: str | None = param(None, "surrogate images: none, or crop_flip = random "
+                                                "crop (pad 4) + flip per draw (authors' code); "
+                                                "null = preset (default none)",
+                                                choices=('none', 'crop_flip'))
+    surrogate_normalize: str | None = param(None, "surrogate normalisation: dataset mean/std, "
+                                                  "or authors = (x-0.5)/0.25 (authors' code); "
+                                                  "null = preset (default dataset)",
+                                                  choices=('dataset', 'authors'))
+
+
 class FedGPS(Algorithm):
     """FedGPS: surrogate alignment + non-self-gradient rectification (module docstring)."""
 
     name = "fedgps"
+    params = {"fedgps": FedGPSParams}
 
     @classmethod
     def num_outputs(cls, cfg, num_classes: int) -> int:

@@ -35,11 +35,12 @@ from typing import Optional
 import torch
 
 from .base import ClientTask
-from .submodel import SubmodelMethod
+from .submodel import FedLAGCParams, SubmodelMethod, SubmodelParams
 
 
 class FedLAGC(SubmodelMethod):
     name = "fedlagc"
+    params = {"submodel": SubmodelParams, "fedlagc": FedLAGCParams}
     rule = "layer_adaptive"
     use_ste = True
 

@@ -25,11 +25,29 @@ classifier, and keeps only the normalisation layers) or ``critical``
 """
 from __future__ import annotations
 
-from .submodel import SubmodelMethod
+from dataclasses import dataclass
+
+from ..params import param
+from .submodel import SubmodelMethod, SubmodelParams
+
+
+@dataclass(frozen=True)
+class FIARSEParams:
+    """``algorithm.fiarse.*`` (:mod:`fedmpi.params`)."""
+
+    below_threshold: str = param('frozen', "FIARSE entries whose |theta| falls below the "
+                                           "threshold in local training: frozen = zero gradient"
+                                           " (FIARSE Bern.backward) or recover = straight-"
+                                           "through on the whole sent submodel",
+                                           choices=('frozen', 'recover'))
+    always_keep: str = param('norm', "FIARSE always-kept set: norm layers only (FIARSE code) or"
+                                     " critical = FedLAGC's (input/output layers, norm layers, "
+                                     "biases)", choices=('norm', 'critical'))
 
 
 class FIARSE(SubmodelMethod):
     name = "fiarse"
+    params = {"submodel": SubmodelParams, "fiarse": FIARSEParams}
     rule = "global"
     use_ste = True
     dynamic_mask = True

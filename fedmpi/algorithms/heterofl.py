@@ -16,11 +16,23 @@ width rate in training); models must be channel-sliceable (``cnn``, ResNets).
 """
 from __future__ import annotations
 
-from .submodel import SubmodelMethod
+from dataclasses import dataclass
+
+from ..params import param
+from .submodel import SubmodelMethod, SubmodelParams
+
+
+@dataclass(frozen=True)
+class HeteroFLParams:
+    """``algorithm.heterofl.*`` (:mod:`fedmpi.params`)."""
+
+    masked_ce: bool = param(False, "HeteroFL masked cross-entropy: logits of classes absent "
+                                   "from the client's data set to 0 (HeteroFL code option)")
 
 
 class HeteroFL(SubmodelMethod):
     name = "heterofl"
+    params = {"submodel": SubmodelParams, "heterofl": HeteroFLParams}
     rule = "nested"
 
     def __init__(self, cfg, layout, num_clients: int) -> None:

@@ -26,11 +26,23 @@ Deviations (recorded; what the mask module cannot express):
 """
 from __future__ import annotations
 
-from .submodel import SubmodelMethod
+from dataclasses import dataclass
+
+from ..params import param
+from .submodel import SubmodelMethod, SubmodelParams
+
+
+@dataclass(frozen=True)
+class ScaleFLParams:
+    """``algorithm.scalefl.*`` (:mod:`fedmpi.params`)."""
+
+    depth_share: float = param(0.5, "ScaleFL: share of log(r) spent on depth: depth fraction "
+                                    "r^share, width sqrt(r^(1-share))", ge=0, le=1)
 
 
 class ScaleFL(SubmodelMethod):
     name = "scalefl"
+    params = {"submodel": SubmodelParams, "scalefl": ScaleFLParams}
     rule = "scaled"
 
     def setup(self, ctx) -> None:

@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import numpy as np
 import torch
@@ -85,6 +85,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..flat import FlatModel, Segment
+from ..params import param
 
 RULES = ("layer_adaptive", "global", "nested", "rolling", "scaled")
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
@@ -370,8 +371,27 @@ class Extractor:
 # The method seam shared by FedLAGC, FIARSE, HeteroFL, FedRolex and ScaleFL
 # --------------------------------------------------------------------------- #
 from ..train import StepHooks  # noqa: E402
-from .transforms import TransformChain
 from .base import Algorithm, ClientTask, RoundInfo, Stat  # noqa: E402
+from .transforms import TransformChain  # noqa: E402
+
+
+@dataclass(frozen=True)
+class FedLAGCParams:
+    """``algorithm.fedlagc.*`` (:mod:`fedmpi.params`)."""
+
+    correction: bool = param(True, "FedLAGC gradient correction (false = w/o GC)")
+    beta: float = param(0.1, "FedLAGC correction accumulation rate beta", gt=0)
+    correction_fraction: float = param(0.25, "h(t)=1 for t < floor(fraction*T)", ge=0, le=1)
+    importance: str = param('mean', "layer importance S_l of |theta_l|",
+                                    choices=('mean', 'max', 'equal'))
+    log_normalize: bool = param(True, "S~_l = log(1+S_l)/sum (false: S_l/sum)")
+
+
+@dataclass(frozen=True)
+class SubmodelParams:
+    """``algorithm.submodel.*`` (:mod:`fedmpi.params`)."""
+
+    ste: bool = param(True, "STE gradient factor (fedlagc, fiarse)")
 
 
 class SubmodelMethod(Algorithm):
@@ -401,6 +421,7 @@ class SubmodelMethod(Algorithm):
     """
 
     rule = "layer_adaptive"
+    params: ClassVar[dict[str, type]] = {"submodel": SubmodelParams, "fedlagc": FedLAGCParams}
     use_ste = False
     dynamic_mask = False
     #: FIARSE: entries below θ̃ during local training get zero gradient (Bern.backward)
