@@ -74,7 +74,7 @@ def run_defining(flat: Mapping[str, Any]) -> dict[str, Any]:
 
 def fingerprint(cfg) -> str:
     """SHA-256 (hex) of the canonical JSON of the run-defining config keys."""
-    text = json.dumps(run_defining(cfg.to_flat_dict()), sort_keys=True, separators=(",", ":"))
+    text = json.dumps(run_defining(_flat(cfg.to_dict())), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -92,7 +92,7 @@ def check_same_run(cfg, stored_fingerprint: Optional[str], stored_yaml: Optional
             old = run_defining(_flat(yaml.safe_load(stored_yaml)))
         except yaml.YAMLError:
             old = {}
-        new = run_defining(cfg.to_flat_dict())
+        new = run_defining(_flat(cfg.to_dict()))
         diff = [k for k in new if new[k] != old.get(k)]
         if diff:
             key = f"{diff[0]!r} ({old.get(diff[0])!r} there, {new[diff[0]]!r} now)"

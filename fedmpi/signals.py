@@ -57,8 +57,7 @@ def install() -> bool:
 
     Clears any earlier request. Pair with :func:`restore`.
     """
-    global _reason, _signum
-    _reason, _signum = None, 0
+    clear()
     if threading.current_thread() is not threading.main_thread():
         return False
     for sig in STOP_SIGNALS:
@@ -102,6 +101,13 @@ def signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
+
+
+def clear() -> None:
+    """Forget a stop request (what :func:`install` does first; for tests and embedding
+    applications that drive rounds without :func:`fedmpi.runtime.run`)."""
+    global _reason, _signum
+    _reason, _signum = None, 0
 
 
 def request(reason: str, signum: int = int(signal.SIGTERM)) -> None:

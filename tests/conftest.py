@@ -21,6 +21,16 @@ if TEST_DEVICE.startswith("cuda"):
     set_deterministic(True)   # in-process equality checks: no TF32, deterministic kernels
 
 
+@pytest.fixture(autouse=True)
+def _no_stop_request_leaks():
+    """A stop request recorded by one test (signal tests, interrupted runs in this
+    process) must not stop the rounds of the next one."""
+    yield
+    from fedmpi import signals
+
+    signals.clear()
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``slow`` run only with FEDMPI_SLOW=1 (CI skips them)."""
     if os.environ.get("FEDMPI_SLOW") == "1":
