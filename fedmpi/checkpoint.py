@@ -36,6 +36,8 @@ flipped bit is found) and ``fingerprint``, the run-defining config's hash
 mismatch, non-finite ``global_state``), a checkpoint of another run (naming
 the first differing config key) or one whose round lies beyond the log raises
 :class:`~fedmpi.errors.UserError` naming it (exit status 2).
+
+Longer than ~350 lines: the file format, the pickle-free byte layout and the collective save/restore must change together.
 """
 from __future__ import annotations
 

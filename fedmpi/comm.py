@@ -23,6 +23,8 @@ A collective that does not complete within ``timeout`` seconds raises
 
 Messages over ``CHUNK`` elements are split (MPI counts are C ints; APPFL hit
 the 2^31 limit with large models).
+
+Longer than ~350 lines on purpose: it is the only module that touches MPI, so every collective, wait policy and chunking rule lives here.
 """
 from __future__ import annotations
 

@@ -22,6 +22,8 @@ whose type is ``X | None``.
 
 YAML is read with a safe loader that also recognises exponent floats without
 a decimal point (``1e-8``), which plain YAML 1.1 would read as a string.
+
+Longer than ~350 lines on purpose: the schema, the loader and every validation rule in one place, so one file says what each key means and accepts.
 """
 from __future__ import annotations
 

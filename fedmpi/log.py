@@ -30,6 +30,8 @@ writer is gone is recognisable (:func:`ended_without_status`). A write that
 the file system refuses (disk full) raises
 :class:`~fedmpi.outputs.OutputError` naming the file; the writer then refuses
 further writes (HDF5's state after a failed flush is not trustworthy).
+
+Longer than ~350 lines: the writer and the reader of one schema live together so they cannot drift apart.
 """
 from __future__ import annotations
 

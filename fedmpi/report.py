@@ -38,6 +38,8 @@ target first met in round t took t + 1 rounds.
 Matplotlib is imported lazily (the ``plot`` extra) and used through
 :class:`matplotlib.figure.Figure` with the Agg canvas only, so the module never
 touches pyplot's global backend (safe inside notebooks and on headless nodes).
+
+Longer than ~350 lines: one command's summary and plots; the plotting helpers are used nowhere else.
 """
 from __future__ import annotations
 

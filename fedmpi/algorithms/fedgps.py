@@ -140,6 +140,8 @@ Table 7 says 0.2).
   and broadcasts it after a resume (:meth:`FedGPS.after_resume`), so the first
   round after a resume is rectified like any other (the stored Δ_k are
   per-client state and are checkpointed too).
+
+Longer than ~350 lines: FedGPS's two mechanisms (Eq. 6 and Eq. 7–8) and its presets share the method's state; each part cites its equation.
 """
 from __future__ import annotations
 

@@ -100,6 +100,8 @@ Deviations from the paper / authors' code:
 * ``delta`` uses the l1 norm per layer (the paper does not name the norm).
 * A client whose validation gradient is not finite gets weight 0; if no client
   has a finite score, the weights of that layer/block fall back to uniform.
+
+Longer than ~350 lines: scoring, layer/block grouping and their log output are one weighting; splitting them would spread FedVG's equations over files.
 """
 from __future__ import annotations
 

@@ -71,6 +71,8 @@ Masking the full-width network is exactly the narrow network for ``nested`` and
 norm affine parameters are all 0 outputs 0. (Deviation: HeteroFL's output
 "scaler" 1/w is not applied; models that flatten a conv map into a linear layer,
 such as ``lenet``, slice the flattened features rather than whole channels.)
+
+Longer than ~350 lines: the one submodel implementation shared by FedLAGC, HeteroFL, FedRolex, FIARSE and ScaleFL (extraction rules, coverage averaging, level evaluation).
 """
 from __future__ import annotations
 

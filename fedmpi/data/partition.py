@@ -12,6 +12,8 @@ samples with :math:`C` classes:
 Randomness: ``np.random.SeedSequence(seed).spawn(2)`` gives two independent
 streams, one for the hold-out and one for the split, so the same ``seed``
 (and the same arguments) always yields the identical partition.
+
+Longer than ~350 lines: every partitioner shares the seeding, minimum-size and hold-out rules, kept in one place so a split is defined once.
 """
 from __future__ import annotations
 
