@@ -284,6 +284,10 @@ SCHEMA: dict[str, Field] = {
     "system.levels": Field(list[float] | None, None, "resource levels r in (0, 1]", gt=0, le=1),
     "system.allocation": Field(list[int] | None, None, "clients per resource level", ge=0),
     # adversaries
+    # user update transforms (fedmpi/algorithms/transforms.py), after ECGR and the adversary
+    "transforms": Field(list[str], [], "update transforms by import path (pkg.module:Class, "
+                        "a subclass of fedmpi.algorithms.UpdateTransform built with the config), "
+                        "applied in this order around any method", **_IMPORT),
     "adversary.clients": Field(list[int], [], "ids of misbehaving clients"),
     "adversary.kind": Field(str, "nan", "attack type (crash: local training raises, to exercise "
                             "the failure path)",
@@ -443,6 +447,9 @@ def _check_value(key: str, f: Field, value: Any) -> Any:
                                   f"{', '.join(f.choices)}, got {x!r}{_suggest(x, f.choices)}")
             if f.choices is not None and x in items:
                 raise ConfigError(f"config key {key!r} lists {x!r} twice")
+            if f.pattern is not None and isinstance(x, str) and not re.fullmatch(f.pattern, x):
+                raise ConfigError(f"config key {key!r} item {i} expects "
+                                  f"{f.pattern_help or f.pattern}, got {x!r}")
             items.append(x)
         return tuple(items)
     ok, value = _coerce_scalar(f.base, value)

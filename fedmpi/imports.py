@@ -172,6 +172,14 @@ def weighting_class(obj: Any, key: str = "aggregation.weighting") -> type:
     return _subclass(obj, Weighting, key, "a subclass of fedmpi.algorithms.Weighting")
 
 
+def transform_class(obj: Any, key: str = "transforms") -> type:
+    """A subclass of :class:`fedmpi.algorithms.UpdateTransform` (from a path or the class);
+    it is constructed with the run's config."""
+    from .algorithms.transforms import UpdateTransform
+
+    return _subclass(obj, UpdateTransform, key, "a subclass of fedmpi.algorithms.UpdateTransform")
+
+
 def method_params(cls: type, given: Mapping[str, Any], key: str = "algorithm.params") -> Any:
     """``algorithm.params`` checked against the method's parameters dataclass.
 
@@ -283,6 +291,8 @@ def check_config_paths(cfg: Any) -> None:
         silo_loader(cfg.data.silos.loader)
     if is_import_path(cfg.aggregation.weighting):
         weighting_class(cfg.aggregation.weighting)
+    for i, path in enumerate(cfg.transforms):
+        transform_class(path, f"transforms[{i}]")
     if is_import_path(cfg.algorithm.name):
         method_params(algorithm_class(cfg.algorithm.name), cfg.algorithm.params)
     elif cfg.algorithm.params:

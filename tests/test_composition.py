@@ -9,6 +9,7 @@ combinations must be refused at build time with exit-2 errors naming the key.
 from __future__ import annotations
 
 import h5py
+import numpy as np
 import pytest
 import torch
 
@@ -131,3 +132,66 @@ def test_a_new_method_is_one_file_and_one_line(tmp_path, monkeypatch):
     torch.testing.assert_close(half, 0.5 * full, rtol=1e-5, atol=1e-6)
     with h5py.File(tmp_path / "halfstep" / "log.h5", "r") as f:
         assert f["halfstep/weight_sum"][0, 0] == pytest.approx(1.0)
+
+
+CLIP = '''
+"""A toy update transform: the parameter update is clipped to norm 1e-3."""
+import torch
+
+from fedmpi.algorithms import UpdateTransform
+
+
+class ClipUpdate(UpdateTransform):
+    name = "clip"
+
+    def __init__(self, cfg):
+        self.max_norm = 1e-3
+
+    def setup(self, ctx):
+        self.P = ctx.flat.num_params
+
+    def on_upload(self, task, out):
+        u = out["delta"][: self.P]
+        u.mul_(min(1.0, self.max_norm / float(torch.linalg.vector_norm(u))))
+'''
+
+
+def test_a_user_transform_by_import_path_wraps_any_method(tmp_path, monkeypatch):
+    """``transforms: [module:Class]`` applies the user's transform to every client's upload:
+    the parameter update of the global model is a weighted mean of clipped updates."""
+    (tmp_path / "clip_transform.py").write_text(CLIP)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("fedavg", "fedprox"):
+        built = recording(monkeypatch)
+        cfg = config_from_dict(set_dotted(dict(BASE), {"algorithm.name": name, "train.rounds": 1,
+                                                       "transforms": ["clip_transform:ClipUpdate"]}))
+        driver.run(cfg, tmp_path / name, comm=Comm())
+        fed = built[0]
+        init = Federation(config_from_dict(set_dotted(dict(BASE), {"algorithm.name": name})), Comm())
+        P = fed.flat.num_params
+        step = float(torch.linalg.vector_norm(fed.global_state[:P] - init.global_state[:P]))
+        assert 0 < step <= 1e-3 * (1 + 1e-5)
+        assert [t.name for t in fed.transforms] == ["clip"]
+
+
+@pytest.mark.parametrize("value, needle", [(["nosuch_module:X"], "transforms[0]"),
+                                           (["fedmpi.algorithms:Algorithm"], "UpdateTransform"),
+                                           (["not a path"], "transforms")])
+def test_bad_transform_paths_exit_2_naming_the_key(tmp_path, capsys, value, needle):
+    from fedmpi.cli import main
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"transforms: {value!r}\n".replace("'", '"'))
+    assert main(["check", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and needle in err and "Traceback" not in err
+
+
+def test_ecgr_refuses_a_client_with_fewer_than_two_steps():
+    """Silo data is as the consortium made it: ECGR names the first client with τ_k < 2."""
+    from fedmpi.runtime.build import _check_ecgr_steps
+
+    cfg = config_from_dict({"ecgr": {"enabled": True}, "train": {"batch_size": 32}})
+    with pytest.raises(ConfigError, match="client 1 has 20 samples"):
+        _check_ecgr_steps(cfg, np.array([100, 20, 64]))
+    _check_ecgr_steps(cfg, np.array([100, 64]))

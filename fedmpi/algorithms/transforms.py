@@ -128,5 +128,12 @@ def register_transform(name: str, enabled: Callable[[Any], bool],
 
 
 def build_transforms(cfg) -> TransformChain:
-    """The transforms ``cfg`` enables, in registration order."""
-    return TransformChain([factory(cfg) for enabled, factory in TRANSFORMS.values() if enabled(cfg)])
+    """The transforms ``cfg`` enables, in registration order, then those of the
+    ``transforms`` key (import paths, in their order)."""
+    chain = [factory(cfg) for enabled, factory in TRANSFORMS.values() if enabled(cfg)]
+    if cfg.transforms:
+        from ..imports import transform_class
+
+        chain += [transform_class(path, f"transforms[{i}]")(cfg)
+                  for i, path in enumerate(cfg.transforms)]
+    return TransformChain(chain)
