@@ -509,6 +509,7 @@ def test_vit_and_resnet50_paper_models():
 
 ARRIVAL_SCRIPT = r"""
 import numpy as np, torch
+from fedmpi.comm import Comm
 from fedmpi.config import config_from_dict
 from fedmpi.runtime import Federation
 from fedmpi.algorithms.fedvg import FedVG
