@@ -21,7 +21,7 @@ from fedmpi.config import config_from_dict
 from fedmpi.errors import ConfigError
 from fedmpi.flat import FlatModel
 from fedmpi.log import read
-from fedmpi.runtime import Federation, plan_layout, run, stream_seed
+from fedmpi.runtime import Federation, plan_uplink, run, stream_seed
 
 BASELINES = ("fedavgm", "fedadam", "fedyogi", "fedprox", "scaffold", "feddyn", "fednova", "elastic")
 
@@ -346,7 +346,7 @@ def test_fedvg_composition_layout(name):
     reweighted; SCAFFOLD's δc, FedDyn's Δ for h, Elastic's sensitivities stay 'sum'."""
     algo = ALGORITHMS[name](config_from_dict({"algorithm": {"name": name}}),
                             FlatModel(nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))), 3)
-    layout = plan_layout(algo.uplink_stats(), per_client_weighting=True)
+    layout = plan_uplink(algo.uplink_stats(), per_client_weighting=True)
     weighted = [s.name for s, _ in layout.gathered if s.combine == "weighted"]
     assert weighted == ["delta"]
     # FedNova's a_k travels per client (FedVG scores θ + a_k d_k), never combined

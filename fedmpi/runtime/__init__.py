@@ -11,20 +11,18 @@ Where things are:
 :mod:`.server`                the pure server step: exclusion, weights, server rule
 :mod:`.evaluation`            default / method-owned / sharded / overlapped evaluation
 :mod:`.record`                log rows and timing
+:mod:`.guard`                 run-level safety nets: run directory, divergence, refused writes
 ============================  ==========================================================
 """
 from .build import client_hosts, participants, resolve_device
 from .channel import Mirror, UplinkPlan, plan_uplink, row_tag
 from .driver import run
-from .federation import CMD_ABORT, CMD_ROUND, CMD_STOP, Federation, JobFailed
+from .federation import CMD_ABORT, CMD_ROUND, CMD_STOP, Federation
 from .server import (META_FIELDS, STATUS_FAILED, STATUS_IDLE, STATUS_NONFINITE, STATUS_OK,
                      ServerResult, Uplink, server_step)
 from .worker import stream_seed
 
-# the name under which the uplink plan was known before the split
-plan_layout = plan_uplink
-
-__all__ = ["CMD_ABORT", "CMD_ROUND", "CMD_STOP", "Federation", "JobFailed", "META_FIELDS", "Mirror",
+__all__ = ["CMD_ABORT", "CMD_ROUND", "CMD_STOP", "Federation", "META_FIELDS", "Mirror",
            "STATUS_FAILED", "STATUS_IDLE", "STATUS_NONFINITE", "STATUS_OK", "ServerResult", "Uplink",
-           "UplinkPlan", "client_hosts", "participants", "plan_layout", "plan_uplink",
+           "UplinkPlan", "client_hosts", "participants", "plan_uplink",
            "resolve_device", "row_tag", "run", "server_step", "stream_seed"]

@@ -36,10 +36,6 @@ CMD_ROUND, CMD_STOP, CMD_ABORT = 0, 1, 2
 FLAG_CHECKPOINT, FLAG_INTERRUPTED = 1, 2
 
 
-class JobFailed(RuntimeError):
-    """A client raised during local training; the whole job stops."""
-
-
 class Federation:
     """Sets up one rank of a run and executes rounds (see module docstring)."""
 
