@@ -209,10 +209,12 @@ class Algorithm:
     owns_evaluation: ClassVar[bool] = False
 
     def evaluate(self, ctx: Context, state: torch.Tensor) -> "tuple[float, float]":
-        """The method's own evaluation of the global ``state`` (rank 0): (test loss,
-        test accuracy); only called when :attr:`owns_evaluation` (submodel
-        methods: mean over resource levels)."""
-        raise NotImplementedError(f"{type(self).__name__} does not own its evaluation")
+        """(test loss, test accuracy) of the global ``state`` (rank 0). The runtime calls
+        it when :attr:`owns_evaluation` (submodel methods: mean over resource levels);
+        otherwise it evaluates with every ``eval.metrics`` itself. This base version is
+        the plain global-model evaluation."""
+        loss, correct, n = ctx.test(state)
+        return loss / n, correct / n
 
     # ----------------------------------------------------------------- client
     def hooks(self, task: ClientTask, state: torch.Tensor, extras: torch.Tensor) -> StepHooks:

@@ -83,6 +83,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..errors import ConfigError
 from ..train import SGDConfig, StepHooks, num_local_steps
 from .transforms import UpdateTransform
 
@@ -148,6 +149,13 @@ class ECGR:
         self.budget = int(cfg.ecgr.memory_budget)
         self.P = int(num_params)
         steps = [num_local_steps(int(n), sgd) for n in np.asarray(num_samples)]
+        short = [k for k, s in enumerate(steps) if s < 2]
+        if short:   # pooled partitions guarantee τ_k ≥ 2; silos are as the consortium made them
+            k = short[0]
+            raise ConfigError(f"config key 'ecgr.enabled': client {k} has {int(num_samples[k])} "
+                              f"samples, fewer than 2 local steps of train.batch_size "
+                              f"{sgd.batch_size} (ECGR selects among the steps; {len(short)} such "
+                              "clients); lower train.batch_size or set train.local_steps")
         self.tau_max = max(steps) if steps else 0
         self.storage: Optional[str] = None      # chosen with the device on first use
         self.device: Optional[torch.device] = None

@@ -94,21 +94,6 @@ def setup_process(cfg: Config, comm: Comm) -> torch.device:
     return device
 
 
-def _check_ecgr_steps(cfg: Config, num_samples: np.ndarray) -> None:
-    """ECGR selects among a client's local steps: every client needs τ_k ≥ 2."""
-    from ..algorithms.base import sgd_config
-    from ..train import num_local_steps
-
-    sgd = sgd_config(cfg)
-    short = [k for k, n in enumerate(num_samples) if num_local_steps(int(n), sgd) < 2]
-    if short:
-        k = short[0]
-        raise ConfigError(f"config key 'ecgr.enabled': client {k} has {int(num_samples[k])} samples, "
-                          f"fewer than 2 local steps of train.batch_size {cfg.train.batch_size} "
-                          f"(ECGR selects among the steps; {len(short)} such clients); lower "
-                          "train.batch_size or set train.local_steps")
-
-
 def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
           code: UserCode | None = None) -> Built:
     """Build this rank; ``plan(t)`` is the participant mask of round t (for the context);
@@ -126,8 +111,6 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
     data, partition = local.data.to(device), local.partition
     num_samples = np.asarray(local.num_samples, dtype=np.int64)
     num_samples.setflags(write=False)
-    if cfg.ecgr.enabled:   # pooled partitions guarantee it; silos are as the consortium made them
-        _check_ecgr_steps(cfg, num_samples)
 
     torch.manual_seed(cfg.seed)   # every rank builds the same initial model
     algo_class = code.algorithm_class(cfg)

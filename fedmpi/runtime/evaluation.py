@@ -88,6 +88,11 @@ class Evaluation:
             return self.none()
         if self.shards(t):
             return self.sharded(state, ctx, channel)
+        return self.here(state, ctx, algo)
+
+    def here(self, state: torch.Tensor, ctx, algo) -> Scalars:
+        """The scalars of ``state`` on this rank alone: the method's own evaluation
+        (loss and accuracy) or the global model's with every ``eval.metrics``."""
         if self.owned:
             loss, acc = algo.evaluate(ctx, state)
             return {**self.none(), "test_loss": loss, "test_accuracy": acc}

@@ -243,14 +243,7 @@ class Federation:
     def evaluate(self) -> dict[str, float]:
         """``test_loss``, ``test_accuracy`` and the other ``eval.metrics`` of the global
         model now (the method's own evaluation where it has one), on this rank alone."""
-        if self.algo.owns_evaluation:
-            loss, acc = self.algo.evaluate(self.ctx, self.global_state)
-            return {**self.evals.none(), "test_loss": loss, "test_accuracy": acc}
-        from .. import metrics
-
-        collect = metrics.Collector(self.data.num_classes, self.cfg.eval.metrics, self.device)
-        loss, _, n = self.ctx.test(self.global_state, slice(None), collect)
-        return collect.scalars(loss, int(n))
+        return self.evals.here(self.global_state, self.ctx, self.algo)
 
     def finish_pending_row(self) -> None:
         self.recorder.finish_pending(self._evaluate)
