@@ -934,9 +934,9 @@ def _describe(field: Field) -> str:
 
 
 def reference_markdown() -> str:
-    """The config reference table of the README, generated from :data:`SCHEMA`.
+    """The config reference table of docs/configuration.md, generated from :data:`SCHEMA`.
 
-    Regenerate the README section with
+    Regenerate that section with
     ``python -c "from fedmpi.config import reference_markdown as r; print(r())"``.
     """
     rows = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]

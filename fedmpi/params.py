@@ -5,7 +5,7 @@ fields are :func:`param` declarations, named in the class attribute
 ``params = {"fedprox": FedProxParams}`` (see :mod:`fedmpi.algorithms.fedprox`)
 — and gets the config keys ``algorithm.fedprox.*``: :mod:`fedmpi.config` builds
 its schema (types from the annotations, bounds and help from :func:`param`),
-``fedmpi check`` validates them and the README reference lists them. At run
+``fedmpi check`` validates them and docs/configuration.md lists them. At run
 time :meth:`~fedmpi.algorithms.Algorithm.hparams` returns the validated,
 typed instance. ``renamed_from`` names the flat key of earlier versions; it is
 still accepted and pointed to the new name.

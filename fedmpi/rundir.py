@@ -1,6 +1,6 @@
 """Who may write a run directory, and what a run directory may be resumed with (issue 18).
 
-Conventions (README "Operations"):
+Conventions (docs/cluster.md, "Run directories"):
 
 * **One writer.** :func:`prepare` (rank 0, before anything is written) creates the lock
   file ``<out>/.fedmpi.lock`` with ``O_CREAT | O_EXCL`` holding ``host pid start-time``.
