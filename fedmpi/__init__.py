@@ -4,7 +4,7 @@
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 
 def __getattr__(name: str):

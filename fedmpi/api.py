@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from .config import Config, config_from_dict, load_config
-from .imports import UserCode, path_of
+from .imports import path_of
+from .usercode import UserCode
 
 __all__ = ["RunResult", "run"]
 

@@ -94,7 +94,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from .config import load_config
-    from .imports import check_config_paths
+    from .usercode import check_config_paths
 
     cfg = load_config(args.config, args.overrides)
     for old, new in cfg.renamed:

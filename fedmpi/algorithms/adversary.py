@@ -14,24 +14,52 @@ exactly what the client would send.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
+from ..errors import ConfigError
+from ..params import param
 from .transforms import UpdateTransform
+
+
+@dataclass(frozen=True)
+class AdversaryParams:
+    """``adversary.*`` (:mod:`fedmpi.params`)."""
+
+    clients: list[int] = param([], "ids of misbehaving clients")
+    kind: str = param("nan", "attack type (crash: local training raises, to exercise the "
+                             "failure path)",
+                      choices=("nan", "scale", "sign_flip", "label_flip", "crash"))
+    factor: float = param(10.0, "attack strength (scale factor)")
 
 
 class Adversary(UpdateTransform):
     name = "adversary"
+    params = {"adversary": AdversaryParams}
+    enable_key = "adversary.clients"
 
-    def __init__(self, clients: list[int], kind: str, factor: float) -> None:
-        self.clients = frozenset(int(c) for c in clients)
-        self.kind = kind
-        self.factor = float(factor)
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        p = self.hparams("adversary")
+        self.clients = frozenset(int(c) for c in p.clients)
+        self.kind = p.kind
+        self.factor = float(p.factor)
 
     @classmethod
-    def from_config(cls, cfg) -> Adversary:
-        return cls(cfg.adversary.clients, cfg.adversary.kind, cfg.adversary.factor)
+    def enabled(cls, cfg) -> bool:
+        return bool(cfg.adversary.clients)
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        """Listed clients exist and are listed once."""
+        n, clients = cfg.data.num_clients, cfg.adversary.clients
+        for c in clients:
+            if not 0 <= c < n:
+                raise ConfigError(f"config key 'adversary.clients' has client id {c} outside "
+                                  f"[0, {n}) (data.num_clients = {n})")
+        if len(set(clients)) != len(clients):
+            raise ConfigError(f"config key 'adversary.clients' lists a client twice: {clients}")
 
     def before_training(self, task):
         if task.client not in self.clients:

@@ -33,9 +33,9 @@ import numpy as np
 import torch
 
 from ..flat import FlatModel
-from ..imports import method_params
-from ..params import load_group
+from ..params import check_params
 from ..train import LocalTrainer, SGDConfig, StepHooks, TrainResult, step_decay_lr
+from .component import Component, State
 from .transforms import TransformChain
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ class ClientVectors(dict):
         return self[client]
 
 
-class Algorithm:
+class Algorithm(Component):
     """FedAvg; the base of every method (see module docstring).
 
     Lifecycle: the runtime constructs the method, then calls :meth:`setup` once
@@ -118,6 +118,7 @@ class Algorithm:
     #: ``algorithm.fedprox.*`` from that frozen dataclass (:mod:`fedmpi.params`); a
     #: method given by import path uses the block ``"params"`` (``algorithm.params``)
     params: ClassVar[dict[str, type]] = {}
+    prefix: ClassVar[str] = "algorithm"
     default_server_lr = 1.0
 
     def __init__(self, cfg, layout: FlatModel, num_clients: int) -> None:
@@ -131,16 +132,16 @@ class Algorithm:
         self.ctx: Optional[Context] = None
         self.device = torch.device("cpu")      # the training device, from the context
         self._client_stores: list[ClientVectors] = []
-        # a user method's block algorithm.params, checked against params["params"]
-        self._user_params = method_params(type(self), cfg.algorithm.params)
+        # a user method's block algorithm.params, checked against params["params"] now
+        self._user_params = check_params(type(self), cfg.algorithm.params)
 
     def hparams(self, group: str) -> Any:
         """The validated, typed parameters of block ``algorithm.<group>``; the block
         ``params`` is that of a method given by import path (``algorithm.params``,
-        :func:`fedmpi.imports.method_params`)."""
+        :func:`fedmpi.params.check_params`)."""
         if group == "params":
             return self._user_params
-        return load_group(self.cfg, group, self.params[group])
+        return super().hparams(group)
 
     def client_store(self, name: str, size: int) -> ClientVectors:
         """A per-client vector store that :meth:`client_state` checkpoints by client id."""
@@ -270,11 +271,12 @@ class Algorithm:
         state.add_(agg["delta"], alpha=self.server_lr)
 
     # ------------------------------------------------------------------ state
-    def server_state(self) -> dict[str, torch.Tensor]:
-        """Server-side tensors to checkpoint (optimizer moments, c, h, ...)."""
+    def state_dict(self) -> State:
+        """Server-side tensors to checkpoint (optimizer moments, c, h, ...); per-client
+        state is :meth:`client_state`."""
         return {}
 
-    def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: State) -> None:
         pass
 
     def after_resume(self, ctx: Context, round: int) -> None:
@@ -301,4 +303,6 @@ def start(component, ctx: Context) -> None:
     """
     component.ctx = ctx
     component.device = ctx.device
+    if getattr(component, "cfg", None) is None:
+        component.cfg = ctx.cfg
     component.setup(ctx)

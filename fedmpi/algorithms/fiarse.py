@@ -53,7 +53,8 @@ class FIARSE(SubmodelMethod):
     dynamic_mask = True
 
     def __init__(self, cfg, layout, num_clients: int) -> None:
-        f = cfg.algorithm.fiarse
+        self.cfg = cfg   # hparams before the base sets up the extractor with self.keep
+        f = self.hparams("fiarse")
         self.keep = f.always_keep
         self.frozen_below = f.below_threshold == "frozen"
         super().__init__(cfg, layout, num_clients)

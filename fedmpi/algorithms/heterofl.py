@@ -36,5 +36,5 @@ class HeteroFL(SubmodelMethod):
     rule = "nested"
 
     def __init__(self, cfg, layout, num_clients: int) -> None:
-        self.masked_ce = bool(cfg.algorithm.heterofl.masked_ce)
         super().__init__(cfg, layout, num_clients)
+        self.masked_ce = bool(self.hparams("heterofl").masked_ce)

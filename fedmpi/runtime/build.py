@@ -24,7 +24,7 @@ from ..context import Context, LogSink
 from ..data import Dataset, Partition, build_local
 from ..errors import ConfigError
 from ..flat import FlatModel
-from ..imports import UserCode
+from ..usercode import UserCode
 from ..models import build_model, model_spec
 from ..placement import gpu_for_local_rank, threads_per_rank
 from .evaluation import test_state
@@ -112,6 +112,7 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
     num_samples = np.asarray(local.num_samples, dtype=np.int64)
     num_samples.setflags(write=False)
 
+    code.check(cfg)   # the components' rules, also for those given by import path
     torch.manual_seed(cfg.seed)   # every rank builds the same initial model
     algo_class = code.algorithm_class(cfg)
     outputs = algo_class.num_outputs(cfg, data.num_classes)  # FedGPS: 2C

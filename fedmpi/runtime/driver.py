@@ -19,7 +19,7 @@ import numpy as np
 from .. import checkpoint, metrics, rundir, signals
 from ..comm import Comm, CommTimeout
 from ..errors import UserError
-from ..imports import UserCode
+from ..usercode import UserCode
 from ..outputs import OutputError, write_model
 from . import guard
 from .federation import CMD_ABORT, CMD_ROUND, Federation
@@ -84,7 +84,7 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
         traceback.print_exc()
     guard.agree_on_setup(comm, error)   # the error line once, every rank stops
     assert fed is not None
-    start = checkpoint.resume(fed, restored) if resume else 0
+    start = checkpoint.resume(fed.run_state(), restored) if resume else 0
     fed.checkpoint_round = start
 
     progress = None

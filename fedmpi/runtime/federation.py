@@ -21,7 +21,7 @@ import torch
 
 from .. import checkpoint, signals
 from ..comm import Comm
-from ..imports import UserCode
+from ..usercode import UserCode
 from ..train import LocalTrainer
 from .build import build, participants
 from .channel import Channel, plan_uplink
@@ -114,6 +114,20 @@ class Federation:
         tr = self.transforms.get("ecgr")
         return tr.engine if tr is not None else None
 
+    def run_state(self) -> checkpoint.RunState:
+        """What a checkpoint saves and restores (:class:`fedmpi.checkpoint.RunState`):
+        θ, the named components (method, weighting, transforms, RNG streams) and the
+        per-client states of the hosted clients."""
+        parts: dict[str, checkpoint.StateOwner] = {"algorithm": self.algo,
+                                                   "weighting": self.weighting}
+        parts.update({f"transform/{tr.name}": tr for tr in self.transforms})
+        parts["rng"] = checkpoint.RngStreams()
+        return checkpoint.RunState(
+            cfg=self.cfg, comm=self.comm, num_clients=self.K, host=self.host,
+            hosted=self.my_clients, device=self.device, global_state=self.global_state,
+            components=parts, clients=self.algo,
+            after_resume=lambda t: self.algo.after_resume(self.ctx, t), out_dir=self.out_dir)
+
     def participants(self, t: int) -> np.ndarray:
         """Boolean mask of S_t: m of K clients without replacement, RNG (seed, t)."""
         return participants(self.cfg.seed, self.K, self.m, t)
@@ -188,7 +202,7 @@ class Federation:
     def save_checkpoint(self, t: int) -> None:
         """Collective: checkpoint "rounds < t are done" (:mod:`fedmpi.checkpoint`)."""
         assert self.out_dir is not None, "checkpoints are flagged only with an output directory"
-        path = checkpoint.save(self, t, checkpoint.checkpoint_path(self.out_dir))
+        path = checkpoint.save(self.run_state(), t, checkpoint.checkpoint_path(self.out_dir))
         self.checkpoint_round = t
         if path is not None and self.stop_reason is not None:
             self.recorder.event(t, 0, -1, f"checkpoint of rounds < {t} written to {path}")

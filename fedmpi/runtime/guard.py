@@ -26,7 +26,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .. import __version__, checkpoint, rundir
+from .. import checkpoint, rundir
+from .._version import __version__
 from ..errors import UserError
 from ..outputs import OutputError, quiet_h5py_errors
 
@@ -38,7 +39,7 @@ def open_run(fed, out: Path, resume: bool, overwrite: bool) -> Optional[checkpoi
     owned = rundir.prepare(out, fed.cfg, resume, overwrite)
     restored = None
     if resume:
-        restored = checkpoint.load_server_side(fed, checkpoint.checkpoint_path(out))
+        restored = checkpoint.load_server_side(fed.run_state(), checkpoint.checkpoint_path(out))
         fed.history = rundir.resume_history(out / "log.h5", restored.path, restored.round,
                                             fed.cfg)
     fed.writer = LogWriter(out / "log.h5", config_yaml=fed.cfg.to_yaml(), world_size=fed.size,
