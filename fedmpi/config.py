@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from . import config_core
-from .algorithms import ALGORITHMS, TRANSFORMS, WEIGHTINGS
+from .algorithms import ALGORITHMS, RULES, TRANSFORMS, WEIGHTINGS
 from .algorithms.component import Registry
 from .config_core import Config, Field, Schema, Section
 from .errors import ConfigError
 from .imports import IMPORT_PATTERN, is_import_path
-from .params import block_fields
+from .params import block_fields, check_params
 
 __all__ = ["SCHEMA", "Field", "Section", "Config", "load_config", "config_from_dict",
            "check_components", "reference_markdown", "renamed_to", "schema"]
@@ -136,7 +136,12 @@ _FRAMEWORK: dict[str, Field] = {
                                    "pkg.module:Class (a Weighting subclass)",
                                    choices=tuple(WEIGHTINGS), **_IMPORT,
                                    registry=lambda: WEIGHTINGS),
-    # weighting blocks aggregation.<block>.*: assembled from the registered weightings
+    "aggregation.rule": Field(str, "mean", "server-side aggregation rule (fedmpi.algorithms.rules), "
+                              "or pkg.module:Class (a ServerRule subclass)", choices=tuple(RULES),
+                              **_IMPORT, registry=lambda: RULES),
+    "aggregation.params": Field(dict, {}, "parameters of a user rule (pkg.module:Class), checked "
+                                "against its params['params'] dataclass"),
+    # rule and weighting blocks aggregation.<block>.*: assembled from the registered ones
     # system heterogeneity (FedLAGC, HeteroFL, ...)
     "system.levels": Field(list[float] | None, None, "resource levels r in (0, 1]", gt=0, le=1),
     "system.allocation": Field(list[int] | None, None, "clients per resource level", ge=0),
@@ -256,8 +261,8 @@ def _data_checks(cfg: Config) -> None:
 
 #: Each component kind: its registry and the key its blocks follow.
 _KINDS: tuple[tuple[Registry, str], ...] = (
-    (ALGORITHMS, "algorithm.server_lr"), (WEIGHTINGS, "aggregation.weighting"),
-    (TRANSFORMS, "transforms"))
+    (ALGORITHMS, "algorithm.server_lr"), (RULES, "aggregation.params"),
+    (WEIGHTINGS, "aggregation.params"), (TRANSFORMS, "transforms"))
 
 
 def _assemble() -> Schema:
@@ -314,18 +319,36 @@ def _selected_checks(cfg: Config) -> None:
     weighting = (None if is_import_path(cfg.aggregation.weighting)
                  else WEIGHTINGS.lookup(cfg.aggregation.weighting))
     transforms = [cls for cls in TRANSFORMS.values() if cls.enabled(cfg)]
-    check_components(cfg, method, weighting, transforms)
+    rule = None if is_import_path(cfg.aggregation.rule) else RULES.lookup(cfg.aggregation.rule)
+    check_components(cfg, method, weighting, transforms, rule)
 
 
 def check_components(cfg: Config, method: Optional[type] = None,
                      weighting: Optional[type] = None,
-                     transforms: Iterable[type] = (), *others: type) -> None:
+                     transforms: Iterable[type] = (), rule: Optional[type] = None) -> None:
     """Each component's own ``check(cfg)``, then the rules derived from declarations:
-    a transform that rewrites the whole update (``rewrites_update``, ECGR) does not
-    compose with a method whose uploads are masked (``masked_upload``, the submodel
-    family)."""
+
+    * a transform that rewrites the whole update (``rewrites_update``, ECGR) does not
+      compose with a method whose uploads are masked (``masked_upload``, the submodel
+      family);
+    * a per-client server rule (``per_client``) needs the method's update as a
+      weighted statistic (``weighted_update``; not the submodel family's coverage sums);
+    * ``aggregation.params`` belongs to a rule given by import path (checked against
+      its ``params["params"]`` dataclass)."""
     transforms = list(transforms)
-    parts: list[Any] = [method, weighting, *transforms, *others]
+    if rule is not None:
+        if is_import_path(cfg.aggregation.rule):
+            check_params(rule, cfg.aggregation.params, "aggregation.params")
+        elif cfg.aggregation.params:
+            raise ConfigError("config key 'aggregation.params' is for a rule given by import "
+                              f"path; {cfg.aggregation.rule!r} takes its parameters from its own "
+                              "keys")
+        if method is not None and rule.per_client and not getattr(method, "weighted_update", True):
+            raise ConfigError(f"config keys 'aggregation.rule' and 'algorithm.name': rule "
+                              f"{cfg.aggregation.rule!r} combines per-client weighted updates; "
+                              f"method {cfg.algorithm.name!r} aggregates its update otherwise "
+                              "(coverage sums)")
+    parts: list[Any] = [method, weighting, *transforms, rule]
     for cls in parts:
         if cls is not None:
             cls.check(cfg)

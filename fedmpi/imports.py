@@ -12,6 +12,8 @@ Four config keys accept an import path instead of a built-in name:
                             class's ``params["params"]`` dataclass
                             (:func:`fedmpi.params.check_params`)
 ``aggregation.weighting``   a subclass of :class:`fedmpi.algorithms.Weighting`
+``aggregation.rule``        a subclass of :class:`fedmpi.algorithms.ServerRule`; its
+                            parameters come from ``aggregation.params``
 ``transforms``              subclasses of :class:`fedmpi.algorithms.UpdateTransform`
 ``data.silos.loader``       a callable ``(client) -> (x, y)`` (:mod:`fedmpi.data.silos`)
 ==========================  ==============================================================

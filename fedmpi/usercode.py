@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .algorithms import ALGORITHMS, WEIGHTINGS, Algorithm, Weighting, enabled_transforms
+from .algorithms import (ALGORITHMS, RULES, WEIGHTINGS, Algorithm, ServerRule, Weighting,
+                         enabled_transforms)
 from .config import check_components
 from .data.custom import dataset_factory
 from .errors import ConfigError
@@ -27,14 +28,16 @@ class UserCode:
     ``nn.Module`` class); ``data``: a :class:`~fedmpi.data.Dataset`, a
     ``(train, test)`` pair or a zero-argument callable returning either;
     ``algorithm``: an :class:`~fedmpi.algorithms.Algorithm` subclass;
-    ``weighting``: a :class:`~fedmpi.algorithms.Weighting` subclass. None: the
-    config's name. Every rank must be given the same objects.
+    ``weighting``: a :class:`~fedmpi.algorithms.Weighting` subclass; ``rule``: a
+    :class:`~fedmpi.algorithms.ServerRule` subclass. None: the config's name.
+    Every rank must be given the same objects.
     """
 
     model: Optional[Callable[..., Any]] = None
     data: Any = None
     algorithm: Optional[type] = None
     weighting: Optional[type] = None
+    rule: Optional[type] = None
 
     def algorithm_class(self, cfg: Any) -> Any:
         """The method class: the one given, else ``algorithm.name``'s."""
@@ -48,6 +51,12 @@ class UserCode:
             return subclass(self.weighting, Weighting, "aggregation.weighting")
         return WEIGHTINGS.lookup(cfg.aggregation.weighting)
 
+    def rule_class(self, cfg: Any) -> Any:
+        """The server rule's class: the one given, else ``aggregation.rule``'s."""
+        if self.rule is not None:
+            return subclass(self.rule, ServerRule, "aggregation.rule")
+        return RULES.lookup(cfg.aggregation.rule)
+
     def build_weighting(self, cfg: Any, num_samples: Any) -> Any:
         """The weighting: the class given, else ``aggregation.weighting``'s."""
         return self.weighting_class(cfg)(num_samples)
@@ -56,7 +65,7 @@ class UserCode:
         """Every selected component's ``check`` and the combination rules, with the
         classes this run really uses (those by import path or given as objects too)."""
         check_components(cfg, self.algorithm_class(cfg), self.weighting_class(cfg),
-                         enabled_transforms(cfg))
+                         enabled_transforms(cfg), self.rule_class(cfg))
 
 
 # --------------------------------------------------------------- fedmpi check

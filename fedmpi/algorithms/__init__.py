@@ -4,8 +4,8 @@ A new method is one module defining an :class:`Algorithm` subclass with a
 ``name``, plus one line in :data:`_BUILTIN_METHODS` (or
 :func:`register_method` from user code, or no line at all when it is named by
 import path, ``algorithm.name: pkg.module:Class``); the same holds for
-weightings (:func:`register_weighting`) and update transforms
-(:func:`register_transform`). Every kind is a
+weightings (:func:`register_weighting`), update transforms
+(:func:`register_transform`) and server rules (:func:`register_rule`). Every kind is a
 :class:`~fedmpi.algorithms.component.Component`: it declares its config blocks
 and cross-key rules and owns its checkpointed state; :mod:`fedmpi.config`
 assembles the schema from these registries.
@@ -31,6 +31,7 @@ from .fiarse import FIARSE
 from .heterofl import HeteroFL
 from .scaffold import Scaffold
 from .scalefl import ScaleFL
+from .rules import RULES, RuleInfo, ServerRule, build_rule, register_rule
 from .transforms import (TRANSFORMS, TransformChain, UpdateTransform, build_transforms,
                          enabled_transforms, register_transform)
 from .weighting import WEIGHTINGS, Uniform, Weighting, build_weighting, register_weighting
@@ -67,8 +68,8 @@ def build_algorithm(cfg, layout, num_clients: int) -> Algorithm:
     return algorithm_class(cfg)(cfg, layout, num_clients)
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "ClientTask", "Component", "Registry", "RoundInfo", "Stat",
-           "TRANSFORMS", "TransformChain", "UpdateTransform", "WEIGHTINGS", "Weighting",
-           "algorithm_class", "build_algorithm", "build_transforms", "build_weighting",
-           "enabled_transforms", "register_method", "register_transform", "register_weighting",
-           "start"]
+__all__ = ["ALGORITHMS", "Algorithm", "ClientTask", "Component", "RULES", "Registry", "RoundInfo",
+           "RuleInfo", "ServerRule", "Stat", "TRANSFORMS", "TransformChain", "UpdateTransform",
+           "WEIGHTINGS", "Weighting", "algorithm_class", "build_algorithm", "build_rule",
+           "build_transforms", "build_weighting", "enabled_transforms", "register_method",
+           "register_rule", "register_transform", "register_weighting", "start"]
