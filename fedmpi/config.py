@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from . import config_core
-from .algorithms import ALGORITHMS, RULES, TRANSFORMS, WEIGHTINGS
+from .algorithms import ALGORITHMS, RULES, TRANSFORMS, WEIGHTINGS, Algorithm, ServerRule, Weighting
 from .algorithms.component import Registry
 from .config_core import Config, Field, Schema, Section
 from .errors import ConfigError
@@ -123,20 +123,20 @@ _FRAMEWORK: dict[str, Field] = {
                             "lr_decay_every) (ECGR paper: 0.5 every 10 rounds)", gt=0, le=1),
     "train.lr_decay_every": Field(int, 0, "rounds per lr_decay step; 0 = constant lr", ge=0),
     # algorithm (server rule and method parameters)
-    "algorithm.name": Field(str, "fedavg", "federated method, or pkg.module:Class (a subclass "
+    "algorithm.name": Field(str, Algorithm.name, "federated method, or pkg.module:Class (a subclass "
                             "of fedmpi.algorithms.Algorithm)", choices=tuple(ALGORITHMS), **_IMPORT,
                             registry=lambda: ALGORITHMS),
     "algorithm.params": Field(dict, {}, "parameters of a user method (pkg.module:Class), checked "
                               "against its params['params'] dataclass"),
     "algorithm.server_lr": Field(float | None, None, "server learning rate; null = method default "
-                                 "(1; fedadam/fedyogi 0.01)", gt=0),
+                                 "(its default_server_lr: 1 unless the method sets another)", gt=0),
     # method blocks algorithm.<block>.*: assembled from the registered methods (_assemble)
     # aggregation weights
-    "aggregation.weighting": Field(str, "samples", "client weights in the server average, or "
+    "aggregation.weighting": Field(str, Weighting.name, "client weights in the server average, or "
                                    "pkg.module:Class (a Weighting subclass)",
                                    choices=tuple(WEIGHTINGS), **_IMPORT,
                                    registry=lambda: WEIGHTINGS),
-    "aggregation.rule": Field(str, "mean", "server-side aggregation rule (fedmpi.algorithms.rules), "
+    "aggregation.rule": Field(str, ServerRule.name, "server-side aggregation rule (fedmpi.algorithms.rules), "
                               "or pkg.module:Class (a ServerRule subclass)", choices=tuple(RULES),
                               **_IMPORT, registry=lambda: RULES),
     "aggregation.params": Field(dict, {}, "parameters of a user rule (pkg.module:Class), checked "
@@ -287,7 +287,7 @@ def _assemble() -> Schema:
 
 def _rename_target(given: Mapping[str, Any], old: str, targets: list[str]) -> str:
     """An old flat key moves to the block of the chosen method when it has one
-    (``algorithm.beta1`` → ``algorithm.fedadam.beta1`` for fedadam)."""
+    (``algorithm.<key>`` → ``algorithm.<method>.<key>`` for the chosen method)."""
     method = given.get("algorithm.name", _FRAMEWORK["algorithm.name"].default)
     return next((t for t in targets if t.split(".")[1] == method), targets[0])
 

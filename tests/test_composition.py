@@ -114,11 +114,10 @@ def test_a_new_method_is_one_file_and_one_line(tmp_path, monkeypatch):
     the real driver, and its server rule is the one applied (θ moves by half of FedAvg's)."""
     import importlib
 
-    import fedmpi.algorithms
-
     (tmp_path / "toy_method.py").write_text(TOY)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(fedmpi.algorithms, "ALGORITHMS", dict(ALGORITHMS))   # undone after the test
+    monkeypatch.setitem(ALGORITHMS, "halfstep", None)   # unregistered again after the test
+    monkeypatch.setattr(ALGORITHMS, "version", ALGORITHMS.version)
     importlib.import_module("toy_method")
     feds = {}
     for name in ("fedavg", "halfstep"):
