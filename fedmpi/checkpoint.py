@@ -261,7 +261,7 @@ class RunState:
     components: dict[str, StateOwner]
     clients: ClientStates
     after_resume: Callable[[int], None] = lambda round: None
-    out_dir: Optional[Path] = None
+    out_dir: Any = None   # the run directory (for messages); None in tests
 
     @property
     def rank(self) -> int:
@@ -473,7 +473,7 @@ def resume(run: RunState, restored: Optional[Restored]) -> int:
     try:
         scatter_client_states(run, restored.clients if restored else None)
     except Exception as exc:  # noqa: BLE001 - reported below, then every rank stops
-        where = restored.path if restored else checkpoint_path(run.out_dir)
+        where = restored.path if restored else checkpoint_path(run.out_dir or Path("."))
         error = CheckpointError(f"{where}: cannot restore client state on rank {run.rank} "
                                 f"({type(exc).__name__}: {exc})")
     code = run.comm.max_int(2 if error else 0, what="resume agreement")

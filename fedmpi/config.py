@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from . import config_core
-from .algorithms import ALGORITHMS, RULES, TRANSFORMS, WEIGHTINGS, Algorithm, ServerRule, Weighting
+from .algorithms import (ALGORITHMS, RULES, TRANSFORMS, WEIGHTINGS, Algorithm, ServerRule,
+                         UpdateTransform, Weighting)
 from .algorithms.component import Registry
 from .config_core import Config, Field, Schema, Section
 from .errors import ConfigError
@@ -323,9 +324,10 @@ def _selected_checks(cfg: Config) -> None:
     check_components(cfg, method, weighting, transforms, rule)
 
 
-def check_components(cfg: Config, method: Optional[type] = None,
-                     weighting: Optional[type] = None,
-                     transforms: Iterable[type] = (), rule: Optional[type] = None) -> None:
+def check_components(cfg: Config, method: Optional[type[Algorithm]] = None,
+                     weighting: Optional[type[Weighting]] = None,
+                     transforms: Iterable[type[UpdateTransform]] = (),
+                     rule: Optional[type[ServerRule]] = None) -> None:
     """Each component's own ``check(cfg)``, then the rules derived from declarations:
 
     * a transform that rewrites the whole update (``rewrites_update``, ECGR) does not

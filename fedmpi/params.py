@@ -68,10 +68,9 @@ def block_fields(prefix: str, block: str, params_cls: type,
     out: dict[str, Field] = {}
     for name, tp, default, meta in group_fields(params_cls):
         key = f"{block_key(prefix, block)}.{name}"
-        out[key] = Field(tp, default, meta.get("help", ""), choices=meta.get("choices"),
-                         ge=meta.get("ge"), gt=meta.get("gt"), le=meta.get("le"),
-                         lt=meta.get("lt"))
-        if renamed is not None and meta.get("renamed_from"):
+        out[key] = Field(tp, default, meta["help"], choices=meta["choices"], ge=meta["ge"],
+                         gt=meta["gt"], le=meta["le"], lt=meta["lt"])
+        if renamed is not None and meta["renamed_from"]:
             renamed.setdefault(meta["renamed_from"], []).append(key)
     return out
 

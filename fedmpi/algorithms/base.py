@@ -106,11 +106,54 @@ class ClientVectors(dict):
 class Algorithm(Component):
     """FedAvg; the base of every method (see module docstring).
 
-    Lifecycle: the runtime constructs the method, then calls :meth:`setup` once
-    with the run's :class:`~fedmpi.context.Context` (after :attr:`ctx` and
-    :attr:`device` are set by :func:`start`), then asks for
-    :meth:`uplink_stats` and :meth:`downlink_size`. Nothing in the framework
-    depends on an override calling ``super().setup``.
+    Lifecycle: the runtime constructs the method (``cls(cfg, layout,
+    num_clients)`` on every rank), then calls :meth:`setup` once with the run's
+    :class:`~fedmpi.context.Context` (after :attr:`ctx` and :attr:`device` are
+    set by :func:`start`), then asks for :meth:`uplink_stats` and
+    :meth:`downlink_size`. Nothing in the framework depends on an override
+    calling ``super().setup``. Parameters come from :meth:`hparams` (the blocks
+    named in :attr:`params`), never from ``cfg.algorithm.<block>``; rules that
+    span keys go in the classmethod :meth:`check`.
+
+    The interface has two halves. Every hook has a working default (FedAvg), so
+    a method overrides only what makes it different — **at least one of**
+    :meth:`hooks` / :meth:`finish_client` (client side) or :meth:`server_update`
+    (server side); a statistic it uploads besides ``delta`` must be declared in
+    :meth:`uplink_stats` and consumed by :meth:`server_update`.
+
+    **Declarations** (read on every rank): :meth:`uplink_stats` (per-client
+    vectors and how they combine: ``weighted`` with s_k, ``sum``, or per
+    ``client``), :meth:`downlink_size` (extras broadcast with θ),
+    :meth:`num_outputs` (classifier width), :attr:`weighted_update` (False
+    when Δ_k is not a weighted statistic: no per-client server rule),
+    :meth:`log_outputs`.
+
+    **Client half** — runs on the worker hosting the client, once per
+    participant and round: :meth:`begin_round` (every rank, after the state
+    Bcast), :meth:`local_sgd` (the client optimizer), :meth:`hooks` (inside the
+    shared local loop: gradient and step hooks, a loss), :meth:`finish_client`
+    (after training: per-client state, extra statistics into ``out``);
+    :meth:`client_update` itself is overridden only to change what is trained
+    (the submodel family trains θ ⊙ M). Per-client vectors live in
+    :meth:`client_store` and are checkpointed by client id
+    (:meth:`client_state` / :meth:`load_client_state`).
+
+    **Server half** — rank 0, once per round: :meth:`fill_downlink` (extras
+    for the next round), :meth:`server_update` (apply the round's aggregate
+    ``agg``: weighted statistics combined by the weighting and
+    ``aggregation.rule``, ``sum`` ones summed, ``client`` ones as rows), its
+    state :meth:`state_dict` / :meth:`load_state_dict` (required when
+    :meth:`server_update` keeps state across rounds, for bit-exact resume),
+    :meth:`after_resume` (hand restored state back to workers),
+    :meth:`evaluate` with :attr:`owns_evaluation`, :meth:`log_arrays`,
+    :meth:`model_delta_scale` (for per-client weightings), and the byte counts
+    :meth:`uplink_bytes` / :meth:`downlink_bytes`.
+
+    A new method is one module with this subclass plus one registration line
+    (:func:`fedmpi.algorithms.register_method`), or none when named by import
+    path. The submodel family is the same: subclass
+    :class:`~fedmpi.algorithms.submodel.SubmodelMethod` and name a mask ``rule``
+    (``tests/test_family.py``).
     """
 
     name: ClassVar[str] = "fedavg"

@@ -33,7 +33,7 @@ from ..imports import is_import_path, subclass
 from ..params import block_key, check_params, load_group
 
 #: A component's checkpointed state: tensors or arrays by name.
-State = dict[str, "torch.Tensor | np.ndarray"]
+State = dict[str, Any]
 
 
 class Component:

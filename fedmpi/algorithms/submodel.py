@@ -420,6 +420,14 @@ class SubmodelMethod(Algorithm):
 
     Evaluation: every level's submodel θ ⊙ M(θ, r_v, t+1) on the global test
     set; the run's ``test_accuracy``/``test_loss`` are the means over levels.
+
+    A member of the family is one subclass: a ``name``, a mask ``rule`` (one of
+    :data:`RULES`) and, where it differs, the switches ``use_ste``, ``keep``,
+    ``dynamic_mask``, ``frozen_below``, ``masked_ce``, :meth:`extractor_options`
+    (options of its rule) and :meth:`correction` (a gradient correction). The
+    family's config rules come with the class (:meth:`check`: resource levels;
+    ``masked_upload`` and ``weighted_update = False``: no ECGR, no per-client
+    server rule).
     """
 
     weighted_update = False   # coverage averaging sums masked updates (a `sum` statistic)
