@@ -51,6 +51,12 @@ _DATASET_PATTERN: dict[str, Any] = dict(pattern=f"medmnist:\\S+|{IMPORT_PATTERN}
 #: ``eval.metrics`` names (:mod:`fedmpi.metrics`).
 METRIC_NAMES = ("accuracy", "balanced_accuracy", "macro_f1", "auroc")
 
+def _other_server_lrs() -> str:
+    """The built-in methods whose default server learning rate is not 1 (for the help)."""
+    return ", ".join(f"{name} {cls.default_server_lr:g}" for name, cls in ALGORITHMS.items()
+                     if cls.default_server_lr != 1)
+
+
 #: The framework's keys, in the order :meth:`Config.to_dict` writes them; component
 #: blocks are inserted after their kind's anchor key (:data:`_KINDS`).
 _FRAMEWORK: dict[str, Field] = {
@@ -130,7 +136,7 @@ _FRAMEWORK: dict[str, Field] = {
     "algorithm.params": Field(dict, {}, "parameters of a user method (pkg.module:Class), checked "
                               "against its params['params'] dataclass"),
     "algorithm.server_lr": Field(float | None, None, "server learning rate; null = method default "
-                                 "(its default_server_lr: 1 unless the method sets another)", gt=0),
+                                 f"(1; {_other_server_lrs()})", gt=0),
     # method blocks algorithm.<block>.*: assembled from the registered methods (_assemble)
     # aggregation weights
     "aggregation.weighting": Field(str, Weighting.name, "client weights in the server average, or "
@@ -151,6 +157,12 @@ _FRAMEWORK: dict[str, Field] = {
                         "a subclass of fedmpi.algorithms.UpdateTransform built with the config), "
                         "applied in this order around any method", **_IMPORT),
     # transform blocks <name>.* (ecgr.*, adversary.*): assembled from the registered transforms
+    # privacy (fedmpi.privacy)
+    "privacy.secure_aggregation": Field(bool, False, "pairwise-masked secure aggregation: rank 0 "
+                                        "only holds sums over the accepted clients (extra "
+                                        ".[privacy])"),
+    "privacy.secagg.scale_bits": Field(int, 24, "fixed-point fractional bits f of secure "
+                                       "aggregation (ring 2^48: |sum| < 2^(47-f))", ge=8, le=40),
     # evaluation
     "eval.every": Field(int, 1, "evaluate every N rounds", ge=1),
     "eval.batch_size": Field(int, 1024, "evaluation batch size", ge=1),

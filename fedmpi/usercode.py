@@ -78,6 +78,11 @@ def check_config_paths(cfg: Any) -> None:
     if cfg.data.silos.loader is not None:
         silo_loader(cfg.data.silos.loader)
     code = UserCode()
+    if cfg.privacy.secure_aggregation:
+        from .privacy.secagg import refuse_per_client
+
+        refuse_per_client(cfg, bool(code.weighting_class(cfg).per_client),
+                          bool(code.rule_class(cfg).per_client), [])
     if is_import_path(cfg.algorithm.name):
         check_params(code.algorithm_class(cfg), cfg.algorithm.params)
     elif cfg.algorithm.params:
