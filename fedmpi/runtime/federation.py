@@ -67,7 +67,10 @@ class Federation:
         self.scratch = {s.name: torch.zeros(s.size, device=self.device) for s in self.stats}
         self.worker = Worker(cfg.seed, self.rank, self.algo, self.weighting, self.transforms,
                              self.trainer, self.client_idx, self.scratch, self.device)
-        self.evals = Evaluation(cfg, self.rank, self.size, self.algo.owns_evaluation)
+        tests = self.partition.client_test_indices
+        self.evals = Evaluation(cfg, self.rank, self.size, self.algo.owns_evaluation,
+                                {k: torch.as_tensor(tests[k], device=self.device)
+                                 for k in self.my_clients} if tests else None)
         self.recorder = RoundRecorder(self.host, self.size)
         summed = [s for s in self.stats if is_summed(s, self.weighting.per_client)]
         self.agg_bufs = ({s.name: torch.zeros(s.size, device=self.device)
@@ -147,8 +150,8 @@ class Federation:
             if self.arrival_sum is not None:
                 up = self.arrival_sum.into(up)
             self._server_round(t, up, t_start, t_train)
-        elif self.evals.shards(t):
-            self.evals.sharded(state, self.ctx, self.channel)
+        elif self.evals.collective(t):
+            self.evals.join(t, state, self.ctx, self.algo, self.channel)
         return CMD_ROUND
 
     def _arrived(self, state: torch.Tensor, client: int, row: dict[str, torch.Tensor]) -> None:
@@ -206,8 +209,7 @@ class Federation:
             for k in failed:
                 self.recorder.event(t, int(self.host[k]), int(k),
                                     f"local training failed: {self.failure}")
-            if self.evals.shards(t):
-                self.evals.sharded(self.global_state, self.ctx, self.channel)   # workers wait in it
+            self.evals.join(t, self.global_state, self.ctx, self.algo, self.channel)  # workers wait
             return
         t_agg = time.perf_counter()
         result = server_step(self.global_state, up, self.algo, self.weighting, self.stats,
@@ -217,8 +219,7 @@ class Federation:
         if result.accepted.size == 0:
             self.recorder.event(t, 0, -1, "no update accepted; global model unchanged")
         elif not guard.global_model_finite(self, t):   # stop; the last checkpoint is kept
-            if self.evals.shards(t):
-                self.evals.sharded(self.global_state, self.ctx, self.channel)   # workers wait in it
+            self.evals.join(t, self.global_state, self.ctx, self.algo, self.channel)  # workers wait
             return
         overlapped = self.evals.overlaps(t)
         t_eval = time.perf_counter()
@@ -232,6 +233,7 @@ class Federation:
                                 sum(self.algo.downlink_bytes(k, t) for k in sel), arrays)
         self.channel.exposed_arrival_seconds = 0.0
         row[1].update(evals)
+        row[2].update(self.evals.take_sites())   # /clients/<metric> of a per-site evaluation
         if overlapped:
             self.recorder.pending = row
         else:
