@@ -22,6 +22,7 @@ import torch
 from .. import checkpoint, signals
 from ..comm import Comm
 from ..imports import UserCode
+from ..outputs import write_model
 from ..train import LocalTrainer
 from .build import build, participants
 from .channel import Channel, plan_uplink
@@ -168,7 +169,8 @@ class Federation:
         cmd = CMD_ROUND
         if self.failure is not None:
             cmd = CMD_ABORT
-        elif self.stop_reason is not None or t >= self.cfg.train.rounds:
+        elif (self.stop_reason is not None or self.recorder.stop_request is not None
+              or t >= self.cfg.train.rounds):   # a signal, early stopping/a callback, the end
             cmd = CMD_STOP
         flags = self._flags(cmd, t)
         self.channel.set_header(cmd, t, flags, self.participants(t) if cmd == CMD_ROUND else None)
@@ -238,6 +240,16 @@ class Federation:
             self.recorder.pending = row
         else:
             self.recorder.append(row)
+
+    def save_best(self, t: int, value: float) -> None:
+        """Rank 0: the global model of round ``t`` (best in ``checkpoint.keep_best``) to
+        ``best.pt``, its round in the log's root attributes (:mod:`fedmpi.callbacks`)."""
+        assert self.out_dir is not None and self.writer is not None, "rank 0 of a run with a log"
+        metric = self.cfg.checkpoint.keep_best.metric
+        self.flat.load(self.global_state)
+        write_model(self.flat.model, self.out_dir / "best.pt")
+        for name, v in (("best_round", t), ("best_metric", metric), ("best_value", value)):
+            self.writer.set_attr("/", name, v)
 
     def _evaluate(self, t: int) -> dict[str, float]:
         return self.evals.run(t, self.global_state, self.ctx, self.algo, self.channel)
