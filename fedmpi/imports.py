@@ -12,6 +12,8 @@ Four config keys accept an import path instead of a built-in name:
                             class's ``Params`` dataclass (:func:`method_params`)
 ``aggregation.weighting``   a subclass of :class:`fedmpi.algorithms.Weighting`
 ``data.silos.loader``       a callable ``(client) -> (x, y)`` (:mod:`fedmpi.data.silos`)
+``eval.metrics`` items      a function ``(labels, probabilities) -> float``
+                            (:mod:`fedmpi.metrics`)
 ==========================  ==============================================================
 
 Every failure — unknown module, unknown attribute, wrong kind of object, wrong
@@ -293,6 +295,11 @@ def check_config_paths(cfg: Any) -> None:
         weighting_class(cfg.aggregation.weighting)
     for i, path in enumerate(cfg.transforms):
         transform_class(path, f"transforms[{i}]")
+    from .metrics import is_user_metric, user_metric
+
+    for metric in cfg.eval.metrics:
+        if is_user_metric(metric):
+            user_metric(metric)
     if is_import_path(cfg.algorithm.name):
         method_params(algorithm_class(cfg.algorithm.name), cfg.algorithm.params)
     elif cfg.algorithm.params:

@@ -166,8 +166,9 @@ def scalars(loss_sum: float, n: float, confusion: np.ndarray, num_classes: int,
 
 def _user(path: str, p: np.ndarray, y: np.ndarray) -> float:
     """A user metric on (labels, probabilities), as a float (an error names the function)."""
+    fn = user_metric(path)
     try:
-        return float(user_metric(path)(y, p))
+        return float(fn(y, p))
     except Exception as exc:  # noqa: BLE001 - user code: say whose it was
         raise RuntimeError(f"eval.metrics {path!r} failed: {type(exc).__name__}: {exc}") from exc
 

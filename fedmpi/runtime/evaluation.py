@@ -81,6 +81,9 @@ class Evaluation:
         self.rank, self.size = rank, world_size
         self.owned = owned_by_method
         self.names = tuple(cfg.eval.metrics)
+        for m in self.names:   # a user metric that cannot be imported is bad input, now
+            if metrics.is_user_metric(m):
+                metrics.user_metric(m)
         self.where = cfg.eval.where
         self.client_tests = client_tests or {}      # hosted client -> held-out pool indices
         self.sites: dict[str, np.ndarray] = {}      # per-client arrays of the last evaluation
