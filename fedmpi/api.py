@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
+from .callbacks import Callback
 from .config import Config, config_from_dict, load_config
 from .imports import UserCode, path_of
 
@@ -70,7 +71,7 @@ def run(config: ConfigSource, overrides: Sequence[str] = (), *,
         algorithm: Optional[type] = None, weighting: Optional[type] = None,
         out: Optional[Union[str, "os.PathLike[str]"]] = None, resume: bool = False,
         overwrite: bool = False, comm: Any = None,
-        callbacks: Sequence[Callable[[int, Mapping[str, float]], Any]] = ()) -> RunResult:
+        callbacks: Sequence[Callback] = ()) -> RunResult:
     """Run one federated experiment, the same way ``fedmpi run`` does.
 
     Args:

@@ -34,17 +34,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Callable, Optional, Protocol, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 __all__ = ["AfterRound", "BestModel", "Callback", "EarlyStopping", "Improvement", "stop_reason"]
 
 Outcome = Union[bool, str, None]
 
 
-class Callback(Protocol):
-    """``cb(round, metrics)`` on rank 0 after each logged round; True or a reason stops."""
-
-    def __call__(self, round: int, metrics: Mapping[str, float]) -> Outcome: ...
+#: ``cb(round, metrics)`` on rank 0 after each logged round; True or a reason stops.
+Callback = Callable[[int, Mapping[str, float]], Any]
 
 
 def stop_reason(outcome: Outcome, who: str) -> Optional[str]:

@@ -181,8 +181,8 @@ def export(log_path: str | Path, tensorboard: Optional[str] = None, mlflow: Opti
         trackers.append((f"TensorBoard events in {tensorboard}",
                          TensorBoardTracker(tensorboard, key="--tensorboard")))
     if mlflow is not None:
-        tr = MLflowTracker(mlflow, experiment, name, _flat_config(log.config or {}), key="--mlflow")
-        trackers.append((f"MLflow run {tr.run_id} at {mlflow}", tr))
+        ml = MLflowTracker(mlflow, experiment, name, _flat_config(log.config or {}), key="--mlflow")
+        trackers.append((f"MLflow run {ml.run_id} at {mlflow}", ml))
     for i, t in enumerate(rounds.get("round", [])):
         scalars = {k: float(v[i]) for k, v in rounds.items() if k != "round"}
         row_sites = {m: log.clients[m][i] for m in sites}

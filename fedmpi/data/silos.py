@@ -222,7 +222,7 @@ def _silos(cfg: Any, comm: Any, hosted: list[int], is_server: bool) -> LocalData
     queue = deque([parts.pop(k) for k in hosted] + ([val] if has_val else [])
                   + [held.pop(k) for k in tested])
     val = None
-    offsets = np.cumsum([0, *(len(y) for _, y in queue)])
+    offsets = [int(o) for o in np.cumsum([0, *(len(y) for _, y in queue)])]
     span = lambda i: np.arange(offsets[i], offsets[i + 1], dtype=np.int64)  # noqa: E731
     client_indices = [np.zeros(0, dtype=np.int64)] * K
     for i, k in enumerate(hosted):

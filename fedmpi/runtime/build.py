@@ -62,7 +62,7 @@ def participants(seed: int, num_clients: int, m: int, t: int) -> np.ndarray:
     return mask
 
 
-def check_training_keys(cfg: Config, algo_class: type, num_classes: int) -> None:
+def check_training_keys(cfg: Config, algo_class: type[Algorithm], num_classes: int) -> None:
     """``train.optimizer`` among the method's ``optimizers``, ``train.loss`` and its
     options only for methods without their own loss, one class weight per class."""
     t, name = cfg.train, cfg.algorithm.name

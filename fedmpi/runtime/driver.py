@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
