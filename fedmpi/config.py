@@ -890,15 +890,10 @@ def _data_checks(cfg: Config) -> None:
         if (s.path is None) == (s.loader is None):
             raise ConfigError("config key 'data.silos.path' or 'data.silos.loader' (exactly one) "
                               "must be set when data.partition.method is 'silos'")
-        if s.path is not None:
-            try:
-                ok = s.path.format(client=0) != s.path.format(client=1)
-            except (KeyError, IndexError, ValueError):
-                ok = False
-            if not ok:
-                raise ConfigError(f"config key 'data.silos.path' must be a file template with "
-                                  f"{{client}} as its only field, e.g. silos/{{client}}.csv; got "
-                                  f"{s.path!r}")
+        if s.path is not None and not _client_template(s.path):
+            raise ConfigError(f"config key 'data.silos.path' must be a file template with "
+                              f"{{client}} as its only field, e.g. silos/{{client}}.csv; got "
+                              f"{s.path!r}")
         if s.test is None and cfg.eval.where != "clients":
             raise ConfigError("config key 'data.silos.test' is required when "
                               "data.partition.method is 'silos' (rank 0 reads the test set), "
@@ -911,6 +906,14 @@ def _data_checks(cfg: Config) -> None:
             if d.tabular.get(key) is None:
                 raise ConfigError(f"config key 'data.tabular.{key}' is required when "
                                   "data.dataset is 'tabular'")
+
+
+def _client_template(path: str) -> bool:
+    """Whether ``path`` is a file template whose only field is ``{client}``."""
+    try:
+        return path.format(client=0) != path.format(client=1)
+    except (KeyError, IndexError, ValueError):
+        return False
 
 
 def _train_checks(cfg: Config) -> None:
@@ -953,11 +956,7 @@ def _eval_checks(cfg: Config) -> None:
         if cfg.data.partition.method != "silos":
             raise ConfigError("config key 'data.silos.client_test' needs data.partition.method "
                               "'silos' (with pooled data use eval.client_holdout)")
-        try:
-            ok = s.client_test.format(client=0) != s.client_test.format(client=1)
-        except (KeyError, IndexError, ValueError):
-            ok = False
-        if not ok:
+        if not _client_template(s.client_test):
             raise ConfigError(f"config key 'data.silos.client_test' must be a file template "
                               f"with {{client}} as its only field, got {s.client_test!r}")
     if e.where != "server":
