@@ -91,3 +91,25 @@ def test_early_stopping_under_mpi_exits_zero_on_every_rank(tmp_path):
     log = read(tmp_path / "out" / "log.h5")
     assert proc.returncode == 0 and log.status == "completed"
     assert 2 <= log.num_rounds <= 3 < BASE["train"]["rounds"]
+
+
+def test_resume_rebuilds_best_and_patience_without_writing():
+    """AfterRound.replay (--resume): the best value and the patience count come back from the
+    log's rows; best.pt is not rewritten and no callback is called for old rounds."""
+    from fedmpi.callbacks import AfterRound
+    from fedmpi.config import config_from_dict
+
+    cfg = config_from_dict({"train": {"early_stopping": {"metric": "test_loss", "mode": "min",
+                                                         "patience": 3}},
+                            "checkpoint": {"keep_best": {"metric": "test_loss", "mode": "min"}}})
+    saved, called = [], []
+    after = AfterRound(cfg, lambda t, v: saved.append(t), callbacks=[lambda t, m: called.append(t)])
+    after.replay([{"round": 0, "test_loss": 1.0}, {"round": 1, "test_loss": 0.5},
+                  {"round": 2, "test_loss": 0.7}, {"round": 3, "test_loss": 0.6}])
+    assert saved == [] and called == []
+    assert after.best.track.best_round == 1 and after.early.wait == 2
+    assert after(4, {"test_loss": 0.4}, {}) is None and saved == [4]     # a new best: written
+    assert after(5, {"test_loss": 0.45}, {}) is None
+    assert after(6, {"test_loss": 0.41}, {}) is None
+    assert "early stopping" in after(7, {"test_loss": 0.9}, {})          # 3 without improvement
+    assert called == [4, 5, 6, 7]

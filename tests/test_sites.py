@@ -132,6 +132,21 @@ def test_tabular_silos_clients_evaluate_at_n3_and_match_sklearn(tmp_path):
     assert log.rounds["auroc"][last] == pytest.approx(weighted, abs=1e-6)
     assert not np.isnan(log.clients["test_accuracy"]).any()         # every client, every round
 
+    # world size 1 (rank 0 hosts every silo): the same bits, per site and combined
+    import fedmpi
+    one = read(fedmpi.run(config, ["eval.where=clients", "eval.client_holdout=0.2",
+                                   "train.rounds=3"], out=tmp_path / "n1").log_path)
+    for name in ("test_accuracy", "test_loss", "auroc", "macro_f1", "test_samples"):
+        assert np.array_equal(one.clients[name], log.clients[name], equal_nan=True), name
+    for name in ("test_accuracy", "test_loss", "auroc", "balanced_accuracy"):
+        assert np.array_equal(one.rounds[name], log.rounds[name]), name
+    # the pooled run of the same split holds out the same samples of each client
+    pooled = read(fedmpi.run(config, ["eval.where=clients", "eval.client_holdout=0.2",
+                                      "train.rounds=1", "data.partition.method=dirichlet"],
+                             out=tmp_path / "pooled").log_path)
+    assert np.array_equal(pooled.clients["test_samples"][0], n)
+    assert np.array_equal(pooled.clients["num_samples"], log.clients["num_samples"])
+
 
 def test_both_keeps_server_metrics_and_adds_clients_ones(tmp_path):
     """`both`: /rounds/test_accuracy is the server's test set (as with `server`, same
@@ -152,6 +167,49 @@ def test_both_keeps_server_metrics_and_adds_clients_ones(tmp_path):
         assert np.array_equal(lb.clients[name], lc.clients[name])
     assert not np.array_equal(lb.rounds["test_loss"], lc.rounds["test_loss"])   # server's set
     assert "clients_test_loss" not in lc.rounds
+
+
+class _Rank:
+    """A Comm stand-in for rank 1 of 3: the other rank adds one sample of each class to
+    each client row this rank leaves empty (the client it does not host)."""
+
+    rank, size = 1, 3
+
+    def allreduce_sum(self, send, recv, what=""):
+        np.copyto(recv, send)
+        if recv.dtype == np.float64:   # the per-client metadata rows
+            recv[:-1][~recv[:-1].any(1)] = 1.0
+
+    def allreduce_max(self, send, recv, what=""):
+        np.copyto(recv, send)
+
+
+def test_client_test_files_are_read_by_the_host_only_and_indexed(tmp_path):
+    """data.silos.client_test: the hosting rank appends each client's test file to its local
+    pool; client_test_indices point at exactly those rows; training rows are untouched."""
+    from fedmpi.data import build_local
+    from fedmpi.data.tabular import write_table
+
+    rng = np.random.default_rng(0)
+    files = {}
+    for k in (0, 2):   # rank 1 of 3 hosts clients 0 and 2 of 3
+        x, y = rng.normal(size=(8 + k, 4)), np.arange(8 + k) % 2
+        xt, yt = rng.normal(size=(3 + k, 4)), np.arange(3 + k) % 2
+        write_table(tmp_path / f"s{k}.csv", x, y)
+        write_table(tmp_path / f"t{k}.csv", xt, yt)
+        files[k] = (x, y, xt, yt)
+    cfg = config_from_dict({"data": {"num_clients": 3, "partition": {"method": "silos"},
+                                     "silos": {"path": str(tmp_path / "s{client}.csv"),
+                                               "client_test": str(tmp_path / "t{client}.csv")}},
+                            "eval": {"where": "clients"}})
+    local = build_local(cfg, _Rank(), [0, 2], is_server=False)
+    x_pool = local.data.x_train.numpy()
+    for k, (x, y, xt, yt) in files.items():
+        np.testing.assert_allclose(x_pool[local.partition.client_indices[k]], x, rtol=1e-6)
+        np.testing.assert_allclose(x_pool[local.partition.client_test_indices[k]], xt, rtol=1e-6)
+        assert np.array_equal(local.data.y_train.numpy()[local.partition.client_test_indices[k]],
+                              yt)
+    assert len(local.partition.client_test_indices[1]) == 0 and local.data.y_test.numel() == 0
 
 
 @pytest.mark.parametrize("over, key", [
