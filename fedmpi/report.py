@@ -58,7 +58,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fedmpi.compare import config_value, flatten_config, run_metrics
+from fedmpi.compare import config_value, flatten_config, is_percent, run_metrics
 from fedmpi.errors import UserError
 from fedmpi.log import RunLog, read
 
@@ -646,7 +646,7 @@ def summary_markdown(log: RunLog, target: float | None = None,
     out.append(f"| best test accuracy | {_pct(m.best_accuracy)}"
                + (f" (round {m.best_round})" if m.best_round is not None else "") + " |")
     for name, value in m.final_metrics.items():   # further eval.metrics of the log
-        out.append(f"| final {name} | {_pct(value)} |")
+        out.append(f"| final {name} | {_pct(value) if is_percent(name) else f'{value:.6g}'} |")
     if target is not None:
         tau = m.rounds_to_target
         out.append(f"| rounds to {_pct(target)} | "
