@@ -223,3 +223,12 @@ def test_client_test_files_are_read_by_the_host_only_and_indexed(tmp_path):
 def test_bad_site_evaluation_keys_name_the_key(over, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         config_from_dict(over)
+
+
+def test_silos_need_no_server_test_file_when_only_clients_evaluate():
+    silos = {"partition": {"method": "silos"}, "silos": {"path": "s{client}.csv"}}
+    cfg = config_from_dict({"data": silos, "eval": {"where": "clients", "client_holdout": 0.2}})
+    assert cfg.data.silos.test is None
+    for where in ("server", "both"):
+        with pytest.raises(ConfigError, match=r"data\.silos\.test"):
+            config_from_dict({"data": silos, "eval": {"where": where, "client_holdout": 0.2}})

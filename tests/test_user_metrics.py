@@ -65,3 +65,12 @@ def test_unimportable_user_metric_is_a_config_error(tmp_path):
 
     with pytest.raises(ConfigError, match=r"eval\.metrics.*no_such_module_i27"):
         fedmpi.run(BASE, ["eval.metrics=[accuracy, no_such_module_i27:f]"], out=tmp_path)
+
+
+def test_fedmpi_check_resolves_user_metrics(tmp_path, capsys):
+    import yaml
+    from fedmpi.cli import main
+
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"eval": {"metrics": ["math:nope"]}}))
+    assert main(["check", str(tmp_path / "c.yaml")]) == 2
+    assert "eval.metrics" in capsys.readouterr().err
