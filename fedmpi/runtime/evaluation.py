@@ -181,9 +181,10 @@ class Evaluation:
         cells = metrics.confusion_size(C)
         scored = metrics.score_metrics(self.names)
         table = np.zeros((K, 2 + cells + len(scored)), dtype=np.float64)
+        if self.client_tests:
+            ctx.flat.load(theta)   # evaluation leaves the model unchanged (eval mode)
         for k, idx in sorted(self.client_tests.items()):
             collect = metrics.Collector(C, self.names, ctx.device)
-            ctx.flat.load(theta)
             loss, _, n = evaluate(ctx.forward, ctx.data, ctx.data.x_train[idx], ctx.data.y_train[idx],
                                   self.cfg.eval.batch_size, num_logits=algo.eval_logits(),
                                   accel=ctx.accel, collect=collect)
