@@ -471,6 +471,29 @@ def test_fiarse_keeps_only_norm_layers_by_default():
     assert float(kept.min()) >= float(dropped.max())
 
 
+@pytest.mark.parametrize("budget", ["model", "maskable"])
+def test_fiarse_budget_rules_by_hand(budget):
+    """``model``: ⌊r·d⌋ parameters in all (the norm layers plus the top ⌊r·d⌋ − d̃);
+    ``maskable``: FIARSE's code, ``topk(|θ|, int(r·numel))`` over the maskable
+    (non-norm) entries. Sizes from the state's parameter shapes; r = 1/4."""
+    fed = _fiarse_fed(**{"algorithm.fiarse.budget": budget})
+    model, P = fed.flat.model, fed.flat.num_params
+    norm = {f"{m}.{p}" for m, mod in model.named_modules() if isinstance(mod, nn.BatchNorm2d)
+            for p, _ in mod.named_parameters()}
+    params = dict(model.named_parameters())
+    d = sum(math.prod(p.shape) for p in params.values())
+    maskable = sum(math.prod(p.shape) for n, p in params.items() if n not in norm)
+    k = int(0.25 * maskable) if budget == "maskable" else math.floor(0.25 * d) - (d - maskable)
+    theta = fed.global_state
+    sub = fed.algo.submodel(theta, 1, 0)                   # client 1: level 1/4
+    segs = [fed.flat.segment(n) for n in params if n not in norm]
+    kept = sum(int(sub.mask[s.slice].sum()) for s in segs)
+    mags = torch.cat([theta[s.slice].abs() for s in segs])
+    assert kept == k
+    assert float(sub.threshold[segs[0].slice][0]) == float(torch.topk(mags, k).values.min())
+    assert int(sub.mask[:P].sum()) == k + (d - maskable)
+
+
 def test_heterofl_masked_cross_entropy():
     """Logits of classes absent from the client's data are 0 in the training loss
     (HeteroFL's label_split mask), computed by hand."""
@@ -593,6 +616,45 @@ def test_scalefl_forward_skips_the_masked_blocks():
                 out = block(out)
     want = model.classifier(torch.flatten(F.adaptive_avg_pool2d(out, 1), 1))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _heterofl_upload(scaler: bool, eps: float, level_client: int = 1) -> torch.Tensor:
+    """One HeteroFL client update (client 1: level 1/4, width 1/2) with every norm's ε
+    set to ``eps``; returns the upload M ⊙ Δ."""
+    fed = Federation(cfg(**{"algorithm.name": "heterofl", "algorithm.heterofl.scaler": scaler}),
+                     Comm())
+    for m in fed.trainer.flat.model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.eps = eps
+    out = {"delta": torch.zeros(fed.D, device=fed.device)}
+    k = level_client
+    task = ClientTask(k, 0, fed.client_idx[k], stream_seed(1, k, 0))
+    fed.algo.client_update(task, fed.trainer, fed.global_state.clone(),
+                           torch.zeros(0, device=fed.device), out)
+    # after training no scaling is left on: the model computes what an unhooked copy does
+    shape = tuple(fed.data.x_train.shape[1:])
+    fresh = build_model("cnn", shape, fed.data.num_classes, "static_bn").to(fed.device)
+    fresh.load_state_dict(fed.trainer.flat.model.state_dict())
+    for m in fresh.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.eps = eps
+    x = torch.randn(8, *shape, device=fed.device)
+    torch.testing.assert_close(fed.trainer.flat.model.train()(x), fresh.train()(x), atol=0, rtol=0)
+    return out["delta"]
+
+
+def test_heterofl_scaler_is_the_norm_with_eps_times_r():
+    """HeteroFL's Scaler divides each norm layer's input by the width rate w = √r in
+    training: for batch-statistics BN that is BN with ε·w² = ε·r (here r = 1/4). A large
+    ε makes the difference visible; without the Scaler the upload differs."""
+    eps = 0.3
+    with_scaler = _heterofl_upload(True, eps)
+    torch.testing.assert_close(with_scaler, _heterofl_upload(False, eps * 0.25), atol=2e-6, rtol=1e-4)
+    plain = _heterofl_upload(False, eps)
+    assert float((with_scaler - plain).abs().max()) > 1e-3
+    # level 1: w = 1, the Scaler is the identity
+    torch.testing.assert_close(_heterofl_upload(True, eps, 0), _heterofl_upload(False, eps, 0),
+                               atol=0, rtol=0)
 
 
 def test_scalefl_round_on_digits_width_only():

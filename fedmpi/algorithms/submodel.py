@@ -46,8 +46,10 @@ Rules (``rule`` of :class:`Extractor`):
     normalisation layers (``keep="norm"``, the FIARSE default; input/output
     layers and biases then compete for the budget); ``keep="critical"`` uses
     FedLAGC's critical set (``algorithm.fiarse.always_keep``). Deviation: the
-    budget is ⌊r·d⌋ − d̃ as for every method (FIARSE's code keeps
-    ⌊r·(maskable entries)⌋, which differs by r·d̃).
+    budget is ⌊r·d⌋ − d̃ as for every method (``budget="model"``, the default of
+    ``algorithm.fiarse.budget``); ``budget="maskable"`` is FIARSE's code,
+    ``torch.topk(|θ|, int(r·numel))`` over the maskable entries: ⌊r·(d − d̃)⌋,
+    r·d̃ fewer.
 ``nested`` (HeteroFL, Diao et al. 2021)
     Width factor w = √r (a width-w network has ≈ r of the parameters, which is
     how {1, 1/4, 1/16, 1/64} map to HeteroFL's widths {1, 1/2, 1/4, 1/8}); every
@@ -73,8 +75,9 @@ Rules (``rule`` of :class:`Extractor`):
 Masking the full-width network is exactly the narrow network for ``nested`` and
 ``rolling`` with static BN or running-stat BN: a channel whose weights, bias and
 norm affine parameters are all 0 outputs 0. (Deviation: HeteroFL's output
-"scaler" 1/w is not applied; models that flatten a conv map into a linear layer,
-such as ``lenet``, slice the flattened features rather than whole channels.)
+"scaler" 1/w is applied only with ``algorithm.heterofl.scaler``, :class:`Scaler`;
+models that flatten a conv map into a linear layer, such as ``lenet``, slice the
+flattened features rather than whole channels.)
 
 Longer than ~350 lines: the one submodel implementation shared by FedLAGC, HeteroFL, FedRolex, FIARSE and ScaleFL (extraction rules, coverage averaging, level evaluation).
 """
@@ -216,11 +219,12 @@ class Extractor:
 
     def __init__(self, flat: FlatModel, rule: str, importance: str = "mean",
                  log_normalize: bool = True, keep: str = "critical",
-                 depth_share: float = 0.5) -> None:
+                 depth_share: float = 0.5, budget: str = "model") -> None:
         if rule not in RULES:
             raise ValueError(f"unknown submodel rule {rule!r}")
         self.rule, self.importance, self.log_normalize = rule, importance, log_normalize
         self.depth_share = float(depth_share)
+        self.budget_rule = budget
         self.device = flat.device
         self.D, self.P = flat.size, flat.num_params
         self.segments = list(flat.param_segments)
@@ -257,7 +261,10 @@ class Extractor:
 
     # ------------------------------------------------------------- budgets
     def budget(self, level: float) -> int:
-        """d_n − d̃ with d_n = ⌊r·d⌋ (d = number of parameters)."""
+        """Prunable entries kept: d_n − d̃ with d_n = ⌊r·d⌋ (d = number of parameters;
+        ``model``), or ⌊r·(d − d̃)⌋ (``maskable``: FIARSE's code, r of the maskable entries)."""
+        if self.budget_rule == "maskable":
+            return int(math.floor(level * (self.P - self.critical_size) + 1e-9))
         return int(math.floor(level * self.P + 1e-9)) - self.critical_size
 
     def check_levels(self, levels: list[float], model_name: str) -> None:
@@ -427,6 +434,39 @@ def _union(blocks: list[set[str]]) -> set[str]:
     return set().union(*blocks)
 
 
+class Scaler:
+    """HeteroFL's Scaler (Diao et al. 2021, §3 "Scaler"; code ``modules.Scaler``): in
+    training the representation entering every normalisation layer is divided by the
+    width rate w of the client's submodel (HeteroFL's r; here w = √r of the level,
+    see ``nested``); in evaluation it is the identity. HeteroFL places it between
+    each conv and its norm, so for a batch-statistics norm it is the norm with ε·w²:
+    BN(x/w; ε) = (x − μ)/√(σ² + w²ε)·γ + β. Running statistics (``model.norm: bn``)
+    are those of x/w, as in HeteroFL's code with tracking on.
+
+    A forward pre-hook on every normalisation module; ``rate`` is set for the
+    duration of a client's local training (1 otherwise). Models without
+    normalisation layers have nowhere to place it (no effect).
+    """
+
+    def __init__(self) -> None:
+        self.rate = 1.0
+        self._hooked: set[int] = set()
+
+    def install(self, model: nn.Module) -> None:
+        """Hook every normalisation module of ``model`` (once per model)."""
+        if id(model) in self._hooked:
+            return
+        for m in model.modules():
+            if isinstance(m, _NORMS):
+                m.register_forward_pre_hook(self)
+        self._hooked.add(id(model))
+
+    def __call__(self, module: nn.Module, args: tuple) -> Optional[tuple]:
+        if module.training and self.rate != 1.0:
+            return (args[0] / self.rate, *args[1:])
+        return None
+
+
 # --------------------------------------------------------------------------- #
 # The method seam shared by FedLAGC, FIARSE, HeteroFL, FedRolex and ScaleFL
 # --------------------------------------------------------------------------- #
@@ -488,8 +528,12 @@ class SubmodelMethod(Algorithm):
     frozen_below = False
     #: always-kept set of :class:`Extractor` (``critical`` or ``norm``)
     keep = "critical"
+    #: budget rule of :class:`Extractor` (``model`` or FIARSE's ``maskable``)
+    budget_rule = "model"
     #: HeteroFL's masked cross-entropy (logits of absent classes set to 0)
     masked_ce = False
+    #: HeteroFL's Scaler (norm inputs ÷ width rate in local training; :class:`Scaler`)
+    scaler = False
 
     def __init__(self, cfg, layout: FlatModel, num_clients: int) -> None:
         # ECGR is refused by the config validator (fedmpi.config SUBMODEL_METHODS): it
@@ -500,7 +544,7 @@ class SubmodelMethod(Algorithm):
         self.client_level = client_levels(cfg.system.levels, cfg.system.allocation, num_clients,
                                           self.name)
         self.extractor = Extractor(layout, self.rule, a.fedlagc.importance, a.fedlagc.log_normalize,
-                                   self.keep, a.scalefl.depth_share)
+                                   self.keep, a.scalefl.depth_share, self.budget_rule)
         self.extractor.check_levels(self.levels, cfg.model.name)
         self.ste = self.use_ste and bool(a.submodel.ste)
         self.P = layout.num_params
@@ -508,6 +552,7 @@ class SubmodelMethod(Algorithm):
         self._masked: Optional[torch.Tensor] = None
         self._shadow: Optional[torch.Tensor] = None
         self._sub: Optional[Submodel] = None
+        self._scaler = Scaler()
         V, L = len(self.levels), len(self.extractor.segments)
         self._kept_round = -1
         self._kept_entries = np.zeros(V, dtype=np.int64)
@@ -552,7 +597,14 @@ class SubmodelMethod(Algorithm):
             self._masked = torch.empty_like(state)
         torch.mul(state, self._sub.mask, out=self._masked)
         self._flat = trainer.flat
-        return super().client_update(task, trainer, self._masked, extras, out, transforms)
+        if not self.scaler:
+            return super().client_update(task, trainer, self._masked, extras, out, transforms)
+        self._scaler.install(trainer.flat.model)
+        self._scaler.rate = math.sqrt(self.levels[int(self.client_level[task.client])])
+        try:
+            return super().client_update(task, trainer, self._masked, extras, out, transforms)
+        finally:
+            self._scaler.rate = 1.0
 
     def correction(self, task: ClientTask) -> tuple[Optional[torch.Tensor], float]:
         """(λ_n, h(t)) of the gradient correction; none for the baselines."""
