@@ -244,12 +244,16 @@ def check_value(key: str, f: Field, value: Any) -> Any:
             if f.item in (int, float) and not f.in_range(x):
                 raise ConfigError(
                     f"config key {key!r} items must each be {f.range_text}; item {i} is {x!r}")
-            if f.choices is not None and x not in f.choices:
+            matches = f.pattern is not None and isinstance(x, str) and \
+                re.fullmatch(f.pattern, x) is not None
+            if f.choices is not None and x not in f.choices and not matches:
+                alt = f" or {f.pattern_help}" if f.pattern_help else ""
                 raise ConfigError(f"config key {key!r} item {i} expects one of "
-                                  f"{', '.join(f.choices)}, got {x!r}{suggest(x, f.choices)}")
+                                  f"{', '.join(f.choices)}{alt}, got {x!r}"
+                                  f"{suggest(x, f.choices)}")
             if f.choices is not None and x in items:
                 raise ConfigError(f"config key {key!r} lists {x!r} twice")
-            if f.pattern is not None and isinstance(x, str) and not re.fullmatch(f.pattern, x):
+            if f.choices is None and f.pattern is not None and not matches:
                 raise ConfigError(f"config key {key!r} item {i} expects "
                                   f"{f.pattern_help or f.pattern}, got {x!r}")
             items.append(x)

@@ -16,6 +16,8 @@ Four config keys accept an import path instead of a built-in name:
                             parameters come from ``aggregation.params``
 ``transforms``              subclasses of :class:`fedmpi.algorithms.UpdateTransform`
 ``data.silos.loader``       a callable ``(client) -> (x, y)`` (:mod:`fedmpi.data.silos`)
+``eval.metrics`` items      a function ``(labels, probabilities) -> float``
+                            (:mod:`fedmpi.metrics`)
 ==========================  ==============================================================
 
 This module is the bottom layer of user code: it resolves a path and checks the

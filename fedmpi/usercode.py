@@ -15,6 +15,7 @@ from .config import check_components
 from .data.custom import dataset_factory
 from .errors import ConfigError
 from .imports import is_import_path, model_factory, silo_loader, subclass
+from .metrics import is_user_metric, user_metric
 from .params import check_params
 
 __all__ = ["UserCode", "check_config_paths"]
@@ -77,6 +78,9 @@ def check_config_paths(cfg: Any) -> None:
         dataset_factory(cfg.data.dataset)
     if cfg.data.silos.loader is not None:
         silo_loader(cfg.data.silos.loader)
+    for metric in cfg.eval.metrics:
+        if is_user_metric(metric):
+            user_metric(metric)
     code = UserCode()
     if cfg.privacy.secure_aggregation:
         from .privacy.secagg import refuse_per_client

@@ -342,7 +342,12 @@ class EcgrTransform(UpdateTransform):
 
     @classmethod
     def check(cls, cfg) -> None:
+        """τ_k ≥ 2 (:func:`check_local_steps`) and plain SGD steps (the recorded b_s)."""
         check_local_steps(sgd_config(cfg))
+        if cfg.train.optimizer != "sgd":
+            raise ConfigError(f"config keys 'ecgr.enabled' and 'train.optimizer': ECGR rewrites "
+                              f"SGD steps (its math assumes sgd), got train.optimizer "
+                              f"{cfg.train.optimizer!r}")
 
     def setup(self, ctx) -> None:
         self.P = ctx.flat.num_params
