@@ -57,6 +57,11 @@ def _other_server_lrs() -> str:
                      if cls.default_server_lr != 1)
 
 
+def _sgd_only() -> str:
+    """The built-in methods whose math assumes SGD steps (``Algorithm.optimizers``)."""
+    return ", ".join(name for name, cls in ALGORITHMS.items() if cls.optimizers == ("sgd",))
+
+
 #: The framework's keys, in the order :meth:`Config.to_dict` writes them; component
 #: blocks are inserted after their kind's anchor key (:data:`_KINDS`).
 _FRAMEWORK: dict[str, Field] = {
@@ -129,7 +134,7 @@ _FRAMEWORK: dict[str, Field] = {
     "train.momentum": Field(float, 0.0, "client SGD momentum", ge=0, lt=1),
     "train.weight_decay": Field(float, 0.0, "client weight decay", ge=0),
     "train.optimizer": Field(str, "sgd", "client optimizer (state reset every client-round); "
-                             "fednova, scaffold and ECGR assume sgd",
+                             f"{_sgd_only()} and ECGR assume sgd",
                              choices=("sgd", "adam", "adamw")),
     "train.betas": Field(list[float], [0.9, 0.999], "adam/adamw: (beta1, beta2)", ge=0, lt=1),
     "train.eps": Field(float, 1e-8, "adam/adamw: epsilon of the denominator", gt=0),
