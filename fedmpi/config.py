@@ -291,8 +291,11 @@ SCHEMA: dict[str, Field] = {
     "adversary.clients": Field(list[int], [], "ids of misbehaving clients"),
     "adversary.kind": Field(str, "nan", "attack type (crash: local training raises, to exercise "
                             "the failure path)",
-                            choices=("nan", "scale", "sign_flip", "label_flip", "crash")),
+                            choices=("nan", "scale", "sign_flip", "label_flip", "crash",
+                                     "gaussian", "alie")),
     "adversary.factor": Field(float, 10.0, "attack strength (scale factor)"),
+    "adversary.alie_z": Field(float | None, None, "alie: the shift z of mu - z*sigma (null: the "
+                              "paper's z_max from the participants and attackers)"),
     # evaluation
     "eval.every": Field(int, 1, "evaluate every N rounds", ge=1),
     "eval.batch_size": Field(int, 1024, "evaluation batch size", ge=1),
