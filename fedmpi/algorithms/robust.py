@@ -111,36 +111,45 @@ class RobustRule(ServerRule):
 
 
 # --------------------------------------------------------------- coordinate-wise
-def _trim_share(X: torch.Tensor, ws: rm.Workspace, drop_low: int, drop_high: int) -> np.ndarray:
-    """Share of coordinates at which each row is among the ``drop_low`` smallest or the
-    ``drop_high`` largest (ties broken by the sort), from a second chunked sort pass."""
-    n, d = X.shape
-    counts = torch.zeros(n, dtype=torch.float64, device=X.device)
+class CoordinateRule(RobustRule):
+    """Median and trimmed mean: each statistic on its own, one sort pass per statistic."""
 
-    def each(S: torch.Tensor, a: int, b: int) -> None:
-        idx = ws.buffer("sorted_idx", (n, min(d, rm.CHUNK)), torch.long, X.device)[:, : b - a]
-        for part in (idx[:drop_low], idx[n - drop_high:]):
-            if part.numel():
-                counts.add_(torch.bincount(part.reshape(-1), minlength=n).double())
+    column = "trimmed"
 
-    ws.sorted_columns(X, each)
-    return counts.cpu().numpy() / max(1, d)
+    def trim(self, n: int) -> int:
+        raise NotImplementedError
+
+    def aggregate(self, rows: Rows, info: RuleInfo) -> dict[str, torch.Tensor]:
+        n = len(info.clients)
+        b = self.trim(n)
+        out = {}
+        for name, x in rows.items():
+            counts = (torch.zeros(n, dtype=torch.float64, device=x.device) if name == "delta"
+                      else None)
+            out[name] = self.reduce(x, b, self.out(name, x), counts)
+            if counts is not None:
+                self.record(info, counts.cpu().numpy() / max(1, x.shape[1]))
+        return out
+
+    def reduce(self, x: torch.Tensor, b: int, out: torch.Tensor,
+               counts: Optional[torch.Tensor]) -> torch.Tensor:
+        return rm.trimmed_mean(x, b, out, self.ws, counts)
 
 
 @register_rule
-class Median(RobustRule):
+class Median(CoordinateRule):
     """``median``: coordinate-wise median (Yin et al. 2018, ICML, Def. 1); the mean of the
     two middle values for even n. Sample weights are not used. Logs ``rule/trimmed``:
     the share of coordinates where the client's value is not one of the middle values."""
 
     name = "median"
-    column = "trimmed"
 
-    def aggregate(self, rows: Rows, info: RuleInfo) -> dict[str, torch.Tensor]:
-        out = {n: rm.coordinate_median(x, self.out(n, x), self.ws) for n, x in rows.items()}
-        n = len(info.clients)
-        self.record(info, _trim_share(rows["delta"], self.ws, (n - 1) // 2, (n - 1) // 2))
-        return out
+    def trim(self, n: int) -> int:
+        return (n - 1) // 2
+
+    def reduce(self, x: torch.Tensor, b: int, out: torch.Tensor,
+               counts: Optional[torch.Tensor]) -> torch.Tensor:
+        return rm.coordinate_median(x, out, self.ws, counts)
 
 
 @dataclass(frozen=True)
@@ -151,7 +160,7 @@ class TrimmedMeanParams:
 
 
 @register_rule
-class TrimmedMean(RobustRule):
+class TrimmedMean(CoordinateRule):
     """``trimmed_mean``: coordinate-wise β-trimmed mean (Yin et al. 2018, ICML, Def. 2):
     drop b = ⌊βn⌋ largest and b smallest values per coordinate, average the n − 2b
     others. Sample weights are not used. Logs ``rule/trimmed`` (share of the client's
@@ -159,16 +168,12 @@ class TrimmedMean(RobustRule):
 
     name = "trimmed_mean"
     params = {"trimmed_mean": TrimmedMeanParams}
-    column = "trimmed"
 
     def setup(self, ctx) -> None:
         self.beta = self.hparams().beta
 
-    def aggregate(self, rows: Rows, info: RuleInfo) -> dict[str, torch.Tensor]:
-        b = int(np.floor(self.beta * len(info.clients)))
-        out = {n: rm.trimmed_mean(x, b, self.out(n, x), self.ws) for n, x in rows.items()}
-        self.record(info, _trim_share(rows["delta"], self.ws, b, b))
-        return out
+    def trim(self, n: int) -> int:
+        return int(np.floor(self.beta * n))
 
 
 # ------------------------------------------------------------------------ Krum

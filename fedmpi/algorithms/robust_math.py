@@ -67,17 +67,27 @@ class Workspace:
             G.addmm_(Y, Y.T)
         return G.cpu().numpy()
 
-    def sorted_columns(self, X: torch.Tensor,
-                       each: Callable[[torch.Tensor, int, int], None]) -> None:
-        """Call ``each(S, a, b)`` with ``S`` = ``X[:, a:b]`` sorted along clients, chunk by chunk."""
+    def sorted_columns(self, X: torch.Tensor, each: Callable[[torch.Tensor, int, int], None],
+                       outside: int = 0, counts: Optional[torch.Tensor] = None) -> None:
+        """Call ``each(S, a, b)`` with ``S`` = ``X[:, a:b]`` sorted along clients, chunk by
+        chunk. With ``counts`` (``[n]`` float64), add to ``counts[i]`` the number of
+        coordinates at which row i is among the ``outside`` smallest or largest (ties
+        broken by the sort)."""
         n, d = X.shape
         width = min(d, CHUNK)
-        vals = self.buffer("sorted", (n, width), X.dtype, X.device)
-        idx = self.buffer("sorted_idx", (n, width), torch.long, X.device)
+        # sorting contiguous [chunk, n] rows along the last dim is ~3x faster on CPU than
+        # sorting [n, chunk] along dim 0
+        src = self.buffer("sort_in", (width, n), X.dtype, X.device)
+        vals = self.buffer("sorted", (width, n), X.dtype, X.device)
+        idx = self.buffer("sorted_idx", (width, n), torch.long, X.device)
         for a, b in self._chunks(d):
-            v, i = vals[:, : b - a], idx[:, : b - a]
-            torch.sort(X[:, a:b], dim=0, out=(v, i))
-            each(v, a, b)
+            s, v, i = src[: b - a], vals[: b - a], idx[: b - a]
+            s.copy_(X[:, a:b].T)
+            torch.sort(s, dim=1, out=(v, i))
+            each(v.T, a, b)
+            if counts is not None and outside > 0:
+                for part in (i[:, :outside], i[:, n - outside:]):
+                    counts.add_(torch.bincount(part.reshape(-1), minlength=n))
 
 
 def combine(coef: np.ndarray, X: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -86,10 +96,13 @@ def combine(coef: np.ndarray, X: torch.Tensor, out: torch.Tensor) -> torch.Tenso
     return torch.mv(X.T, c, out=out)
 
 
-def coordinate_median(X: torch.Tensor, out: torch.Tensor, ws: Workspace) -> torch.Tensor:
+def coordinate_median(X: torch.Tensor, out: torch.Tensor, ws: Workspace,
+                      counts: Optional[torch.Tensor] = None) -> torch.Tensor:
     r"""Coordinate-wise median (Yin et al. 2018, "Byzantine-robust distributed learning:
     towards optimal statistical rates", ICML, Def. 1): per coordinate the middle value of
-    the n clients, the mean of the two middle values when n is even (``numpy.median``)."""
+    the n clients, the mean of the two middle values when n is even (``numpy.median``).
+    ``counts`` (optional, ``[n]``) gains the coordinates at which each row is not a
+    middle value."""
     n = X.shape[0]
     lo, hi = (n - 1) // 2, n // 2
 
@@ -99,13 +112,15 @@ def coordinate_median(X: torch.Tensor, out: torch.Tensor, ws: Workspace) -> torc
         else:
             torch.add(S[lo], S[hi], out=out[a:b]).mul_(0.5)
 
-    ws.sorted_columns(X, each)
+    ws.sorted_columns(X, each, lo, counts)
     return out
 
 
-def trimmed_mean(X: torch.Tensor, trim: int, out: torch.Tensor, ws: Workspace) -> torch.Tensor:
+def trimmed_mean(X: torch.Tensor, trim: int, out: torch.Tensor, ws: Workspace,
+                 counts: Optional[torch.Tensor] = None) -> torch.Tensor:
     r"""Coordinate-wise trimmed mean (Yin et al. 2018, Def. 2): per coordinate drop the
-    ``trim`` largest and ``trim`` smallest values and average the other n − 2·trim."""
+    ``trim`` largest and ``trim`` smallest values and average the other n − 2·trim.
+    ``counts`` (optional, ``[n]``) gains the coordinates at which each row was dropped."""
     n = X.shape[0]
     if not 0 <= 2 * trim < n:
         raise ValueError(f"trimmed mean of {n} rows cannot drop {trim} per side")
@@ -114,7 +129,7 @@ def trimmed_mean(X: torch.Tensor, trim: int, out: torch.Tensor, ws: Workspace) -
     def each(S: torch.Tensor, a: int, b: int) -> None:
         torch.sum(S[trim: n - trim], dim=0, out=out[a:b]).div_(keep)
 
-    ws.sorted_columns(X, each)
+    ws.sorted_columns(X, each, trim, counts)
     return out
 
 
