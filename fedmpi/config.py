@@ -271,7 +271,10 @@ SCHEMA: dict[str, Field] = {
                                    choices=("samples", "uniform", "fedvg", "fedvg_avg"), **_IMPORT,
                                    registry="weighting"),
     "aggregation.rule": Field(str, "mean", "server-side aggregation rule (fedmpi.algorithms.rules), "
-                              "or pkg.module:Class (a ServerRule subclass)", choices=("mean",),
+                              "or pkg.module:Class (a ServerRule subclass); robust rules: "
+                              "docs/robust-aggregation.md",
+                              choices=("mean", "median", "trimmed_mean", "krum", "multi_krum",
+                                       "geometric_median", "norm_clip", "fltrust"),
                               **_IMPORT, registry="rule"),
     "aggregation.params": Field(dict, {}, "parameters of a user rule (pkg.module:Class), checked "
                                 "against its params['params'] dataclass"),
@@ -299,7 +302,7 @@ SCHEMA: dict[str, Field] = {
                         "applied in this order around any method", **_IMPORT),
     "adversary.clients": Field(list[int], [], "ids of misbehaving clients"),
     "adversary.kind": Field(str, "nan", "attack type (crash: local training raises, to exercise "
-                            "the failure path)",
+                            "the failure path; gaussian and alie: docs/robust-aggregation.md)",
                             choices=("nan", "scale", "sign_flip", "label_flip", "crash",
                                      "gaussian", "alie")),
     "adversary.factor": Field(float, 10.0, "attack strength (scale factor)"),

@@ -96,3 +96,28 @@ def test_alie_run_uploads_rows_and_shifts_the_aggregate(tmp_path):
     acc, log = run(tmp_path, "a", "train.rounds=2", "adversary.clients=[0, 1, 2]",
                    "adversary.kind=alie", "adversary.alie_z=50")
     assert log.status == "completed" and acc < acc_clean
+
+
+@pytest.mark.mpi
+def test_alie_same_bytes_at_any_world_size(tmp_path):
+    """alie rows are rewritten on rank 0 before the weights: FedVG, which at -n 3 scores
+    every row on arrival (the attackers' honest rows), rescores the rewritten ones, so
+    -n 1 and -n 3 give the same model.pt (without the rescoring, -n 3 would weight the
+    attackers by their honest rows' scores)."""
+    import hashlib
+
+    from conftest import run_fedmpi
+
+    args = ["run", "configs/quickstart.yaml", "--set", "train.rounds=2", "--set", "model.name=mlp",
+            "--set", "train.clients_per_round=null", "--set", "runtime.progress=false",
+            "--set", "runtime.threads=1", "--set", "aggregation.weighting=fedvg",
+            "--set", "adversary.clients=[1, 4]", "--set", "adversary.alie_z=3"]
+    digests, weights = {}, {}
+    for n, kind in ((1, "alie"), (3, "alie")):
+        out = tmp_path / f"{kind}{n}"
+        run_fedmpi([*args, "--set", f"adversary.kind={kind}", "--out", str(out)], n=n)
+        digests[kind, n] = hashlib.sha256((out / "model.pt").read_bytes()).hexdigest()
+        weights[kind, n] = read(out / "log.h5").clients["weight"]
+    assert digests["alie", 1] == digests["alie", 3]
+    np.testing.assert_array_equal(weights["alie", 1], weights["alie", 3])
+    assert (weights["alie", 1][:, [1, 4]] > 0).all()           # scored, not excluded
