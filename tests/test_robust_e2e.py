@@ -121,3 +121,21 @@ def test_alie_same_bytes_at_any_world_size(tmp_path):
     assert digests["alie", 1] == digests["alie", 3]
     np.testing.assert_array_equal(weights["alie", 1], weights["alie", 3])
     assert (weights["alie", 1][:, [1, 4]] > 0).all()           # scored, not excluded
+
+
+ROBUST = ["median", "trimmed_mean", "krum", "multi_krum", "geometric_median", "norm_clip", "fltrust"]
+
+
+@pytest.mark.parametrize("rule", ROBUST)
+@pytest.mark.parametrize("method,weighting", [("scaffold", "samples"), ("fedavg", "fedvg")])
+def test_rule_composes_and_logs_its_column(rule, method, weighting, tmp_path):
+    """SCAFFOLD has two weighted statistics (Δ and c_new); FedVG's weights feed the rule."""
+    res = fedmpi.run({"name": "combo", "seed": 1, "data": {"num_clients": 6},
+                      "model": {"name": "mlp"}, "algorithm": {"name": method},
+                      "aggregation": {"rule": rule, "weighting": weighting},
+                      "train": {"rounds": 2, "clients_per_round": None, "local_steps": 2},
+                      "runtime": {"progress": False, "threads": 1}}, out=tmp_path / "o")
+    log = read(res.log_path)
+    assert log.status == "completed" and 0 <= res.metrics["test_accuracy"] <= 1
+    column = next(v for k, v in log.arrays.items() if k.startswith("rule/"))
+    assert column.shape == (2, 6) and np.isfinite(column).all()
