@@ -308,6 +308,12 @@ SCHEMA: dict[str, Field] = {
     "adversary.factor": Field(float, 10.0, "attack strength (scale factor)"),
     "adversary.alie_z": Field(float | None, None, "alie: the shift z of mu - z*sigma (null: the "
                               "paper's z_max from the participants and attackers)"),
+    # privacy (fedmpi.privacy)
+    "privacy.secure_aggregation": Field(bool, False, "pairwise-masked secure aggregation: rank 0 "
+                                        "only holds sums over the accepted clients (extra "
+                                        ".[privacy])"),
+    "privacy.secagg.scale_bits": Field(int, 24, "fixed-point fractional bits f of secure "
+                                       "aggregation (ring 2^48: |sum| < 2^(47-f))", ge=8, le=40),
     # evaluation
     "eval.every": Field(int, 1, "evaluate every N rounds", ge=1),
     "eval.batch_size": Field(int, 1024, "evaluation batch size", ge=1),

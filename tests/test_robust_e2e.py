@@ -139,3 +139,14 @@ def test_rule_composes_and_logs_its_column(rule, method, weighting, tmp_path):
     assert log.status == "completed" and 0 <= res.metrics["test_accuracy"] <= 1
     column = next(v for k, v in log.arrays.items() if k.startswith("rule/"))
     assert column.shape == (2, 6) and np.isfinite(column).all()
+
+
+def test_alie_refused_under_secure_aggregation():
+    from fedmpi.config import config_from_dict
+    from fedmpi.errors import ConfigError
+    from fedmpi.privacy.secagg import check_config
+
+    cfg = config_from_dict({"privacy": {"secure_aggregation": True},
+                            "adversary": {"clients": [1], "kind": "alie"}})
+    with pytest.raises(ConfigError, match="privacy.secure_aggregation.*adversary.kind"):
+        check_config(cfg)
