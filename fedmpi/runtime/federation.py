@@ -23,6 +23,7 @@ from .. import checkpoint, signals
 from ..algorithms.adversary import Adversary
 from ..comm import Comm
 from ..imports import UserCode
+from ..outputs import write_model
 from ..train import LocalTrainer
 from .build import build, participants
 from .channel import Channel, plan_uplink
@@ -77,7 +78,10 @@ class Federation:
         self.scratch = {s.name: torch.zeros(s.size, device=self.device) for s in self.stats}
         self.worker = Worker(cfg.seed, self.rank, self.algo, self.weighting, self.transforms,
                              self.trainer, self.client_idx, self.scratch, self.device)
-        self.evals = Evaluation(cfg, self.rank, self.size, self.algo.owns_evaluation)
+        tests = self.partition.client_test_indices
+        self.evals = Evaluation(cfg, self.rank, self.size, self.algo.owns_evaluation,
+                                {k: torch.as_tensor(tests[k], device=self.device)
+                                 for k in self.my_clients} if tests else None)
         self.recorder = RoundRecorder(self.host, self.size)
         summed = [s for s in self.stats if is_summed(s, b.rows_needed)]
         self.agg_bufs = ({s.name: torch.zeros(s.size, device=self.device)
@@ -157,8 +161,8 @@ class Federation:
             if self.arrival_sum is not None:
                 up = self.arrival_sum.into(up)
             self._server_round(t, up, t_start, t_train)
-        elif self.evals.shards(t):
-            self.evals.sharded(state, self.ctx, self.channel)
+        elif self.evals.collective(t):
+            self.evals.join(t, state, self.ctx, self.algo, self.channel)
         return CMD_ROUND
 
     def _arrived(self, state: torch.Tensor, client: int, row: dict[str, torch.Tensor]) -> None:
@@ -175,7 +179,8 @@ class Federation:
         cmd = CMD_ROUND
         if self.failure is not None:
             cmd = CMD_ABORT
-        elif self.stop_reason is not None or t >= self.cfg.train.rounds:
+        elif (self.stop_reason is not None or self.recorder.stop_request is not None
+              or t >= self.cfg.train.rounds):   # a signal, early stopping/a callback, the end
             cmd = CMD_STOP
         flags = self._flags(cmd, t)
         self.channel.set_header(cmd, t, flags, self.participants(t) if cmd == CMD_ROUND else None)
@@ -216,8 +221,7 @@ class Federation:
             for k in failed:
                 self.recorder.event(t, int(self.host[k]), int(k),
                                     f"local training failed: {self.failure}")
-            if self.evals.shards(t):
-                self.evals.sharded(self.global_state, self.ctx, self.channel)   # workers wait in it
+            self.evals.join(t, self.global_state, self.ctx, self.algo, self.channel)  # workers wait
             return
         t_agg = time.perf_counter()
         result = server_step(self.global_state, up, self.algo, self.weighting, self.stats,
@@ -230,8 +234,7 @@ class Federation:
         if result.accepted.size == 0:
             self.recorder.event(t, 0, -1, "no update accepted; global model unchanged")
         elif not guard.global_model_finite(self, t):   # stop; the last checkpoint is kept
-            if self.evals.shards(t):
-                self.evals.sharded(self.global_state, self.ctx, self.channel)   # workers wait in it
+            self.evals.join(t, self.global_state, self.ctx, self.algo, self.channel)  # workers wait
             return
         overlapped = self.evals.overlaps(t)
         t_eval = time.perf_counter()
@@ -246,6 +249,7 @@ class Federation:
                                 sum(self.algo.downlink_bytes(k, t) for k in sel), arrays)
         self.channel.exposed_arrival_seconds = 0.0
         row[1].update(evals)
+        row[2].update(self.evals.take_sites())   # /clients/<metric> of a per-site evaluation
         if overlapped:
             self.recorder.pending = row
         else:
@@ -262,6 +266,16 @@ class Federation:
             for k in hit:
                 self.weighting.on_arrival(self.global_state, k,
                                           {n: x[where[k]] for n, x in rows.items()})
+
+    def save_best(self, t: int, value: float) -> None:
+        """Rank 0: the global model of round ``t`` (best in ``checkpoint.keep_best``) to
+        ``best.pt``, its round in the log's root attributes (:mod:`fedmpi.callbacks`)."""
+        assert self.out_dir is not None and self.writer is not None, "rank 0 of a run with a log"
+        metric = self.cfg.checkpoint.keep_best.metric
+        self.flat.load(self.global_state)
+        write_model(self.flat.model, self.out_dir / "best.pt")
+        for name, v in (("best_round", t), ("best_metric", metric), ("best_value", value)):
+            self.writer.set_attr("/", name, v)
 
     def _evaluate(self, t: int) -> dict[str, float]:
         return self.evals.run(t, self.global_state, self.ctx, self.algo, self.channel)
