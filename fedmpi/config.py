@@ -171,9 +171,10 @@ _FRAMEWORK: dict[str, Field] = {
                                    "pkg.module:Class (a Weighting subclass)",
                                    choices=tuple(WEIGHTINGS), **_IMPORT,
                                    registry=lambda: WEIGHTINGS),
-    "aggregation.rule": Field(str, ServerRule.name, "server-side aggregation rule (fedmpi.algorithms.rules), "
-                              "or pkg.module:Class (a ServerRule subclass)", choices=tuple(RULES),
-                              **_IMPORT, registry=lambda: RULES),
+    "aggregation.rule": Field(str, ServerRule.name, "server-side aggregation rule "
+                              "(fedmpi.algorithms.rules), or pkg.module:Class (a ServerRule "
+                              "subclass); robust rules: docs/robust-aggregation.md",
+                              choices=tuple(RULES), **_IMPORT, registry=lambda: RULES),
     "aggregation.params": Field(dict, {}, "parameters of a user rule (pkg.module:Class), checked "
                                 "against its params['params'] dataclass"),
     # rule and weighting blocks aggregation.<block>.*: assembled from the registered ones

@@ -604,6 +604,9 @@ def relevant_keys(flat: dict[str, Any]) -> list[str]:
         keys += under("train.lr_decay", "train.lr_decay_every")
     if flat.get("adversary.clients"):
         keys += under("adversary.")
+    rule = str(flat.get("aggregation.rule", "mean"))
+    if rule != "mean":
+        keys += under("aggregation.rule", f"aggregation.{rule}.", "aggregation.params.")
     out: list[str] = []
     for k in keys:
         if k not in out and flat.get(k) is not None and not skip.get(k, False):
@@ -670,6 +673,7 @@ def summary_markdown(log: RunLog, target: float | None = None,
 
     out += ["", "## Clients", ""]
     out += _client_lines(log)
+    out += _rule_lines(log)
     out += ["", "## Events", ""]
     out += _event_lines(log)
     if plots or plots_note:
@@ -725,6 +729,48 @@ def _client_lines(log: RunLog) -> list[str]:
             lines.append(f"| {k} | {len(rounds)} | {shown} |")
     else:
         lines.append("No client update was excluded.")
+    return lines
+
+
+#: Per-client columns a server rule logs (fedmpi.algorithms.robust): what the value is, and
+#: the name of a value of 0 when that means the client's update was left out.
+RULE_COLUMNS: dict[str, tuple[str, str | None]] = {
+    "rule/selected": ("selected (share of rounds)", "dropped"),
+    "rule/trust": ("mean FLTrust trust score", "zero trust"),
+    "rule/clip": ("mean clip factor", None),
+    "rule/trimmed": ("mean share of coordinates trimmed", None),
+    "rule/weight": ("mean geometric-median coefficient", None),
+}
+
+
+def _rule_lines(log: RunLog) -> list[str]:
+    """``## Server rule``: per client the mean of the rule's column, and per round the
+    clients a selecting rule left out (Krum's dropped clients, FLTrust's zero trust)."""
+    lines: list[str] = []
+    r = log.rounds.get("round", np.arange(0))
+    for path, (label, zero) in RULE_COLUMNS.items():
+        a = log.arrays.get(path)
+        if a is None or a.ndim != 2 or not np.isfinite(a).any():
+            continue
+        if not lines:
+            rule = config_value(log.config, "aggregation.rule", "mean")
+            lines += ["", f"## Server rule ({rule})", ""]
+        seen = np.isfinite(a)
+        mean = np.where(seen.any(0), np.nansum(a, 0) / np.maximum(seen.sum(0), 1), np.nan)
+        lines += [f"| client | rounds seen | {label} |", "|---|---|---|"]
+        lines += [f"| {k} | {int(seen[:, k].sum())} | {mean[k]:.3g} |"
+                  for k in range(a.shape[1]) if seen[:, k].any()]
+        if zero is None:
+            continue
+        left_out = [(int(r[i]) if i < len(r) else i, np.flatnonzero(seen[i] & (a[i] == 0)))
+                    for i in range(a.shape[0])]
+        left_out = [(t, ks) for t, ks in left_out if ks.size]
+        lines += ["", f"Clients {zero} per round:", "", f"| round | {zero} |", "|---|---|"]
+        lines += [f"| {t} | {', '.join(map(str, ks.tolist()))} |" for t, ks in left_out[:_MAX_EVENTS]]
+        if not left_out:
+            lines.append("| — | none |")
+        elif len(left_out) > _MAX_EVENTS:
+            lines.append(f"\n… {len(left_out) - _MAX_EVENTS} more rounds (`{path}` in the log).")
     return lines
 
 

@@ -60,6 +60,11 @@ class UpdateTransform(Component):
         """Whether ``cfg`` turns this registered transform on (ECGR: ``ecgr.enabled``)."""
         return False
 
+    @classmethod
+    def build(cls, cfg) -> UpdateTransform:
+        """The transform of this run (default ``cls(cfg)``)."""
+        return cls(cfg)
+
     def setup(self, ctx: Context) -> None:
         """Called once on every rank with the run's context, before the uplink is planned."""
 
@@ -157,4 +162,4 @@ def enabled_transforms(cfg) -> list[type[UpdateTransform]]:
 
 def build_transforms(cfg) -> TransformChain:
     """The transforms ``cfg`` enables, built with the config (:func:`enabled_transforms`)."""
-    return TransformChain([cls(cfg) for cls in enabled_transforms(cfg)])
+    return TransformChain([cls.build(cfg) for cls in enabled_transforms(cfg)])

@@ -107,8 +107,14 @@ class Built:
     @property
     def rows_needed(self) -> bool:
         """Weighted statistics reach rank 0 as per-client rows (FedVG's weighting, a
-        per-client server rule) instead of the workers' pre-reduced sums."""
-        return self.weighting.per_client or self.rule.per_client
+        per-client server rule, the omniscient adversary) instead of the workers' pre-reduced sums."""
+        return self.weighting.per_client or self.rule.per_client or self.tampered
+
+    @property
+    def tampered(self) -> bool:
+        """The omniscient adversary (``alie``) rewrites rows on rank 0 (simulation only)."""
+        adversary = self.transforms.get("adversary")
+        return bool(getattr(adversary, "needs_rows", False))
 
 
 def setup_process(cfg: Config, comm: Comm) -> torch.device:

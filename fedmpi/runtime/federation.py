@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
 import numpy as np
 import torch
 
 from .. import checkpoint, signals
+from ..algorithms.adversary import Adversary
 from ..comm import Comm
 from ..outputs import write_model
 from ..usercode import UserCode
@@ -51,6 +52,9 @@ class Federation:
         self.flat, self.accel, self.forward = b.flat, b.accel, b.forward
         self.algo, self.weighting, self.transforms, self.stats = b.algo, b.weighting, b.transforms, b.stats
         self.rule = b.rule
+        # adversary.kind: alie — rows rewritten on rank 0 (simulation shortcut)
+        self.omniscient: Optional[Adversary] = (
+            cast(Adversary, b.transforms.get("adversary")) if b.tampered else None)
         self.num_samples, self.host, self.my_clients = b.num_samples, b.host, b.hosted
         self.K, self.D = cfg.data.num_clients, self.flat.size
         self.m = cfg.train.clients_per_round or self.K
@@ -236,7 +240,9 @@ class Federation:
             return
         t_agg = time.perf_counter()
         result = server_step(self.global_state, up, self.algo, self.weighting, self.stats,
-                             self.num_samples, self.agg_bufs, self.sum_bufs, rule=self.rule)
+                             self.num_samples, self.agg_bufs, self.sum_bufs, rule=self.rule,
+                             tamper=None if self.omniscient is None else
+                             lambda c, rows: self._tamper(up, c, rows))
         for k in result.excluded:
             self.recorder.event(t, int(self.host[k]), int(k), "update excluded: "
                                 + EXCLUDED_BECAUSE.get(int(up.status[k]), "status " + str(up.status[k])))
@@ -263,6 +269,18 @@ class Federation:
             self.recorder.pending = row
         else:
             self.recorder.append(row)
+
+    def _tamper(self, up, clients: np.ndarray, rows: dict[str, torch.Tensor]) -> None:
+        """Rank 0, simulation only: the omniscient adversary writes its rows from the benign
+        ones (:meth:`Adversary.on_server_rows`); a per-client weighting that scored the
+        honest rows on arrival scores the rewritten ones."""
+        assert self.omniscient is not None
+        hit = self.omniscient.on_server_rows(clients, rows["delta"], int(up.mask.sum()))
+        if self.weighting.per_client:
+            where = {int(k): i for i, k in enumerate(clients)}
+            for k in hit:
+                self.weighting.on_arrival(self.global_state, k,
+                                          {n: x[where[k]] for n, x in rows.items()})
 
     def save_best(self, t: int, value: float) -> None:
         """Rank 0: the global model of round ``t`` (best in ``checkpoint.keep_best``) to
