@@ -52,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--out", default=None, help="output directory (default <log dir>/report)")
     report.add_argument("--target-accuracy", type=float, default=None, metavar="X",
                         help="target test accuracy as a fraction, e.g. 0.8")
+    report.add_argument("--overwrite", action="store_true",
+                     help="replace the files of an earlier report in --out (without it, existing files are never replaced)")
 
     compare = sub.add_parser("compare", help="table across runs: mean ± std over seeds, "
                                              "rounds to a target, speed-up")
@@ -68,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
                               "group if there is exactly one)")
     compare.add_argument("--out", default=None,
                          help="also write compare.md, compare.csv and runs.csv into this directory")
+    compare.add_argument("--overwrite", action="store_true",
+                     help="replace compare.md, compare.csv, runs.csv existing in --out")
 
     part = sub.add_parser("partition", help="partition preview without training: class-count "
                                             "heatmap and client sizes")
@@ -79,6 +83,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="also write one table per client (silo), the test set and the server "
                            "hold-out: to the files data.silos.path/test/validation name, or as "
                            "DIR/{client}.csv, DIR/test.csv, DIR/validation.csv")
+    part.add_argument("--overwrite", action="store_true",
+                     help="replace existing partition.png/.csv and exported files (without it nothing that exists is replaced)")
     return p
 
 
@@ -174,7 +180,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from .report import PLOT_HINT, have_matplotlib, write_report
 
-    for path in write_report(args.log, args.out, args.target_accuracy):
+    for path in write_report(args.log, args.out, args.target_accuracy, overwrite=args.overwrite):
         print(path)
     if not have_matplotlib():
         print(f"fedmpi report: summary.md only; {PLOT_HINT}", file=sys.stderr)
@@ -183,6 +189,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     from .compare import compare
+    from .outputs import claim
     from .rundir import output_dir
 
     out = output_dir(args.out) if args.out is not None else None
@@ -191,6 +198,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     md = table.markdown()
     sys.stdout.write(md)
     if out is not None:
+        claim([out / n for n in ("compare.md", "compare.csv", "runs.csv")], args.overwrite,
+              "fedmpi compare --out")
         (out / "compare.md").write_text(md, encoding="utf-8")
         (out / "compare.csv").write_text(table.csv(), encoding="utf-8")
         (out / "runs.csv").write_text(table.runs_csv(), encoding="utf-8")
@@ -202,20 +211,41 @@ def _cmd_partition(args: argparse.Namespace) -> int:
 
     from .config import load_config
     from .data import build_partition, load_pool
-    from .data.export import export_silos, pooled_config
+    from .data.export import plan_export, pooled_config, silo_files
+    from .data.tabular import write_table
+    from .outputs import claim
     from .report import partition_preview
     from .rundir import output_dir
 
     cfg = load_config(args.config, args.overrides)
+    out = output_dir(args.out if args.out is not None else Path(cfg.runtime.out_dir) / cfg.name)
+    if cfg.data.partition.method == "silos" and args.export is None:
+        files = silo_files(cfg)
+        if cfg.data.silos.loader is not None or all(Path(f).exists() for f in files):
+            from .comm import self_comm
+            from .data import build_local
+
+            # the federation's own silos, read as a run reads them (one rank hosting all)
+            local = build_local(cfg, self_comm(), range(cfg.data.num_clients), True)
+            lines = partition_preview(local.partition, out, cfg.name, args.overwrite)
+            print(f"silos: {cfg.data.silos.loader or cfg.data.silos.path} "
+                  f"({cfg.data.num_clients} clients; test {cfg.data.silos.test})")
+            print("\n".join(lines))
+            return 0
+        print(f"silos: {cfg.data.silos.path} not found; showing what --export would write: "
+              f"data.dataset {cfg.data.dataset!r} cut by data.silos.split "
+              f"{cfg.data.silos.split!r}")
     pooled = pooled_config(cfg)   # silos: the split `--export` writes (data.silos.split)
     data = load_pool(pooled)
     partition = build_partition(pooled, data)
-    out = output_dir(args.out if args.out is not None else Path(cfg.runtime.out_dir) / cfg.name)
-    for line in partition_preview(partition, out, cfg.name):
+    tables = []
+    if args.export is not None:   # every target checked before the first file is written
+        tables = plan_export(cfg, data, partition, args.export or None, args.overwrite)
+        claim([out / "partition.png", out / "partition.csv"], args.overwrite, "fedmpi partition")
+    for line in partition_preview(partition, out, cfg.name, args.overwrite):
         print(line)
-    if args.export is not None:
-        for path in export_silos(cfg, data, partition, args.export or None):
-            print(path)
+    for path, x, y in tables:
+        print(write_table(path, x, y, cfg.data.tabular.label))
     return 0
 
 

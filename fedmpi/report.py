@@ -623,7 +623,8 @@ def _event_lines(log: RunLog) -> list[str]:
     return lines
 
 
-def partition_preview(partition: Any, out_dir: str | os.PathLike, name: str = "") -> list[str]:
+def partition_preview(partition: Any, out_dir: str | os.PathLike, name: str = "",
+                      overwrite: bool = False) -> list[str]:
     """``fedmpi partition``: write ``partition.png`` and ``partition.csv`` into
     ``out_dir`` and return the lines to print (per-client sizes, hold-out, files).
 
@@ -631,8 +632,11 @@ def partition_preview(partition: Any, out_dir: str | os.PathLike, name: str = ""
     :func:`fedmpi.data.build_partition`, the function a run uses).
     ``partition.csv`` has one row per client: ``client, size, class_0, ...``.
     """
+    from .outputs import claim
+
     _mpl()
     out = Path(out_dir)
+    claim([out / "partition.png", out / "partition.csv"], overwrite, "fedmpi partition")
     out.mkdir(parents=True, exist_ok=True)
     counts = np.asarray(partition.class_counts, dtype=np.int64)
     sizes = counts.sum(axis=1)
@@ -658,14 +662,16 @@ def partition_preview(partition: Any, out_dir: str | os.PathLike, name: str = ""
 # -- entry point ------------------------------------------------------------------------
 
 def write_report(log: RunLog | str | os.PathLike, out_dir: str | os.PathLike | None = None,
-                 target: float | None = None) -> list[Path]:
+                 target: float | None = None, overwrite: bool = False) -> list[Path]:
     """Write every applicable plot and ``summary.md`` into ``out_dir``.
 
     ``out_dir`` defaults to ``<log directory>/report``. Returns the files
     written (``summary.md`` last). Works on a log that is still being written
     or whose run failed (what is in the log up to its last complete round).
     Without matplotlib only ``summary.md`` is written, saying how to get the
-    plots (:data:`PLOT_HINT`; ``fedmpi report`` prints it too).
+    plots (:data:`PLOT_HINT`; ``fedmpi report`` prints it too). Files of an
+    earlier report in ``out_dir`` are replaced only with ``overwrite``
+    (:func:`fedmpi.outputs.claim`).
 
     Raises
     ------
@@ -683,6 +689,9 @@ def write_report(log: RunLog | str | os.PathLike, out_dir: str | os.PathLike | N
 
     out = output_dir(Path(out_dir) if out_dir is not None
                      else Path(log.path).resolve().parent / "report")
+    from .outputs import claim
+
+    claim([out / name for name in (*PLOTS, "summary.md")], overwrite, "fedmpi report")
     draw = have_matplotlib()
     written: list[Path] = []
     makers = {
