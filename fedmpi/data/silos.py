@@ -91,8 +91,10 @@ def read_silo(cfg: Any, client: int,
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 - user code: name the key and client
-        raise DataError(f"data.silos.loader {s.loader!r} failed for client {client}: "
-                        f"{type(exc).__name__}: {exc}") from None
+        from fedmpi.errors import code_error_line
+
+        raise DataError(f"{code_error_line('silo loader', s.loader, exc)} (client {client})"
+                        ) from None
     x = np.asarray(x.cpu() if isinstance(x, torch.Tensor) else x, dtype=np.float32)
     y = np.asarray(y.cpu() if isinstance(y, torch.Tensor) else y)
     if x.ndim == 1:

@@ -24,7 +24,7 @@ from ..context import Context, LogSink
 from ..data import Dataset, Partition, build_local
 from ..errors import ConfigError
 from ..flat import FlatModel
-from ..imports import UserCode
+from ..imports import UserCode, blame
 from ..models import build_model, model_spec
 from ..placement import gpu_for_local_rank, threads_per_rank
 from .evaluation import test_state
@@ -83,6 +83,7 @@ class Built:
     ctx: Context
     log: LogSink
     stats: list[Stat]            # the method's uplink statistics, then the transforms'
+    num_outputs: int = 0         # the model's output width the method needs (C; FedGPS: 2C)
 
 
 def setup_process(cfg: Config, comm: Comm) -> torch.device:
@@ -114,15 +115,19 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
 
     torch.manual_seed(cfg.seed)   # every rank builds the same initial model
     algo_class = code.algorithm_class(cfg)
-    outputs = algo_class.num_outputs(cfg, data.num_classes)  # FedGPS: 2C
+    with blame("algorithm.name", algo_class):
+        outputs = algo_class.num_outputs(cfg, data.num_classes)  # FedGPS: 2C
     flat = FlatModel(build_model(model_spec(cfg, code.model), data.input_shape, outputs,
                                  cfg.model.norm), device)
     accel = Accel.from_config(cfg.runtime, device)
     forward = accel.wrap(flat.model)   # compiled once, shared by training and evaluation
 
-    algo = algo_class(cfg, flat, K)
-    weighting = code.build_weighting(cfg, num_samples)
-    transforms = build_transforms(cfg)
+    with blame("algorithm.name", algo_class):
+        algo = algo_class(cfg, flat, K)
+    with blame("aggregation.weighting", code.weighting or cfg.aggregation.weighting):
+        weighting = code.build_weighting(cfg, num_samples)
+    with blame("transforms", None):
+        transforms = build_transforms(cfg)
     log = LogSink(enabled=rank == 0)
 
     def broadcast(buf: np.ndarray, what: str = "method Bcast") -> None:
@@ -140,12 +145,16 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
                   participants=plan, test=test,
                   client_weight=None if weighting.per_client else weighting.raw,
                   model_delta_scale=algo.model_delta_scale)
-    start(algo, ctx)
-    start(weighting, ctx)
-    transforms.setup(ctx)
-    stats = algo.uplink_stats() + transforms.stats()
+    with blame("algorithm.name", algo):
+        start(algo, ctx)
+    with blame("aggregation.weighting", weighting):
+        start(weighting, ctx)
+    with blame("transforms", None):
+        transforms.setup(ctx)
+    with blame("algorithm.name", algo):
+        stats = algo.uplink_stats() + transforms.stats()
     if weighting.per_client and not any(s.name == "delta" and s.combine == "weighted" for s in stats):
         raise ConfigError(f"config key 'aggregation.weighting': {weighting.name!r} needs the 'delta' "
                           f"uplink of algorithm {cfg.algorithm.name!r} as a weighted statistic")
     return Built(cfg, rank, size, device, data, partition, num_samples, flat, accel, forward, algo,
-                 weighting, transforms, host, hosted, ctx, log, stats)
+                 weighting, transforms, host, hosted, ctx, log, stats, num_outputs=outputs)

@@ -205,7 +205,7 @@ class Federation:
             self.failure = "; ".join(up.errors) or f"clients {failed.tolist()} failed"
             for k in failed:
                 self.recorder.event(t, int(self.host[k]), int(k),
-                                    f"local training failed: {self.failure}")
+                                    f"local training failed: {self.failure}", echo=False)
             if self.evals.shards(t):
                 self.evals.sharded(self.global_state, self.ctx, self.channel)   # workers wait in it
             return
