@@ -62,7 +62,11 @@ EXTRA_METRICS: tuple[str, ...] = tuple(m for m in METRIC_NAMES if m != "accuracy
 
 __all__ = ["ALIASES", "IGNORED_KEYS", "GroupRow", "RunMetrics", "Table", "compare",
            "compare_logs", "config_value", "flatten_config", "rounds_to_target",
-           "run_metrics"]
+           "run_config", "run_metrics"]
+
+#: A grouping key's value in a group whose runs did not use it (e.g. another method's
+#: parameter, :func:`run_config`).
+UNUSED = "—"
 
 #: Short names accepted by ``--group-by``.
 ALIASES: dict[str, str] = {
@@ -147,6 +151,26 @@ def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any
         else:
             out[dotted] = value
     return out
+
+
+def run_config(log: RunLog) -> dict[str, Any]:
+    """The flat config of what ``log``'s run used: :func:`flatten_config` of its config,
+    the method's own parameters as it ran them (``run_info``, e.g.
+    ``algorithm.params.mu`` of a user method, also where the config left the default),
+    less the keys that took no part (:func:`fedmpi.provenance.unused_keys`: no
+    ``data.dataset`` for a silo run, no ``model.norm`` for a user model)."""
+    from fedmpi.provenance import read_run_info, unused_keys
+
+    flat = flatten_config(log.config)
+    info = read_run_info(log.attrs)
+    method = info.get("method") if info is not None else None
+    if isinstance(method, Mapping) and isinstance(method.get("params"), Mapping):
+        for group, fields in method["params"].items():
+            if isinstance(fields, Mapping):
+                flat.update({f"algorithm.{group}.{k}": v for k, v in fields.items()})
+    for key in unused_keys(flat, info):
+        flat.pop(key, None)
+    return flat
 
 
 def config_value(config: Mapping[str, Any], dotted: str, default: Any = None) -> Any:
@@ -342,19 +366,22 @@ def compare_logs(logs: Sequence[RunLog], *, target: float | None = None,
     if target is not None and not 0.0 < target <= 1.0:
         raise UserError(f"--target-accuracy {target}: expected a fraction in (0, 1], "
                         "e.g. 0.8 for 80%")
-    flats = [flatten_config(log.config) for log in logs]
+    flats = [run_config(log) for log in logs]
     keys = _group_keys(flats, group_by)
 
     groups: dict[tuple[str, ...], list[int]] = {}
     for i, flat in enumerate(flats):
-        groups.setdefault(tuple(_fmt_value(flat.get(k)) for k in keys), []).append(i)
+        groups.setdefault(tuple(_fmt_value(flat[k]) if k in flat else UNUSED for k in keys),
+                          []).append(i)
 
     def label(values: tuple[str, ...]) -> str:
         if not keys:
             return "all"
         if len(keys) == 1:
             return values[0]
-        return ", ".join(f"{_short(k, keys)}={v}" for k, v in zip(keys, values))
+        # a key the group's runs did not use (another method's parameter) is left out
+        present = [(k, v) for k, v in zip(keys, values) if v != UNUSED]
+        return ", ".join(f"{_short(k, [p for p, _ in present])}={v}" for k, v in present)
 
     members = list(groups.items())
     base_idx = _find_baseline(members, keys, flats, baseline, label)

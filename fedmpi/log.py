@@ -7,7 +7,9 @@ Layout, ``schema_version`` "1" (R rounds, K clients; DESIGN.md section 5)::
                              resumed_world_sizes (only after a resume),
                              fingerprint (run-defining config hash, fedmpi.rundir),
                              writer_host, writer_pid, flushed_at (Unix time of the
-                             last flush; issue 18)
+                             last flush; issue 18), run_info (JSON: the model, data
+                             and silo files with SHA-256, method and its parameters,
+                             weighting, transforms as they ran; fedmpi.provenance)
     /rounds/round            [R]        int64
     /rounds/<name>           [R]        int64 for ``bytes_*``, float64 otherwise
     /clients/num_samples     [K]        int64
@@ -387,6 +389,14 @@ class LogWriter:
             raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
         f = self._writable()
         f.attrs["status"] = status
+        self._flush()
+
+    @_writes
+    def set_run_info(self, text: str) -> None:
+        """Set the root attribute ``run_info`` (JSON: what ran, :mod:`fedmpi.provenance`)
+        and flush."""
+        f = self._writable()
+        f.attrs["run_info"] = text
         self._flush()
 
     @property

@@ -51,7 +51,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fedmpi.compare import config_value, flatten_config, run_metrics
+from fedmpi.compare import config_value, run_config, run_metrics
 from fedmpi.errors import UserError
 from fedmpi.log import RunLog, read
 
@@ -441,7 +441,9 @@ def _byte_unit(x: float) -> tuple[str, float]:
 #: Config keys listed in the summary of every run (when present in the log's config).
 DIGEST_KEYS: tuple[str, ...] = (
     "seed", "data.dataset", "data.num_clients", "data.partition.method", "data.partition.alpha",
-    "data.partition.classes_per_client", "data.validation.fraction", "model.name", "model.norm",
+    "data.partition.classes_per_client", "data.silos.path", "data.silos.loader", "data.silos.test",
+    "data.silos.validation", "data.validation.fraction", "model.name", "model.mlp.hidden",
+    "model.norm",
     "algorithm.name", "aggregation.weighting", "ecgr.enabled", "train.rounds",
     "train.clients_per_round", "train.local_epochs", "train.local_steps", "train.batch_size",
     "train.lr", "train.momentum", "train.weight_decay", "train.grad_clip", "eval.every")
@@ -466,7 +468,8 @@ def relevant_keys(flat: dict[str, Any]) -> list[str]:
     cls = ALGORITHMS.get(algo)
     # declared blocks, and the block named after the method (keys not yet declared as params)
     groups = tuple(f"algorithm.{g}."
-                   for g in dict.fromkeys([*(cls.params if cls is not None else ()), algo]))
+                   for g in dict.fromkeys([*(cls.params if cls is not None else ()), algo,
+                                           "params"]))
     if flat.get("system.levels"):      # a resource-level (submodel) run
         groups += ("algorithm.submodel.",)
     legacy = [k for k in flat if any(new.startswith(groups) for new in renamed_to(k))]
@@ -499,7 +502,7 @@ def summary_markdown(log: RunLog, target: float | None = None,
     """``summary.md``: config digest, accuracies, rounds to target, timing, exclusions, events.
     ``plots_note``: why no plots were drawn (shown under "Plots")."""
     m = run_metrics(log, target)
-    flat = flatten_config(log.config)
+    flat = run_config(log)   # only keys the run used: no data.dataset for a silo run
     digest = hashlib.sha256(str(log.attrs.get("config_yaml", "")).encode()).hexdigest()[:12]
     name = flat.get("name", Path(log.path).parent.name)
     out = [f"# Run report: {name}", "",
@@ -518,6 +521,7 @@ def summary_markdown(log: RunLog, target: float | None = None,
            "", "| key | value |", "|---|---|"]
     for key in relevant_keys(flat):
         out.append(f"| {key} | {flat[key]} |")
+    out += _ran_lines(log)
 
     out += ["", "## Results", "", "| metric | value |", "|---|---|"]
     out.append(f"| final test accuracy | {_pct(m.final_accuracy)}"
@@ -559,6 +563,37 @@ def summary_markdown(log: RunLog, target: float | None = None,
         out.insert(5, "- **no complete round in the log** (the run stopped or is still in its "
                       "first round)")
     return "\n".join(out) + "\n"
+
+
+def _ran_lines(log: RunLog) -> list[str]:
+    """"What ran": the log's ``run_info`` (:mod:`fedmpi.provenance`) — the objects by
+    built-in name or import path, the method's parameters, the silo files with SHA-256."""
+    from .provenance import read_run_info
+
+    info = read_run_info(log.attrs)
+    if info is None:
+        return []
+    out = ["", "## What ran", "", "| part | as run |", "|---|---|"]
+    model = info.get("model", {})
+    out.append("| model | `{}`{} |".format(model.get("name"), "".join(
+        f", {k} {v}" for k, v in model.items() if k != "name")))
+    data = info.get("data", {})
+    source = (f"silos `{data['silos'].get('path') or data['silos'].get('loader')}`"
+              if isinstance(data.get("silos"), dict) else f"`{data.get('dataset')}`")
+    out.append(f"| data | {source}, {data.get('num_clients')} clients, partition "
+               f"{data.get('partition')} |")
+    method = info.get("method", {})
+    params = "; ".join(f"{g}: " + ", ".join(f"{k}={v}" for k, v in fields.items())
+                       for g, fields in (method.get("params") or {}).items())
+    out.append(f"| method | `{method.get('name')}` (server_lr {method.get('server_lr')}"
+               f"{'; ' + params if params else ''}) |")
+    out.append(f"| weighting | `{info.get('weighting')}` |")
+    out.append(f"| transforms | {', '.join(f'`{t}`' for t in info.get('transforms', [])) or 'none'} |")
+    files = data.get("silos", {}).get("files", []) if isinstance(data.get("silos"), dict) else []
+    if files:
+        out += ["", "| silo file | path | SHA-256 |", "|---|---|---|"]
+        out += [f"| {f.get('role')} | `{f.get('path')}` | `{f.get('sha256')}` |" for f in files]
+    return out
 
 
 def _time_lines(log: RunLog) -> list[str]:

@@ -10,7 +10,7 @@ weighting, transforms; then the uplink statistics are planned.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -27,6 +27,7 @@ from ..flat import FlatModel
 from ..imports import UserCode, blame
 from ..models import build_model, model_spec
 from ..placement import gpu_for_local_rank, threads_per_rank
+from ..provenance import run_info
 from .evaluation import test_state
 
 
@@ -84,6 +85,7 @@ class Built:
     log: LogSink
     stats: list[Stat]            # the method's uplink statistics, then the transforms'
     num_outputs: int = 0         # the model's output width the method needs (C; FedGPS: 2C)
+    run_info: dict = field(default_factory=dict)   # what ran (fedmpi.provenance), for the log
 
 
 def setup_process(cfg: Config, comm: Comm) -> torch.device:
@@ -156,5 +158,7 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
     if weighting.per_client and not any(s.name == "delta" and s.combine == "weighted" for s in stats):
         raise ConfigError(f"config key 'aggregation.weighting': {weighting.name!r} needs the 'delta' "
                           f"uplink of algorithm {cfg.algorithm.name!r} as a weighted statistic")
+    info = run_info(cfg, algo, weighting, list(transforms), code.model, local.files)
     return Built(cfg, rank, size, device, data, partition, num_samples, flat, accel, forward, algo,
-                 weighting, transforms, host, hosted, ctx, log, stats, num_outputs=outputs)
+                 weighting, transforms, host, hosted, ctx, log, stats, num_outputs=outputs,
+                 run_info=info)

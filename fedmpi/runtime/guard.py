@@ -21,6 +21,7 @@ Kept out of :mod:`fedmpi.runtime` so the driver only has one-line call sites:
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -49,6 +50,7 @@ def open_run(fed, out: Path, resume: bool, overwrite: bool) -> Optional[checkpoi
                            resume=restored is not None,
                            resume_rounds=restored.round if restored else None,
                            fingerprint=owned.fingerprint)
+    fed.writer.set_run_info(json.dumps(fed.built.run_info, sort_keys=True))
     if owned.stale_lock:
         fed.writer.event(restored.round if restored else 0, 0, -1,
                          f"took over the stale lock of a run that is gone ({owned.stale_lock})")
