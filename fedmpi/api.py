@@ -21,7 +21,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from .config import Config, config_from_dict, load_config
 from .errors import ConfigError, RunFailed, RunInterrupted, UserError
@@ -42,7 +42,15 @@ def api_terms(message: str) -> str:
         message = message.replace(cli, api)
     return message
 
+if TYPE_CHECKING:
+    from torch import nn
+
+    from .algorithms import Algorithm, Weighting
+    from .comm import Comm
+
 ConfigSource = Union[str, "os.PathLike[str]", Mapping[str, Any], Config]
+#: ``factory(input_shape, num_classes) -> nn.Module`` (an ``nn.Module`` class qualifies).
+ModelFactory = Callable[[tuple[int, ...], int], "nn.Module"]
 
 
 @dataclass(frozen=True)
@@ -86,10 +94,11 @@ def _record(cfg: Config, key: str, obj: Any) -> Config:
 
 
 def run(config: ConfigSource, overrides: Sequence[str] = (), *,
-        model: Optional[Callable[..., Any]] = None, data: Any = None,
-        algorithm: Optional[type] = None, weighting: Optional[type] = None,
+        model: Optional[ModelFactory] = None, data: Any = None,
+        algorithm: Optional[type[Algorithm]] = None,
+        weighting: Optional[type[Weighting]] = None,
         out: Optional[Union[str, "os.PathLike[str]"]] = None, resume: bool = False,
-        overwrite: bool = False, comm: Any = None) -> RunResult:
+        overwrite: bool = False, comm: Optional[Comm] = None) -> RunResult:
     """Run one federated experiment, the same way ``fedmpi run`` does.
 
     Args:
@@ -147,10 +156,11 @@ def run(config: ConfigSource, overrides: Sequence[str] = (), *,
 
 
 def run_cli(config: ConfigSource, overrides: Sequence[str] = (), *,
-            model: Optional[Callable[..., Any]] = None, data: Any = None,
-            algorithm: Optional[type] = None, weighting: Optional[type] = None,
+            model: Optional[ModelFactory] = None, data: Any = None,
+            algorithm: Optional[type[Algorithm]] = None,
+            weighting: Optional[type[Weighting]] = None,
             out: Optional[Union[str, "os.PathLike[str]"]] = None, resume: bool = False,
-            overwrite: bool = False, comm: Any = None) -> RunResult:
+            overwrite: bool = False, comm: Optional[Comm] = None) -> RunResult:
     """:func:`run` with the errors in the CLI's terms (``--overwrite``), for ``fedmpi run``."""
     from .runtime import run as run_federation
 

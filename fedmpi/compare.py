@@ -55,7 +55,7 @@ import numpy as np
 
 from fedmpi.config import METRIC_NAMES
 from fedmpi.errors import UserError
-from fedmpi.log import RunLog, ended_without_status, read
+from fedmpi.log import PathLike, RunLog, as_run_log, ended_without_status, read
 
 #: ``/rounds/<metric>`` series beyond test_accuracy that the table and report show.
 EXTRA_METRICS: tuple[str, ...] = tuple(m for m in METRIC_NAMES if m != "accuracy")
@@ -115,8 +115,9 @@ class RunMetrics:
     final_metrics: dict[str, float] = field(default_factory=dict)   # EXTRA_METRICS in the log
 
 
-def run_metrics(log: RunLog, target: float | None = None) -> RunMetrics:
+def run_metrics(log: RunLog | PathLike, target: float | None = None) -> RunMetrics:
     """Final/best accuracy, round of best and rounds to ``target`` of one log."""
+    log = as_run_log(log)
     rounds = np.asarray(log.rounds.get("round", np.empty(0, dtype=np.int64)))
     acc = np.asarray(log.rounds.get("test_accuracy", np.full(len(rounds), np.nan)), dtype=np.float64)
     evaluated = np.flatnonzero(np.isfinite(acc))
@@ -153,12 +154,13 @@ def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any
     return out
 
 
-def run_config(log: RunLog) -> dict[str, Any]:
+def run_config(log: RunLog | PathLike) -> dict[str, Any]:
     """The flat config of what ``log``'s run used: :func:`flatten_config` of its config,
     the method's own parameters as it ran them (``run_info``, e.g.
     ``algorithm.params.mu`` of a user method, also where the config left the default),
     less the keys that took no part (:func:`fedmpi.provenance.unused_keys`: no
     ``data.dataset`` for a silo run, no ``model.norm`` for a user model)."""
+    log = as_run_log(log)
     from fedmpi.provenance import read_run_info, unused_keys
 
     flat = flatten_config(log.config)
@@ -337,14 +339,15 @@ def _pm(ms: tuple[float, float], scale: float, digits: int) -> str:
     return f"{scale * mean:.{digits}f} ± {scale * std:.{digits}f}"
 
 
-def compare_logs(logs: Sequence[RunLog], *, target: float | None = None,
+def compare_logs(logs: Sequence[RunLog | PathLike], *, target: float | None = None,
                  group_by: Sequence[str] = (), baseline: str | None = None) -> Table:
     """Group ``logs`` and compute the table (see the module docstring for the math).
 
     Parameters
     ----------
     logs
-        Run logs, e.g. from :func:`fedmpi.log.read`.
+        Run logs (:class:`~fedmpi.log.RunLog`, e.g. from :func:`fedmpi.log.read`) or
+        their paths.
     target
         Target accuracy as a fraction in (0, 1]; ``None`` derives it from the
         baseline (lowest best accuracy among its runs) if there is one.
@@ -366,6 +369,7 @@ def compare_logs(logs: Sequence[RunLog], *, target: float | None = None,
     if target is not None and not 0.0 < target <= 1.0:
         raise UserError(f"--target-accuracy {target}: expected a fraction in (0, 1], "
                         "e.g. 0.8 for 80%")
+    logs = [as_run_log(log) for log in logs]
     flats = [run_config(log) for log in logs]
     keys = _group_keys(flats, group_by)
 

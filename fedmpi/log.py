@@ -55,7 +55,7 @@ from fedmpi.outputs import OutputError, quiet_h5py_errors, write_failed
 if TYPE_CHECKING:
     import pandas
 
-__all__ = ["SCHEMA_VERSION", "STATUSES", "LogWriter", "RunLog", "read"]
+__all__ = ["SCHEMA_VERSION", "STATUSES", "LogWriter", "RunLog", "as_run_log", "read"]
 
 SCHEMA_VERSION = "1"
 STATUSES = ("running", "completed", "failed", "interrupted")
@@ -536,6 +536,12 @@ def read(path: PathLike) -> RunLog:
             raise LogFormatError(f"{path}: attribute config_yaml is not valid YAML ({problem})"
                                  ) from None
         raise LogFormatError(f"{path}: truncated or corrupt fedmpi log ({exc})") from exc
+
+
+def as_run_log(log: RunLog | PathLike) -> RunLog:
+    """``log`` itself, or the log read from that path (:func:`read`): the analysis
+    functions (``run_metrics``, ``summary_markdown``, the plots ...) accept either."""
+    return log if isinstance(log, RunLog) else read(log)
 
 
 def _read_file(f: h5py.File, path: str) -> RunLog:

@@ -53,7 +53,7 @@ import numpy as np
 
 from fedmpi.compare import config_value, run_config, run_metrics
 from fedmpi.errors import UserError
-from fedmpi.log import RunLog, read
+from fedmpi.log import PathLike, RunLog, as_run_log, read
 
 __all__ = ["PLOTS", "partition_preview", "plot_partition", "summary_markdown", "write_report"]
 
@@ -135,8 +135,10 @@ def _cmap(name: str):
 
 # -- individual plots ---------------------------------------------------------------
 
-def plot_accuracy(log: RunLog, path: Path, target: float | None = None) -> Path | None:
+def plot_accuracy(log: RunLog | PathLike, path: Path,
+                  target: float | None = None) -> Path | None:
     """Test accuracy and losses vs round; the best round is marked."""
+    log = as_run_log(log)
     r = log.rounds.get("round")
     acc = log.rounds.get("test_accuracy")
     if r is None or acc is None or not np.isfinite(acc).any():
@@ -179,8 +181,9 @@ def plot_accuracy(log: RunLog, path: Path, target: float | None = None) -> Path 
     return _save(fig, path)
 
 
-def plot_client_weights(log: RunLog, path: Path) -> Path | None:
+def plot_client_weights(log: RunLog | PathLike, path: Path) -> Path | None:
     """Heatmap of the aggregation weights, clients x rounds (FedVG Fig. 8)."""
+    log = as_run_log(log)
     w = log.clients.get("weight")
     r = log.rounds.get("round")
     if w is None or r is None or w.size == 0 or not np.isfinite(w).any():
@@ -209,8 +212,9 @@ def _weighting(log: RunLog) -> str:
     return str(config_value(log.config, "aggregation.weighting", "samples"))
 
 
-def plot_grad_norm(log: RunLog, path: Path) -> Path | None:
+def plot_grad_norm(log: RunLog | PathLike, path: Path) -> Path | None:
     """Per-client, per-layer validation-gradient norms at two rounds (FedVG Fig. A.1)."""
+    log = as_run_log(log)
     g = log.arrays.get("fedvg/grad_norm")
     r = log.rounds.get("round")
     if g is None or r is None or g.ndim != 3 or not np.isfinite(g).any():
@@ -283,8 +287,9 @@ def plot_partition(class_counts: np.ndarray, path: str | os.PathLike, title: str
     return _save(fig, Path(path))
 
 
-def plot_level_accuracy(log: RunLog, path: Path) -> Path | None:
+def plot_level_accuracy(log: RunLog | PathLike, path: Path) -> Path | None:
     """Test accuracy of each submodel level vs round (FedLAGC)."""
+    log = as_run_log(log)
     la = log.arrays.get("submodel/level_accuracy")
     r = log.rounds.get("round")
     if la is None or r is None or la.ndim != 2 or not np.isfinite(la).any():
@@ -327,7 +332,7 @@ _TIME_PARTS = (("train_seconds", "local training (slowest worker)", "C0"),
 _OVERLAPPED = "evaluation overlapped with the next round's training (not in the wall time)"
 
 
-def time_split(log: RunLog) -> dict[str, np.ndarray]:
+def time_split(log: RunLog | PathLike) -> dict[str, np.ndarray]:
     """Per-round seconds: the :data:`_TIME_PARTS` present in the log, with
     ``eval_seconds`` cut to its part inside the round's wall time, plus
     ``eval_overlapped`` (the rest) and ``wall_seconds``. NaN counts as 0.
@@ -336,6 +341,7 @@ def time_split(log: RunLog) -> dict[str, np.ndarray]:
     runtime computes overhead as the remainder of the wall time with the in-round
     evaluation only, so the in-round parts sum to the wall time.
     """
+    log = as_run_log(log)
     parts = {name: np.nan_to_num(np.asarray(log.rounds[name], dtype=np.float64))
              for name, _, _ in _TIME_PARTS if name in log.rounds}
     if "wall_seconds" in log.rounds:
@@ -351,9 +357,10 @@ def time_split(log: RunLog) -> dict[str, np.ndarray]:
     return parts
 
 
-def plot_time(log: RunLog, path: Path) -> Path | None:
+def plot_time(log: RunLog | PathLike, path: Path) -> Path | None:
     """Stacked bars: time per round split into training/communication/aggregation/evaluation
     (inside the round); an overlapped evaluation is drawn hatched on top."""
+    log = as_run_log(log)
     r = log.rounds.get("round")
     if r is None or len(r) == 0:
         return None
@@ -394,8 +401,9 @@ def _seconds(x: float) -> str:
     return f"{x:.3g} s" if x >= 1 else f"{1e3 * x:.3g} ms"
 
 
-def plot_bytes(log: RunLog, path: Path) -> Path | None:
+def plot_bytes(log: RunLog | PathLike, path: Path) -> Path | None:
     """Bytes sent per round (up/down) and cumulative traffic."""
+    log = as_run_log(log)
     r = log.rounds.get("round")
     series = [(n, log.rounds[n]) for n in ("bytes_up", "bytes_down") if n in log.rounds]
     if r is None or len(r) == 0 or not series:
@@ -497,10 +505,11 @@ def _pct(x: float) -> str:
     return "—" if x is None or not math.isfinite(x) else f"{100 * x:.2f}%"
 
 
-def summary_markdown(log: RunLog, target: float | None = None,
+def summary_markdown(log: RunLog | PathLike, target: float | None = None,
                      plots: Sequence[str] = (), plots_note: str | None = None) -> str:
     """``summary.md``: config digest, accuracies, rounds to target, timing, exclusions, events.
     ``plots_note``: why no plots were drawn (shown under "Plots")."""
+    log = as_run_log(log)
     m = run_metrics(log, target)
     flat = run_config(log)   # only keys the run used: no data.dataset for a silo run
     digest = hashlib.sha256(str(log.attrs.get("config_yaml", "")).encode()).hexdigest()[:12]
@@ -696,7 +705,7 @@ def partition_preview(partition: Any, out_dir: str | os.PathLike, name: str = ""
 
 # -- entry point ------------------------------------------------------------------------
 
-def write_report(log: RunLog | str | os.PathLike, out_dir: str | os.PathLike | None = None,
+def write_report(log: RunLog | PathLike, out_dir: str | os.PathLike | None = None,
                  target: float | None = None, overwrite: bool = False) -> list[Path]:
     """Write every applicable plot and ``summary.md`` into ``out_dir``.
 
@@ -715,8 +724,7 @@ def write_report(log: RunLog | str | os.PathLike, out_dir: str | os.PathLike | N
     UserError
         ``target`` out of (0, 1].
     """
-    if not isinstance(log, RunLog):
-        log = read(log)
+    log = as_run_log(log)
     if target is not None and not 0.0 < target <= 1.0:
         raise UserError(f"--target-accuracy {target}: expected a fraction in (0, 1], "
                         "e.g. 0.8 for 80%")
