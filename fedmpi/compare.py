@@ -206,10 +206,19 @@ def _group_keys(flat_configs: Sequence[Mapping[str, Any]], group_by: Sequence[st
                                 f"(aliases: {', '.join(sorted(ALIASES))})")
         return keys
     # A key that some logs lack (added to the schema later) varies only if the
-    # logs that have it disagree.
+    # logs that have it disagree; but where the methods differ, each method's own
+    # parameters (algorithm.<block>.<field>, present only in its runs: run_config)
+    # label its groups.
     union = sorted({k for c in flat_configs for k in c})
-    return [k for k in union if not _ignored(k)
-            and len({_fmt_value(c[k]) for c in flat_configs if k in c}) > 1]
+    methods = len({_fmt_value(c.get("algorithm.name")) for c in flat_configs}) > 1
+
+    def method_param(k: str) -> bool:
+        return methods and k.startswith("algorithm.") and k.count(".") >= 2 and \
+            not all(k in c for c in flat_configs)
+
+    varying = [k for k in union if not _ignored(k)
+               and len({_fmt_value(c[k]) for c in flat_configs if k in c}) > 1]
+    return varying + [k for k in union if k not in varying and method_param(k)]
 
 
 # -- per group -------------------------------------------------------------------

@@ -12,6 +12,7 @@ rank raises (never ``SystemExit``); the one error line comes from rank 0.
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Callable, Optional
@@ -26,6 +27,11 @@ from ..outputs import OutputError, write_model
 from . import guard
 from .federation import CMD_ABORT, CMD_ROUND, Federation
 from .probe import dry_run
+
+
+#: How long a worker whose round raised waits before it reports and aborts the job
+#: (rank 0, failing the same way, aborts first: one error line per job).
+ABORT_GRACE_SECONDS = 2.0
 
 
 def _finish_pending_quietly(fed: Federation) -> None:
@@ -156,15 +162,23 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
     except Exception as exc:  # noqa: BLE001 - a rank outside local training failed
         line, user = runtime_error_line(exc, run_objects(fed.algo, fed.flat.model,
                                                          fed.weighting, fed.transforms))
-        print(f"fedmpi: error: {line} (round {t} on rank {comm.rank})", file=sys.stderr,
-              flush=True)
+        line = f"{line} (round {t} on rank {comm.rank})"
         if show_traceback() or not user:   # a fedmpi bug: show where
             traceback.print_exc()
         _finish_pending_quietly(fed)
         if fed.writer is not None:
-            fed.writer.event(t, comm.rank, -1, f"{type(exc).__name__}: {exc}")
+            fed.writer.event(t, comm.rank, -1, line)
             fed.writer.set_status("failed")
             fed.writer.close()
+        if comm.size == 1:   # nobody waits in a collective: an exception, not an abort
+            logged = len(fed.history) + (fed.recorder.pending is not None)
+            kept = guard.discard_unstarted(out, logged, resume)
+            raise RunFailed(line, log_path=str(out / "log.h5") if kept else None) from exc
+        if comm.rank != 0:
+            # code that every rank runs (a method's begin_round) fails on every rank: give
+            # rank 0 the time to report it and end the job, so the line appears once
+            time.sleep(ABORT_GRACE_SECONDS)
+        print(f"fedmpi: error: {line}", file=sys.stderr, flush=True)
         comm.abort(1)
     finally:
         if progress is not None:
