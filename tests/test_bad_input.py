@@ -548,3 +548,61 @@ def test_error_line_appears_once_under_mpiexec(tmp_path):
         assert proc.returncode == 2, proc.stderr[-2000:]
         errors = [line for line in proc.stderr.splitlines() if line.startswith("fedmpi: error")]
         assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.mpi
+def test_silo_missing_on_one_rank_only_is_one_line(tmp_path):
+    """Under mpiexec -n 3, client 2's silo file is absent; only rank 1 (its host) reads
+    it: one line naming the file, exit 2, no run directory."""
+    rng = np.random.default_rng(0)
+    for k in range(3):
+        (tmp_path / f"hospital_{k}.csv").write_text(
+            "f0,f1,label\n" + "".join(f"{a:.3f},{b:.3f},{i % 2}\n"
+                                       for i, (a, b) in enumerate(rng.normal(size=(40, 2)))))
+    (tmp_path / "test.csv").write_text((tmp_path / "hospital_0.csv").read_text())
+    (tmp_path / "hospital_2.csv").unlink()
+    config = {"data": {"num_clients": 3, "partition": {"method": "silos"},
+                       "silos": {"path": str(tmp_path / "hospital_{client}.csv"),
+                                 "test": str(tmp_path / "test.csv")}},
+              "model": {"name": "mlp"}, "train": {"rounds": 1},
+              "runtime": {"progress": False, "threads": 1}}
+    (tmp_path / "silos.yaml").write_text(yaml.safe_dump(config))
+    proc = run_fedmpi(["run", str(tmp_path / "silos.yaml"), "--out", str(tmp_path / "o")], n=3,
+                      check=False, timeout=240)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and "hospital_2.csv" in lines[0] and "rank 1" in lines[0], lines
+    assert not (tmp_path / "o").exists()
+
+
+RUNTIME_CODE = """
+from fedmpi.algorithms import Algorithm
+
+class ClientFails(Algorithm):
+    def client_update(self, task, trainer, state, extras, out, transforms):
+        if task.round == 2:
+            raise ValueError("client update exploded")
+        return super().client_update(task, trainer, state, extras, out, transforms)
+
+class EveryRankFails(Algorithm):
+    def begin_round(self, round, mask, state, extras):
+        if round == 2:
+            raise ValueError("begin_round exploded")
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("method", ["ClientFails", "EveryRankFails"])
+def test_user_code_failing_in_round_3_is_one_line_per_job(tmp_path, method):
+    """Under mpiexec -n 3: a method raising in round 3 on the workers (its client update)
+    or on every rank (begin_round) gives ONE line naming it, exit 1."""
+    (tmp_path / "runtime_i26.py").write_text(RUNTIME_CODE)
+    proc = run_fedmpi(["run", CFG, *FAST, "--set", "train.rounds=4", "--set",
+                       f"algorithm.name=runtime_i26:{method}", "--out", str(tmp_path / "o")],
+                      n=3, check=False, timeout=240, env={"PYTHONPATH": str(tmp_path)})
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert errors[0].startswith(f"fedmpi: error: method (runtime_i26:{method}) raised "
+                                "ValueError: "), errors
+    assert "runtime_i26.py:" in errors[0]
