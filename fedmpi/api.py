@@ -45,7 +45,7 @@ def api_terms(message: str) -> str:
 if TYPE_CHECKING:
     from torch import nn
 
-    from .algorithms import Algorithm, Weighting
+    from .algorithms import Algorithm, ServerRule, Weighting
     from .comm import Comm
 
 ConfigSource = Union[str, "os.PathLike[str]", Mapping[str, Any], Config]
@@ -96,7 +96,7 @@ def _record(cfg: Config, key: str, obj: Any) -> Config:
 def run(config: ConfigSource, overrides: Sequence[str] = (), *,
         model: Optional[ModelFactory] = None, data: Any = None,
         algorithm: Optional[type[Algorithm]] = None,
-        weighting: Optional[type[Weighting]] = None,
+        weighting: Optional[type[Weighting]] = None, rule: Optional[type[ServerRule]] = None,
         out: Optional[Union[str, "os.PathLike[str]"]] = None, resume: bool = False,
         overwrite: bool = False, comm: Optional[Comm] = None) -> RunResult:
     """Run one federated experiment, the same way ``fedmpi run`` does.
@@ -114,6 +114,8 @@ def run(config: ConfigSource, overrides: Sequence[str] = (), *,
             ``algorithm.name`` (its parameters come from ``algorithm.params``).
         weighting: a subclass of :class:`fedmpi.algorithms.Weighting`; replaces
             ``aggregation.weighting``.
+        rule: a subclass of :class:`fedmpi.algorithms.ServerRule`; replaces
+            ``aggregation.rule`` (its parameters come from ``aggregation.params``).
         out: output directory (default ``runtime.out_dir/<name>``).
         resume: continue from ``<out>/checkpoint.pt`` and the log.
         overwrite: replace a previous run in ``out`` (without it a directory holding a
@@ -139,8 +141,8 @@ def run(config: ConfigSource, overrides: Sequence[str] = (), *,
     """
     try:
         return run_cli(config, overrides, model=model, data=data, algorithm=algorithm,
-                       weighting=weighting, out=out, resume=resume, overwrite=overwrite,
-                       comm=comm)
+                       weighting=weighting, rule=rule, out=out, resume=resume,
+                       overwrite=overwrite, comm=comm)
     except ConfigError as exc:
         error: ConfigError = type(exc)(api_terms(str(exc)))
         error.__dict__.update(exc.__dict__)
@@ -158,7 +160,7 @@ def run(config: ConfigSource, overrides: Sequence[str] = (), *,
 def run_cli(config: ConfigSource, overrides: Sequence[str] = (), *,
             model: Optional[ModelFactory] = None, data: Any = None,
             algorithm: Optional[type[Algorithm]] = None,
-            weighting: Optional[type[Weighting]] = None,
+            weighting: Optional[type[Weighting]] = None, rule: Optional[type[ServerRule]] = None,
             out: Optional[Union[str, "os.PathLike[str]"]] = None, resume: bool = False,
             overwrite: bool = False, comm: Optional[Comm] = None) -> RunResult:
     """:func:`run` with the errors in the CLI's terms (``--overwrite``), for ``fedmpi run``."""
@@ -171,9 +173,10 @@ def run_cli(config: ConfigSource, overrides: Sequence[str] = (), *,
         check_world(os.environ, world_size(), mpi_library_version())
     cfg = resolve_config(config, overrides)
     for key, obj in (("model.name", model), ("data.dataset", data if callable(data) else None),
-                     ("algorithm.name", algorithm), ("aggregation.weighting", weighting)):
+                     ("algorithm.name", algorithm), ("aggregation.weighting", weighting),
+                     ("aggregation.rule", rule)):
         cfg = _record(cfg, key, obj)
-    code = UserCode(model=model, data=data, algorithm=algorithm, weighting=weighting)
+    code = UserCode(model=model, data=data, algorithm=algorithm, weighting=weighting, rule=rule)
     out_dir = Path(out) if out else Path(cfg.runtime.out_dir) / cfg.name
     if comm is None:
         from .comm import Comm

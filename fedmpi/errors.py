@@ -69,7 +69,8 @@ class RunInterrupted(RunFailed):
 # ----------------------------------------------------------------- user code
 #: What each config key's object is called in an error line.
 OBJECTS = {"model.name": "model", "data.dataset": "dataset", "algorithm.name": "method",
-           "aggregation.weighting": "weighting", "data.silos.loader": "silo loader",
+           "aggregation.weighting": "weighting", "aggregation.rule": "server rule",
+           "data.silos.loader": "silo loader",
            "transforms": "update transform"}
 
 

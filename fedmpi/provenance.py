@@ -55,10 +55,11 @@ def method_params(algo: Any) -> dict[str, dict[str, Any]]:
 
 
 def run_info(cfg: Any, algo: Any, weighting: Any, transforms: Sequence[Any],
-             model: Any = None, files: Sequence[tuple[str, str, str]] = ()) -> dict[str, Any]:
+             model: Any = None, files: Sequence[tuple[str, str, str]] = (),
+             rule: Any = None) -> dict[str, Any]:
     """The ``run_info`` record of the module docstring. ``model``: the factory given to
     :func:`fedmpi.run` (None: ``model.name``); ``files``: ``(role, path, sha256)`` of the
-    silo files read."""
+    silo files read; ``rule``: the server rule (``aggregation.rule``)."""
     from .imports import code_path
 
     def named(obj: Any, fallback: str) -> str:
@@ -86,6 +87,8 @@ def run_info(cfg: Any, algo: Any, weighting: Any, transforms: Sequence[Any],
         "method": {"name": named(type(algo), str(cfg.algorithm.name)),
                    "server_lr": float(algo.server_lr), "params": method_params(algo)},
         "weighting": named(type(weighting), str(cfg.aggregation.weighting)),
+        "rule": ({"name": named(type(rule), str(cfg.aggregation.rule)),
+                  "params": method_params(rule)} if rule is not None else None),
         "transforms": [named(type(t), type(t).__name__) for t in transforms],
     }
 
@@ -122,12 +125,33 @@ def unused_keys(flat: Mapping[str, Any], info: Optional[Mapping[str, Any]] = Non
                     (key.startswith("model.mlp.") and model != "mlp"):
                 unused.add(key)
     groups = _method_groups(flat, info)
-    if groups is not None:
-        for key in flat:
-            parts = key.split(".")
-            if parts[0] == "algorithm" and len(parts) > 2 and parts[1] not in groups:
-                unused.add(key)
+    rule_blocks, rule_used = _rule_groups(flat, info)
+    for key in flat:
+        parts = key.split(".")
+        if len(parts) > 2 and parts[0] == "algorithm" and groups is not None and \
+                parts[1] not in groups:
+            unused.add(key)
+        if len(parts) > 2 and parts[0] == "aggregation" and parts[1] in rule_blocks and \
+                parts[1] not in rule_used:
+            unused.add(key)
     return unused
+
+
+def _rule_groups(flat: Mapping[str, Any], info: Optional[Mapping[str, Any]]
+                 ) -> tuple[set[str], set[str]]:
+    """(``aggregation.<block>`` names of every server rule, those of the run's rule)."""
+    from .algorithms.rules import RULES
+
+    blocks = {g for cls in RULES.values() for g in (getattr(cls, "params", None) or ())}
+    blocks.add("params")
+    rule = info.get("rule") if info is not None else None
+    if isinstance(rule, Mapping) and isinstance(rule.get("params"), Mapping):
+        return blocks, set(rule["params"])
+    name = str(flat.get("aggregation.rule", "mean"))
+    if _is_path(name):
+        return blocks, {"params"}
+    cls = RULES.get(name)
+    return blocks, set(getattr(cls, "params", None) or ()) if cls is not None else blocks
 
 
 def _method_groups(flat: Mapping[str, Any], info: Optional[Mapping[str, Any]]) -> Optional[set[str]]:

@@ -597,6 +597,11 @@ def _ran_lines(log: RunLog) -> list[str]:
     out.append(f"| method | `{method.get('name')}` (server_lr {method.get('server_lr')}"
                f"{'; ' + params if params else ''}) |")
     out.append(f"| weighting | `{info.get('weighting')}` |")
+    rule = info.get("rule") or {}
+    if rule:
+        rparams = "; ".join(f"{g}: " + ", ".join(f"{k}={v}" for k, v in fields.items())
+                            for g, fields in (rule.get("params") or {}).items())
+        out.append(f"| server rule | `{rule.get('name')}`{f' ({rparams})' if rparams else ''} |")
     out.append(f"| transforms | {', '.join(f'`{t}`' for t in info.get('transforms', [])) or 'none'} |")
     files = data.get("silos", {}).get("files", []) if isinstance(data.get("silos"), dict) else []
     if files:

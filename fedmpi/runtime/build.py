@@ -5,7 +5,7 @@ partition, the initial model from the seed, the client placement), so no
 message is needed to agree on it. The result is a :class:`Built` record and
 the :class:`~fedmpi.context.Context` that methods, the weighting and the
 update transforms receive in their ``setup`` — in this order: method,
-weighting, transforms; then the uplink statistics are planned.
+weighting, transforms, server rule; then the uplink statistics are planned.
 """
 from __future__ import annotations
 
@@ -17,14 +17,15 @@ import numpy as np
 import torch
 
 from ..accel import Accel, set_deterministic
-from ..algorithms import Algorithm, Stat, TransformChain, Weighting, build_transforms, start
+from ..algorithms import (Algorithm, ServerRule, Stat, TransformChain, Weighting, build_rule,
+                          build_transforms, start)
 from ..comm import Comm
 from ..config import Config
 from ..context import Context, LogSink
 from ..data import Dataset, Partition, build_local
 from ..errors import ConfigError
 from ..flat import FlatModel
-from ..imports import UserCode, blame
+from ..imports import UserCode, blame, check_rule
 from ..models import build_model, model_spec
 from ..placement import gpu_for_local_rank, threads_per_rank
 from ..provenance import run_info
@@ -79,6 +80,7 @@ class Built:
     algo: Algorithm
     weighting: Weighting
     transforms: TransformChain
+    rule: ServerRule
     host: np.ndarray             # rank of each client
     hosted: list[int]            # clients of this rank
     ctx: Context
@@ -86,6 +88,12 @@ class Built:
     stats: list[Stat]            # the method's uplink statistics, then the transforms'
     num_outputs: int = 0         # the model's output width the method needs (C; FedGPS: 2C)
     run_info: dict = field(default_factory=dict)   # what ran (fedmpi.provenance), for the log
+
+    @property
+    def rows_needed(self) -> bool:
+        """Weighted statistics reach rank 0 as per-client rows (FedVG's weighting, a
+        per-client server rule) instead of the workers' pre-reduced sums."""
+        return self.weighting.per_client or self.rule.per_client
 
 
 def setup_process(cfg: Config, comm: Comm) -> torch.device:
@@ -130,6 +138,10 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
         weighting = code.build_weighting(cfg, num_samples)
     with blame("transforms", None):
         transforms = build_transforms(cfg)
+    rule_cls = code.rule_class(cfg)
+    check_rule(cfg, rule_cls, algo_class)
+    with blame("aggregation.rule", rule_cls):
+        rule = build_rule(cfg, rule_cls)
     log = LogSink(enabled=rank == 0)
 
     def broadcast(buf: np.ndarray, what: str = "method Bcast") -> None:
@@ -153,12 +165,21 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
         start(weighting, ctx)
     with blame("transforms", None):
         transforms.setup(ctx)
+    with blame("aggregation.rule", rule):
+        start(rule, ctx)
     with blame("algorithm.name", algo):
         stats = algo.uplink_stats() + transforms.stats()
-    if weighting.per_client and not any(s.name == "delta" and s.combine == "weighted" for s in stats):
-        raise ConfigError(f"config key 'aggregation.weighting': {weighting.name!r} needs the 'delta' "
-                          f"uplink of algorithm {cfg.algorithm.name!r} as a weighted statistic")
-    info = run_info(cfg, algo, weighting, list(transforms), code.model, local.files)
+    if not any(s.name == "delta" and s.combine == "weighted" for s in stats):
+        for key, part in (("aggregation.weighting", weighting), ("aggregation.rule", rule)):
+            if part.per_client:
+                raise ConfigError(f"config key {key!r}: {part.name!r} needs the 'delta' uplink of "
+                                  f"algorithm {cfg.algorithm.name!r} as a weighted statistic")
+    if cfg.privacy.secure_aggregation:
+        from ..privacy.secagg import refuse_per_client
+
+        refuse_per_client(cfg, weighting.per_client, rule.per_client,
+                          [s.name for s in stats if s.combine == "client"])
+    info = run_info(cfg, algo, weighting, list(transforms), code.model, local.files, rule)
     return Built(cfg, rank, size, device, data, partition, num_samples, flat, accel, forward, algo,
-                 weighting, transforms, host, hosted, ctx, log, stats, num_outputs=outputs,
+                 weighting, transforms, rule, host, hosted, ctx, log, stats, num_outputs=outputs,
                  run_info=info)

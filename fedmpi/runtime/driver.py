@@ -160,8 +160,8 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
             fed.writer.close()
         comm.abort(1)
     except Exception as exc:  # noqa: BLE001 - a rank outside local training failed
-        line, user = runtime_error_line(exc, run_objects(fed.algo, fed.flat.model,
-                                                         fed.weighting, fed.transforms))
+        line, user = runtime_error_line(exc, run_objects(fed.algo, fed.flat.model, fed.weighting,
+                                                         fed.transforms, fed.built.rule))
         line = f"{line} (round {t} on rank {comm.rank})"
         if show_traceback() or not user:   # a fedmpi bug: show where
             traceback.print_exc()
