@@ -588,21 +588,28 @@ class EveryRankFails(Algorithm):
     def begin_round(self, round, mask, state, extras):
         if round == 2:
             raise ValueError("begin_round exploded")
+
+def hospital_db():
+    raise ValueError("hospital database unreachable")
 """
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("method", ["ClientFails", "EveryRankFails"])
-def test_user_code_failing_in_round_3_is_one_line_per_job(tmp_path, method):
-    """Under mpiexec -n 3: a method raising in round 3 on the workers (its client update)
-    or on every rank (begin_round) gives ONE line naming it, exit 1."""
+@pytest.mark.parametrize("key, obj, what, code", [
+    ("algorithm.name", "ClientFails", "method", 1),       # round 3, on the workers
+    ("algorithm.name", "EveryRankFails", "method", 1),    # round 3, on every rank
+    ("data.dataset", "hospital_db", "dataset", 2)])       # at construction, on every rank
+def test_user_code_error_is_one_line_per_job(tmp_path, key, obj, what, code):
+    """Under mpiexec -n 3: user code raising on several ranks (the issue: up to 111
+    interleaved traceback lines) gives ONE line naming it; exit 1 once the run runs,
+    2 while it is built."""
     (tmp_path / "runtime_i26.py").write_text(RUNTIME_CODE)
     proc = run_fedmpi(["run", CFG, *FAST, "--set", "train.rounds=4", "--set",
-                       f"algorithm.name=runtime_i26:{method}", "--out", str(tmp_path / "o")],
+                       f"{key}=runtime_i26:{obj}", "--out", str(tmp_path / "o")],
                       n=3, check=False, timeout=240, env={"PYTHONPATH": str(tmp_path)})
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
-    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.returncode == code, proc.stderr[-2000:]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert errors[0].startswith(f"fedmpi: error: method (runtime_i26:{method}) raised "
+    assert errors[0].startswith(f"fedmpi: error: {what} (runtime_i26:{obj}) raised "
                                 "ValueError: "), errors
     assert "runtime_i26.py:" in errors[0]
