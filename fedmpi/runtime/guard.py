@@ -122,12 +122,8 @@ def discard_unstarted(out: Path, logged: int, resume: bool) -> bool:
     Returns whether the log is kept."""
     if resume or logged > 0 or checkpoint.checkpoint_path(out).exists():
         return True
-    for name in ("log.h5", "config.yaml"):
+    for name in ("log.h5", "config.yaml"):   # the directory stays: it may be the user's
         (out / name).unlink(missing_ok=True)
-    try:
-        out.rmdir()   # only if empty: the directory may hold the user's other files
-    except OSError:
-        pass
     return False
 
 
