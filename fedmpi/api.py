@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
+from .callbacks import Callback
 from .config import Config, config_from_dict, load_config
 from .errors import ConfigError, RunFailed, RunInterrupted, UserError
 from .imports import UserCode, path_of
@@ -98,7 +99,8 @@ def run(config: ConfigSource, overrides: Sequence[str] = (), *,
         algorithm: Optional[type[Algorithm]] = None,
         weighting: Optional[type[Weighting]] = None, rule: Optional[type[ServerRule]] = None,
         out: Optional[Union[str, "os.PathLike[str]"]] = None, resume: bool = False,
-        overwrite: bool = False, comm: Optional[Comm] = None) -> RunResult:
+        overwrite: bool = False, comm: Optional[Comm] = None,
+        callbacks: Sequence[Callback] = ()) -> RunResult:
     """Run one federated experiment, the same way ``fedmpi run`` does.
 
     Args:
@@ -121,6 +123,10 @@ def run(config: ConfigSource, overrides: Sequence[str] = (), *,
         overwrite: replace a previous run in ``out`` (without it a directory holding a
             run is refused; see :mod:`fedmpi.rundir`).
         comm: a :class:`fedmpi.comm.Comm` (default: ``MPI.COMM_WORLD``).
+        callbacks: ``cb(round, metrics)`` called on rank 0 after each logged round with
+            that round's ``/rounds`` scalars; returning ``True`` or a reason string stops
+            the run cleanly after that round (status ``completed``;
+            :mod:`fedmpi.callbacks`). Other ranks may pass them too; only rank 0 calls them.
 
     Objects that can be imported by ``module:qualname`` are recorded under
     their key in the logged config; every rank must pass the same objects.
@@ -142,7 +148,7 @@ def run(config: ConfigSource, overrides: Sequence[str] = (), *,
     try:
         return run_cli(config, overrides, model=model, data=data, algorithm=algorithm,
                        weighting=weighting, rule=rule, out=out, resume=resume,
-                       overwrite=overwrite, comm=comm)
+                       overwrite=overwrite, comm=comm, callbacks=callbacks)
     except ConfigError as exc:
         error: ConfigError = type(exc)(api_terms(str(exc)))
         error.__dict__.update(exc.__dict__)
@@ -162,7 +168,8 @@ def run_cli(config: ConfigSource, overrides: Sequence[str] = (), *,
             algorithm: Optional[type[Algorithm]] = None,
             weighting: Optional[type[Weighting]] = None, rule: Optional[type[ServerRule]] = None,
             out: Optional[Union[str, "os.PathLike[str]"]] = None, resume: bool = False,
-            overwrite: bool = False, comm: Optional[Comm] = None) -> RunResult:
+            overwrite: bool = False, comm: Optional[Comm] = None,
+            callbacks: Sequence[Callback] = ()) -> RunResult:
     """:func:`run` with the errors in the CLI's terms (``--overwrite``), for ``fedmpi run``."""
     from .runtime import run as run_federation
 
@@ -183,6 +190,6 @@ def run_cli(config: ConfigSource, overrides: Sequence[str] = (), *,
 
         comm = Comm(timeout=cfg.runtime.round_timeout)
     metrics = run_federation(cfg, out_dir, comm=comm, resume=resume, overwrite=overwrite,
-                             code=code)
+                             code=code, callbacks=callbacks)
     return RunResult(metrics=metrics or {}, log_path=out_dir / "log.h5", out_dir=out_dir,
                      rank=comm.rank)

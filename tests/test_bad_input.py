@@ -487,6 +487,8 @@ USER_CASES = [
     _user_case("one-logit", ["model.name=M:one_logit", "data.dataset=breast_cancer"],
                "'model.name' (M:one_logit): the model returns 1 output per sample but the data "
                "has 2 classes"),
+    _user_case("one-logit-bce", ["model.name=M:one_logit", "data.dataset=breast_cancer",
+                                 "train.loss=bce_logits"], "1 output per sample", check=True),
 ]
 
 _READONLY: list[Path] = []

@@ -15,11 +15,13 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from .. import checkpoint, metrics, rundir, signals
+from ..callbacks import AfterRound, Callback
+from ..trackers import check_trackers, open_trackers
 from ..comm import Comm, CommTimeout
 from ..errors import RunFailed, RunInterrupted, UserError, show_traceback
 from ..imports import UserCode, run_objects, runtime_error_line
@@ -49,9 +51,19 @@ def _finish_pending_quietly(fed: Federation) -> None:
             fed.writer.event(t, fed.rank, -1, message)
 
 
+def _close_quietly(after: Optional[AfterRound], status: str) -> None:
+    """After a failure: end the trackers' runs; an error there is reported, not raised."""
+    try:
+        if after is not None:
+            after.close(status)
+    except Exception as exc:  # noqa: BLE001 - the run's own failure is the one that counts
+        print(f"fedmpi: error: closing the trackers failed too: {exc}", file=sys.stderr, flush=True)
+
+
 def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
         resume: bool = False, overwrite: bool = False,
-        code: Optional[UserCode] = None) -> Optional[dict[str, float]]:
+        code: Optional[UserCode] = None,
+        callbacks: Sequence[Callback] = ()) -> Optional[dict[str, float]]:
     """Run a whole experiment on this rank; returns on rank 0 the final metrics
     (``test_accuracy`` and the other ``eval.metrics`` of the last evaluated round),
     None elsewhere. ``code``: objects replacing the config's names (:func:`fedmpi.run`).
@@ -63,10 +75,11 @@ def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
     log status ``interrupted``, every rank exits with
     :data:`fedmpi.signals.EXIT_INTERRUPTED` (75). ``overwrite`` replaces a previous
     run in the output directory (:mod:`fedmpi.rundir`: lock, fingerprint, conventions).
+    ``callbacks``: called on rank 0 after each logged round (:mod:`fedmpi.callbacks`).
     """
     signals.install()
     try:
-        return _run(cfg, out_dir, comm, resume, overwrite, code)
+        return _run(cfg, out_dir, comm, resume, overwrite, code, callbacks)
     finally:
         signals.restore()
         rundir.release()
@@ -114,16 +127,35 @@ def check(cfg, comm: Optional[Comm] = None) -> str:
 
 
 def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
-         overwrite: bool = False, code: Optional[UserCode] = None) -> Optional[dict[str, float]]:
+         overwrite: bool = False, code: Optional[UserCode] = None,
+         callbacks: Sequence[Callback] = ()) -> Optional[dict[str, float]]:
     comm = comm or Comm(timeout=cfg.runtime.round_timeout)
     if comm.rank == 0:
         for old, new in getattr(cfg, "renamed", ()):
             print(f"fedmpi: note: config key {old!r} is now {new!r}", file=sys.stderr, flush=True)
     out = Path(out_dir) if out_dir else Path(cfg.runtime.out_dir) / cfg.name
-    fed, restored = set_up(cfg, comm, out, code, lambda fed: guard.open_run(fed, out, resume, overwrite),
-                           dry=not resume)
+    after: Optional[AfterRound] = None
+
+    def open_dir(fed: Federation) -> Optional[checkpoint.Restored]:
+        """Rank 0, after the build and the dry run: the run directory, then the
+        trackers and the after-round hooks (best model, early stopping, callbacks)."""
+        nonlocal after
+        check_trackers(cfg)   # a missing extra is bad input before anything is written
+        restored = guard.open_run(fed, out, resume, overwrite)
+        try:
+            trackers = open_trackers(cfg)
+        except Exception:
+            fed.writer.set_status("failed")
+            fed.writer.close()
+            raise
+        fed.recorder.after = after = AfterRound(cfg, fed.save_best, trackers, callbacks)
+        return restored
+
+    fed, restored = set_up(cfg, comm, out, code, open_dir, dry=not resume)
     start = checkpoint.resume(fed, restored) if resume else 0
     fed.checkpoint_round = start
+    if after is not None:
+        after.replay(fed.history)   # a resumed run's best value and patience count
 
     progress = None
     if comm.rank == 0 and cfg.runtime.progress:
@@ -158,6 +190,7 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
             fed.writer.event(t, comm.rank, -1, str(exc))
             fed.writer.set_status("failed")
             fed.writer.close()
+        _close_quietly(after, "failed")
         comm.abort(1)
     except Exception as exc:  # noqa: BLE001 - a rank outside local training failed
         line, user = runtime_error_line(exc, run_objects(fed.algo, fed.flat.model, fed.weighting,
@@ -170,6 +203,7 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
             fed.writer.event(t, comm.rank, -1, line)
             fed.writer.set_status("failed")
             fed.writer.close()
+        _close_quietly(after, "failed")
         if comm.size == 1:   # nobody waits in a collective: an exception, not an abort
             logged = len(fed.history) + (fed.recorder.pending is not None)
             kept = guard.discard_unstarted(out, logged, resume)
@@ -195,6 +229,8 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
         write_model(fed.flat.model, out / "model.pt")
     fed.writer.set_status(status)
     fed.writer.close()
+    if after is not None:
+        after.close(status)
     if status == "failed":
         logged = len(fed.history) + (fed.recorder.pending is not None)
         kept = guard.discard_unstarted(out, logged, resume)

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..config import SCHEMA
 from ..errors import ConfigError
 from ..imports import blame, code_path
 from .build import Built
@@ -30,19 +29,14 @@ from .build import Built
 __all__ = ["check_outputs", "dry_run", "probe_loss"]
 
 
-def _binary_logit(cfg) -> bool:
-    """Whether the config trains one sigmoid logit for two classes (``train.loss:
-    bce_logits``, where the schema has that key)."""
-    return "train.loss" in SCHEMA and cfg.get("train.loss", None) == "bce_logits"
-
-
-def check_outputs(out: object, batch: int, want: int, num_classes: int, cfg, model: str) -> None:
+def check_outputs(out: object, batch: int, want: int, num_classes: int, model: str) -> None:
     """The model's output for a batch of ``batch`` samples must be ``[batch, want]``
     logits (``want``: the method's width for ``num_classes`` classes, e.g. C, or 2C for
-    FedGPS). One logit for two classes is accepted only with ``train.loss: bce_logits``
-    (sigmoid + binary cross-entropy); otherwise it is refused naming ``model.name``:
-    the usual softmax cross-entropy needs one logit per class, and a wider output
-    would silently train on classes that do not exist."""
+    FedGPS), whatever ``train.loss``: ``cross_entropy`` is a softmax over one logit per
+    class, ``bce_logits`` one sigmoid per class (:mod:`fedmpi.optim`), and the accuracy,
+    balanced accuracy, macro-F1 and AUROC of the log read the same C columns. A wider
+    output would silently train on classes that do not exist; one logit for a binary
+    task (the sigmoid habit) is refused too, naming ``model.name``."""
     where = f"config key 'model.name' ({model})"
     if not isinstance(out, torch.Tensor):
         raise ConfigError(f"{where}: the model returned {type(out).__name__}, expected a "
@@ -51,28 +45,24 @@ def check_outputs(out: object, batch: int, want: int, num_classes: int, cfg, mod
         raise ConfigError(f"{where}: the model returns outputs of shape {tuple(out.shape)} for a "
                           f"batch of {batch}; expected [{batch}, {want}] (one logit per class)")
     width = int(out.shape[1])
-    binary = _binary_logit(cfg) and num_classes == 2 and want == 2
-    if width == (1 if binary else want):
+    if width == want:
         return
-    hint = ""
-    if width == 1 and num_classes == 2:
-        hint = ("; one sigmoid logit for a binary task needs train.loss: bce_logits"
-                if "train.loss" in SCHEMA else
-                "; one sigmoid logit is not supported: return two logits (softmax "
-                "cross-entropy), e.g. nn.Linear(hidden, num_classes)")
+    hint = ("; one sigmoid logit for a binary task is not supported: return one logit per "
+            "class (train.loss: bce_logits trains a sigmoid on each)"
+            if width == 1 and num_classes == 2 else "")
     raise ConfigError(f"{where}: the model returns {width} output{'s' * (width != 1)} per "
-                      f"sample but the data has {num_classes} classes; expected "
-                      f"{1 if binary else want} (the model is called as "
-                      f"factory(input_shape, num_classes): use num_classes for the last "
-                      f"layer){hint}")
+                      f"sample but the data has {num_classes} classes; expected {want} (the "
+                      f"model is called as factory(input_shape, num_classes): use num_classes "
+                      f"for the last layer){hint}")
 
 
 def probe_loss(out: torch.Tensor, y: torch.Tensor, cfg) -> torch.Tensor:
-    """The training loss of the dry run's batch: softmax cross-entropy, or binary
-    cross-entropy on one logit with ``train.loss: bce_logits``."""
-    if out.shape[1] == 1 and _binary_logit(cfg):
-        return F.binary_cross_entropy_with_logits(out[:, 0].float(), y.float())
-    return F.cross_entropy(out.float(), y)
+    """The training loss of the dry run's batch: ``train.loss`` as local training computes
+    it (:func:`fedmpi.optim.training_loss`, without class weights)."""
+    from ..optim import training_loss
+
+    return training_loss(out.float(), y, str(cfg.train.loss), None,
+                         float(cfg.train.label_smoothing))
 
 
 def dry_run(b: Built, model: Any = None) -> int:
@@ -99,7 +89,7 @@ def dry_run(b: Built, model: Any = None) -> int:
                 y = data.y_train[idx]
                 with blame("model.name", obj), accel.autocast_context():
                     out = b.forward(x)
-                check_outputs(out, idx.numel(), want, data.num_classes, b.cfg, name)
+                check_outputs(out, idx.numel(), want, data.num_classes, name)
                 with blame("model.name", obj):
                     b.flat.zero_grad()
                     probe_loss(out, y, b.cfg).backward()
@@ -110,7 +100,7 @@ def dry_run(b: Built, model: Any = None) -> int:
                 x = accel.input(data.prepare(data.x_test[:n_test], train=False))
                 with torch.no_grad(), blame("model.name", obj), accel.autocast_context():
                     out = b.forward(x)
-                check_outputs(out, n_test, want, data.num_classes, b.cfg, name)
+                check_outputs(out, n_test, want, data.num_classes, name)
                 batches += 1
     finally:
         b.flat.zero_grad()
