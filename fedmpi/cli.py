@@ -320,8 +320,19 @@ def launch_rank() -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    before = os.environ.get("FEDMPI_TRACEBACK")
     if args.traceback:   # every rank parses the same argv; worker code reads the variable
         os.environ["FEDMPI_TRACEBACK"] = "1"
+    try:
+        return _main(args)
+    finally:   # an in-process caller's environment is left as it was
+        if before is None:
+            os.environ.pop("FEDMPI_TRACEBACK", None)
+        else:
+            os.environ["FEDMPI_TRACEBACK"] = before
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         return COMMANDS[args.command](args)
     except UserError as exc:
