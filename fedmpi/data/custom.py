@@ -17,7 +17,7 @@ import torch
 
 from fedmpi.data.base import Dataset, channel_stats
 from fedmpi.errors import ConfigError
-from fedmpi.imports import accepts, named, resolve
+from fedmpi.imports import accepts, blame, named, resolve
 
 __all__ = ["as_dataset", "dataset_factory"]
 
@@ -35,7 +35,13 @@ def dataset_factory(obj: Any, key: str = "data.dataset") -> Callable[[], Dataset
     if not accepts(obj, 0):
         raise ConfigError(f"config key {key!r}: {named(obj)} must be callable without "
                           f"arguments ({DATASET_EXPECTED})")
-    return lambda: as_dataset(obj(), key)
+
+    def load() -> Dataset:
+        with blame(key, obj):
+            made = obj()
+        return as_dataset(made, key)
+
+    return load
 
 
 def _stack(ds: Any, what: str, key: str) -> tuple[torch.Tensor, torch.Tensor]:
