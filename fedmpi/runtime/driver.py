@@ -97,6 +97,8 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
     try:
         t = start
         while True:
+            if comm.rank == 0:
+                rundir.heartbeat()   # the lock says this run is alive (other hosts too)
             cmd = fed.round(t)
             if cmd != CMD_ROUND:
                 break

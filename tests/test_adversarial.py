@@ -1,0 +1,120 @@
+"""Issues 30 and 31, "trust, round two": one test (at least) per reported failure.
+
+30: 1 atomic run lock (+ heartbeat across hosts), 2 planted links, 3 untrusted logs and
+checkpoints, 4 start-up timeout, 5 disk full while the log grows, 6 another user's run,
+7 partition inputs. 31: 1 double Ctrl-C / SIGTERM at start-up, 2 no success without
+progress, 3 resume across versions.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, fedmpi_cmd
+from fedmpi import rundir
+from fedmpi.cli import main as fedmpi_main
+
+CFG = str(ROOT / "configs" / "quickstart.yaml")
+FAST = ["--set", "train.rounds=2", "--set", "data.num_clients=4", "--set",
+        "train.clients_per_round=2", "--set", "runtime.progress=false", "--set",
+        "runtime.threads=1", "--set", "eval.every=1", "--set", "runtime.checkpoint_every=1"]
+
+
+# ---------------------------------------------------------------- 30.1 the lock
+def _race(out: Path, contenders: int) -> bytes:
+    """What each of ``contenders`` forked processes got (b"H" held, b"R" refused) when
+    all take the lock at once; the holder keeps it until every contender has tried."""
+    go_r, go_w = os.pipe()
+    res_r, res_w = os.pipe()
+    done_r, done_w = os.pipe()
+    pids = []
+    for _ in range(contenders):
+        pid = os.fork()
+        if pid == 0:   # child: plain os calls only until _exit
+            gc.disable()   # a parent's half-closed file object must not close our fd
+            code = 0
+            try:
+                os.read(go_r, 1)
+                try:
+                    rundir.acquire(out)
+                    os.write(res_w, b"H")
+                except rundir.RunDirError:
+                    os.write(res_w, b"R")
+                os.read(done_r, 1)
+                rundir.release()
+            except BaseException:  # noqa: BLE001 - reported as a missing result
+                code = 1
+            os._exit(code)
+        pids.append(pid)
+    os.write(go_w, b"g" * contenders)
+    got = b"".join(os.read(res_r, 1) for _ in range(contenders))
+    os.write(done_w, b"d" * contenders)
+    for pid in pids:
+        assert os.waitpid(pid, 0)[1] == 0
+    for fd in (go_r, go_w, res_r, res_w, done_r, done_w):
+        os.close(fd)
+    return got
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["fresh", "stale-takeover"])
+def test_exactly_one_of_many_racing_processes_holds_the_lock(tmp_path, stale):
+    for trial in range(20):
+        out = tmp_path / f"t{trial}"
+        out.mkdir()
+        if stale:   # a lock left by a killed run on this host
+            (out / rundir.LOCK_NAME).write_text(f"{socket.gethostname()} {_dead_pid()} - 0\n")
+        got = _race(out, 6)
+        assert got.count(b"H") == 1 and got.count(b"R") == 5, (trial, got)
+        left = (out / rundir.LOCK_NAME).read_text() if (out / rundir.LOCK_NAME).exists() else ""
+        assert not left, (left, os.getpid())    # the holder released it
+
+
+def test_a_live_lock_on_another_host_is_respected_and_a_silent_one_taken_over(tmp_path):
+    out = tmp_path / "x"
+    out.mkdir()
+    lock = out / rundir.LOCK_NAME
+    lock.write_text("other-node 4242 - 1700000000 30\n")   # round_timeout 30 s there
+    now = time.time()
+    os.utime(lock, (now - 60, now - 60))                     # heartbeat 60 s ago < 3 x 30
+    with pytest.raises(rundir.RunDirError) as err:
+        rundir.acquire(out)
+    msg = str(err.value)
+    assert "pid 4242 on host other-node" in msg and "90 s after its last heartbeat" in msg
+    assert "\n" not in msg
+    holder = rundir.lock_holder(out)
+    assert holder is not None and holder.host == "other-node" and not holder.stale(now)
+    assert holder.stale(now + 31)                             # 91 s without a heartbeat
+    os.utime(lock, (now - 91, now - 91))
+    assert "other-node 4242" in rundir.acquire(out)          # taken over
+    try:
+        before = lock.stat().st_mtime
+        time.sleep(0.05)
+        rundir.heartbeat()
+        assert lock.stat().st_mtime > before
+        mine = rundir.lock_holder(out)
+        assert (mine.host, mine.pid) == (socket.gethostname(), os.getpid())
+        assert not mine.stale()
+    finally:
+        rundir.release()
+    assert not lock.exists()
+
+
+def test_the_run_refreshes_the_lock_every_round(tmp_path, monkeypatch):
+    beats = []
+    monkeypatch.setattr(rundir, "heartbeat", lambda: beats.append(time.time()))
+    assert fedmpi_main(["run", CFG, *FAST, "--set", "train.rounds=3",
+                        "--out", str(tmp_path / "r")]) == 0
+    assert len(beats) >= 3
