@@ -191,9 +191,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     md = table.markdown()
     sys.stdout.write(md)
     if out is not None:
-        (out / "compare.md").write_text(md, encoding="utf-8")
-        (out / "compare.csv").write_text(table.csv(), encoding="utf-8")
-        (out / "runs.csv").write_text(table.runs_csv(), encoding="utf-8")
+        from .safefile import refuse_links, write_text
+
+        refuse_links(out, ("compare.md", "compare.csv", "runs.csv"), "an output directory")
+        write_text(out / "compare.md", md)
+        write_text(out / "compare.csv", table.csv())
+        write_text(out / "runs.csv", table.runs_csv())
     return 0
 
 

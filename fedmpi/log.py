@@ -49,6 +49,7 @@ import yaml
 
 from fedmpi.errors import LogFormatError
 from fedmpi.outputs import OutputError, quiet_h5py_errors, write_failed
+from fedmpi.safefile import create_temp
 
 if TYPE_CHECKING:
     import pandas
@@ -182,20 +183,31 @@ class LogWriter:
         # libver v108: dense attribute storage (config_yaml may exceed 64 KiB)
         # without the v3 superblock, whose "open for write" flag would make a
         # log of a killed run unreadable until `h5clear`.
-        f = self._file = h5py.File(self.path, "w", libver="v108", locking="best-effort")
-        f.attrs.update(schema_version=SCHEMA_VERSION, fedmpi_version=fedmpi_version,
-                       config_yaml=config_yaml, world_size=int(world_size), status="running")
-        f.create_dataset("clients/num_samples", data=num_samples)
-        f.create_dataset("partition/class_counts", data=class_counts)
-        events = f.create_group("events")
-        for name, dtype in _EVENT_DTYPES.items():
-            events.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(256,))
-        self._create_series("rounds/round", np.empty((), dtype=np.int64), 0)
+        # created under an exclusive temporary name, renamed over the log once it is
+        # one (fedmpi.safefile: a planted link at the log's name is never followed)
+        fd, tmp = create_temp(self.path)
+        os.close(fd)
+        try:
+            f = self._file = h5py.File(tmp, "w", libver="v108", locking="best-effort")
+            f.attrs.update(schema_version=SCHEMA_VERSION, fedmpi_version=fedmpi_version,
+                           config_yaml=config_yaml, world_size=int(world_size), status="running")
+            f.create_dataset("clients/num_samples", data=num_samples)
+            f.create_dataset("partition/class_counts", data=class_counts)
+            events = f.create_group("events")
+            for name, dtype in _EVENT_DTYPES.items():
+                events.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype,
+                                      chunks=(256,))
+            self._create_series("rounds/round", np.empty((), dtype=np.int64), 0)
+            f.flush()
+            os.replace(tmp, self.path)
+        finally:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
 
     def _open_resume(self, config_yaml: str, world_size: int, fedmpi_version: str,
                      resume_rounds: int | None) -> None:
-        if not os.path.isfile(self.path):
-            raise LogFormatError(f"{self.path}: cannot resume, no such log file")
+        if os.path.islink(self.path) or not os.path.isfile(self.path):
+            raise LogFormatError(f"{self.path}: cannot resume, no such log file (or a link)")
         try:
             f = self._file = h5py.File(self.path, "r+", locking="best-effort")
         except OSError as exc:

@@ -118,3 +118,52 @@ def test_the_run_refreshes_the_lock_every_round(tmp_path, monkeypatch):
     assert fedmpi_main(["run", CFG, *FAST, "--set", "train.rounds=3",
                         "--out", str(tmp_path / "r")]) == 0
     assert len(beats) >= 3
+
+
+# --------------------------------------------------------- 30.2 planted links
+@pytest.mark.parametrize("name", ["config.yaml", ".checkpoint.pt.tmp-4242", "log.h5",
+                                  rundir.LOCK_NAME])
+def test_a_planted_link_in_the_run_directory_is_refused_and_never_followed(tmp_path, capsys,
+                                                                           name):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / name).symlink_to(victim)
+    capsys.readouterr()
+    assert fedmpi_main(["run", CFG, *FAST, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(out / name) in err[0] and "symbolic link" in err[0], err
+    assert victim.read_text() == "precious\n"
+    assert sorted(p.name for p in out.iterdir()) == [name]
+
+
+def test_atomic_writes_replace_a_link_at_the_target_instead_of_writing_through_it(tmp_path):
+    import torch
+
+    from fedmpi.outputs import save_atomic
+    from fedmpi.safefile import write_text
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    for name, write in (("model.pt", lambda p: save_atomic({"w": torch.ones(2)}, p)),
+                        ("summary.md", lambda p: write_text(p, "new\n"))):
+        target = tmp_path / name
+        target.symlink_to(victim)
+        write(target)
+        assert not target.is_symlink() and victim.read_text() == "precious\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt", "summary.md", "victim.txt"]
+
+
+def test_report_refuses_a_planted_link_in_its_output_directory(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert fedmpi_main(["run", CFG, *FAST, "--out", str(out)]) == 0
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (out / "report").mkdir()
+    (out / "report" / "summary.md").symlink_to(victim)
+    capsys.readouterr()
+    assert fedmpi_main(["report", str(out / "log.h5")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "summary.md" in err[0] and "symbolic link" in err[0]
+    assert victim.read_text() == "precious\n"

@@ -29,6 +29,7 @@ import torch
 from .. import __version__, checkpoint, rundir
 from ..errors import UserError
 from ..outputs import OutputError, quiet_h5py_errors
+from ..safefile import write_text
 
 
 def open_run(fed, out: Path, resume: bool, overwrite: bool) -> Optional[checkpoint.Restored]:
@@ -51,7 +52,7 @@ def open_run(fed, out: Path, resume: bool, overwrite: bool) -> Optional[checkpoi
         fed.writer.event(restored.round if restored else 0, 0, -1,
                          f"took over the stale lock of a run that is gone ({owned.stale_lock})")
     try:
-        (out / "config.yaml").write_text(fed.cfg.to_yaml())
+        write_text(out / "config.yaml", fed.cfg.to_yaml())
     except OSError as exc:
         from ..outputs import write_failed
 
