@@ -53,9 +53,9 @@ import numpy as np
 import torch
 
 from .comm import CHUNK
-from .errors import UserError
 from .outputs import save_atomic  # noqa: F401 - the checkpoint writer (re-exported)
 from .rundir import check_same_run, fingerprint
+from .state_check import CheckpointError, check_checkpoint
 
 FORMAT = "fedmpi-checkpoint"
 VERSION = 2   # 2: ``checksum`` and ``fingerprint`` (issue 18)
@@ -67,10 +67,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
 }
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-
-
-class CheckpointError(UserError):
-    """A checkpoint file is missing, truncated, corrupt or from another run."""
 
 
 # --------------------------------------------------------------------- bytes
@@ -381,6 +377,7 @@ def load_server_side(fed, path: Path) -> Restored:
         raise CheckpointError(f"{path}: client ids {bad[:5]} out of range 0..{fed.K - 1}")
     if ckpt["round"] < 0:
         raise CheckpointError(f"{path}: negative round {ckpt['round']}")
+    check_checkpoint(ckpt, fed.algo, fed.D, Path(path))   # every tensor: shape, finite, range
     fed.state.dev[: fed.D].copy_(g.to(fed.device))
     try:
         fed.algo.load_server_state({n: _to_device(v, fed.device)

@@ -542,6 +542,7 @@ def read(path: PathLike) -> RunLog:
 
 def _read_file(f: h5py.File, path: str) -> RunLog:
     _check_schema(f, path)
+    _check_storage(f, path)
     attrs = {name: _to_python(value) for name, value in f.attrs.items()}
     config = yaml.safe_load(attrs["config_yaml"]) or {}
     if not isinstance(config, dict):
@@ -597,6 +598,32 @@ def _check_shapes(path: str, rounds: dict[str, np.ndarray], clients: dict[str, n
         if name != "num_samples" and (a.dtype.kind not in "biuf" or not (per_round or static)):
             raise bad(f"clients/{name}", f"numeric [{num_rounds}, {k}] (rounds x clients) or "
                       f"[{k}]", a)
+
+
+#: A dataset may declare at most this many times the log file's size (plus
+#: :data:`_DECLARED_FLOOR`): a fedmpi log stores every row it declares, uncompressed.
+_DECLARED_RATIO = 16
+_DECLARED_FLOOR = 64 << 20
+
+
+def _check_storage(f: h5py.File, path: str) -> None:
+    """A log is untrusted input (issue 30): refuse, before reading any data, a dataset
+    whose bytes live outside the file (HDF5 *external* storage — which reads any file
+    the reader may read — or *virtual* datasets mapping other files) and one whose
+    declared shape is far larger than the file (a fill-value dataset that would
+    allocate gigabytes on reading), naming the dataset."""
+    limit = _DECLARED_RATIO * os.path.getsize(path) + _DECLARED_FLOOR
+    for key, ds in _datasets(f).items():
+        if ds.external or ds.is_virtual:
+            kind = "external storage (other files)" if ds.external else "a virtual dataset"
+            raise LogFormatError(f"{path}: dataset /{key} uses {kind}; a fedmpi log keeps its "
+                                 "data inside the file, so this log is refused")
+        declared = int(np.prod(ds.shape, dtype=np.float64)) * ds.dtype.itemsize
+        if declared > limit:
+            raise LogFormatError(f"{path}: dataset /{key} declares shape {ds.shape} "
+                                 f"({declared / 2**20:.0f} MiB), more than the file can hold "
+                                 f"({os.path.getsize(path) / 2**20:.1f} MiB); refused as a "
+                                 "crafted or damaged log")
 
 
 def _check_schema(f: h5py.File, path: str) -> None:

@@ -167,3 +167,146 @@ def test_report_refuses_a_planted_link_in_its_output_directory(tmp_path, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "summary.md" in err[0] and "symbolic link" in err[0]
     assert victim.read_text() == "precious\n"
+
+
+# --------------------------------------------------- 30.3 untrusted logs
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A finished 2-round run (seed 0), made in this process."""
+    out = tmp_path_factory.mktemp("adv") / "prev"
+    assert fedmpi_main(["run", CFG, *FAST, "--out", str(out)]) == 0
+    return out
+
+
+def _crafted_log(finished: Path, tmp_path: Path, add) -> Path:
+    import shutil
+
+    import h5py
+
+    path = tmp_path / "log.h5"
+    shutil.copy(finished / "log.h5", path)
+    with h5py.File(path, "r+") as f:
+        add(f)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["external", "virtual", "huge-fill"])
+def test_a_crafted_log_is_refused_in_one_line_naming_the_dataset(finished, tmp_path, capsys, kind):
+    import h5py
+    import numpy as np
+
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"host-secret-bytes" * 4)
+
+    def add(f):
+        if kind == "external":        # the bytes of another file, read as a dataset
+            f.create_dataset("extra/leak", shape=(68,), dtype="u1", external=[(str(secret), 0, 68)])
+        elif kind == "virtual":
+            other = tmp_path / "other.h5"
+            with h5py.File(other, "w") as g:
+                g["x"] = np.arange(4.0)
+            layout = h5py.VirtualLayout(shape=(4,), dtype="f8")
+            layout[:] = h5py.VirtualSource(str(other), "x", shape=(4,))
+            f.create_virtual_dataset("extra/virt", layout)
+        else:                          # 1.5 GB of fill value in a file of a few hundred KB
+            f.create_dataset("extra/huge", shape=(200_000, 1000), dtype="f8", chunks=(1000, 100),
+                             fillvalue=1.0)
+    path = _crafted_log(finished, tmp_path, add)
+    from fedmpi.log import read
+    from fedmpi.errors import LogFormatError
+
+    name = {"external": "/extra/leak", "virtual": "/extra/virt", "huge-fill": "/extra/huge"}[kind]
+    with pytest.raises(LogFormatError, match=name):
+        read(path)
+    capsys.readouterr()
+    assert fedmpi_main(["report", str(path), "--out", str(tmp_path / "rep")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and name in err[0] and str(path) in err[0], err
+
+
+# ------------------------------------------- 31.2 no success without progress
+def test_a_run_that_accepts_no_update_for_n_rounds_fails_with_exit_1(tmp_path, monkeypatch,
+                                                                      capsys):
+    from fedmpi.algorithms import ALGORITHMS
+    from fedmpi.log import read
+
+    cls = ALGORITHMS["fedavg"]
+    original = cls.finish_client
+
+    def poisoned(self, task, trainer, state, extras, out, result):   # every update NaN
+        original(self, task, trainer, state, extras, out, result)
+        out["delta"][0] = float("nan")
+
+    monkeypatch.setattr(cls, "finish_client", poisoned)
+    out = tmp_path / "stuck"
+    with pytest.raises(SystemExit) as stop:
+        fedmpi_main(["run", CFG, *FAST, "--set", "train.rounds=20", "--set",
+                     "runtime.max_rounds_without_update=3", "--out", str(out)])
+    assert stop.value.code == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fedmpi: error")]
+    assert len(err) == 1 and "runtime.max_rounds_without_update=3" in err[0], err
+    log = read(out / "log.h5")
+    assert log.status == "failed" and list(log.rounds["round"]) == [0, 1, 2]
+    assert not (out / "model.pt").exists()
+
+
+# ------------------------------------- 30.3 / 31.2 untrusted checkpoints
+@pytest.fixture(scope="module")
+def scaffold_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("adv") / "scaffold"
+    assert fedmpi_main(["run", CFG, *FAST, "--set", "algorithm.name=scaffold",
+                        "--out", str(out)]) == 0
+    return out
+
+
+def _tamper(run: Path, tmp_path: Path, change) -> Path:
+    """A copy of ``run`` whose checkpoint is changed by ``change`` and re-signed (a
+    correct checksum: what an attacker or a buggy writer produces)."""
+    import shutil
+
+    import torch
+
+    from fedmpi.checkpoint import digest
+
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
+    change(ckpt)
+    ckpt.pop("checksum")
+    ckpt["checksum"] = digest(ckpt)
+    torch.save(ckpt, out / "checkpoint.pt")
+    return out
+
+
+def _first_client(ckpt) -> int:
+    return min(ckpt["clients"])
+
+
+@pytest.mark.parametrize("case,entry", [
+    ("nan-client", "clients[{k}].c"), ("huge-global", "global_state"),
+    ("short-client", "clients[{k}].c"), ("huge-server", "server_state.c")])
+def test_a_tampered_checkpoint_with_a_valid_checksum_is_refused_at_resume(scaffold_run, tmp_path,
+                                                                         capsys, case, entry):
+    import torch
+
+    seen = {}
+
+    def change(ckpt):
+        k = seen["k"] = _first_client(ckpt)
+        if case == "nan-client":
+            ckpt["clients"][k]["c"][3] = float("nan")
+        elif case == "huge-global":
+            ckpt["global_state"][0] = 1e30
+        elif case == "short-client":
+            ckpt["clients"][k]["c"] = ckpt["clients"][k]["c"][:-7].clone()
+        else:
+            ckpt["server_state"]["c"][1] = -3e25
+
+    out = _tamper(scaffold_run, tmp_path, change)
+    capsys.readouterr()
+    code = fedmpi_main(["run", CFG, *FAST, "--set", "algorithm.name=scaffold", "--set",
+                        "train.rounds=6", "--out", str(out), "--resume"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, err
+    assert len(err) == 1 and entry.format(k=seen["k"]) in err[0] and "checkpoint.pt" in err[0], err
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["round"] == 2   # untouched

@@ -80,6 +80,7 @@ class Federation:
         self.stop_reason: Optional[str] = None   # set by a signal (fedmpi.signals)
         self.checkpoint_round = 0                 # rounds < this are in the newest checkpoint
         self.failure: Optional[str] = None
+        self.rounds_without_update = 0            # runtime.max_rounds_without_update
 
     # ----------------------------------------------------------- accessors
     @property
@@ -216,7 +217,9 @@ class Federation:
             self.recorder.event(t, int(self.host[k]), int(k), "update excluded: non-finite values")
         if result.accepted.size == 0:
             self.recorder.event(t, 0, -1, "no update accepted; global model unchanged")
-        elif not guard.global_model_finite(self, t):   # stop; the last checkpoint is kept
+        self.rounds_without_update = 0 if result.accepted.size else self.rounds_without_update + 1
+        guard.no_progress(self, t)   # too many such rounds in a row: the next header aborts
+        if result.accepted.size and not guard.global_model_finite(self, t):   # stop; keep the last checkpoint
             if self.evals.shards(t):
                 self.evals.sharded(self.global_state, self.ctx, self.channel)   # workers wait in it
             return

@@ -11,6 +11,8 @@ Kept out of :mod:`fedmpi.runtime` so the driver only has one-line call sites:
 * :func:`global_model_finite` — after aggregation: a non-finite θ stops the run (exit 1,
   status ``failed``); no checkpoint is written after it, so the last one is the last
   good state, and no ``model.pt`` is written.
+* :func:`no_progress` — ``runtime.max_rounds_without_update`` rounds in a row without an
+  accepted update stop the run (exit 1, status ``failed``).
 * :func:`write_failed` — a refused write (disk full) of the log, checkpoint or
   ``model.pt``: one line naming the file, status ``failed`` if the log still takes it,
   exit 1 without running HDF5's finalisation (which crashes on a file whose flush
@@ -90,6 +92,21 @@ def global_model_finite(fed, t: int) -> bool:
                    f"(diverged: lower train.lr or algorithm.server_lr); {kept}")
     fed.recorder.event(t, 0, -1, fed.failure)
     return False
+
+
+def no_progress(fed, t: int) -> bool:
+    """Rank 0 after aggregation: whether ``runtime.max_rounds_without_update``
+    consecutive rounds (this one the last) accepted no client update; if so, record the
+    failure (the run ends ``failed``, exit 1: a run that cannot move is not a success)."""
+    limit = fed.cfg.runtime.max_rounds_without_update
+    if not limit or fed.rounds_without_update < limit:
+        return False
+    fed.failure = (f"rounds {t - limit + 1}..{t}: no client update was accepted in {limit} "
+                   f"consecutive rounds (runtime.max_rounds_without_update={limit}); the global "
+                   "model has not changed since: the log's events say why each update was "
+                   "excluded")
+    fed.recorder.event(t, 0, -1, fed.failure)
+    return True
 
 
 def write_failed(fed, comm, exc: OutputError, t: int) -> None:
