@@ -16,9 +16,11 @@ Conventions (docs/cluster.md, "Run directories"):
   and leftover temporary checkpoint files) are deleted first.
 * **Resume only the same run.** The *fingerprint* is the SHA-256 of the canonical JSON of
   every config key except :data:`MAY_CHANGE_ON_RESUME` (run length, where data lives,
-  evaluation and runtime settings). It is stored in the checkpoint and as the log's root
-  attribute ``fingerprint``; ``--resume`` with a different fingerprint stops with exit 2
-  naming the first differing key. ``--resume`` with a log but no checkpoint (a run killed
+  evaluation and runtime settings) whose value differs from its default. It is stored in
+  the checkpoint and as the log's root attribute ``fingerprint``. ``--resume`` compares
+  the stored config key by key (:func:`check_same_run`): a differing run-defining key
+  stops with exit 2 naming it; a key added by a later release counts as equal while it
+  keeps its default (the older run's behaviour), so runs of older releases resume. ``--resume`` with a log but no checkpoint (a run killed
   before its first checkpoint) is refused (exit 2: start again with ``--overwrite``), so no
   log ever has missing rounds.
 * **Output paths** of every command (``run``, ``report``, ``compare``, ``partition``) go
@@ -74,30 +76,68 @@ def run_defining(flat: Mapping[str, Any]) -> dict[str, Any]:
             if not may_change_on_resume(k)}
 
 
+def _default(key: str) -> Any:
+    """The schema default of ``key`` (a unique sentinel for keys outside the schema)."""
+    from .config import SCHEMA
+
+    field = SCHEMA.get(key)
+    if field is None:
+        return _NO_DEFAULT
+    return list(field.default) if isinstance(field.default, tuple) else field.default
+
+
+_NO_DEFAULT = object()
+
+
 def fingerprint(cfg) -> str:
-    """SHA-256 (hex) of the canonical JSON of the run-defining config keys."""
-    text = json.dumps(run_defining(_flat(cfg.to_dict())), sort_keys=True, separators=(",", ":"))
+    """SHA-256 (hex) of the canonical JSON of the run-defining config keys that differ
+    from their schema default.
+
+    Keys at their default are left out, so a release that adds a key (whose default
+    keeps the older behaviour, the rule for every new key) leaves the fingerprint of
+    every older run unchanged: such runs stay resumable (issue 31)."""
+    keys = {k: v for k, v in run_defining(_flat(cfg.to_dict())).items() if v != _default(k)}
+    text = json.dumps(keys, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _differences(new: Mapping[str, Any], old: Mapping[str, Any]) -> list[str]:
+    """Run-defining keys of ``new`` that define another run than ``old`` (a stored
+    config): a different value, or a key the older release did not have (absent from
+    ``old``) set away from its default. Keys only ``old`` has were removed since."""
+    return [k for k in new
+            if (old[k] != new[k] if k in old else new[k] != _default(k))]
 
 
 def check_same_run(cfg, stored_fingerprint: Optional[str], stored_yaml: Optional[str],
                    source: Path) -> None:
     """Raise :class:`RunDirError` naming the first run-defining key that differs from
-    the run stored in ``source`` (a checkpoint or a log)."""
-    if stored_fingerprint is None or stored_fingerprint == fingerprint(cfg):
-        return
-    key = "an unknown key"
+    the run stored in ``source`` (a checkpoint or a log).
+
+    Decided on the stored config (``stored_yaml``) key by key where there is one
+    (:func:`_differences`: a run of an older release, whose fingerprint was computed
+    over another set of keys, resumes; a default that changed since does not slip
+    through), else on the fingerprint."""
+    new = run_defining(_flat(cfg.to_dict()))
+    old: Optional[dict[str, Any]] = None
     if stored_yaml:
         import yaml
 
         try:
-            old = run_defining(_flat(yaml.safe_load(stored_yaml)))
+            loaded = yaml.safe_load(stored_yaml)
+            old = run_defining(_flat(loaded)) if isinstance(loaded, dict) else None
         except yaml.YAMLError:
-            old = {}
-        new = run_defining(_flat(cfg.to_dict()))
-        diff = [k for k in new if new[k] != old.get(k)]
-        if diff:
-            key = f"{diff[0]!r} ({old.get(diff[0])!r} there, {new[diff[0]]!r} now)"
+            old = None
+    if old is None:
+        if stored_fingerprint is None or stored_fingerprint == fingerprint(cfg):
+            return
+        key = "an unknown key"
+    else:
+        diff = _differences(new, old)
+        if not diff:
+            return
+        there = repr(old[diff[0]]) if diff[0] in old else "not set"
+        key = f"{diff[0]!r} ({there} there, {new[diff[0]]!r} now)"
     raise RunDirError(f"{source}: belongs to another run: config key {key} differs; only "
                       f"{', '.join(MAY_CHANGE_ON_RESUME)} may change on --resume (start a new "
                       "run with another --out, or --overwrite)")

@@ -310,3 +310,67 @@ def test_a_tampered_checkpoint_with_a_valid_checksum_is_refused_at_resume(scaffo
     assert code == 2, err
     assert len(err) == 1 and entry.format(k=seen["k"]) in err[0] and "checkpoint.pt" in err[0], err
     assert torch.load(out / "checkpoint.pt", weights_only=True)["round"] == 2   # untouched
+
+
+# ------------------------------------------------ 31.3 resume across versions
+def _all_keys_fingerprint(config_yaml: str) -> str:
+    """The fingerprint of fedmpi releases before issue 31: SHA-256 of the sorted compact
+    JSON of *every* run-defining key (so any key added later changed it)."""
+    import hashlib
+    import json
+
+    import yaml
+
+    def flat(tree, prefix=""):
+        out = {}
+        for k, v in tree.items():
+            key = f"{prefix}.{k}" if prefix else k
+            out.update(flat(v, key) if isinstance(v, dict) else {key: v})
+        return out
+    keys = {k: v for k, v in flat(yaml.safe_load(config_yaml)).items()
+            if k not in ("name", "train.rounds", "data.root", "data.download")
+            and not k.startswith(("eval.", "runtime."))}
+    return hashlib.sha256(json.dumps(keys, sort_keys=True, separators=(",", ":")).encode()
+                          ).hexdigest()
+
+
+@pytest.fixture
+def previous_release(finished, tmp_path) -> Path:
+    """``finished`` as the previous release wrote it: its fingerprint over every key."""
+    import h5py
+
+    def change(ckpt):
+        ckpt["fingerprint"] = _all_keys_fingerprint(ckpt["config_yaml"])
+    out = _tamper(finished, tmp_path, change)
+    with h5py.File(out / "log.h5", "r+") as f:
+        f.attrs["fingerprint"] = _all_keys_fingerprint(f.attrs["config_yaml"])
+    return out
+
+
+@pytest.fixture
+def new_key(monkeypatch):
+    """This release adds a run-defining key whose default keeps the old behaviour."""
+    from fedmpi import config
+
+    monkeypatch.setitem(config.SCHEMA, "train.new_knob", config.Field(float, 0.0, "a new key"))
+    return "train.new_knob"
+
+
+def test_a_checkpoint_of_the_previous_schema_resumes_after_a_key_was_added(previous_release,
+                                                                           new_key):
+    import torch
+
+    from fedmpi.log import read
+
+    assert fedmpi_main(["run", CFG, *FAST, "--set", "train.rounds=3", "--out",
+                        str(previous_release), "--resume"]) == 0
+    assert torch.load(previous_release / "checkpoint.pt", weights_only=True)["round"] == 3
+    assert list(read(previous_release / "log.h5").rounds["round"]) == [0, 1, 2]
+
+
+def test_the_added_key_away_from_its_default_is_another_run(previous_release, new_key, capsys):
+    capsys.readouterr()
+    assert fedmpi_main(["run", CFG, *FAST, "--set", "train.rounds=3", "--set",
+                        f"{new_key}=0.5", "--out", str(previous_release), "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"config key {new_key!r} (not set there, 0.5 now)" in err[0], err
