@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -374,3 +375,53 @@ def test_the_added_key_away_from_its_default_is_another_run(previous_release, ne
                         f"{new_key}=0.5", "--out", str(previous_release), "--resume"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"config key {new_key!r} (not set there, 0.5 now)" in err[0], err
+
+
+# -------------------------------------------------- 30.7 partition inputs
+def _partition_check(path: Path, capsys) -> str:
+    capsys.readouterr()
+    assert fedmpi_main(["partition", CFG, "--set", "data.num_clients=2", "--set",
+                        "train.clients_per_round=2", "--set",
+                        "data.partition.method=file", "--set", f"data.partition.file={path}",
+                        "--out", str(path.parent / "p")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(path) in err[0], err
+    return err[0]
+
+
+def test_a_partition_json_with_a_duplicate_key_is_refused(tmp_path, capsys):
+    path = tmp_path / "part.json"
+    path.write_text('{"clients": [[0, 1], [2, 3]], "clients": [[4, 5], [6, 7]]}')
+    assert "'clients' appears twice" in _partition_check(path, capsys)
+
+
+def test_a_partition_npz_with_a_duplicate_member_is_refused(tmp_path, capsys):
+    import io
+    import zipfile
+
+    import numpy as np
+
+    path = tmp_path / "part.npz"
+    with zipfile.ZipFile(path, "w") as z, warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # zipfile warns "Duplicate name": the point here
+        for name, ix in (("client_0", [0, 1]), ("client_1", [2, 3]), ("client_0", [4, 5])):
+            buf = io.BytesIO()
+            np.save(buf, np.array(ix))
+            z.writestr(f"{name}.npy", buf.getvalue())
+    assert "'client_0' appears 2 times" in _partition_check(path, capsys)
+
+
+def test_a_silo_label_of_2_to_the_40_is_refused_before_allocating(tmp_path):
+    import numpy as np
+
+    from fedmpi.config import config_from_dict
+    from fedmpi.data.silos import read_silo
+    from fedmpi.data.tabular import write_table
+    from fedmpi.errors import DataError
+
+    write_table(tmp_path / "0.csv", np.ones((3, 2)), np.array([0, 1, 2 ** 40]))
+    cfg = config_from_dict({"data": {"num_clients": 1, "partition": {"method": "silos"},
+                                     "silos": {"path": str(tmp_path / "{client}.csv"),
+                                               "test": str(tmp_path / "0.csv")}}})
+    with pytest.raises(DataError, match=r"0\.csv: label 1099511627776 is not a class id"):
+        read_silo(cfg, 0)

@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from fedmpi.data.base import Dataset, channel_sums, stats_from_sums
+from fedmpi.data.base import Dataset, channel_sums, check_class_ids, stats_from_sums
 from fedmpi.data.build import build_partition, load_pool
 from fedmpi.data.partition import Partition
 from fedmpi.data.tabular import read_table
@@ -101,6 +101,7 @@ def read_silo(cfg: Any, client: int,
                                                        or y.min() < 0)):
         raise DataError(f"data.silos.loader {s.loader!r}: client {client} must give x [n, ...] "
                         f"and integer labels y [n] >= 0; got x {x.shape}, y {y.shape} {y.dtype}")
+    check_class_ids(y, f"data.silos.loader {s.loader!r}: client {client}")
     return np.ascontiguousarray(x), y.astype(np.int64)
 
 
