@@ -11,10 +11,13 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import signal
 import sys
 from typing import Optional, Sequence
 
-from . import __version__
+from . import __version__, signals
+
+signals.install_early()   # before the heavy imports: a SIGTERM at start-up exits 75
 from .errors import EXIT_USAGE, UserError
 from .outputs import EXIT_WRITE_FAILED, OutputError, quiet_h5py_errors
 
@@ -242,6 +245,10 @@ def launch_rank() -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command != "run":   # only a run is requeued: other commands die by the signal
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            if signal.getsignal(sig) is signals._exit_interrupted:
+                signal.signal(sig, signal.SIG_DFL)
     try:
         return COMMANDS[args.command](args)
     except UserError as exc:

@@ -425,3 +425,64 @@ def test_a_silo_label_of_2_to_the_40_is_refused_before_allocating(tmp_path):
                                                "test": str(tmp_path / "0.csv")}}})
     with pytest.raises(DataError, match=r"0\.csv: label 1099511627776 is not a class id"):
         read_silo(cfg, 0)
+
+
+# ---------------------------------------------- 30.4 slow ranks at start-up
+def _mpi_run(args: list[str], n: int, env: dict | None = None, timeout: float = 120):
+    from conftest import mpiexec_path
+
+    mpi = mpiexec_path()
+    if mpi is None:
+        pytest.skip("mpiexec not found")
+    t0 = time.monotonic()
+    proc = subprocess.run([mpi, "-n", str(n), *fedmpi_cmd(*args)], cwd=ROOT, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1",
+                               "PYTHONPATH": str(ROOT / "tests"), **(env or {})},
+                          capture_output=True, text=True)
+    return proc, time.monotonic() - t0
+
+
+def _errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("fedmpi: error")]
+
+
+SLOW = ["--set", "data.dataset=slow_start:digits", "--set", "data.num_clients=4", "--set",
+        "train.clients_per_round=4"]
+
+
+@pytest.mark.mpi
+def test_a_slow_rank_at_start_up_is_named_in_one_line_after_setup_timeout(tmp_path):
+    proc, took = _mpi_run(["run", CFG, *FAST, *SLOW, "--set", "runtime.setup_timeout=4",
+                           "--out", str(tmp_path / "slow")], 3,
+                          {"FEDMPI_SLOW_RANK": "2", "FEDMPI_SLOW_SECONDS": "60"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert took < 50 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = _errors(proc.stderr)
+    assert len(errors) == 1 and "rank 2 did not finish loading its data" in errors[0] \
+        and "runtime.setup_timeout=4" in errors[0], proc.stderr[-3000:]
+
+
+@pytest.mark.mpi
+def test_a_slow_rank_within_setup_timeout_starts_even_with_a_short_round_timeout(tmp_path):
+    from fedmpi.log import read
+
+    out = tmp_path / "slowok"
+    proc, _ = _mpi_run(["run", CFG, *FAST, *SLOW, "--set", "runtime.round_timeout=10",
+                        "--out", str(out)], 3,
+                       {"FEDMPI_SLOW_RANK": "2", "FEDMPI_SLOW_SECONDS": "15"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read(out / "log.h5").status == "completed"
+
+
+@pytest.mark.mpi
+def test_a_tiny_round_timeout_ends_with_one_line_and_no_traceback(tmp_path):
+    from fedmpi.log import read
+
+    out = tmp_path / "tiny"
+    proc, _ = _mpi_run(["run", CFG, *FAST, "--set", "runtime.round_timeout=0.01",
+                        "--out", str(out)], 3)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = _errors(proc.stderr)
+    assert len(errors) == 1 and "runtime.round_timeout=0.01" in errors[0], proc.stderr[-3000:]
+    assert read(out / "log.h5").status == "failed"

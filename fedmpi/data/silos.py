@@ -140,6 +140,7 @@ def _silos(cfg: Any, comm: Any, hosted: list[int], is_server: bool) -> LocalData
                             f"dimensions; this rank reads shapes {sorted(shapes)}")
     except UserError as exc:
         error = exc
+    comm.roll_call("reading its silos")   # a slow silo is named (runtime.setup_timeout)
     _agree_on_errors(comm, error)
 
     # 1. input shape and class count: max of (d, BIG - d) over the ranks holding data

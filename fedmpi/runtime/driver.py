@@ -40,6 +40,15 @@ def _finish_pending_quietly(fed: Federation) -> None:
             fed.writer.event(t, fed.rank, -1, message)
 
 
+def run_comm(cfg) -> Comm:
+    """The world communicator of a run: start-up collectives wait up to
+    ``runtime.setup_timeout`` (data loading), rounds ``runtime.round_timeout`` (the
+    driver switches after the start-up)."""
+    comm = Comm(timeout=cfg.runtime.setup_timeout)
+    comm.timeout_key = "runtime.setup_timeout"
+    return comm
+
+
 def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
         resume: bool = False, overwrite: bool = False,
         code: Optional[UserCode] = None) -> Optional[dict[str, float]]:
@@ -57,15 +66,23 @@ def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
     """
     signals.install()
     try:
+        comm = comm or run_comm(cfg)
         return _run(cfg, out_dir, comm, resume, overwrite, code)
+    except KeyboardInterrupt:   # a second Ctrl-C: stop now, without a checkpoint
+        if comm is None or comm.size == 1:
+            raise
+        print(f"fedmpi: error: rank {comm.rank}: interrupted twice (SIGINT); stopping every "
+              "rank now, without a checkpoint", file=sys.stderr, flush=True)
+        rundir.release()
+        comm.abort(130)   # the other ranks would otherwise wait in a collective
+        raise
     finally:
         signals.restore()
         rundir.release()
 
 
-def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
+def _run(cfg, out_dir: Optional[str | Path], comm: Comm, resume: bool,
          overwrite: bool = False, code: Optional[UserCode] = None) -> Optional[dict[str, float]]:
-    comm = comm or Comm(timeout=cfg.runtime.round_timeout)
     if comm.rank == 0:
         for old, new in getattr(cfg, "renamed", ()):
             print(f"fedmpi: note: config key {old!r} is now {new!r}", file=sys.stderr, flush=True)
@@ -79,13 +96,20 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
             restored = guard.open_run(fed, out, resume, overwrite)
     except (UserError, OutputError) as exc:
         error = exc
+    except CommTimeout as exc:   # a rank slower than runtime.setup_timeout: one line
+        guard.setup_timed_out(comm, exc)
     except Exception as exc:  # noqa: BLE001 - any setup failure must stop every rank
         error = exc
         traceback.print_exc()
-    guard.agree_on_setup(comm, error)   # the error line once, every rank stops
-    assert fed is not None
-    start = checkpoint.resume(fed, restored) if resume else 0
+    try:
+        guard.agree_on_setup(comm, error)   # the error line once, every rank stops
+        assert fed is not None
+        start = checkpoint.resume(fed, restored) if resume else 0
+    except CommTimeout as exc:
+        guard.setup_timed_out(comm, exc, fed)
     fed.checkpoint_round = start
+    if comm.timeout_key == "runtime.setup_timeout":
+        comm.timeout, comm.timeout_key = cfg.runtime.round_timeout, "runtime.round_timeout"
 
     progress = None
     if comm.rank == 0 and cfg.runtime.progress:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 import numpy as np
 import torch
@@ -79,6 +79,24 @@ def agree_on_setup(comm, error: Optional[BaseException]) -> None:
     if error is not None and lead[0] == 0:
         print(f"fedmpi: error: rank {comm.rank}: {error}", file=sys.stderr, flush=True)
     raise SystemExit(agreed)
+
+
+def setup_timed_out(comm, exc: BaseException, fed=None) -> NoReturn:
+    """A collective of the start-up did not complete within ``runtime.setup_timeout``:
+    one line (naming the slow rank where the roll call knows it), the log (if rank 0
+    opened it already) says ``failed``, every rank stops (exit 1)."""
+    print(f"fedmpi: error: {exc}", file=sys.stderr, flush=True)
+    writer = getattr(fed, "writer", None)
+    if writer is not None:
+        try:
+            writer.event(0, comm.rank, -1, str(exc))
+            writer.set_status("failed")
+            writer.close()
+        except OutputError:
+            pass
+    rundir.release()
+    comm.abort(1)
+    raise SystemExit(1)   # not reached: abort ends the process
 
 
 def global_model_finite(fed, t: int) -> bool:
