@@ -486,3 +486,60 @@ def test_a_tiny_round_timeout_ends_with_one_line_and_no_traceback(tmp_path):
     errors = _errors(proc.stderr)
     assert len(errors) == 1 and "runtime.round_timeout=0.01" in errors[0], proc.stderr[-3000:]
     assert read(out / "log.h5").status == "failed"
+
+
+# ------------------------------------------------------- 31.1 signals
+@pytest.mark.mpi
+def test_two_sigints_to_rank_0_end_every_rank_within_seconds(tmp_path):
+    import signal
+
+    from conftest import mpiexec_path
+    from fedmpi.log import read
+
+    mpi = mpiexec_path()
+    if mpi is None:
+        pytest.skip("mpiexec not found")
+    out = tmp_path / "ctrlc"
+    proc = subprocess.Popen([mpi, "-n", "3", *fedmpi_cmd("run", CFG, *FAST, "--set",
+                                                         "train.rounds=500", "--out", str(out))],
+                            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                log = read(out / "log.h5")
+                if log.num_rounds >= 1:
+                    break
+            except Exception:  # noqa: BLE001 - not written yet
+                pass
+            time.sleep(0.2)
+        rank0 = int(log.attrs["writer_pid"])
+        os.kill(rank0, signal.SIGINT)
+        time.sleep(0.2)
+        os.kill(rank0, signal.SIGINT)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert took < 20, took
+    assert proc.returncode != 0 and "Traceback" not in err, err[-3000:]
+    assert any("interrupted twice" in line for line in _errors(err)), err[-3000:]
+
+
+def test_sigterm_during_start_up_exits_75(tmp_path):
+    import signal
+
+    from fedmpi import signals
+
+    proc = subprocess.Popen(fedmpi_cmd("run", CFG, *FAST, "--out", str(tmp_path / "early")),
+                            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)                        # importing torch, reading the config
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == signals.EXIT_INTERRUPTED, err[-2000:]
+    assert "Traceback" not in err
