@@ -558,7 +558,8 @@ def tiny_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
-def test_a_log_that_fills_the_disk_stays_readable_up_to_its_last_round(tiny_disk):
+@pytest.mark.parametrize("left", [24_000], ids=["24k-left"])
+def test_a_log_that_fills_the_disk_stays_readable_up_to_its_last_round(tiny_disk, left):
     from fedmpi.log import read
 
     out = tiny_disk / "run"
@@ -582,8 +583,10 @@ def test_a_log_that_fills_the_disk_stays_readable_up_to_its_last_round(tiny_disk
         with pytest.raises(OSError):
             with open(tiny_disk / "filler", "wb") as f:
                 while True:
-                    f.write(b"\0" * (1 << 16))
+                    f.write(b"\0" * (1 << 12))
                     f.flush()
+        if left:   # a little room: the next flush is cut off part-way through
+            os.truncate(tiny_disk / "filler", os.path.getsize(tiny_disk / "filler") - left)
         _, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
@@ -596,3 +599,70 @@ def test_a_log_that_fills_the_disk_stays_readable_up_to_its_last_round(tiny_disk
     assert n >= 1 and list(log.rounds["round"]) == list(range(n))
     assert log.clients["selected"].shape == (n, 300)
     assert log.status in ("running", "failed")
+
+
+# ------------------------------------------- 30.6 another user's run dir
+@pytest.fixture
+def sticky(finished):
+    """A /tmp-style directory (mode 1777) holding a finished run of root."""
+    import shutil
+    import tempfile
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a second user")
+    base = Path(tempfile.mkdtemp(prefix="fedmpi-sticky-", dir="/tmp"))
+    base.chmod(0o1777)
+    shutil.copytree(finished, base / "run")
+    (base / "run").chmod(0o1777)
+    yield base / "run"
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _as_nobody(args: list[str]) -> tuple[int, str]:
+    """``fedmpi ARGS`` as user nobody: a forked child of this process (whose Python lives
+    under root's 0700 home) drops to nobody's uid and runs the CLI; (exit code, stderr)."""
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    err_r, err_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 70
+        try:
+            os.dup2(err_w, 2)
+            os.setgid(nobody.pw_gid)
+            os.setuid(nobody.pw_uid)
+            sys.stderr = os.fdopen(2, "w", closefd=False)
+            code = fedmpi_main(args)
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+        except BaseException as exc:  # noqa: BLE001 - reported through the pipe
+            print(f"Traceback: {type(exc).__name__}: {exc}", file=sys.stderr)
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(err_w)
+    with os.fdopen(err_r) as f:
+        err = f.read()
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), err
+
+
+@pytest.mark.parametrize("flag", ["--overwrite", "--resume"])
+def test_a_second_user_over_another_users_run_is_told_whose_files_in_one_line(sticky, flag):
+    code, err = _as_nobody(["run", CFG, *FAST, "--set", "train.rounds=3", "--out", str(sticky),
+                            flag])
+    assert code == 2, err[-3000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert "of user root (uid 0)" in lines[0] and "you (nobody" in lines[0] \
+        and "another --out" in lines[0], lines
+
+
+def test_a_killed_run_of_another_user_leaves_a_lock_named_as_theirs(sticky):
+    (sticky / rundir.LOCK_NAME).write_text(f"{socket.gethostname()} {_dead_pid()} - 0 600\n")
+    code, err = _as_nobody(["run", CFG, *FAST, "--set", "train.rounds=3", "--out", str(sticky),
+                            "--resume"])
+    assert code == 2, err[-3000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and rundir.LOCK_NAME in lines[0] and "user root (uid 0)" in lines[0] \
+        and "that is gone" in lines[0], lines
