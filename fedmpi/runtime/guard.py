@@ -85,11 +85,17 @@ def setup_timed_out(comm, exc: BaseException, fed=None) -> NoReturn:
     """A collective of the start-up did not complete within ``runtime.setup_timeout``:
     one line (naming the slow rank where the roll call knows it), the log (if rank 0
     opened it already) says ``failed``, every rank stops (exit 1)."""
+    end_job(fed, comm, exc, 0)
+
+
+def end_job(fed, comm, exc: BaseException, t: int) -> NoReturn:
+    """Report ``exc`` in one line, record it in the log (status ``failed``) while the log
+    still takes writes, release the lock, and end every rank with exit 1."""
     print(f"fedmpi: error: {exc}", file=sys.stderr, flush=True)
     writer = getattr(fed, "writer", None)
-    if writer is not None:
+    if writer is not None and writer.broken is None:
         try:
-            writer.event(0, comm.rank, -1, str(exc))
+            writer.event(t, comm.rank, -1, str(exc))
             writer.set_status("failed")
             writer.close()
         except OutputError:
@@ -129,18 +135,8 @@ def no_progress(fed, t: int) -> bool:
 
 def write_failed(fed, comm, exc: OutputError, t: int) -> None:
     """A refused write on this rank: report it in one line and end the job (exit 1)."""
-    print(f"fedmpi: error: {exc}", file=sys.stderr, flush=True)
     quiet_h5py_errors()
-    writer = getattr(fed, "writer", None)
-    if writer is not None and writer.broken is None:
-        try:
-            writer.event(t, comm.rank, -1, str(exc))
-            writer.set_status("failed")
-            writer.close()
-        except OutputError:
-            pass
-    rundir.release()
-    comm.abort(1)
+    end_job(fed, comm, exc, t)
 
 
 def interrupted_message(fed, t: int, out: Path) -> str:
