@@ -85,14 +85,15 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> None:
     path = Path(path)
     try:
         with replacing(path) as f:
-            torch.save(obj, f)
+            try:
+                torch.save(obj, f)
+            except RuntimeError as exc:   # torch's zip writer: "unexpected pos …" on a full
+                if "pos" in str(exc) or "write" in str(exc).lower():   # disk (temp file still there)
+                    raise write_failed(path, OSError(28, "No space left on device")
+                                       if _disk_full(path) else exc) from None
+                raise
     except OSError as exc:
         raise write_failed(path, exc) from None
-    except RuntimeError as exc:   # torch's zip writer: "unexpected pos …" on a full disk
-        if "pos" in str(exc) or "write" in str(exc).lower():
-            raise write_failed(path, OSError(28, "No space left on device")
-                               if _disk_full(path) else exc) from None
-        raise
 
 
 def _disk_full(path: Path) -> bool:
