@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
+from .callbacks import Callback
 from .config import Config, config_from_dict, load_config
 from .imports import UserCode, path_of
 
@@ -69,7 +70,8 @@ def run(config: ConfigSource, overrides: Sequence[str] = (), *,
         model: Optional[Callable[..., Any]] = None, data: Any = None,
         algorithm: Optional[type] = None, weighting: Optional[type] = None,
         out: Optional[Union[str, "os.PathLike[str]"]] = None, resume: bool = False,
-        overwrite: bool = False, comm: Any = None) -> RunResult:
+        overwrite: bool = False, comm: Any = None,
+        callbacks: Sequence[Callback] = ()) -> RunResult:
     """Run one federated experiment, the same way ``fedmpi run`` does.
 
     Args:
@@ -90,6 +92,10 @@ def run(config: ConfigSource, overrides: Sequence[str] = (), *,
         overwrite: replace a previous run in ``out`` (without it a directory holding a
             run is refused; see :mod:`fedmpi.rundir`).
         comm: a :class:`fedmpi.comm.Comm` (default: ``MPI.COMM_WORLD``).
+        callbacks: ``cb(round, metrics)`` called on rank 0 after each logged round with
+            that round's ``/rounds`` scalars; returning ``True`` or a reason string stops
+            the run cleanly after that round (status ``completed``;
+            :mod:`fedmpi.callbacks`). Other ranks may pass them too; only rank 0 calls them.
 
     Objects that can be imported by ``module:qualname`` are recorded under
     their key in the logged config; every rank must pass the same objects.
@@ -121,6 +127,6 @@ def run(config: ConfigSource, overrides: Sequence[str] = (), *,
 
         comm = run_comm(cfg)
     metrics = run_federation(cfg, out_dir, comm=comm, resume=resume, overwrite=overwrite,
-                             code=code)
+                             code=code, callbacks=callbacks)
     return RunResult(metrics=metrics or {}, log_path=out_dir / "log.h5", out_dir=out_dir,
                      rank=comm.rank)

@@ -1,4 +1,4 @@
-"""Command line: ``fedmpi run | check | info | report | compare | partition``.
+"""Command line: ``fedmpi run | check | info | report | compare | partition | export``.
 
 Bad input (a :class:`~fedmpi.errors.UserError`) prints one line
 ``fedmpi: error: ...`` naming the key or file, and exits with status 2; under
@@ -71,6 +71,19 @@ def _parser() -> argparse.ArgumentParser:
                               "group if there is exactly one)")
     compare.add_argument("--out", default=None,
                          help="also write compare.md, compare.csv and runs.csv into this directory")
+
+    export = sub.add_parser("export", help="a run log as TensorBoard events, an MLflow run or "
+                                           "a CSV table (the log stays the record)")
+    export.add_argument("log", help="run log (log.h5)")
+    export.add_argument("--tensorboard", default=None, metavar="DIR",
+                        help="write TensorBoard event files into DIR (extra fedmpi[tensorboard])")
+    export.add_argument("--mlflow", default=None, metavar="URI",
+                        help="log one MLflow run to tracking URI, e.g. sqlite:///mlflow.db "
+                             "(extra fedmpi[mlflow])")
+    export.add_argument("--experiment", default="fedmpi", metavar="NAME",
+                        help="MLflow experiment (default fedmpi)")
+    export.add_argument("--csv", default=None, metavar="FILE",
+                        help="one row per round: /rounds scalars and per-site metrics")
 
     part = sub.add_parser("partition", help="partition preview without training: class-count "
                                             "heatmap and client sizes")
@@ -225,8 +238,20 @@ def _cmd_partition(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .errors import ConfigError
+    from .trackers import export
+
+    if args.tensorboard is None and args.mlflow is None and args.csv is None:
+        raise ConfigError("fedmpi export needs at least one of --tensorboard DIR, --mlflow URI, "
+                          "--csv FILE")
+    for line in export(args.log, args.tensorboard, args.mlflow, args.csv, args.experiment):
+        print(line)
+    return 0
+
+
 COMMANDS = {"run": _cmd_run, "check": _cmd_check, "info": _cmd_info, "report": _cmd_report,
-            "compare": _cmd_compare, "partition": _cmd_partition}
+            "compare": _cmd_compare, "partition": _cmd_partition, "export": _cmd_export}
 
 
 def one_line(exc: BaseException) -> str:

@@ -111,6 +111,20 @@ class RunMetrics:
     final_metrics: dict[str, float] = field(default_factory=dict)   # EXTRA_METRICS in the log
 
 
+def logged_metrics(log: RunLog) -> list[str]:
+    """The further metrics of a log: :data:`EXTRA_METRICS`, then the user metrics its
+    ``eval.metrics`` names by import path (:mod:`fedmpi.metrics`)."""
+    from fedmpi.metrics import extra_names
+
+    chosen = config_value(log.config, "eval.metrics", None) or []
+    return [*EXTRA_METRICS, *(n for n in extra_names(chosen) if n not in EXTRA_METRICS)]
+
+
+def is_percent(metric: str) -> bool:
+    """Built-in metrics are fractions shown in percent; user metrics keep their own scale."""
+    return metric in EXTRA_METRICS
+
+
 def run_metrics(log: RunLog, target: float | None = None) -> RunMetrics:
     """Final/best accuracy, round of best and rounds to ``target`` of one log."""
     rounds = np.asarray(log.rounds.get("round", np.empty(0, dtype=np.int64)))
@@ -126,7 +140,7 @@ def run_metrics(log: RunLog, target: float | None = None) -> RunMetrics:
         best = evaluated[int(np.argmax(acc[evaluated]))]
         m.final_accuracy, m.final_round = float(acc[last]), int(rounds[last])
         m.best_accuracy, m.best_round = float(acc[best]), int(rounds[best])
-    for name in EXTRA_METRICS:
+    for name in logged_metrics(log):
         if name in log.rounds:
             m.final_metrics[name] = float(log.rounds[name][evaluated[-1]]) if evaluated.size \
                 else math.nan
@@ -230,14 +244,16 @@ class Table:
     @property
     def metric_names(self) -> list[str]:
         """The further metrics some run of the table logged (:data:`EXTRA_METRICS` order)."""
-        return [n for n in EXTRA_METRICS if any(n in r.final_metrics for r in self.runs)]
+        seen = dict.fromkeys(n for r in self.runs for n in r.final_metrics)
+        return [*(n for n in EXTRA_METRICS if n in seen), *(n for n in seen if not is_percent(n))]
 
     def markdown(self) -> str:
         """The table in GitHub markdown (accuracies in percent)."""
         with_rounds = self.target is not None
         with_speedup = with_rounds and self.baseline is not None
         extra = self.metric_names
-        head = ["group", "runs", "final acc (%)", "best acc (%)", *(f"final {n} (%)" for n in extra)]
+        head = ["group", "runs", "final acc (%)", "best acc (%)",
+                *(f"final {n}{' (%)' if is_percent(n) else ''}" for n in extra)]
         if with_rounds:
             head += ["rounds to target", "reached"]
         if with_speedup:
@@ -247,7 +263,8 @@ class Table:
             label = row.label + (" (baseline)" if row.baseline else "")
             runs = f"{len(row.runs)}" + (f" ({row.incomplete} incomplete)" if row.incomplete else "")
             cells = [label, runs, _pm(row.final, 100, 2), _pm(row.best, 100, 2),
-                     *(_pm(row.metrics.get(n, (math.nan, math.nan)), 100, 2) for n in extra)]
+                     *(_pm(row.metrics.get(n, (math.nan, math.nan)), 100 if is_percent(n) else 1,
+                           2 if is_percent(n) else 4) for n in extra)]
             if with_rounds:
                 cells += [_pm(row.rounds, 1, 1) if row.reached == len(row.runs) else "not reached",
                           f"{row.reached}/{len(row.runs)}"]
@@ -376,7 +393,7 @@ def compare_logs(logs: Sequence[RunLog], *, target: float | None = None,
                        final=_mean_std(m.final_accuracy for m in ms),
                        best=_mean_std(m.best_accuracy for m in ms),
                        metrics={n: _mean_std(m.final_metrics[n] for m in ms if n in m.final_metrics)
-                                for n in EXTRA_METRICS if any(n in m.final_metrics for m in ms)})
+                                for n in dict.fromkeys(k for m in ms for k in m.final_metrics)})
         if target is not None:
             taus = [m.rounds_to_target for m in ms]
             row.reached = sum(math.isfinite(t) for t in taus)

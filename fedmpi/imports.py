@@ -14,6 +14,8 @@ Four config keys accept an import path instead of a built-in name:
 ``aggregation.rule``        a subclass of :class:`fedmpi.algorithms.ServerRule`; its
                             parameters come from ``aggregation.params``
 ``data.silos.loader``       a callable ``(client) -> (x, y)`` (:mod:`fedmpi.data.silos`)
+``eval.metrics`` items      a function ``(labels, probabilities) -> float``
+                            (:mod:`fedmpi.metrics`)
 ==========================  ==============================================================
 
 Every failure — unknown module, unknown attribute, wrong kind of object, wrong
@@ -338,6 +340,11 @@ def check_config_paths(cfg: Any) -> None:
         refuse_per_client(cfg, bool(getattr(weighting, "per_client", False)), rule_cls.per_client, [])
     for i, path in enumerate(cfg.transforms):
         transform_class(path, f"transforms[{i}]")
+    from .metrics import is_user_metric, user_metric
+
+    for metric in cfg.eval.metrics:
+        if is_user_metric(metric):
+            user_metric(metric)
     if is_import_path(cfg.algorithm.name):
         method_params(algorithm_class(cfg.algorithm.name), cfg.algorithm.params)
     elif cfg.algorithm.params:

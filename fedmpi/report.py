@@ -5,6 +5,12 @@ x axis are the round numbers of the log, counted from 0):
 
 =========================  =====================================================
 ``accuracy.png``           test accuracy (%) and test/train loss vs round
+``metrics.png``            one panel per ``eval.metrics`` entry (accuracy,
+                           balanced accuracy, macro-F1, AUROC, user metrics) vs
+                           round; with per-site evaluation (``eval.where``) also
+                           each site's curve (up to 10 sites), the spread across
+                           sites (min–max band, interquartile band) and, with
+                           ``both``, the server's and the sites' combined value
 ``client_weights.png``     aggregation weight :math:`s_k` of every client in every
                            round (FedVG paper Fig. 8); grey = not selected,
                            red x = update excluded
@@ -18,7 +24,8 @@ x axis are the round numbers of the log, counted from 0):
                            (FedLAGC); needs ``/submodel/level_accuracy`` [R, V]
 ``time_per_round.png``     wall time per round split into local training,
                            communication + other, aggregation, evaluation
-``bytes_per_round.png``    bytes sent up/down per round and cumulative
+``bytes_per_round.png``    bytes sent per round, uplink and downlink in separate
+                           panels on one scale, and the cumulative traffic
 =========================  =====================================================
 
 The time split (:func:`time_split`) uses the log's ``train_seconds`` (slowest
@@ -51,7 +58,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fedmpi.compare import config_value, flatten_config, run_metrics
+from fedmpi.compare import config_value, flatten_config, is_percent, run_metrics
 from fedmpi.errors import UserError
 from fedmpi.safefile import refuse_links, replacing, write_text
 from fedmpi.log import RunLog, read
@@ -59,7 +66,7 @@ from fedmpi.log import RunLog, read
 __all__ = ["PLOTS", "partition_preview", "plot_partition", "summary_markdown", "write_report"]
 
 #: File names of the plots, in the order the summary lists them.
-PLOTS: tuple[str, ...] = ("accuracy.png", "client_weights.png", "fedvg_grad_norm.png",
+PLOTS: tuple[str, ...] = ("accuracy.png", "metrics.png", "client_weights.png", "fedvg_grad_norm.png",
                           "partition.png", "level_accuracy.png", "time_per_round.png",
                           "bytes_per_round.png")
 
@@ -178,6 +185,99 @@ def plot_accuracy(log: RunLog, path: Path, target: float | None = None) -> Path 
     _round_axis(ax_loss)
     ax_loss.grid(alpha=0.3, which="both")
     fig.suptitle(_title(log))
+    return _save(fig, path)
+
+
+_METRIC_LABELS = {"test_accuracy": "accuracy", "balanced_accuracy": "balanced accuracy",
+                  "macro_f1": "macro-F1", "auroc": "AUROC"}
+
+
+def _components(log: RunLog) -> str:
+    """What the run is made of, for plot subtitles: data, model, method, optimizer,
+    partition, clients and where it was evaluated."""
+    c = log.config
+    get = lambda key, default=None: config_value(c, key, default)  # noqa: E731
+    method = str(get("algorithm.name", "?"))
+    weighting = get("aggregation.weighting", "samples")
+    part = str(get("data.partition.method", "?"))
+    if part == "dirichlet":
+        part += f" α={get('data.partition.alpha')}"
+    opt = str(get("train.optimizer", "sgd"))
+    where = {"server": "server test set", "clients": "clients' held-out data",
+             "both": "server test set + clients' held-out data"}[str(get("eval.where", "server"))]
+    return (f"{get('data.dataset', '?')} · {get('model.name', '?')} · {method}"
+            f"{f' + {weighting}' if weighting not in (None, 'samples') else ''} · "
+            f"{opt} lr {get('train.lr')} · {part}, {get('data.num_clients')} clients · "
+            f"evaluated on the {where}")
+
+
+def _metric_names(log: RunLog) -> list[str]:
+    """The ``/rounds`` names of the run's ``eval.metrics`` (accuracy is ``test_accuracy``)."""
+    from .metrics import metric_name
+
+    chosen = config_value(log.config, "eval.metrics", None) or ["accuracy"]
+    return ["test_accuracy" if m == "accuracy" else metric_name(m) for m in chosen]
+
+
+def plot_metrics(log: RunLog, path: Path) -> Path | None:
+    """One panel per chosen metric vs round, with the per-site curves and their spread when
+    the clients evaluated (``/clients/<metric>`` [R, K]); written when there is more to show
+    than ``accuracy.png`` (another metric, or per-site values)."""
+    from .metrics import is_user_metric
+
+    r = log.rounds.get("round")
+    names = [n for n in _metric_names(log) if n in log.rounds and np.isfinite(log.rounds[n]).any()
+             or f"clients_{n}" in log.rounds]
+    sites = {n: log.clients[n] for n in names
+             if n in log.clients and np.ndim(log.clients[n]) == 2 and np.isfinite(log.clients[n]).any()}
+    if r is None or not names or (len(names) == 1 and not sites):
+        return None
+    where = str(config_value(log.config, "eval.where", "server"))
+    scored = {n for n in names if n == "auroc" or n not in _METRIC_LABELS} | {
+        m.rsplit(":", 1)[-1] for m in (config_value(log.config, "eval.metrics", None) or [])
+        if is_user_metric(m)}
+    cols = min(len(names), 3)
+    rows = math.ceil(len(names) / cols)
+    fig = _figure(4.2 * cols + 0.5, 3.4 * rows + 0.9)
+    axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False).ravel())
+    for ax, name in zip(axes, names):
+        combined = ("sites: n-weighted mean" if name in scored else "sites pooled (exact)")
+        curves = []
+        if where == "both":
+            curves = [(name, "server test set", "C0"), (f"clients_{name}", combined, "C3")]
+        else:
+            curves = [(name, "server test set" if where == "server" else combined,
+                       "C0" if where == "server" else "C3")]
+        per_site = sites.get(name)
+        if per_site is not None:
+            k = per_site.shape[1]
+            ok = np.isfinite(per_site).any(1)
+            with np.errstate(all="ignore"), __import__("warnings").catch_warnings():
+                __import__("warnings").simplefilter("ignore", RuntimeWarning)
+                q = np.nanpercentile(per_site[ok], [0, 25, 75, 100], axis=1)
+            ax.fill_between(r[ok], q[0], q[3], color="C3", alpha=0.12,
+                            label=f"{k} sites: min–max")
+            ax.fill_between(r[ok], q[1], q[2], color="C3", alpha=0.25, label="sites: 25–75 %")
+            if k <= 10:
+                for j in range(k):
+                    good = np.isfinite(per_site[:, j])
+                    ax.plot(r[good], per_site[good, j], color="C3", lw=0.6, alpha=0.5,
+                            label="each site" if j == 0 else None)
+        for key, label, color in curves:
+            v = log.rounds.get(key)
+            if v is None or not np.isfinite(v).any():
+                continue
+            good = np.isfinite(v)
+            ax.plot(r[good], v[good], color=color, lw=2, marker="o" if good.sum() <= 40 else None,
+                    ms=3, label=label)
+        ax.set(xlabel="round", ylabel=_METRIC_LABELS.get(name, name),
+               title=_METRIC_LABELS.get(name, name))
+        _round_axis(ax)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes[len(names):]:
+        ax.set_visible(False)
+    fig.suptitle(f"{_title(log)}: test metrics\n{_components(log)}", fontsize=10)
     return _save(fig, path)
 
 
@@ -396,38 +496,59 @@ def _seconds(x: float) -> str:
     return f"{x:.3g} s" if x >= 1 else f"{1e3 * x:.3g} ms"
 
 
+_LINKS = {"bytes_up": ("uplink (clients → server)", "C0"),
+          "bytes_down": ("downlink (server → clients)", "C1")}
+
+
 def plot_bytes(log: RunLog, path: Path) -> Path | None:
-    """Bytes sent per round (up/down) and cumulative traffic."""
+    """Bytes per round, uplink and downlink each in its own panel (one shared scale, so
+    equal traffic — FedAvg sends θ down and Δ up — is two visible, equal bar rows, not one
+    line hiding the other), and the cumulative traffic; equal series are drawn once and
+    labelled so."""
     r = log.rounds.get("round")
-    series = [(n, log.rounds[n]) for n in ("bytes_up", "bytes_down") if n in log.rounds]
+    series = [(n, np.asarray(log.rounds[n], dtype=np.float64)) for n in _LINKS
+              if n in log.rounds]
     if r is None or len(r) == 0 or not series:
         return None
     unit, scale = _byte_unit(max(float(np.max(v)) for _, v in series))
     cum_unit, cum_scale = _byte_unit(max(float(np.sum(v)) for _, v in series))
-    fig = _figure(10, 4)
-    ax, ax_c = fig.subplots(1, 2)
-    for i, (name, v) in enumerate(series):
-        label = {"bytes_up": "uplink (clients → server)",
-                 "bytes_down": "downlink (server → clients)"}[name]
-        style = dict(color=f"C{i}", ls="-" if i == 0 else "--", lw=2.5 if i == 0 else 1.5)
-        ax.plot(r, v / scale, marker=("o" if i == 0 else "s") if len(r) <= 60 else None,
-                ms=5 if i == 0 else 3, label=label, **style)
-        ax_c.plot(r, np.cumsum(v) / cum_scale, **style,
-                  label=f"{label}: {np.sum(v) / cum_scale:.3g} {cum_unit}")
-    vals = np.concatenate([v[v > 0] for _, v in series]) if any((v > 0).any() for _, v in series) \
-        else np.empty(0)
-    if vals.size and vals.max() / vals.min() > 100:
-        ax.set_yscale("log")
-    else:
+    fig = _figure(11, 4.6)
+    grid = fig.add_gridspec(len(series), 2)
+    per = [fig.add_subplot(grid[i, 0]) for i in range(len(series))]
+    for ax in per[1:]:
+        ax.sharex(per[0])
+        ax.sharey(per[0])
+    ax_c = fig.add_subplot(grid[:, 1])
+    width = 0.8 if len(r) < 200 else 1.0
+    for ax, (name, v) in zip(per, series):
+        label, color = _LINKS[name]
+        ax.bar(r, v / scale, width=width, color=color)
+        ax.set_title(f"{label}: mean {np.mean(v) / scale:.3g} {unit} per round", fontsize=9)
+        ax.set_ylabel(unit)
         ax.set_ylim(bottom=0)
-    ax.set(xlabel="round", ylabel=unit, title="Bytes per round")
+        _round_axis(ax)
+        ax.set_axisbelow(True)
+        ax.grid(axis="y", alpha=0.3)
+    per[-1].set_xlabel("round")
+    equal = len(series) == 2 and np.array_equal(series[0][1], series[1][1])
+    drawn = series[:1] if equal else series
+    for i, (name, v) in enumerate(drawn):
+        label, color = _LINKS[name]
+        if equal:
+            label = "uplink = downlink (each)"
+        ax_c.plot(r, np.cumsum(v) / cum_scale, color=color, lw=2, ls="-" if i == 0 else "--",
+                  marker=("o" if i == 0 else "s") if len(r) <= 40 else None, ms=3,
+                  label=f"{label}: {np.sum(v) / cum_scale:.3g} {cum_unit}")
+    if len(series) == 2:
+        total = series[0][1] + series[1][1]
+        ax_c.plot(r, np.cumsum(total) / cum_scale, color="0.35", lw=1, ls=":",
+                  label=f"both directions: {np.sum(total) / cum_scale:.3g} {cum_unit}")
     ax_c.set(xlabel="round", ylabel=cum_unit, title="Cumulative bytes")
     ax_c.set_ylim(bottom=0)
-    for a in (ax, ax_c):
-        _round_axis(a)
-        a.grid(alpha=0.3)
-        a.legend(fontsize=8)
-    fig.suptitle(_title(log))
+    _round_axis(ax_c)
+    ax_c.grid(alpha=0.3)
+    ax_c.legend(fontsize=8)
+    fig.suptitle(f"{_title(log)}: bytes sent per round\n{_components(log)}", fontsize=10)
     return _save(fig, path)
 
 
@@ -485,6 +606,9 @@ def relevant_keys(flat: dict[str, Any]) -> list[str]:
         keys += under("train.lr_decay", "train.lr_decay_every")
     if flat.get("adversary.clients"):
         keys += under("adversary.")
+    rule = str(flat.get("aggregation.rule", "mean"))
+    if rule != "mean":
+        keys += under("aggregation.rule", f"aggregation.{rule}.", "aggregation.params.")
     out: list[str] = []
     for k in keys:
         if k not in out and flat.get(k) is not None and not skip.get(k, False):
@@ -527,7 +651,7 @@ def summary_markdown(log: RunLog, target: float | None = None,
     out.append(f"| best test accuracy | {_pct(m.best_accuracy)}"
                + (f" (round {m.best_round})" if m.best_round is not None else "") + " |")
     for name, value in m.final_metrics.items():   # further eval.metrics of the log
-        out.append(f"| final {name} | {_pct(value)} |")
+        out.append(f"| final {name} | {_pct(value) if is_percent(name) else f'{value:.6g}'} |")
     if target is not None:
         tau = m.rounds_to_target
         out.append(f"| rounds to {_pct(target)} | "
@@ -551,6 +675,7 @@ def summary_markdown(log: RunLog, target: float | None = None,
 
     out += ["", "## Clients", ""]
     out += _client_lines(log)
+    out += _rule_lines(log)
     out += ["", "## Events", ""]
     out += _event_lines(log)
     if plots or plots_note:
@@ -606,6 +731,48 @@ def _client_lines(log: RunLog) -> list[str]:
             lines.append(f"| {k} | {len(rounds)} | {shown} |")
     else:
         lines.append("No client update was excluded.")
+    return lines
+
+
+#: Per-client columns a server rule logs (fedmpi.algorithms.robust): what the value is, and
+#: the name of a value of 0 when that means the client's update was left out.
+RULE_COLUMNS: dict[str, tuple[str, str | None]] = {
+    "rule/selected": ("selected (share of rounds)", "dropped"),
+    "rule/trust": ("mean FLTrust trust score", "zero trust"),
+    "rule/clip": ("mean clip factor", None),
+    "rule/trimmed": ("mean share of coordinates trimmed", None),
+    "rule/weight": ("mean geometric-median coefficient", None),
+}
+
+
+def _rule_lines(log: RunLog) -> list[str]:
+    """``## Server rule``: per client the mean of the rule's column, and per round the
+    clients a selecting rule left out (Krum's dropped clients, FLTrust's zero trust)."""
+    lines: list[str] = []
+    r = log.rounds.get("round", np.arange(0))
+    for path, (label, zero) in RULE_COLUMNS.items():
+        a = log.arrays.get(path)
+        if a is None or a.ndim != 2 or not np.isfinite(a).any():
+            continue
+        if not lines:
+            rule = config_value(log.config, "aggregation.rule", "mean")
+            lines += ["", f"## Server rule ({rule})", ""]
+        seen = np.isfinite(a)
+        mean = np.where(seen.any(0), np.nansum(a, 0) / np.maximum(seen.sum(0), 1), np.nan)
+        lines += [f"| client | rounds seen | {label} |", "|---|---|---|"]
+        lines += [f"| {k} | {int(seen[:, k].sum())} | {mean[k]:.3g} |"
+                  for k in range(a.shape[1]) if seen[:, k].any()]
+        if zero is None:
+            continue
+        left_out = [(int(r[i]) if i < len(r) else i, np.flatnonzero(seen[i] & (a[i] == 0)))
+                    for i in range(a.shape[0])]
+        left_out = [(t, ks) for t, ks in left_out if ks.size]
+        lines += ["", f"Clients {zero} per round:", "", f"| round | {zero} |", "|---|---|"]
+        lines += [f"| {t} | {', '.join(map(str, ks.tolist()))} |" for t, ks in left_out[:_MAX_EVENTS]]
+        if not left_out:
+            lines.append("| — | none |")
+        elif len(left_out) > _MAX_EVENTS:
+            lines.append(f"\n… {len(left_out) - _MAX_EVENTS} more rounds (`{path}` in the log).")
     return lines
 
 
@@ -690,6 +857,7 @@ def write_report(log: RunLog | str | os.PathLike, out_dir: str | os.PathLike | N
     written: list[Path] = []
     makers = {
         "accuracy.png": lambda p: plot_accuracy(log, p, target),
+        "metrics.png": lambda p: plot_metrics(log, p),
         "client_weights.png": lambda p: plot_client_weights(log, p),
         "fedvg_grad_norm.png": lambda p: plot_grad_norm(log, p),
         "partition.png": lambda p: (plot_partition(log.arrays["partition/class_counts"], p,

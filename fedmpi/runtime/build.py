@@ -62,6 +62,24 @@ def participants(seed: int, num_clients: int, m: int, t: int) -> np.ndarray:
     return mask
 
 
+def check_training_keys(cfg: Config, algo_class: type[Algorithm], num_classes: int) -> None:
+    """``train.optimizer`` among the method's ``optimizers``, ``train.loss`` and its
+    options only for methods without their own loss, one class weight per class."""
+    t, name = cfg.train, cfg.algorithm.name
+    if t.optimizer not in algo_class.optimizers:
+        raise ConfigError(f"config keys 'train.optimizer' and 'algorithm.name': {name!r} "
+                          f"assumes {' or '.join(algo_class.optimizers)} steps in its math, got "
+                          f"train.optimizer {t.optimizer!r}")
+    plain = t.loss == "cross_entropy" and t.class_weights is None and t.label_smoothing == 0
+    if algo_class.own_loss and not plain:
+        raise ConfigError(f"config keys 'train.loss' and 'algorithm.name': {name!r} trains with "
+                          "its own loss; leave train.loss, train.class_weights and "
+                          "train.label_smoothing at their defaults")
+    if t.class_weights is not None and len(t.class_weights) != num_classes:
+        raise ConfigError(f"config key 'train.class_weights' needs one weight per class "
+                          f"({num_classes}), got {len(t.class_weights)}")
+
+
 @dataclass
 class Built:
     """One rank's run, before any round: what the round loop works with."""
@@ -89,8 +107,14 @@ class Built:
     @property
     def rows_needed(self) -> bool:
         """Weighted statistics reach rank 0 as per-client rows (FedVG's weighting, a
-        per-client server rule) instead of the workers' pre-reduced sums."""
-        return self.weighting.per_client or self.rule.per_client
+        per-client server rule, the omniscient adversary) instead of the workers' pre-reduced sums."""
+        return self.weighting.per_client or self.rule.per_client or self.tampered
+
+    @property
+    def tampered(self) -> bool:
+        """The omniscient adversary (``alie``) rewrites rows on rank 0 (simulation only)."""
+        adversary = self.transforms.get("adversary")
+        return bool(getattr(adversary, "needs_rows", False))
 
 
 def setup_process(cfg: Config, comm: Comm) -> torch.device:
@@ -123,6 +147,7 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
 
     torch.manual_seed(cfg.seed)   # every rank builds the same initial model
     algo_class = code.algorithm_class(cfg)
+    check_training_keys(cfg, algo_class, data.num_classes)
     outputs = algo_class.num_outputs(cfg, data.num_classes)  # FedGPS: 2C
     flat = FlatModel(build_model(model_spec(cfg, code.model), data.input_shape, outputs,
                                  cfg.model.norm), device)

@@ -12,11 +12,13 @@ from __future__ import annotations
 import sys
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
 from .. import checkpoint, metrics, rundir, signals
+from ..callbacks import AfterRound, Callback
+from ..trackers import check_trackers, open_trackers
 from ..comm import Comm, CommTimeout
 from ..errors import UserError
 from ..imports import UserCode
@@ -49,9 +51,19 @@ def run_comm(cfg) -> Comm:
     return comm
 
 
+def _close_quietly(after: Optional[AfterRound], status: str) -> None:
+    """After a failure: end the trackers' runs; an error there is reported, not raised."""
+    try:
+        if after is not None:
+            after.close(status)
+    except Exception as exc:  # noqa: BLE001 - the run's own failure is the one that counts
+        print(f"fedmpi: error: closing the trackers failed too: {exc}", file=sys.stderr, flush=True)
+
+
 def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
         resume: bool = False, overwrite: bool = False,
-        code: Optional[UserCode] = None) -> Optional[dict[str, float]]:
+        code: Optional[UserCode] = None,
+        callbacks: Sequence[Callback] = ()) -> Optional[dict[str, float]]:
     """Run a whole experiment on this rank; returns on rank 0 the final metrics
     (``test_accuracy`` and the other ``eval.metrics`` of the last evaluated round),
     None elsewhere. ``code``: objects replacing the config's names (:func:`fedmpi.run`).
@@ -63,11 +75,12 @@ def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
     log status ``interrupted``, every rank exits with
     :data:`fedmpi.signals.EXIT_INTERRUPTED` (75). ``overwrite`` replaces a previous
     run in the output directory (:mod:`fedmpi.rundir`: lock, fingerprint, conventions).
+    ``callbacks``: called on rank 0 after each logged round (:mod:`fedmpi.callbacks`).
     """
     signals.install()
     try:
         comm = comm or run_comm(cfg)
-        return _run(cfg, out_dir, comm, resume, overwrite, code)
+        return _run(cfg, out_dir, comm, resume, overwrite, code, callbacks)
     except KeyboardInterrupt:   # a second Ctrl-C: stop now, without a checkpoint
         if comm is None or comm.size == 1:
             raise
@@ -82,18 +95,28 @@ def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
 
 
 def _run(cfg, out_dir: Optional[str | Path], comm: Comm, resume: bool,
-         overwrite: bool = False, code: Optional[UserCode] = None) -> Optional[dict[str, float]]:
+         overwrite: bool = False, code: Optional[UserCode] = None,
+         callbacks: Sequence[Callback] = ()) -> Optional[dict[str, float]]:
     if comm.rank == 0:
         for old, new in getattr(cfg, "renamed", ()):
             print(f"fedmpi: note: config key {old!r} is now {new!r}", file=sys.stderr, flush=True)
     out = Path(out_dir) if out_dir else Path(cfg.runtime.out_dir) / cfg.name
     error: Optional[BaseException] = None
     fed = None
+    after: Optional[AfterRound] = None
     restored: Optional[checkpoint.Restored] = None
     try:
         fed = Federation(cfg, comm, out, code)
         if comm.rank == 0:   # lock, fingerprint and resume checks, the log (guard, rundir)
+            check_trackers(cfg)   # a missing extra is bad input before anything is written
             restored = guard.open_run(fed, out, resume, overwrite)
+            try:   # best model, trackers, early stopping, callbacks (after each logged round)
+                trackers = open_trackers(cfg)
+            except Exception:
+                fed.writer.set_status("failed")
+                fed.writer.close()
+                raise
+            fed.recorder.after = after = AfterRound(cfg, fed.save_best, trackers, callbacks)
     except (UserError, OutputError) as exc:
         error = exc
     except CommTimeout as exc:   # a rank slower than runtime.setup_timeout: one line
@@ -110,6 +133,8 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Comm, resume: bool,
     fed.checkpoint_round = start
     if comm.timeout_key == "runtime.setup_timeout":
         comm.timeout, comm.timeout_key = cfg.runtime.round_timeout, "runtime.round_timeout"
+    if after is not None:
+        after.replay(fed.history)   # a resumed run's best value and patience count
 
     progress = None
     if comm.rank == 0 and cfg.runtime.progress:
@@ -146,6 +171,7 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Comm, resume: bool,
             fed.writer.event(t, comm.rank, -1, str(exc))
             fed.writer.set_status("failed")
             fed.writer.close()
+        _close_quietly(after, "failed")
         comm.abort(1)
     except Exception as exc:  # noqa: BLE001 - a rank outside local training failed
         print(f"fedmpi: error: rank {comm.rank}: {type(exc).__name__}: {exc}", file=sys.stderr,
@@ -156,6 +182,7 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Comm, resume: bool,
             fed.writer.event(t, comm.rank, -1, f"{type(exc).__name__}: {exc}")
             fed.writer.set_status("failed")
             fed.writer.close()
+        _close_quietly(after, "failed")
         comm.abort(1)
     finally:
         if progress is not None:
@@ -172,6 +199,8 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Comm, resume: bool,
         write_model(fed.flat.model, out / "model.pt")
     fed.writer.set_status(status)
     fed.writer.close()
+    if after is not None:
+        after.close(status)
     if status == "failed":
         print(f"fedmpi: error: {fed.failure}", file=sys.stderr, flush=True)
         raise SystemExit(1)

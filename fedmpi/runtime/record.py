@@ -32,6 +32,10 @@ class RoundRecorder:
         self.writer = None                         # the LogWriter, opened by the driver
         self.history: list[dict] = []
         self.pending: Optional[Row] = None
+        #: rank 0's listeners (fedmpi.callbacks.AfterRound): (round, scalars, per-client)
+        #: -> a stop request or None
+        self.after: Optional[Callable[[int, dict, dict], Optional[str]]] = None
+        self.stop_request: Optional[str] = None
 
     def event(self, t: int, rank: int, client: int, message: str) -> None:
         if self.writer is not None:
@@ -72,6 +76,11 @@ class RoundRecorder:
         self.history.append({"round": t, **scalars})
         if self.writer is not None:
             self.writer.append_round(t, scalars, per_client, arrays)
+        if self.after is not None:
+            reason = self.after(t, scalars, per_client)
+            if reason and self.stop_request is None:
+                self.stop_request = reason
+                self.event(t, 0, -1, f"stop requested ({reason}); checkpoint and finish")
 
     def finish_pending(self, evaluate: Callable[[int], dict[str, float]]) -> None:
         """Evaluate the pending round's model and append its row. The state still holds
