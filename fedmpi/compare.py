@@ -55,14 +55,18 @@ import numpy as np
 
 from fedmpi.config import METRIC_NAMES
 from fedmpi.errors import UserError
-from fedmpi.log import RunLog, ended_without_status, read
+from fedmpi.log import PathLike, RunLog, as_run_log, ended_without_status, read
 
 #: ``/rounds/<metric>`` series beyond test_accuracy that the table and report show.
 EXTRA_METRICS: tuple[str, ...] = tuple(m for m in METRIC_NAMES if m != "accuracy")
 
 __all__ = ["ALIASES", "IGNORED_KEYS", "GroupRow", "RunMetrics", "Table", "compare",
            "compare_logs", "config_value", "flatten_config", "rounds_to_target",
-           "run_metrics"]
+           "run_config", "run_metrics"]
+
+#: A grouping key's value in a group whose runs did not use it (e.g. another method's
+#: parameter, :func:`run_config`).
+UNUSED = "—"
 
 #: Short names accepted by ``--group-by``.
 ALIASES: dict[str, str] = {
@@ -125,8 +129,9 @@ def is_percent(metric: str) -> bool:
     return metric in EXTRA_METRICS
 
 
-def run_metrics(log: RunLog, target: float | None = None) -> RunMetrics:
+def run_metrics(log: RunLog | PathLike, target: float | None = None) -> RunMetrics:
     """Final/best accuracy, round of best and rounds to ``target`` of one log."""
+    log = as_run_log(log)
     rounds = np.asarray(log.rounds.get("round", np.empty(0, dtype=np.int64)))
     acc = np.asarray(log.rounds.get("test_accuracy", np.full(len(rounds), np.nan)), dtype=np.float64)
     evaluated = np.flatnonzero(np.isfinite(acc))
@@ -163,6 +168,27 @@ def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any
     return out
 
 
+def run_config(log: RunLog | PathLike) -> dict[str, Any]:
+    """The flat config of what ``log``'s run used: :func:`flatten_config` of its config,
+    the method's own parameters as it ran them (``run_info``, e.g.
+    ``algorithm.params.mu`` of a user method, also where the config left the default),
+    less the keys that took no part (:func:`fedmpi.provenance.unused_keys`: no
+    ``data.dataset`` for a silo run, no ``model.norm`` for a user model)."""
+    log = as_run_log(log)
+    from fedmpi.provenance import read_run_info, unused_keys
+
+    flat = flatten_config(log.config)
+    info = read_run_info(log.attrs)
+    method = info.get("method") if info is not None else None
+    if isinstance(method, Mapping) and isinstance(method.get("params"), Mapping):
+        for group, fields in method["params"].items():
+            if isinstance(fields, Mapping):
+                flat.update({f"algorithm.{group}.{k}": v for k, v in fields.items()})
+    for key in unused_keys(flat, info):
+        flat.pop(key, None)
+    return flat
+
+
 def config_value(config: Mapping[str, Any], dotted: str, default: Any = None) -> Any:
     """Value at ``dotted`` (e.g. ``"train.rounds"``) of a nested config, or ``default``."""
     node: Any = config
@@ -194,10 +220,19 @@ def _group_keys(flat_configs: Sequence[Mapping[str, Any]], group_by: Sequence[st
                                 f"(aliases: {', '.join(sorted(ALIASES))})")
         return keys
     # A key that some logs lack (added to the schema later) varies only if the
-    # logs that have it disagree.
+    # logs that have it disagree; but where the methods differ, each method's own
+    # parameters (algorithm.<block>.<field>, present only in its runs: run_config)
+    # label its groups.
     union = sorted({k for c in flat_configs for k in c})
-    return [k for k in union if not _ignored(k)
-            and len({_fmt_value(c[k]) for c in flat_configs if k in c}) > 1]
+    methods = len({_fmt_value(c.get("algorithm.name")) for c in flat_configs}) > 1
+
+    def method_param(k: str) -> bool:
+        return methods and k.startswith("algorithm.") and k.count(".") >= 2 and \
+            not all(k in c for c in flat_configs)
+
+    varying = [k for k in union if not _ignored(k)
+               and len({_fmt_value(c[k]) for c in flat_configs if k in c}) > 1]
+    return varying + [k for k in union if k not in varying and method_param(k)]
 
 
 # -- per group -------------------------------------------------------------------
@@ -330,14 +365,15 @@ def _pm(ms: tuple[float, float], scale: float, digits: int) -> str:
     return f"{scale * mean:.{digits}f} ± {scale * std:.{digits}f}"
 
 
-def compare_logs(logs: Sequence[RunLog], *, target: float | None = None,
+def compare_logs(logs: Sequence[RunLog | PathLike], *, target: float | None = None,
                  group_by: Sequence[str] = (), baseline: str | None = None) -> Table:
     """Group ``logs`` and compute the table (see the module docstring for the math).
 
     Parameters
     ----------
     logs
-        Run logs, e.g. from :func:`fedmpi.log.read`.
+        Run logs (:class:`~fedmpi.log.RunLog`, e.g. from :func:`fedmpi.log.read`) or
+        their paths.
     target
         Target accuracy as a fraction in (0, 1]; ``None`` derives it from the
         baseline (lowest best accuracy among its runs) if there is one.
@@ -359,19 +395,23 @@ def compare_logs(logs: Sequence[RunLog], *, target: float | None = None,
     if target is not None and not 0.0 < target <= 1.0:
         raise UserError(f"--target-accuracy {target}: expected a fraction in (0, 1], "
                         "e.g. 0.8 for 80%")
-    flats = [flatten_config(log.config) for log in logs]
+    logs = [as_run_log(log) for log in logs]
+    flats = [run_config(log) for log in logs]
     keys = _group_keys(flats, group_by)
 
     groups: dict[tuple[str, ...], list[int]] = {}
     for i, flat in enumerate(flats):
-        groups.setdefault(tuple(_fmt_value(flat.get(k)) for k in keys), []).append(i)
+        groups.setdefault(tuple(_fmt_value(flat[k]) if k in flat else UNUSED for k in keys),
+                          []).append(i)
 
     def label(values: tuple[str, ...]) -> str:
         if not keys:
             return "all"
         if len(keys) == 1:
             return values[0]
-        return ", ".join(f"{_short(k, keys)}={v}" for k, v in zip(keys, values))
+        # a key the group's runs did not use (another method's parameter) is left out
+        present = [(k, v) for k, v in zip(keys, values) if v != UNUSED]
+        return ", ".join(f"{_short(k, [p for p, _ in present])}={v}" for k, v in present)
 
     members = list(groups.items())
     base_idx = _find_baseline(members, keys, flats, baseline, label)

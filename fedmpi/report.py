@@ -58,10 +58,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fedmpi.compare import config_value, flatten_config, is_percent, run_metrics
+from fedmpi.compare import config_value, flatten_config, is_percent, run_config, run_metrics
 from fedmpi.errors import UserError
+from fedmpi.log import PathLike, RunLog, as_run_log, read
 from fedmpi.safefile import refuse_links, replacing, write_text
-from fedmpi.log import RunLog, read
 
 __all__ = ["PLOTS", "partition_preview", "plot_partition", "summary_markdown", "write_report"]
 
@@ -144,8 +144,10 @@ def _cmap(name: str):
 
 # -- individual plots ---------------------------------------------------------------
 
-def plot_accuracy(log: RunLog, path: Path, target: float | None = None) -> Path | None:
+def plot_accuracy(log: RunLog | PathLike, path: Path,
+                  target: float | None = None) -> Path | None:
     """Test accuracy and losses vs round; the best round is marked."""
+    log = as_run_log(log)
     r = log.rounds.get("round")
     acc = log.rounds.get("test_accuracy")
     if r is None or acc is None or not np.isfinite(acc).any():
@@ -205,7 +207,9 @@ def _components(log: RunLog) -> str:
     opt = str(get("train.optimizer", "sgd"))
     where = {"server": "server test set", "clients": "clients' held-out data",
              "both": "server test set + clients' held-out data"}[str(get("eval.where", "server"))]
-    return (f"{get('data.dataset', '?')} · {get('model.name', '?')} · {method}"
+    data = (f"silos {get('data.silos.path') or get('data.silos.loader')}" if part == "silos"
+            else get("data.dataset", "?"))   # a silo run's data.dataset is an unused default
+    return (f"{data} · {get('model.name', '?')} · {method}"
             f"{f' + {weighting}' if weighting not in (None, 'samples') else ''} · "
             f"{opt} lr {get('train.lr')} · {part}, {get('data.num_clients')} clients · "
             f"evaluated on the {where}")
@@ -219,10 +223,11 @@ def _metric_names(log: RunLog) -> list[str]:
     return ["test_accuracy" if m == "accuracy" else metric_name(m) for m in chosen]
 
 
-def plot_metrics(log: RunLog, path: Path) -> Path | None:
+def plot_metrics(log: RunLog | PathLike, path: Path) -> Path | None:
     """One panel per chosen metric vs round, with the per-site curves and their spread when
     the clients evaluated (``/clients/<metric>`` [R, K]); written when there is more to show
     than ``accuracy.png`` (another metric, or per-site values)."""
+    log = as_run_log(log)
     from .metrics import is_user_metric
 
     r = log.rounds.get("round")
@@ -281,8 +286,9 @@ def plot_metrics(log: RunLog, path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def plot_client_weights(log: RunLog, path: Path) -> Path | None:
+def plot_client_weights(log: RunLog | PathLike, path: Path) -> Path | None:
     """Heatmap of the aggregation weights, clients x rounds (FedVG Fig. 8)."""
+    log = as_run_log(log)
     w = log.clients.get("weight")
     r = log.rounds.get("round")
     if w is None or r is None or w.size == 0 or not np.isfinite(w).any():
@@ -311,8 +317,9 @@ def _weighting(log: RunLog) -> str:
     return str(config_value(log.config, "aggregation.weighting", "samples"))
 
 
-def plot_grad_norm(log: RunLog, path: Path) -> Path | None:
+def plot_grad_norm(log: RunLog | PathLike, path: Path) -> Path | None:
     """Per-client, per-layer validation-gradient norms at two rounds (FedVG Fig. A.1)."""
+    log = as_run_log(log)
     g = log.arrays.get("fedvg/grad_norm")
     r = log.rounds.get("round")
     if g is None or r is None or g.ndim != 3 or not np.isfinite(g).any():
@@ -385,8 +392,9 @@ def plot_partition(class_counts: np.ndarray, path: str | os.PathLike, title: str
     return _save(fig, Path(path))
 
 
-def plot_level_accuracy(log: RunLog, path: Path) -> Path | None:
+def plot_level_accuracy(log: RunLog | PathLike, path: Path) -> Path | None:
     """Test accuracy of each submodel level vs round (FedLAGC)."""
+    log = as_run_log(log)
     la = log.arrays.get("submodel/level_accuracy")
     r = log.rounds.get("round")
     if la is None or r is None or la.ndim != 2 or not np.isfinite(la).any():
@@ -429,7 +437,7 @@ _TIME_PARTS = (("train_seconds", "local training (slowest worker)", "C0"),
 _OVERLAPPED = "evaluation overlapped with the next round's training (not in the wall time)"
 
 
-def time_split(log: RunLog) -> dict[str, np.ndarray]:
+def time_split(log: RunLog | PathLike) -> dict[str, np.ndarray]:
     """Per-round seconds: the :data:`_TIME_PARTS` present in the log, with
     ``eval_seconds`` cut to its part inside the round's wall time, plus
     ``eval_overlapped`` (the rest) and ``wall_seconds``. NaN counts as 0.
@@ -438,6 +446,7 @@ def time_split(log: RunLog) -> dict[str, np.ndarray]:
     runtime computes overhead as the remainder of the wall time with the in-round
     evaluation only, so the in-round parts sum to the wall time.
     """
+    log = as_run_log(log)
     parts = {name: np.nan_to_num(np.asarray(log.rounds[name], dtype=np.float64))
              for name, _, _ in _TIME_PARTS if name in log.rounds}
     if "wall_seconds" in log.rounds:
@@ -453,9 +462,10 @@ def time_split(log: RunLog) -> dict[str, np.ndarray]:
     return parts
 
 
-def plot_time(log: RunLog, path: Path) -> Path | None:
+def plot_time(log: RunLog | PathLike, path: Path) -> Path | None:
     """Stacked bars: time per round split into training/communication/aggregation/evaluation
     (inside the round); an overlapped evaluation is drawn hatched on top."""
+    log = as_run_log(log)
     r = log.rounds.get("round")
     if r is None or len(r) == 0:
         return None
@@ -500,11 +510,12 @@ _LINKS = {"bytes_up": ("uplink (clients → server)", "C0"),
           "bytes_down": ("downlink (server → clients)", "C1")}
 
 
-def plot_bytes(log: RunLog, path: Path) -> Path | None:
+def plot_bytes(log: RunLog | PathLike, path: Path) -> Path | None:
     """Bytes per round, uplink and downlink each in its own panel (one shared scale, so
     equal traffic — FedAvg sends θ down and Δ up — is two visible, equal bar rows, not one
     line hiding the other), and the cumulative traffic; equal series are drawn once and
     labelled so."""
+    log = as_run_log(log)
     r = log.rounds.get("round")
     series = [(n, np.asarray(log.rounds[n], dtype=np.float64)) for n in _LINKS
               if n in log.rounds]
@@ -564,7 +575,9 @@ def _byte_unit(x: float) -> tuple[str, float]:
 #: Config keys listed in the summary of every run (when present in the log's config).
 DIGEST_KEYS: tuple[str, ...] = (
     "seed", "data.dataset", "data.num_clients", "data.partition.method", "data.partition.alpha",
-    "data.partition.classes_per_client", "data.validation.fraction", "model.name", "model.norm",
+    "data.partition.classes_per_client", "data.silos.path", "data.silos.loader", "data.silos.test",
+    "data.silos.validation", "data.validation.fraction", "model.name", "model.mlp.hidden",
+    "model.norm",
     "algorithm.name", "aggregation.weighting", "ecgr.enabled", "train.rounds",
     "train.clients_per_round", "train.local_epochs", "train.local_steps", "train.batch_size",
     "train.lr", "train.momentum", "train.weight_decay", "train.grad_clip", "eval.every")
@@ -589,7 +602,8 @@ def relevant_keys(flat: dict[str, Any]) -> list[str]:
     cls = ALGORITHMS.get(algo)
     # declared blocks, and the block named after the method (keys not yet declared as params)
     groups = tuple(f"algorithm.{g}."
-                   for g in dict.fromkeys([*(cls.params if cls is not None else ()), algo]))
+                   for g in dict.fromkeys([*(cls.params if cls is not None else ()), algo,
+                                           "params"]))
     if flat.get("system.levels"):      # a resource-level (submodel) run
         groups += ("algorithm.submodel.",)
     legacy = [k for k in flat if any(new.startswith(groups) for new in renamed_to(k))]
@@ -620,12 +634,13 @@ def _pct(x: float) -> str:
     return "—" if x is None or not math.isfinite(x) else f"{100 * x:.2f}%"
 
 
-def summary_markdown(log: RunLog, target: float | None = None,
+def summary_markdown(log: RunLog | PathLike, target: float | None = None,
                      plots: Sequence[str] = (), plots_note: str | None = None) -> str:
     """``summary.md``: config digest, accuracies, rounds to target, timing, exclusions, events.
     ``plots_note``: why no plots were drawn (shown under "Plots")."""
+    log = as_run_log(log)
     m = run_metrics(log, target)
-    flat = flatten_config(log.config)
+    flat = run_config(log)   # only keys the run used: no data.dataset for a silo run
     digest = hashlib.sha256(str(log.attrs.get("config_yaml", "")).encode()).hexdigest()[:12]
     name = flat.get("name", Path(log.path).parent.name)
     out = [f"# Run report: {name}", "",
@@ -644,6 +659,7 @@ def summary_markdown(log: RunLog, target: float | None = None,
            "", "| key | value |", "|---|---|"]
     for key in relevant_keys(flat):
         out.append(f"| {key} | {flat[key]} |")
+    out += _ran_lines(log)
 
     out += ["", "## Results", "", "| metric | value |", "|---|---|"]
     out.append(f"| final test accuracy | {_pct(m.final_accuracy)}"
@@ -686,6 +702,42 @@ def summary_markdown(log: RunLog, target: float | None = None,
         out.insert(5, "- **no complete round in the log** (the run stopped or is still in its "
                       "first round)")
     return "\n".join(out) + "\n"
+
+
+def _ran_lines(log: RunLog) -> list[str]:
+    """"What ran": the log's ``run_info`` (:mod:`fedmpi.provenance`) — the objects by
+    built-in name or import path, the method's parameters, the silo files with SHA-256."""
+    from .provenance import read_run_info
+
+    info = read_run_info(log.attrs)
+    if info is None:
+        return []
+    out = ["", "## What ran", "", "| part | as run |", "|---|---|"]
+    model = info.get("model", {})
+    out.append("| model | `{}`{} |".format(model.get("name"), "".join(
+        f", {k} {v}" for k, v in model.items() if k != "name")))
+    data = info.get("data", {})
+    source = (f"silos `{data['silos'].get('path') or data['silos'].get('loader')}`"
+              if isinstance(data.get("silos"), dict) else f"`{data.get('dataset')}`")
+    out.append(f"| data | {source}, {data.get('num_clients')} clients, partition "
+               f"{data.get('partition')} |")
+    method = info.get("method", {})
+    params = "; ".join(f"{g}: " + ", ".join(f"{k}={v}" for k, v in fields.items())
+                       for g, fields in (method.get("params") or {}).items())
+    out.append(f"| method | `{method.get('name')}` (server_lr {method.get('server_lr')}"
+               f"{'; ' + params if params else ''}) |")
+    out.append(f"| weighting | `{info.get('weighting')}` |")
+    rule = info.get("rule") or {}
+    if rule:
+        rparams = "; ".join(f"{g}: " + ", ".join(f"{k}={v}" for k, v in fields.items())
+                            for g, fields in (rule.get("params") or {}).items())
+        out.append(f"| server rule | `{rule.get('name')}`{f' ({rparams})' if rparams else ''} |")
+    out.append(f"| transforms | {', '.join(f'`{t}`' for t in info.get('transforms', [])) or 'none'} |")
+    files = data.get("silos", {}).get("files", []) if isinstance(data.get("silos"), dict) else []
+    if files:
+        out += ["", "| silo file | path | SHA-256 |", "|---|---|---|"]
+        out += [f"| {f.get('role')} | `{f.get('path')}` | `{f.get('sha256')}` |" for f in files]
+    return out
 
 
 def _time_lines(log: RunLog) -> list[str]:
@@ -792,7 +844,8 @@ def _event_lines(log: RunLog) -> list[str]:
     return lines
 
 
-def partition_preview(partition: Any, out_dir: str | os.PathLike, name: str = "") -> list[str]:
+def partition_preview(partition: Any, out_dir: str | os.PathLike, name: str = "",
+                      overwrite: bool = False) -> list[str]:
     """``fedmpi partition``: write ``partition.png`` and ``partition.csv`` into
     ``out_dir`` and return the lines to print (per-client sizes, hold-out, files).
 
@@ -800,8 +853,11 @@ def partition_preview(partition: Any, out_dir: str | os.PathLike, name: str = ""
     :func:`fedmpi.data.build_partition`, the function a run uses).
     ``partition.csv`` has one row per client: ``client, size, class_0, ...``.
     """
+    from .outputs import claim
+
     _mpl()
     out = Path(out_dir)
+    claim([out / "partition.png", out / "partition.csv"], overwrite, "fedmpi partition")
     out.mkdir(parents=True, exist_ok=True)
     counts = np.asarray(partition.class_counts, dtype=np.int64)
     sizes = counts.sum(axis=1)
@@ -826,15 +882,17 @@ def partition_preview(partition: Any, out_dir: str | os.PathLike, name: str = ""
 
 # -- entry point ------------------------------------------------------------------------
 
-def write_report(log: RunLog | str | os.PathLike, out_dir: str | os.PathLike | None = None,
-                 target: float | None = None) -> list[Path]:
+def write_report(log: RunLog | PathLike, out_dir: str | os.PathLike | None = None,
+                 target: float | None = None, overwrite: bool = False) -> list[Path]:
     """Write every applicable plot and ``summary.md`` into ``out_dir``.
 
     ``out_dir`` defaults to ``<log directory>/report``. Returns the files
     written (``summary.md`` last). Works on a log that is still being written
     or whose run failed (what is in the log up to its last complete round).
     Without matplotlib only ``summary.md`` is written, saying how to get the
-    plots (:data:`PLOT_HINT`; ``fedmpi report`` prints it too).
+    plots (:data:`PLOT_HINT`; ``fedmpi report`` prints it too). Files of an
+    earlier report in ``out_dir`` are replaced only with ``overwrite``
+    (:func:`fedmpi.outputs.claim`).
 
     Raises
     ------
@@ -843,8 +901,7 @@ def write_report(log: RunLog | str | os.PathLike, out_dir: str | os.PathLike | N
     UserError
         ``target`` out of (0, 1].
     """
-    if not isinstance(log, RunLog):
-        log = read(log)
+    log = as_run_log(log)
     if target is not None and not 0.0 < target <= 1.0:
         raise UserError(f"--target-accuracy {target}: expected a fraction in (0, 1], "
                         "e.g. 0.8 for 80%")
@@ -852,7 +909,10 @@ def write_report(log: RunLog | str | os.PathLike, out_dir: str | os.PathLike | N
 
     out = output_dir(Path(out_dir) if out_dir is not None
                      else Path(log.path).resolve().parent / "report")
+    from .outputs import claim
+
     refuse_links(out, (*PLOTS, "summary.md"), "a report directory")
+    claim([out / name for name in (*PLOTS, "summary.md")], overwrite, "fedmpi report")
     draw = have_matplotlib()
     written: list[Path] = []
     makers = {

@@ -32,8 +32,9 @@ rank stops with the same one-line :class:`~fedmpi.errors.DataError`.
 """
 from __future__ import annotations
 
+import os
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -61,6 +62,7 @@ class LocalData:
     data: Dataset
     partition: Partition
     num_samples: np.ndarray
+    files: list[tuple[str, str, str]] = field(default_factory=list)   # (role, path, SHA-256)
 
 
 def build_local(cfg: Any, comm: Any, hosted: Sequence[int], is_server: bool,
@@ -122,8 +124,10 @@ def read_silo(cfg: Any, client: int,
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 - user code: name the key and client
-        raise DataError(f"data.silos.loader {s.loader!r} failed for client {client}: "
-                        f"{type(exc).__name__}: {exc}") from None
+        from fedmpi.errors import code_error_line
+
+        raise DataError(f"{code_error_line('silo loader', s.loader, exc)} (client {client})"
+                        ) from None
     x = np.asarray(x.cpu() if isinstance(x, torch.Tensor) else x, dtype=np.float32)
     y = np.asarray(y.cpu() if isinstance(y, torch.Tensor) else y)
     if x.ndim == 1:
@@ -248,4 +252,35 @@ def _silos(cfg: Any, comm: Any, hosted: list[int], is_server: bool) -> LocalData
                    torch.from_numpy(x_test), torch.from_numpy(y_test), num_classes=C,
                    mean=mean, std=std, scale=1.0)
     return LocalData(data, Partition(client_indices, validation, class_counts, client_test),
-                     num_samples)
+                     num_samples, _digests(cfg, comm, hosted, is_server))
+
+
+def sha256_file(path: str) -> str:
+    """SHA-256 (hex) of a file's bytes."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _digests(cfg: Any, comm: Any, hosted: list[int], is_server: bool) -> list[tuple[str, str, str]]:
+    """Collective: ``(role, path, SHA-256)`` of every silo file — client ``k``'s hashed on
+    the rank that read it, the test and validation files on rank 0 — gathered as one
+    ``Allreduce(SUM)`` of 32-byte rows, each non-zero on one rank only (the file's bytes
+    never leave its rank; the paths follow from the config). Empty for a loader."""
+    s, K = cfg.data.silos, cfg.data.num_clients
+    if s.path is None:
+        return []
+    paths = [s.path.format(client=k) for k in range(K)] + [s.test, s.validation]
+    rows = np.zeros((K + 2, 32), dtype=np.int64)
+    mine = hosted + ([K] + ([K + 1] if s.validation is not None else []) if is_server else [])
+    for r in mine:
+        rows[r] = np.frombuffer(bytes.fromhex(sha256_file(paths[r])), dtype=np.uint8)
+    summed = np.zeros_like(rows)
+    comm.allreduce_sum(rows, summed, what="silo digest Allreduce")
+    roles = [f"client {k}" for k in range(K)] + ["test", "validation"]
+    return [(roles[r], os.path.abspath(str(paths[r])),
+             bytes(summed[r].astype(np.uint8)).hex()) for r in range(K + 2) if paths[r] is not None]

@@ -221,7 +221,7 @@ class Federation:
             self.failure = "; ".join(up.errors) or f"clients {failed.tolist()} failed"
             for k in failed:
                 self.recorder.event(t, int(self.host[k]), int(k),
-                                    f"local training failed: {self.failure}")
+                                    f"local training failed: {self.failure}", echo=False)
             self.evals.join(t, self.global_state, self.ctx, self.algo, self.channel)  # workers wait
             return
         t_agg = time.perf_counter()

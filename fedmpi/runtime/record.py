@@ -37,10 +37,13 @@ class RoundRecorder:
         self.after: Optional[Callable[[int, dict, dict], Optional[str]]] = None
         self.stop_request: Optional[str] = None
 
-    def event(self, t: int, rank: int, client: int, message: str) -> None:
+    def event(self, t: int, rank: int, client: int, message: str, echo: bool = True) -> None:
+        """Log an event (and print it, unless ``echo`` is False: a failure whose one
+        error line the driver prints)."""
         if self.writer is not None:
             self.writer.event(t, rank, client, message)
-        print(f"fedmpi: round {t}: client {client}: {message}", file=sys.stderr, flush=True)
+        if echo:
+            print(f"fedmpi: round {t}: client {client}: {message}", file=sys.stderr, flush=True)
 
     def row(self, up: Uplink, result: ServerResult, times: dict[str, float],
             bytes_up: int, bytes_down: int, arrays: dict) -> Row:
