@@ -61,9 +61,10 @@ import numpy as np
 import torch
 
 from .comm import CHUNK
-from .errors import ReportedElsewhere, UserError
+from .errors import ReportedElsewhere
 from .outputs import save_atomic  # noqa: F401 - the checkpoint writer (re-exported)
 from .rundir import check_same_run, fingerprint
+from .state_check import CheckpointError, check_checkpoint
 
 FORMAT = "fedmpi-checkpoint"
 VERSION = 3   # 2: ``checksum`` and ``fingerprint`` (issue 18); 3: named ``components`` (issue 23)
@@ -75,10 +76,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
 }
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-
-
-class CheckpointError(UserError):
-    """A checkpoint file is missing, truncated, corrupt or from another run."""
 
 
 # --------------------------------------------------------------------- bytes
@@ -453,6 +450,7 @@ def load_server_side(run: RunState, path: Path) -> Restored:
     if extra:
         raise CheckpointError(f"{path}: checkpoint holds state of components {extra} that this "
                               "run does not have")
+    check_checkpoint(ckpt, run.components, run.clients, D, Path(path))   # shape, finite, range
     run.global_state.copy_(g.to(run.device))
     for name, component in run.components.items():
         try:

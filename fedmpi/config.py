@@ -231,6 +231,12 @@ _FRAMEWORK: dict[str, Field] = {
     "runtime.checkpoint_every": Field(int, 0, "checkpoint every N rounds (0 = only at exit)",
                                       ge=0),
     "runtime.round_timeout": Field(float, 600.0, "abort if a round takes longer (seconds)", gt=0),
+    "runtime.setup_timeout": Field(float, 1800.0, "start-up limit (seconds): every rank must have "
+                                   "loaded its data and built its model by then, else the job "
+                                   "stops naming the slow rank", gt=0),
+    "runtime.max_rounds_without_update": Field(int, 10, "end the run as failed (exit 1) after this "
+                                               "many consecutive rounds in which no client update "
+                                               "was accepted (0 = never)", ge=0),
     "runtime.progress": Field(bool, True, "show a progress bar"),
     "runtime.reduction": Field(str, "default", "how the uplink sums reach rank 0: default = "
                                "summed on each worker, then over ranks (equal across world sizes "

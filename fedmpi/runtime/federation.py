@@ -94,6 +94,7 @@ class Federation:
         self.stop_reason: Optional[str] = None   # set by a signal (fedmpi.signals)
         self.checkpoint_round = 0                 # rounds < this are in the newest checkpoint
         self.failure: Optional[str] = None
+        self.rounds_without_update = 0            # runtime.max_rounds_without_update
 
     # ----------------------------------------------------------- accessors
     @property
@@ -248,7 +249,9 @@ class Federation:
                                 + EXCLUDED_BECAUSE.get(int(up.status[k]), "status " + str(up.status[k])))
         if result.accepted.size == 0:
             self.recorder.event(t, 0, -1, "no update accepted; global model unchanged")
-        elif not guard.global_model_finite(self, t):   # stop; the last checkpoint is kept
+        self.rounds_without_update = 0 if result.accepted.size else self.rounds_without_update + 1
+        guard.no_progress(self, t)   # too many such rounds in a row: the next header aborts
+        if result.accepted.size and not guard.global_model_finite(self, t):   # keep the last checkpoint
             self.evals.join(t, self.global_state, self.ctx, self.algo, self.channel)  # workers wait
             return
         overlapped = self.evals.overlaps(t)
