@@ -119,7 +119,8 @@ def run(config: ConfigSource, overrides: Sequence[str] = (), *,
     if comm is None:
         from .comm import Comm
 
-        comm = Comm(timeout=cfg.runtime.round_timeout)
+        comm = Comm(timeout=cfg.runtime.round_timeout,
+                    max_message_bytes=cfg.runtime.max_message_bytes)
     metrics = run_federation(cfg, out_dir, comm=comm, resume=resume, overwrite=overwrite,
                              code=code)
     return RunResult(metrics=metrics or {}, log_path=out_dir / "log.h5", out_dir=out_dir,

@@ -312,6 +312,10 @@ SCHEMA: dict[str, Field] = {
                                       ge=0),
     "runtime.round_timeout": Field(float, 600.0, "abort if a round takes longer (seconds)", gt=0),
     "runtime.progress": Field(bool, True, "show a progress bar"),
+    "runtime.max_message_bytes": Field(int | None, None, "largest MPI message in bytes; longer "
+                                       "buffers go in pieces (same result bit for bit); null = "
+                                       "2^30 elements per call, below MPI's 2^31 - 1 count limit",
+                                       ge=1),
     "runtime.reduction": Field(str, "default", "how the uplink sums reach rank 0: default = "
                                "summed on each worker, then over ranks (equal across world sizes "
                                "up to float rounding); exact = one row per client, summed in "

@@ -65,7 +65,8 @@ def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
 
 def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
          overwrite: bool = False, code: Optional[UserCode] = None) -> Optional[dict[str, float]]:
-    comm = comm or Comm(timeout=cfg.runtime.round_timeout)
+    comm = comm or Comm(timeout=cfg.runtime.round_timeout,
+                        max_message_bytes=cfg.runtime.max_message_bytes)
     if comm.rank == 0:
         for old, new in getattr(cfg, "renamed", ()):
             print(f"fedmpi: note: config key {old!r} is now {new!r}", file=sys.stderr, flush=True)
