@@ -210,3 +210,39 @@ def test_killed_node_ends_the_job_and_the_requeued_job_resumes_every_round_once(
     assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) >= 1, text
     assert "resuming this job's checkpoint" in text
     _rounds_once(out / "log.h5", 14)    # no round lost, none twice
+
+
+def _wrap(tmp_path: Path, node: str, *fedmpi_args: str) -> str:
+    """One fedmpi process as a 1-task job on ``node``."""
+    cmd = " ".join([sys.executable, "-m", "fedmpi", "run", *fedmpi_args])
+    proc = subprocess.run(["sbatch", "--parsable", f"--nodelist={node}", "--nodes=1",
+                           "--ntasks=1", "--cpus-per-task=1", "--time=10",
+                           f"--output={tmp_path}/slurm-%j.out", f"--wrap={cmd}"], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def test_a_live_run_on_another_host_is_never_overwritten(tmp_path):
+    """A run directory shared by the nodes: a run on fedmpi-n2 with --overwrite meets
+    the lock of the live run on fedmpi-n1 (another host, another UTS name) and exits
+    2 naming that host; the first run goes on untouched."""
+    out = tmp_path / "shared"
+    common = ["configs/quickstart.yaml", "--out", str(out), "--set", "train.rounds=200",
+              "--set", "train.local_epochs=3", "--set", "runtime.progress=false",
+              "--set", "runtime.threads=1"]
+    first = _wrap(tmp_path, "fedmpi-n1", *common)
+    _wait_rounds(out / "log.h5", first, 2, timeout=240)
+    second = _wrap(tmp_path, "fedmpi-n2", *common, "--overwrite")
+    info = _wait_end(second, 120)
+    text = _output(tmp_path, second)
+    assert info["ExitCode"] == "2:0", text
+    line, = [ln for ln in text.splitlines() if ln.startswith("fedmpi: error:")]
+    assert "another fedmpi run is writing here" in line and "on host fedmpi-n1" in line
+    assert _job(first).get("JobState") == "RUNNING"
+    subprocess.run(["scancel", first], check=True)       # SIGTERM: checkpoint and stop
+    _wait_end(first, 120)
+    log = read(out / "log.h5")
+    assert log.attrs["writer_host"] == "fedmpi-n1" and log.status == "interrupted"
+    assert log.rounds["round"].tolist() == list(range(log.num_rounds))
+    assert (out / "checkpoint.pt").exists()
