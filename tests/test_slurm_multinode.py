@@ -28,31 +28,12 @@ import pytest
 
 from conftest import ROOT, set_dotted
 from fedmpi.log import read
-from test_slurm_real import TERMINAL, _job, _output, _rounds_once, _wait_rounds
+from test_slurm_real import TERMINAL, _job, _output, _rounds_once, _wait_rounds, cluster_problem
 
 NODES = ["fedmpi-n1", "fedmpi-n2", "fedmpi-n3"]
 
 
-def _cluster_problem() -> str | None:
-    conf = os.environ.get("SLURM_CONF")
-    how = ("start one with `slurm/testing/local-cluster start --nodes 3 DIR` as root and "
-           "export SLURM_CONF=DIR/slurm.conf (.ci/run does both)")
-    if not conf or not Path(conf).is_file():
-        return f"no local 3-node test Slurm (SLURM_CONF unset): {how}"
-    text = Path(conf).read_text()
-    if not re.search(r"^ClusterName=fedmpi-ci\s*$", text, re.M) or not all(
-            re.search(rf"^NodeName={n} ", text, re.M) for n in NODES):
-        return f"SLURM_CONF={conf} is not the 3-node fedmpi-ci test cluster: {how}"
-    try:
-        ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"scontrol ping failed ({exc}): {how}"
-    if ping.returncode != 0 or "UP" not in ping.stdout:
-        return f"the test cluster of {conf} does not answer (scontrol ping): {how}"
-    return None
-
-
-_PROBLEM = _cluster_problem()
+_PROBLEM = cluster_problem(tuple(NODES))
 if _PROBLEM and os.environ.get("FEDMPI_REQUIRE_SLURM_NODES") == "1":
     raise RuntimeError(f"FEDMPI_REQUIRE_SLURM_NODES=1 but {_PROBLEM}")
 pytestmark = [pytest.mark.slurm, pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")]
