@@ -1,0 +1,1 @@
+"""Privacy: secure aggregation (:mod:`.secagg`)."""
