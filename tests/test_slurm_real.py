@@ -222,3 +222,19 @@ def test_plain_scancel_stops_for_good(tmp_path):
     assert log.status == "interrupted" and log.num_rounds < 40
     assert (out / "checkpoint.pt").exists()
     assert "not requeueing" in _output(tmp_path, job)
+
+
+def test_ten_minute_limit_with_the_templates_600_s_lead_completes(tmp_path):
+    """Issue 28's report: --time=00:10:00 under `#SBATCH --signal=B:USR1@600` signals the
+    job at once; it used to stop before round 0 and requeue forever. The wrapper warns,
+    ignores that one early signal (its own timer stops fedmpi 150 s before the end
+    instead), and the job completes without a restart."""
+    out = tmp_path / "run"
+    job = _sbatch(tmp_path, "fedmpi.sbatch", CFG, "--set", "train.rounds=3",
+                  env=_env(tmp_path, OUT=str(out)), opts=("--time=00:10:00",))
+    info = _wait_end(job)
+    text = _output(tmp_path, job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", text
+    assert "signal (600 s before the end) would arrive 0 s into" in text
+    assert "requeue" not in text
+    _rounds_once(out / "log.h5", 3)
