@@ -53,6 +53,7 @@ class FedDynParams:
 
 
 class FedDyn(Algorithm):
+    optimizers = ("sgd", "adam")   # alpha_k enters as coupled weight decay, not AdamW's
     name = "feddyn"
     params = {"feddyn": FedDynParams}
 

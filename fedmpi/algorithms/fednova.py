@@ -57,6 +57,7 @@ class FedNovaParams:
 
 
 class FedNova(Algorithm):
+    optimizers = ("sgd",)   # a_k normalises SGD steps (with momentum rho)
     name = "fednova"
     params = {"fednova": FedNovaParams}
 
