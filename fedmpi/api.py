@@ -185,6 +185,10 @@ def run_cli(config: ConfigSource, overrides: Sequence[str] = (), *,
         cfg = _record(cfg, key, obj)
     code = UserCode(model=model, data=data, algorithm=algorithm, weighting=weighting, rule=rule)
     out_dir = Path(out) if out else Path(cfg.runtime.out_dir) / cfg.name
+    if comm is None:
+        from .runtime.driver import comm_for
+
+        comm = comm_for(cfg)
     metrics = run_federation(cfg, out_dir, comm=comm, resume=resume, overwrite=overwrite,
                              code=code, callbacks=callbacks)
     return RunResult(metrics=metrics or {}, log_path=out_dir / "log.h5", out_dir=out_dir,
