@@ -28,7 +28,8 @@ import pytest
 
 from conftest import ROOT, set_dotted
 from fedmpi.log import read
-from test_slurm_real import TERMINAL, _job, _output, _rounds_once, _wait_rounds, cluster_problem
+from test_slurm_real import (_job, _output, _rounds_once, _wait_end, _wait_rounds,
+                             cluster_problem)
 
 NODES = ["fedmpi-n1", "fedmpi-n2", "fedmpi-n3"]
 
@@ -106,17 +107,6 @@ def _sbatch(tmp_path: Path, config: Path, out: Path, *args: str) -> str:
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().split(";")[0]
-
-
-def _wait_end(job: str, timeout: float) -> dict[str, str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = _job(job)
-        if info.get("JobState") in TERMINAL:
-            return info
-        time.sleep(1)
-    subprocess.run(["scancel", job])
-    raise AssertionError(f"job {job} did not end within {timeout} s: {_job(job)}")
 
 
 def _bridge_bytes() -> int:
