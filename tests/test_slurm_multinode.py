@@ -213,6 +213,9 @@ def test_a_live_run_on_another_host_is_never_overwritten(tmp_path):
     assert _job(first).get("JobState") == "RUNNING"
     subprocess.run(["scancel", first], check=True)       # SIGTERM: checkpoint and stop
     _wait_end(first, 120)
+    deadline = time.monotonic() + 60      # CANCELLED comes before the checkpoint is written
+    while read(out / "log.h5").status == "running" and time.monotonic() < deadline:
+        time.sleep(0.5)
     log = read(out / "log.h5")
     assert log.attrs["writer_host"] == "fedmpi-n1" and log.status == "interrupted"
     assert log.rounds["round"].tolist() == list(range(log.num_rounds))
