@@ -274,9 +274,12 @@ def _digests(cfg: Any, comm: Any, hosted: list[int], is_server: bool) -> list[tu
     s, K = cfg.data.silos, cfg.data.num_clients
     if s.path is None:
         return []
-    paths = [s.path.format(client=k) for k in range(K)] + [s.test, s.validation]
+    # the test and validation files only where rank 0 reads them (eval.where, FedVG)
+    test = s.test if cfg.eval.where != "clients" else None
+    validation = s.validation if _server_reads_validation(cfg) else None
+    paths = [s.path.format(client=k) for k in range(K)] + [test, validation]
     rows = np.zeros((K + 2, 32), dtype=np.int64)
-    mine = hosted + ([K] + ([K + 1] if s.validation is not None else []) if is_server else [])
+    mine = hosted + [r for r in (K, K + 1) if paths[r] is not None] if is_server else hosted
     for r in mine:
         rows[r] = np.frombuffer(bytes.fromhex(sha256_file(paths[r])), dtype=np.uint8)
     summed = np.zeros_like(rows)
