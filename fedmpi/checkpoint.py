@@ -10,6 +10,8 @@ same point of the run: "rounds 0 … r−1 are done". It holds
 * ``server_state``: :meth:`Algorithm.server_state` (optimizer moments, c, h …),
 * ``clients``: ``{client id: Algorithm.client_state(id)}`` for every client
   with a non-empty state (SCAFFOLD c_k, FedDyn h_k, FedGPS last Δ_k, …),
+* ``privacy``: the privacy accountant's counts (:mod:`fedmpi.privacy.accountant`),
+  only when ``privacy.dp.level`` is not ``none``,
 * ``rng``: torch / numpy / ``random`` states of rank 0, and identification
   (``format``, ``version``, ``algorithm``, ``num_clients``, ``state_size``,
   ``world_size``, ``config_yaml``).
@@ -346,6 +348,8 @@ def save(fed, round: int, path: Path) -> Optional[Path]:
         "clients": clients,
         "rng": _rng_state(),
     }
+    if fed.budget is not None:   # the privacy accountant's counts: resume reports the same ε
+        ckpt["privacy"] = {n: _to_cpu(v) for n, v in fed.budget.state_dict().items()}
     ckpt["checksum"] = digest(ckpt)
     save_atomic(ckpt, path)
     return path
@@ -386,6 +390,10 @@ def load_server_side(fed, path: Path) -> Restored:
         fed.algo.load_server_state({n: _to_device(v, fed.device)
                                     for n, v in ckpt["server_state"].items()})
         _set_rng_state(ckpt["rng"])
+        if fed.budget is not None:
+            if not isinstance(ckpt.get("privacy"), dict):
+                raise ValueError("no privacy accountant state (privacy.dp.level was 'none')")
+            fed.budget.load_state_dict(ckpt["privacy"])
     except Exception as exc:  # noqa: BLE001 - a state that does not fit this run
         raise CheckpointError(f"{path}: cannot restore server/RNG state "
                               f"({type(exc).__name__}: {exc})") from None

@@ -293,6 +293,27 @@ SCHEMA: dict[str, Field] = {
                             "the failure path)",
                             choices=("nan", "scale", "sign_flip", "label_flip", "crash")),
     "adversary.factor": Field(float, 10.0, "attack strength (scale factor)"),
+    # privacy (fedmpi/privacy): differential privacy with a dp-accounting accountant
+    "privacy.dp.level": Field(str, "none", "differential privacy: client = DP-FedAvg (each client's "
+                              "update clipped, Gaussian noise on the sum), record = DP-SGD inside "
+                              "each silo (per-sample clipping, Poisson batches)",
+                              choices=("none", "client", "record")),
+    "privacy.dp.noise": Field(str, "central", "client level: who adds the noise std sigma*C to the "
+                              "sum: rank 0 (central) or every participant a share (distributed)",
+                              choices=("central", "distributed")),
+    "privacy.dp.noise_multiplier": Field(float, 1.0, "sigma: noise std / clip norm (0 = clipping "
+                                         "only, epsilon infinite)", ge=0),
+    "privacy.dp.clip": Field(float, 1.0, "C: l2 clip norm of a client's update (client) or of a "
+                             "sample's gradient (record)", gt=0),
+    "privacy.dp.delta": Field(float, 1e-5, "delta at which epsilon is reported", gt=0, lt=1),
+    "privacy.dp.accountant": Field(str, "rdp", "dp-accounting accountant: rdp (Renyi DP) or pld "
+                                   "(privacy loss distributions; not for fixed-size client "
+                                   "sampling)", choices=("rdp", "pld")),
+    "privacy.target_epsilon": Field(float | None, None, "stop the run (status completed) before "
+                                    "the next round would take epsilon above this; null = no "
+                                    "budget", gt=0),
+    "privacy.secure_aggregation": Field(bool, False, "pairwise-masked uplink: rank 0 only sees "
+                                        "sums over >= 2 clients"),
     # evaluation
     "eval.every": Field(int, 1, "evaluate every N rounds", ge=1),
     "eval.batch_size": Field(int, 1024, "evaluation batch size", ge=1),
@@ -775,6 +796,8 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError("config key 'aggregation.fedvg.bf16' needs a CUDA scoring device "
                           "(runtime.device is 'cpu')")
 
+    _privacy_checks(cfg)
+
     agg, val = cfg.aggregation, cfg.data.validation
     if (agg.weighting in ("fedvg", "fedvg_avg") and agg.fedvg.norm != "delta"
             and part.method == "silos" and val.source == "holdout"
@@ -788,6 +811,29 @@ def _cross_checks(cfg: Config) -> None:
             f"config key 'data.validation.fraction' must be > 0 for aggregation.weighting "
             f"{agg.weighting!r} (FedVG scores on a server validation set), or set "
             "data.validation.source to an external dataset")
+
+
+def _privacy_checks(cfg: Config) -> None:
+    """``privacy.*`` against the rest (docs/privacy.md says why each pair is refused)."""
+    p = cfg.privacy
+    level = p.dp.level
+    if p.secure_aggregation:
+        raise ConfigError("config key 'privacy.secure_aggregation' is not implemented yet in this "
+                          "version")
+    if level == "none":
+        if p.target_epsilon is not None:
+            raise ConfigError("config key 'privacy.target_epsilon' needs privacy.dp.level client or "
+                              "record (privacy.dp.level is 'none': no epsilon to budget)")
+        return
+    if level == "client" and cfg.aggregation.weighting != "uniform":
+        raise ConfigError(f"config key 'aggregation.weighting' must be 'uniform' with "
+                          f"privacy.dp.level 'client' (DP-FedAvg's fixed-denominator mean), got "
+                          f"{cfg.aggregation.weighting!r}")
+    m = cfg.train.clients_per_round or cfg.data.num_clients
+    if level == "client" and p.dp.accountant == "pld" and m < cfg.data.num_clients:
+        raise ConfigError("config key 'privacy.dp.accountant': 'pld' has no fixed-size (without "
+                          "replacement) sampling; use 'rdp' with train.clients_per_round "
+                          f"{m} < data.num_clients {cfg.data.num_clients}")
 
 
 def _resolve_renamed(given: dict[str, Any]) -> list[tuple[str, str]]:

@@ -43,9 +43,17 @@ _BUILTIN_METHODS = (FedAvg, FedAvgM, FedAdam, FedYogi, FedProx, Scaffold, FedDyn
 for _cls in _BUILTIN_METHODS:
     register_method(_cls)
 
+def _client_clip(cfg) -> UpdateTransform:
+    from ..privacy.dp import ClientClip   # privacy.dp builds on this package's transforms
+
+    return ClientClip(cfg)
+
+
 # Update transforms, applied in this order (ECGR first: an adversary corrupts the real upload).
 register_transform("ecgr", lambda cfg: bool(cfg.ecgr.enabled), EcgrTransform)
 register_transform("adversary", lambda cfg: bool(cfg.adversary.clients), Adversary.from_config)
+# Client-level DP clips (and, distributed, noises) the final upload: always the last built-in.
+register_transform("dp", lambda cfg: cfg.privacy.dp.level == "client", _client_clip)
 
 
 def algorithm_class(cfg) -> type[Algorithm]:

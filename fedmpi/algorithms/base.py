@@ -35,6 +35,7 @@ import torch
 from ..flat import FlatModel
 from ..imports import method_params
 from ..params import load_group
+from ..privacy.dpsgd import RecordDP
 from ..train import LocalTrainer, SGDConfig, StepHooks, TrainResult, step_decay_lr
 from .transforms import TransformChain
 
@@ -76,10 +77,11 @@ class RoundInfo:
 
 
 def sgd_config(cfg) -> SGDConfig:
-    t = cfg.train
+    t, d = cfg.train, cfg.privacy.dp
+    dp = RecordDP(d.clip, d.noise_multiplier) if d.level == "record" else None
     return SGDConfig(lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay,
                      grad_clip=t.grad_clip, batch_size=t.batch_size,
-                     local_epochs=t.local_epochs, local_steps=t.local_steps)
+                     local_epochs=t.local_epochs, local_steps=t.local_steps, dp=dp)
 
 
 class ClientVectors(dict):
@@ -119,6 +121,10 @@ class Algorithm:
     #: method given by import path uses the block ``"params"`` (``algorithm.params``)
     params: ClassVar[dict[str, type]] = {}
     default_server_lr = 1.0
+    #: the local step is plain SGD on the cross-entropy, and nothing else is computed
+    #: from local data: record-level DP (DP-SGD) may replace its gradient. Opt-in; the
+    #: methods that set it are listed in docs/privacy.md.
+    record_dp: ClassVar[bool] = False
 
     def __init__(self, cfg, layout: FlatModel, num_clients: int) -> None:
         self.cfg = cfg

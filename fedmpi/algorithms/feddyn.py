@@ -54,6 +54,7 @@ class FedDynParams:
 
 class FedDyn(Algorithm):
     name = "feddyn"
+    record_dp = True   # plain SGD local step (docs/privacy.md)
     params = {"feddyn": FedDynParams}
 
     def __init__(self, cfg, layout, num_clients: int) -> None:

@@ -58,6 +58,7 @@ class FedNovaParams:
 
 class FedNova(Algorithm):
     name = "fednova"
+    record_dp = True   # plain SGD local step (docs/privacy.md)
     params = {"fednova": FedNovaParams}
 
     def uplink_stats(self) -> list[Stat]:

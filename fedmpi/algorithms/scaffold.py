@@ -57,6 +57,7 @@ class ScaffoldParams:
 
 class Scaffold(Algorithm):
     name = "scaffold"
+    record_dp = True   # plain SGD local step (docs/privacy.md)
     params = {"scaffold": ScaffoldParams}
 
     def __init__(self, cfg, layout, num_clients: int) -> None:

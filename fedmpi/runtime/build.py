@@ -27,6 +27,7 @@ from ..flat import FlatModel
 from ..imports import UserCode
 from ..models import build_model, model_spec
 from ..placement import gpu_for_local_rank, threads_per_rank
+from ..privacy.policy import check_build as check_privacy
 from .evaluation import test_state
 
 
@@ -144,6 +145,7 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
     start(weighting, ctx)
     transforms.setup(ctx)
     stats = algo.uplink_stats() + transforms.stats()
+    check_privacy(cfg, algo, stats, flat.model)
     if weighting.per_client and not any(s.name == "delta" and s.combine == "weighted" for s in stats):
         raise ConfigError(f"config key 'aggregation.weighting': {weighting.name!r} needs the 'delta' "
                           f"uplink of algorithm {cfg.algorithm.name!r} as a weighted statistic")

@@ -25,12 +25,15 @@ This is where a round's weights are computed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 import torch
 
 from ..algorithms import Algorithm, RoundInfo, Stat, Weighting
+
+if TYPE_CHECKING:
+    from ..privacy.dp import ServerNoise
 
 STATUS_IDLE, STATUS_OK, STATUS_NONFINITE, STATUS_FAILED = 0, 1, 2, 3
 META_FIELDS = ("status", "raw_weight", "loss_sum", "samples_seen", "steps", "train_seconds")
@@ -160,17 +163,21 @@ class ServerResult:
     excluded: np.ndarray                 # ids of participants left out (non-finite)
     weights: np.ndarray                  # [K]: s_k, 0 for excluded, NaN for non-participants
     client_arrays: dict[str, np.ndarray]  # "client" statistics [K, size] for the log
+    events: list[str] = field(default_factory=list)   # notes for the log (DP noise top-up)
 
 
 def server_step(state: torch.Tensor, up: Uplink, algo: Algorithm, weighting: Weighting,
                 stats: list[Stat], num_samples: np.ndarray,
                 out: Optional[dict[str, torch.Tensor]] = None,
-                sums: Optional[dict[str, torch.Tensor]] = None) -> ServerResult:
+                sums: Optional[dict[str, torch.Tensor]] = None,
+                dp_noise: Optional[ServerNoise] = None) -> ServerResult:
     """Exclusion, weights, combination and the method's server rule (module docstring).
 
     ``state`` is θ (parameters and float buffers) and is updated in place.
     ``out`` may hold preallocated float32 buffers for the summed statistics and
     ``sums`` float64 ones for :func:`ordered_sum` (no model-sized allocation per round).
+    ``dp_noise`` (client-level DP): the Gaussian noise and fixed denominator of DP-FedAvg
+    on the ``delta`` mean, before the method's server rule (:mod:`fedmpi.privacy.dp`).
     """
     K = up.mask.shape[0]
     status = up.status
@@ -213,9 +220,13 @@ def server_step(state: torch.Tensor, up: Uplink, algo: Algorithm, weighting: Wei
             buf = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         torch.div(v, total_raw if kinds[name].combine == "weighted" else 1.0, out=buf)
         agg[name] = buf
+    events = []
+    if dp_noise is not None:
+        note = dp_noise.apply(agg["delta"], up.round, int(up.mask.sum()), int(accepted.size))
+        events += [note] if note else []
     info = RoundInfo(round=up.round, clients=accepted, weights=s, num_samples=num_samples[accepted],
                      steps=up.meta[accepted, M_STEPS], num_clients=K,
                      num_selected=int(up.mask.sum()))
     algo.server_update(state, agg, info)
     weights[accepted] = s
-    return ServerResult(accepted, excluded, weights, client_arrays)
+    return ServerResult(accepted, excluded, weights, client_arrays, events)
