@@ -152,8 +152,6 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
     if status == "interrupted":
         print(guard.interrupted_message(fed, t, out), file=sys.stderr, flush=True)
         raise SystemExit(signals.EXIT_INTERRUPTED)
-    if fed.finished_early:
-        print(f"fedmpi: note: {fed.finished_early}", file=sys.stderr, flush=True)
     names = ("test_accuracy", *metrics.extra_names(cfg.eval.metrics))
     final: dict = next((h for h in reversed(fed.history) if not np.isnan(h["test_accuracy"])), {})
     out = {n: float(final.get(n, float("nan"))) for n in names}
