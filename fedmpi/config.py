@@ -160,9 +160,13 @@ METRIC_NAMES = ("accuracy", "balanced_accuracy", "macro_f1", "auroc")
 
 
 def _live_names(registry: str) -> tuple[str, ...]:
-    """Names registered now in the method or weighting registry."""
+    """Names registered now in the method, weighting or rule registry."""
     if registry == "algorithm":
         return tuple(_registry())
+    if registry == "rule":
+        from .algorithms.rules import RULES
+
+        return tuple(RULES)
     from .algorithms import WEIGHTINGS
 
     return tuple(WEIGHTINGS)
@@ -266,6 +270,11 @@ SCHEMA: dict[str, Field] = {
                                    "pkg.module:Class (a Weighting subclass)",
                                    choices=("samples", "uniform", "fedvg", "fedvg_avg"), **_IMPORT,
                                    registry="weighting"),
+    "aggregation.rule": Field(str, "mean", "server-side aggregation rule (fedmpi.algorithms.rules), "
+                              "or pkg.module:Class (a ServerRule subclass)", choices=("mean",),
+                              **_IMPORT, registry="rule"),
+    "aggregation.params": Field(dict, {}, "parameters of a user rule (pkg.module:Class), checked "
+                                "against its params['params'] dataclass"),
     "aggregation.fedvg.norm": Field(str, "l1", "FedVG gradient norm",
                                     choices=("l1", "l2", "spectral", "delta")),
     "aggregation.fedvg.granularity": Field(str, "model", "FedVG weight per model/layer/block",
@@ -385,11 +394,29 @@ def renamed_to(old_key: str) -> list[str]:
     return list(_RENAMED.get(old_key, ()))
 
 
+def _rule_fields() -> dict[str, Field]:
+    """``aggregation.<rule>.*`` keys from the server rules' parameter dataclasses."""
+    from .algorithms.rules import RULES
+    from .params import group_fields
+
+    out: dict[str, Field] = {}
+    for cls in RULES.values():
+        for group, params_cls in cls.params.items():
+            for name, tp, default, meta in group_fields(params_cls):
+                out.setdefault(f"aggregation.{group}.{name}",
+                               Field(tp, default, meta["help"], choices=meta["choices"],
+                                     ge=meta["ge"], gt=meta["gt"], le=meta["le"], lt=meta["lt"]))
+    return out
+
+
 def _with_method_fields(schema: dict[str, Field]) -> dict[str, Field]:
     keys = list(schema)
     at = keys.index("algorithm.server_lr") + 1
     methods = _method_fields()
-    return {**{k: schema[k] for k in keys[:at]}, **methods, **{k: schema[k] for k in keys[at:]}}
+    out = {**{k: schema[k] for k in keys[:at]}, **methods, **{k: schema[k] for k in keys[at:]}}
+    keys = list(out)
+    at = keys.index("aggregation.params") + 1
+    return {**{k: out[k] for k in keys[:at]}, **_rule_fields(), **{k: out[k] for k in keys[at:]}}
 
 
 SCHEMA = _with_method_fields(SCHEMA)
@@ -831,6 +858,10 @@ def _privacy_checks(cfg: Config) -> None:
         raise ConfigError(f"config key 'aggregation.weighting' must be 'uniform' with "
                           f"privacy.dp.level 'client' (DP-FedAvg's fixed-denominator mean), got "
                           f"{cfg.aggregation.weighting!r}")
+    if level == "client" and cfg.aggregation.rule != "mean":
+        raise ConfigError(f"config key 'aggregation.rule' must be 'mean' with privacy.dp.level "
+                          f"'client' (the noise is calibrated to the mean of clipped updates), got "
+                          f"{cfg.aggregation.rule!r}")
     m = cfg.train.clients_per_round or cfg.data.num_clients
     if level == "client" and p.dp.accountant == "pld" and m < cfg.data.num_clients:
         raise ConfigError("config key 'privacy.dp.accountant': 'pld' has no fixed-size (without "

@@ -11,6 +11,8 @@ Four config keys accept an import path instead of a built-in name:
                             parameters come from ``algorithm.params``, checked against the
                             class's ``Params`` dataclass (:func:`method_params`)
 ``aggregation.weighting``   a subclass of :class:`fedmpi.algorithms.Weighting`
+``aggregation.rule``        a subclass of :class:`fedmpi.algorithms.ServerRule`; its
+                            parameters come from ``aggregation.params``
 ``data.silos.loader``       a callable ``(client) -> (x, y)`` (:mod:`fedmpi.data.silos`)
 ==========================  ==============================================================
 
@@ -36,7 +38,7 @@ from typing import Any, Callable, Optional
 from .errors import ConfigError
 
 __all__ = ["UserCode", "is_import_path", "resolve", "model_factory", "dataset_factory",
-           "algorithm_class", "weighting_class", "silo_loader", "method_params", "check_config_paths",
+           "algorithm_class", "weighting_class", "rule_class", "silo_loader", "method_params", "check_config_paths",
            "path_of"]
 
 _PATTERN = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
@@ -172,6 +174,13 @@ def weighting_class(obj: Any, key: str = "aggregation.weighting") -> type:
     return _subclass(obj, Weighting, key, "a subclass of fedmpi.algorithms.Weighting")
 
 
+def rule_class(obj: Any, key: str = "aggregation.rule") -> type:
+    """A subclass of :class:`fedmpi.algorithms.ServerRule` (from a path or the class)."""
+    from .algorithms.rules import ServerRule
+
+    return _subclass(obj, ServerRule, key, "a subclass of fedmpi.algorithms.ServerRule")
+
+
 def transform_class(obj: Any, key: str = "transforms") -> type:
     """A subclass of :class:`fedmpi.algorithms.UpdateTransform` (from a path or the class);
     it is constructed with the run's config."""
@@ -241,14 +250,16 @@ class UserCode:
     ``nn.Module`` class); ``data``: a :class:`~fedmpi.data.Dataset`, a
     ``(train, test)`` pair or a zero-argument callable returning either;
     ``algorithm``: an :class:`~fedmpi.algorithms.Algorithm` subclass;
-    ``weighting``: a :class:`~fedmpi.algorithms.Weighting` subclass. None: the
-    config's name. Every rank must be given the same objects.
+    ``weighting``: a :class:`~fedmpi.algorithms.Weighting` subclass; ``rule``: a
+    :class:`~fedmpi.algorithms.ServerRule` subclass. None: the config's name.
+    Every rank must be given the same objects.
     """
 
     model: Optional[Callable[..., Any]] = None
     data: Any = None
     algorithm: Optional[type] = None
     weighting: Optional[type] = None
+    rule: Optional[type] = None
 
     def algorithm_class(self, cfg: Any) -> Any:
         """The method class: the one given, else ``algorithm.name``'s."""
@@ -266,6 +277,14 @@ class UserCode:
 
         return build_weighting(cfg.aggregation.weighting, num_samples)
 
+    def rule_class(self, cfg: Any) -> type:
+        """The server rule's class: the one given, else ``aggregation.rule``'s."""
+        if self.rule is not None:
+            return rule_class(self.rule)
+        from .algorithms.rules import rule_class_for
+
+        return rule_class_for(cfg.aggregation.rule)
+
 
 def path_of(obj: Any) -> Optional[str]:
     """``"module:qualname"`` of ``obj`` if importing it by that path gives ``obj`` back
@@ -281,6 +300,22 @@ def path_of(obj: Any) -> Optional[str]:
 
 
 # --------------------------------------------------------------- fedmpi check
+def check_rule(cfg: Any, rule_cls: Any, algo_cls: Any) -> None:
+    """The server rule's parameters and cross-key rules, and that it can combine the
+    method's update: a per-client rule needs the model update Δ_k as a *weighted*
+    statistic, which the submodel family's coverage averaging is not."""
+    if is_import_path(cfg.aggregation.rule):
+        method_params(rule_cls, cfg.aggregation.params, "aggregation.params")
+    elif cfg.aggregation.params:
+        raise ConfigError("config key 'aggregation.params' is for a rule given by import path; "
+                          f"{cfg.aggregation.rule!r} takes its parameters from its own keys")
+    if rule_cls.per_client and not algo_cls.weighted_update:
+        raise ConfigError(f"config keys 'aggregation.rule' and 'algorithm.name': rule "
+                          f"{cfg.aggregation.rule!r} combines per-client weighted updates; method "
+                          f"{cfg.algorithm.name!r} aggregates its update otherwise (coverage sums)")
+    rule_cls.check(cfg)
+
+
 def check_config_paths(cfg: Any) -> None:
     """Resolve and check every import path of ``cfg`` (``fedmpi check``); raises ConfigError."""
     if is_import_path(cfg.model.name):
@@ -291,6 +326,7 @@ def check_config_paths(cfg: Any) -> None:
         silo_loader(cfg.data.silos.loader)
     if is_import_path(cfg.aggregation.weighting):
         weighting_class(cfg.aggregation.weighting)
+    check_rule(cfg, UserCode().rule_class(cfg), UserCode().algorithm_class(cfg))
     for i, path in enumerate(cfg.transforms):
         transform_class(path, f"transforms[{i}]")
     if is_import_path(cfg.algorithm.name):

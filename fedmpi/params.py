@@ -35,7 +35,8 @@ def group_fields(params_cls: type) -> Iterable[tuple[str, Any, Any, dict]]:
         yield f.name, hints[f.name], f.default, dict(f.metadata)
 
 
-def load_group(cfg, group: str, params_cls: type) -> Any:
-    """The typed parameters of block ``algorithm.<group>`` of a validated config."""
-    section = cfg.get(f"algorithm.{group}")
-    return params_cls(**{name: section.get(name) for name, *_ in group_fields(params_cls)})
+def load_group(cfg, group: str, params_cls: type, section: str = "algorithm") -> Any:
+    """The typed parameters of block ``<section>.<group>`` of a validated config
+    (``algorithm.<method>``, ``aggregation.<rule>``)."""
+    block = cfg.get(f"{section}.{group}")
+    return params_cls(**{name: block.get(name) for name, *_ in group_fields(params_cls)})

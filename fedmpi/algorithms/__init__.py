@@ -26,6 +26,7 @@ from .fiarse import FIARSE
 from .heterofl import HeteroFL
 from .scaffold import Scaffold
 from .scalefl import ScaleFL
+from .rules import RULES, RuleInfo, ServerRule, build_rule, register_rule
 from .transforms import TRANSFORMS, TransformChain, UpdateTransform, build_transforms, register_transform
 from .weighting import WEIGHTINGS, Weighting, build_weighting, register_weighting
 
@@ -74,7 +75,7 @@ def build_algorithm(cfg, layout, num_clients: int) -> Algorithm:
     return algorithm_class(cfg)(cfg, layout, num_clients)
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "ClientTask", "RoundInfo", "Stat", "TRANSFORMS", "TransformChain",
-           "UpdateTransform", "WEIGHTINGS", "Weighting", "algorithm_class", "build_algorithm",
-           "build_transforms", "build_weighting", "register_method", "register_transform",
-           "register_weighting", "start"]
+__all__ = ["ALGORITHMS", "Algorithm", "ClientTask", "RULES", "RoundInfo", "RuleInfo", "ServerRule",
+           "Stat", "TRANSFORMS", "TransformChain", "UpdateTransform", "WEIGHTINGS", "Weighting",
+           "algorithm_class", "build_algorithm", "build_rule", "build_transforms", "build_weighting",
+           "register_method", "register_rule", "register_transform", "register_weighting", "start"]

@@ -120,6 +120,10 @@ class Algorithm:
     #: ``algorithm.fedprox.*`` from that frozen dataclass (:mod:`fedmpi.params`); a
     #: method given by import path uses the block ``"params"`` (``algorithm.params``)
     params: ClassVar[dict[str, type]] = {}
+    #: the model update Δ_k is a ``weighted`` uplink statistic, so a per-client server
+    #: rule (``aggregation.rule``) can combine it; False for methods that aggregate it
+    #: otherwise (the submodel family's coverage sums)
+    weighted_update: ClassVar[bool] = True
     default_server_lr = 1.0
     #: the local step is plain SGD on the cross-entropy, and nothing else is computed
     #: from local data: record-level DP (DP-SGD) may replace its gradient. Opt-in; the

@@ -422,6 +422,8 @@ class SubmodelMethod(Algorithm):
     set; the run's ``test_accuracy``/``test_loss`` are the means over levels.
     """
 
+    weighted_update = False   # coverage averaging sums masked updates (a `sum` statistic)
+
     rule = "layer_adaptive"
     params: ClassVar[dict[str, type]] = {"submodel": SubmodelParams, "fedlagc": FedLAGCParams}
     use_ste = False

@@ -5,7 +5,7 @@ partition, the initial model from the seed, the client placement), so no
 message is needed to agree on it. The result is a :class:`Built` record and
 the :class:`~fedmpi.context.Context` that methods, the weighting and the
 update transforms receive in their ``setup`` — in this order: method,
-weighting, transforms; then the uplink statistics are planned.
+weighting, transforms, server rule; then the uplink statistics are planned.
 """
 from __future__ import annotations
 
@@ -17,14 +17,15 @@ import numpy as np
 import torch
 
 from ..accel import Accel, set_deterministic
-from ..algorithms import Algorithm, Stat, TransformChain, Weighting, build_transforms, start
+from ..algorithms import (Algorithm, ServerRule, Stat, TransformChain, Weighting, build_rule,
+                          build_transforms, start)
 from ..comm import Comm
 from ..config import Config
 from ..context import Context, LogSink
 from ..data import Dataset, Partition, build_local
 from ..errors import ConfigError
 from ..flat import FlatModel
-from ..imports import UserCode
+from ..imports import UserCode, check_rule
 from ..models import build_model, model_spec
 from ..placement import gpu_for_local_rank, threads_per_rank
 from ..privacy.policy import check_build as check_privacy
@@ -79,11 +80,18 @@ class Built:
     algo: Algorithm
     weighting: Weighting
     transforms: TransformChain
+    rule: ServerRule
     host: np.ndarray             # rank of each client
     hosted: list[int]            # clients of this rank
     ctx: Context
     log: LogSink
     stats: list[Stat]            # the method's uplink statistics, then the transforms'
+
+    @property
+    def rows_needed(self) -> bool:
+        """Weighted statistics reach rank 0 as per-client rows (FedVG's weighting, a
+        per-client server rule) instead of the workers' pre-reduced sums."""
+        return self.weighting.per_client or self.rule.per_client
 
 
 def setup_process(cfg: Config, comm: Comm) -> torch.device:
@@ -124,6 +132,9 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
     algo = algo_class(cfg, flat, K)
     weighting = code.build_weighting(cfg, num_samples)
     transforms = build_transforms(cfg)
+    rule_cls = code.rule_class(cfg)
+    check_rule(cfg, rule_cls, algo_class)
+    rule = build_rule(cfg, rule_cls)
     log = LogSink(enabled=rank == 0)
 
     def broadcast(buf: np.ndarray, what: str = "method Bcast") -> None:
@@ -144,10 +155,13 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
     start(algo, ctx)
     start(weighting, ctx)
     transforms.setup(ctx)
+    start(rule, ctx)
     stats = algo.uplink_stats() + transforms.stats()
     check_privacy(cfg, algo, stats, flat.model)
-    if weighting.per_client and not any(s.name == "delta" and s.combine == "weighted" for s in stats):
-        raise ConfigError(f"config key 'aggregation.weighting': {weighting.name!r} needs the 'delta' "
-                          f"uplink of algorithm {cfg.algorithm.name!r} as a weighted statistic")
+    if not any(s.name == "delta" and s.combine == "weighted" for s in stats):
+        for key, part in (("aggregation.weighting", weighting), ("aggregation.rule", rule)):
+            if part.per_client:
+                raise ConfigError(f"config key {key!r}: {part.name!r} needs the 'delta' uplink of "
+                                  f"algorithm {cfg.algorithm.name!r} as a weighted statistic")
     return Built(cfg, rank, size, device, data, partition, num_samples, flat, accel, forward, algo,
-                 weighting, transforms, host, hosted, ctx, log, stats)
+                 weighting, transforms, rule, host, hosted, ctx, log, stats)

@@ -51,11 +51,12 @@ class Federation:
         self.ctx, self.device, self.data, self.partition = b.ctx, b.device, b.data, b.partition
         self.flat, self.accel, self.forward = b.flat, b.accel, b.forward
         self.algo, self.weighting, self.transforms, self.stats = b.algo, b.weighting, b.transforms, b.stats
+        self.rule = b.rule
         self.num_samples, self.host, self.my_clients = b.num_samples, b.host, b.hosted
         self.K, self.D = cfg.data.num_clients, self.flat.size
         self.m = cfg.train.clients_per_round or self.K
         exact = cfg.runtime.reduction == "exact" and self.size > 1
-        self.uplink_plan = plan_uplink(self.stats, self.weighting.per_client, exact)
+        self.uplink_plan = plan_uplink(self.stats, b.rows_needed, exact)
         self.channel = Channel(comm, self.uplink_plan, self.D, self.algo.downlink_size(), self.K,
                                max_local=min(self.m, len(self.my_clients)), max_rows=self.m,
                                host=self.host, device=self.device)
@@ -71,7 +72,7 @@ class Federation:
                              self.trainer, self.client_idx, self.scratch, self.device)
         self.evals = Evaluation(cfg, self.rank, self.size, self.algo.owns_evaluation)
         self.recorder = RoundRecorder(self.host, self.size)
-        summed = [s for s in self.stats if is_summed(s, self.weighting.per_client)]
+        summed = [s for s in self.stats if is_summed(s, b.rows_needed)]
         self.agg_bufs = ({s.name: torch.zeros(s.size, device=self.device)
                           for s in summed} if self.is_server else {})
         self.sum_bufs = ({s.name: torch.zeros(s.size, dtype=torch.float64, device=self.device)
@@ -226,7 +227,8 @@ class Federation:
             return
         t_agg = time.perf_counter()
         result = server_step(self.global_state, up, self.algo, self.weighting, self.stats,
-                             self.num_samples, self.agg_bufs, self.sum_bufs, self.dp_noise)
+                             self.num_samples, self.agg_bufs, self.sum_bufs, rule=self.rule,
+                             dp_noise=self.dp_noise)
         for note in result.events:
             self.recorder.event(t, 0, -1, note)
         for k in result.excluded:
@@ -242,7 +244,8 @@ class Federation:
         evals = self.evals.none() if overlapped else self._evaluate(t)
         t_end = t_eval if overlapped else time.perf_counter()
         sel = [int(k) for k in np.flatnonzero(up.mask)]
-        arrays = {**self.algo.log_arrays(), **self.weighting.log_arrays(), **self.transforms.log_arrays()}
+        arrays = {**self.algo.log_arrays(), **self.weighting.log_arrays(), **self.transforms.log_arrays(),
+                  **self.rule.log_arrays()}
         row = self.recorder.row(up, result, {"start": t_start, "agg": t_agg, "eval": t_eval,
                                              "end": t_end, "arrival": self.channel.exposed_arrival_seconds},
                                 sum(self.algo.uplink_bytes(k, t) for k in sel),

@@ -9,9 +9,12 @@ No MPI and no dataset here: :func:`server_step` takes the round's
    (``samples``: n_k/Σn, ``uniform``: 1/|S|) from the raw weights w̃_k the
    workers sent, s_k = w̃_k / Σ_{j accepted} w̃_j; per-client weightings (FedVG)
    from the clients' rows;
-3. **combines** every statistic: weighted ones as Σ_k s_k x_k — for reducible
-   weightings that is the float64 Σ_k w̃_k x_k divided by Σ w̃_k, for
-   per-client ones :meth:`Weighting.combine` of the rows —, ``sum`` ones as
+3. **combines** every statistic: weighted ones by the server rule
+   (``aggregation.rule``, :mod:`fedmpi.algorithms.rules`): a per-client rule
+   (robust aggregation) gets the accepted clients' rows and s_k and returns the
+   aggregate; the default ``mean`` is Σ_k s_k x_k — for reducible weightings the
+   float64 Σ_k w̃_k x_k divided by Σ w̃_k, for per-client ones
+   :meth:`Weighting.combine` of the rows —; ``sum`` ones as
    Σ_k x_k, ``client`` ones as a [K, size] array with NaN rows for
    non-participants. The float64 sums arrive pre-summed by the workers
    (``runtime.reduction: default``) or as per-client rows that
@@ -30,7 +33,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import numpy as np
 import torch
 
-from ..algorithms import Algorithm, RoundInfo, Stat, Weighting
+from ..algorithms import Algorithm, RoundInfo, RuleInfo, ServerRule, Stat, Weighting
 
 if TYPE_CHECKING:
     from ..privacy.dp import ServerNoise
@@ -170,10 +173,12 @@ def server_step(state: torch.Tensor, up: Uplink, algo: Algorithm, weighting: Wei
                 stats: list[Stat], num_samples: np.ndarray,
                 out: Optional[dict[str, torch.Tensor]] = None,
                 sums: Optional[dict[str, torch.Tensor]] = None,
+                rule: Optional[ServerRule] = None,
                 dp_noise: Optional[ServerNoise] = None) -> ServerResult:
     """Exclusion, weights, combination and the method's server rule (module docstring).
 
-    ``state`` is θ (parameters and float buffers) and is updated in place.
+    ``state`` is θ (parameters and float buffers) and is updated in place; ``rule``
+    is the ``aggregation.rule`` component (None: ``mean``).
     ``out`` may hold preallocated float32 buffers for the summed statistics and
     ``sums`` float64 ones for :func:`ordered_sum` (no model-sized allocation per round).
     ``dp_noise`` (client-level DP): the Gaussian noise and fixed denominator of DP-FedAvg
@@ -200,18 +205,26 @@ def server_step(state: torch.Tensor, up: Uplink, algo: Algorithm, weighting: Wei
         return ServerResult(accepted, excluded, weights, client_arrays)
 
     raw = up.meta[accepted, M_RAW]
+    per_client_rule = rule is not None and rule.per_client
+    rows_needed = weighting.per_client or per_client_rule
+    acc_rows = up.rows_of(accepted) if rows_needed else {}
     if weighting.per_client:
-        acc_rows = up.rows_of(accepted)
         s = np.asarray(weighting.weights(state, accepted, acc_rows), dtype=np.float64)
-        for name, x in acc_rows.items():
-            if kinds[name].combine == "weighted":
-                agg[name] = weighting.combine(s, x)
     else:
         s = raw / raw.sum()
+    weighted_rows = {n: x for n, x in acc_rows.items() if kinds[n].combine == "weighted"}
+    if per_client_rule:
+        assert rule is not None
+        agg.update(rule.aggregate(weighted_rows, RuleInfo(
+            round=up.round, clients=accepted, weights=s, num_samples=num_samples[accepted],
+            num_clients=K, state=state)))
+    else:
+        for name, x in weighted_rows.items():
+            agg[name] = weighting.combine(s, x)
     total_raw = raw.sum()
     summed = dict(up.reduced)
     for name in up.rows:   # exact reduction: the sums nobody has added up yet
-        if is_summed(kinds[name], weighting.per_client) and name not in summed:
+        if is_summed(kinds[name], rows_needed) and name not in summed:
             summed[name] = ordered_sum(up, name, accepted, kinds[name].combine == "weighted",
                                        sums.get(name) if sums else None)
     for name, v in summed.items():
