@@ -14,7 +14,7 @@ import torch
 dp_accounting = pytest.importorskip("dp_accounting")
 from dp_accounting import pld, rdp  # noqa: E402
 
-from conftest import TEST_DEVICE  # noqa: E402
+from conftest import TEST_DEVICE, set_dotted  # noqa: E402
 import fedmpi  # noqa: E402
 from fedmpi.cli import main as fedmpi_main  # noqa: E402
 from fedmpi.config import config_from_dict  # noqa: E402
@@ -37,13 +37,7 @@ def small(**over) -> dict:
          "privacy": {"dp": {"level": "client", "noise_multiplier": SIGMA, "clip": CLIP,
                             "delta": DELTA}},
          "runtime": {"progress": False, "threads": 1, "device": TEST_DEVICE}}
-    for key, value in over.items():
-        node = d
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return d
+    return set_dotted(d, over)
 
 
 def run(out: Path, **over):
@@ -63,6 +57,13 @@ def test_client_level_epsilon_is_dp_accountings_fixed_size_sampling(tmp_path):
         assert eps[r] == pytest.approx(acc.get_epsilon(DELTA), rel=1e-12)
     assert metrics["epsilon"] == pytest.approx(eps[-1], rel=1e-12)
     assert np.all(np.diff(eps) > 0)
+    # shown by report and compare
+    from fedmpi.compare import compare
+    from fedmpi.report import summary_markdown
+
+    assert f"| {eps[-1]:.4g} after round 2" in summary_markdown(read(tmp_path / "c" / "log.h5"))
+    table = compare([tmp_path / "c" / "log.h5"]).markdown()
+    assert "| ε |" in table and f"| {eps[-1]:.3g} |" in table
 
 
 @pytest.mark.parametrize("kind", ["rdp", "pld"])
@@ -335,3 +336,24 @@ def test_missing_extra_is_one_line_naming_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "dp_accounting", None)
     with pytest.raises(ConfigError, match=r"fedmpi\[privacy\]"):
         Accountant("client", "rdp", 1.0, DELTA, 6, 3)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("over", [
+    {"privacy.dp.noise": "distributed", "privacy.dp.level": "client"},
+    {"privacy.dp.level": "record"},
+])
+def test_dp_runs_do_not_depend_on_the_world_size(tmp_path, over):
+    """Noise streams are keyed by (seed, client, round) and (seed, round): -n 1 and -n 3 give
+    the same ε and the same model (exact reduction, one thread per rank)."""
+    import yaml
+
+    from conftest import run_at_world_sizes
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(small(**over, **{"runtime.reduction": "exact",
+                                                   "runtime.device": "cpu"})))
+    logs, models = run_at_world_sizes(["run", str(cfg)], tmp_path)
+    np.testing.assert_array_equal(logs[1].rounds["epsilon"], logs[3].rounds["epsilon"])
+    for name in models[1]:
+        torch.testing.assert_close(models[1][name], models[3][name], rtol=0, atol=0)
