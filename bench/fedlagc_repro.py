@@ -24,7 +24,10 @@ METHODS = {"fedlagc": ("FedLAGC", []),
            "fiarse_recover": ("FIARSE (recover, critical kept)",
                               ["--set", "algorithm.fiarse.below_threshold=recover",
                                "--set", "algorithm.fiarse.always_keep=critical"]),
-           "heterofl": ("HeteroFL", []), "fedrolex": ("FedRolex", []), "scalefl": ("ScaleFL", [])}
+           "heterofl": ("HeteroFL", []),
+           "heterofl_noscaler": ("HeteroFL w/o Scaler", ["--set", "algorithm.heterofl.scaler=false"]),
+           "fiarse_maskable": ("FIARSE (code budget)", ["--set", "algorithm.fiarse.budget=maskable"]),
+           "fedrolex": ("FedRolex", []), "scalefl": ("ScaleFL", [])}
 
 
 def main() -> None:

@@ -321,8 +321,11 @@ SCHEMA: dict[str, Field] = {
     "privacy.target_epsilon": Field(float | None, None, "stop the run (status completed) before "
                                     "the next round would take epsilon above this; null = no "
                                     "budget", gt=0),
-    "privacy.secure_aggregation": Field(bool, False, "pairwise-masked uplink: rank 0 only sees "
-                                        "sums over >= 2 clients"),
+    "privacy.secure_aggregation": Field(bool, False, "pairwise-masked secure aggregation: rank 0 "
+                                        "only holds sums over the accepted clients (extra "
+                                        ".[privacy])"),
+    "privacy.secagg.scale_bits": Field(int, 24, "fixed-point fractional bits f of secure "
+                                       "aggregation (ring 2^48: |sum| < 2^(47-f))", ge=8, le=40),
     # evaluation
     "eval.every": Field(int, 1, "evaluate every N rounds", ge=1),
     "eval.batch_size": Field(int, 1024, "evaluation batch size", ge=1),
@@ -846,9 +849,6 @@ def _privacy_checks(cfg: Config) -> None:
     """``privacy.*`` against the rest (docs/privacy.md says why each pair is refused)."""
     p = cfg.privacy
     level = p.dp.level
-    if p.secure_aggregation:
-        raise ConfigError("config key 'privacy.secure_aggregation' is not implemented yet in this "
-                          "version")
     if level == "none":
         if p.target_epsilon is not None:
             raise ConfigError("config key 'privacy.target_epsilon' needs privacy.dp.level client or "

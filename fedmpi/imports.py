@@ -326,7 +326,16 @@ def check_config_paths(cfg: Any) -> None:
         silo_loader(cfg.data.silos.loader)
     if is_import_path(cfg.aggregation.weighting):
         weighting_class(cfg.aggregation.weighting)
-    check_rule(cfg, UserCode().rule_class(cfg), UserCode().algorithm_class(cfg))
+    rule_cls: Any = UserCode().rule_class(cfg)
+    check_rule(cfg, rule_cls, UserCode().algorithm_class(cfg))
+    if cfg.privacy.secure_aggregation:
+        from .algorithms.weighting import WEIGHTINGS
+        from .privacy.secagg import refuse_per_client
+
+        weighting = (weighting_class(cfg.aggregation.weighting)
+                     if is_import_path(cfg.aggregation.weighting)
+                     else WEIGHTINGS.get(cfg.aggregation.weighting))
+        refuse_per_client(cfg, bool(getattr(weighting, "per_client", False)), rule_cls.per_client, [])
     for i, path in enumerate(cfg.transforms):
         transform_class(path, f"transforms[{i}]")
     if is_import_path(cfg.algorithm.name):

@@ -372,18 +372,24 @@ def test_every_baseline_is_registered():
 
 
 # ------------------------------------------------------------------- MPI runs
-INVARIANCE = [(m, "samples") for m in BASELINES] + [("scaffold", "fedvg")]
+# (method, weighting, exact reduction). FedNova × FedVG: at -n 3 rank 0 scores each
+# client on arrival, and the arrival row must carry FedNova's a_k (FedVG scores θ + a_k d_k);
+# at -n 1 all clients are scored after training, so a lost a_k shows as a difference.
+INVARIANCE = [(m, "samples", False) for m in BASELINES] + [("scaffold", "fedvg", False),
+                                                           ("fednova", "fedvg", True)]
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("name,weighting", INVARIANCE)
-def test_world_size_invariance_per_method(tmp_path, name, weighting):
+@pytest.mark.parametrize("name,weighting,exact", INVARIANCE)
+def test_world_size_invariance_per_method(tmp_path, name, weighting, exact):
     """Per-client state (c_k, h_k, s_k) is carried across 3 rounds by the worker that hosts
     the client; the trajectory and final model are the same in one process and under
-    ``mpiexec -n 3`` (clients on 2 workers)."""
+    ``mpiexec -n 3`` (clients on 2 workers) — bit for bit with ``runtime.reduction: exact``."""
     args = [*SMALL, "--set", "runtime.threads=1", "--set", f"algorithm.name={name}",
             "--set", f"aggregation.weighting={weighting}", "--set", "train.local_steps=2",
             "--set", "model.name=lenet"]
+    if exact:
+        args += ["--set", "runtime.reduction=exact"]
     cfg_path = "configs/quickstart.yaml"
     from fedmpi.config import load_config
     overrides = [a for a in args if a != "--set"]
@@ -391,12 +397,16 @@ def test_world_size_invariance_per_method(tmp_path, name, weighting):
     run_fedmpi(["run", cfg_path, *args, "--out", str(tmp_path / "n3")], n=3)
     one, three = read(tmp_path / "n1" / "log.h5"), read(tmp_path / "n3" / "log.h5")
     assert three.attrs["world_size"] == 3
-    np.testing.assert_allclose(three.rounds["test_accuracy"], one.rounds["test_accuracy"], atol=1e-5)
+    tol = 0.0 if exact else 1e-5
+    np.testing.assert_allclose(three.rounds["test_accuracy"], one.rounds["test_accuracy"], atol=tol)
     m1 = torch.load(tmp_path / "n1" / "model.pt", weights_only=True)
     m3 = torch.load(tmp_path / "n3" / "model.pt", weights_only=True)
     for key, ref in m1.items():
         if ref.is_floating_point():
-            torch.testing.assert_close(m3[key], ref, atol=1e-5, rtol=0, msg=key)
+            torch.testing.assert_close(m3[key], ref, atol=tol, rtol=0, msg=key)
+    if weighting == "fedvg":
+        np.testing.assert_allclose(three.clients["weight"], one.clients["weight"], atol=tol, rtol=0)
+        assert not np.allclose(one.clients["weight"][one.clients["selected"]], 0.25)
     # clients took part more than once, so their kept state entered the trajectory
     assert (one.clients["selected"].sum(0) >= 2).any()
 

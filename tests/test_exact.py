@@ -155,30 +155,67 @@ def test_sum_on_arrival_adds_in_client_order_whatever_the_arrival_order():
     assert early.into(up).reduced == {}
 
 
-def test_server_step_sums_rows_of_a_reducible_weighting():
-    """The exact path through the whole server step: FedAvg θ + Σ w̃_k Δ_k / Σ w̃_k."""
+def _fedavg_server(n_k: np.ndarray):
+    """(flat model, FedAvg, ``samples`` weighting) started as on rank 0 of a run."""
     from conftest import bare_context
     from torch import nn
 
     from fedmpi.algorithms import ALGORITHMS, start
     from fedmpi.config import config_from_dict
     from fedmpi.flat import FlatModel
-    from fedmpi.runtime.server import server_step
 
-    K, n_k = 4, np.array([5, 9, 2, 7])
+    K = len(n_k)
     cfg = config_from_dict({"data": {"num_clients": K}})
     torch.manual_seed(0)
     flat = FlatModel(nn.Linear(3, 2))
     algo, w = ALGORITHMS["fedavg"](cfg, flat, K), build_weighting("samples", n_k)
     start(algo, bare_context(cfg, flat, n_k))
     start(w, bare_context(cfg, flat, n_k))
+    return flat, algo, w
+
+
+def _fedavg_by_hand(theta: torch.Tensor, d: np.ndarray, raw: np.ndarray, clients) -> torch.Tensor:
+    acc = torch.zeros(theta.numel(), dtype=torch.float64)
+    for k in clients:
+        acc.add_(torch.as_tensor(d[k]), alpha=float(raw[k]))
+    return theta + (acc / raw[list(clients)].sum()).float()
+
+
+def test_server_step_sums_rows_of_a_reducible_weighting():
+    """The exact path through the whole server step: FedAvg θ + Σ w̃_k Δ_k / Σ w̃_k."""
+    from fedmpi.runtime.server import server_step
+
+    K, n_k = 4, np.array([5, 9, 2, 7])
+    flat, algo, w = _fedavg_server(n_k)
     theta = flat.vector.clone()
     d = np.random.default_rng(0).normal(size=(K, flat.size)).astype(np.float32)
     raw = n_k / n_k.sum()
     up = _uplink(d, raw, [STATUS_OK] * K, [1, 3, 0, 2])
     server_step(flat.vector, up, algo, w, algo.uplink_stats(), n_k)
-    acc = torch.zeros(flat.size, dtype=torch.float64)
-    for k in range(K):
-        acc.add_(torch.as_tensor(d[k]), alpha=float(raw[k]))
-    want = theta + (acc / raw.sum()).float()
-    assert torch.equal(flat.vector, want)
+    assert torch.equal(flat.vector, _fedavg_by_hand(theta, d, raw, range(K)))
+
+
+def test_sum_on_arrival_is_refused_when_it_added_a_rejected_client():
+    """A client marked non-finite whose rows are finite (e.g. its loss was not) is added
+    on arrival — rank 0 sees only the rows — but is not accepted: the arrival sum must
+    not reach the server step, which then sums the accepted clients' rows itself."""
+    from fedmpi.runtime.server import server_step
+
+    K, n_k = 5, np.array([5, 9, 2, 7, 4])
+    flat, algo, w = _fedavg_server(n_k)
+    theta = flat.vector.clone()
+    d = np.random.default_rng(1).normal(size=(K, flat.size)).astype(np.float32)
+    raw = n_k / n_k.sum()
+    status = [STATUS_OK] * K
+    status[3] = STATUS_NONFINITE
+    assert np.isfinite(d[3]).all()
+    acc = ArrivalSum(algo.uplink_stats(), lambda k: float(raw[k]),
+                     {"delta": torch.zeros(flat.size, dtype=torch.float64)})
+    acc.start(np.ones(K, bool))
+    for k in (4, 0, 3, 2, 1):
+        acc.arrived(k, {"delta": torch.as_tensor(d[k])})
+    up = _uplink(d, raw, status, [4, 0, 3, 2, 1])
+    handed = acc.into(up)
+    assert "delta" not in handed.reduced
+    server_step(flat.vector, handed, algo, w, algo.uplink_stats(), n_k)
+    assert torch.equal(flat.vector, _fedavg_by_hand(theta, d, raw, [0, 1, 2, 4]))

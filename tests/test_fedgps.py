@@ -190,6 +190,33 @@ def test_nonself_gradient_three_cases():
     assert float(torch.linalg.vector_norm(algo._e)) == pytest.approx(0.5, rel=1e-5)
 
 
+def test_nonself_gradient_removes_own_update_under_sample_weights():
+    """``weighting: samples``: Δ̄ = Σ n_k Δ_k / Σ n over S_1 = {1, 2, 3}; client 1's
+    non-self gradient in round 2 is the others' sample-weighted mean
+    (n_2 Δ_2 + n_3 Δ_3)/(n_2 + n_3) — by hand from the client sizes — not the uniform
+    removal (M Δ̄ − Δ_1)/(M − 1)."""
+    fed = make_fed(**{"data.num_clients": 5, "algorithm.fedgps.static": False,
+                      "data.partition.min_size": 10, "aggregation.weighting": "samples",
+                      "data.partition.alpha": 0.3})
+    fixed_participants(fed, [[0, 1], [1, 2, 3], [0, 1, 4]])
+    algo: FedGPS = fed.algo
+    P = fed.flat.num_params
+    n = {k: len(fed.client_idx[k]) for k in range(5)}
+    assert len({n[1], n[2], n[3]}) == 3, n                 # the weights really differ
+    fed.round(0)
+    theta1 = fed.global_state[:P].clone()
+    fed.round(1)
+    dbar = fed.global_state[:P].clone() - theta1
+    d = {k: algo.last_delta[k].clone() for k in (1, 2, 3)}
+    torch.testing.assert_close(dbar, sum(n[k] * d[k] for k in (1, 2, 3)) / (n[1] + n[2] + n[3]),
+                               atol=1e-6, rtol=0)
+    algo.begin_round(2, fed.participants(2), fed.global_state, fed.state.dev[fed.D:])
+    got = algo.nonself_gradient(1, 2).clone()
+    want = (n[2] * d[2] + n[3] * d[3]) / (n[2] + n[3])
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert float((got - (3 * dbar - d[1]) / 2).abs().max()) > 1e-4 * float(want.abs().max())
+
+
 def test_per_tensor_sum_norm():
     fed = make_fed(**{"algorithm.fedgps.norm": "per_tensor_sum", "algorithm.fedgps.static": False})
     algo: FedGPS = fed.algo

@@ -230,6 +230,41 @@ def test_spectral_weights_count_only_matrices_by_default(spectral_1d):
     np.testing.assert_allclose(s, inv / inv.sum(), rtol=1e-4)
 
 
+def test_spectral_layer_granularity_gives_unscored_layers_the_mean_weight():
+    """``norm: spectral`` at ``granularity: layer``: a 1-D tensor (BN weight/bias, the
+    head bias) has no σ_max, so its layer takes each client's mean weight over the
+    scored layers — not 1/n. By hand: σ_max of every reshaped gradient, E.14–E.15 per
+    scored layer, the row mean for the others, and the combination of a 1-D segment."""
+    fed = make_fed(**{"model.name": "cnn", "aggregation.fedvg.norm": "spectral",
+                      "aggregation.fedvg.granularity": "layer",
+                      "aggregation.fedvg.batch_size": 100})
+    w = fed.weighting
+    gen = torch.Generator().manual_seed(12)
+    theta = fed.global_state.clone()
+    deltas = torch.stack([0.05 * torch.randn(fed.D, generator=gen) * (k + 1) ** 2
+                          for k in range(3)]).to(fed.device)
+    s = w.weights(fed.global_state, np.arange(3), rows_from(fed, deltas))
+    grads = [hand_val_grads(fed, theta + d, 100) for d in deltas]
+    scored = [i for i, g in enumerate(grads[0]) if g.dim() >= 2]
+    assert 0 < len(scored) < len(grads[0])
+    want = np.full((3, len(grads[0])), np.nan)
+    for i in scored:
+        sig = np.array([float(torch.linalg.svdvals(g[i].reshape(g[i].shape[0], -1))[0])
+                        for g in grads])
+        inv = 1.0 / (sig + 1e-8)
+        want[:, i] = inv / inv.sum()
+    mean = want[:, scored].mean(1)
+    for i in set(range(len(grads[0]))) - set(scored):
+        want[:, i] = mean
+    np.testing.assert_allclose(w._S, want, rtol=1e-4)
+    np.testing.assert_allclose(s, want.mean(1), rtol=1e-4)
+    assert np.abs(mean - 1 / 3).max() > 1e-3            # the mean, visibly not uniform
+    one_d = next(seg for seg in fed.flat.param_segments if len(seg.shape) == 1)
+    sk = torch.as_tensor(mean, dtype=torch.float32, device=fed.device)
+    torch.testing.assert_close(w.combine(s, deltas)[one_d.slice], sk @ deltas[:, one_d.slice],
+                               atol=1e-7, rtol=1e-4)
+
+
 def test_scoring_leaves_global_bn_statistics_unchanged():
     fed = make_fed(**{"model.name": "cnn", "aggregation.fedvg.batch_size": 50})
     theta = fed.global_state.clone()

@@ -301,7 +301,6 @@ def test_resume_reports_the_epsilon_of_an_uninterrupted_run(tmp_path, level):
     ({"privacy.dp.accountant": "pld"}, ("privacy.dp.accountant", "train.clients_per_round")),
     ({"privacy.dp.level": "none", "privacy.target_epsilon": 1.0},
      ("privacy.target_epsilon", "privacy.dp.level")),
-    ({"privacy.secure_aggregation": True}, ("privacy.secure_aggregation",)),
     ({"aggregation.rule": "mypkg.rules:Median"}, ("aggregation.rule", "privacy.dp.level")),
 ])
 def test_illegal_config_combinations_name_the_keys(over, keys):

@@ -22,6 +22,12 @@ code masks every conv/linear weight and bias, including the input layer and the
 classifier, and keeps only the normalisation layers) or ``critical``
 (FedLAGC's set: input/output layers, normalisation layers, biases).
 ``algorithm.submodel.ste: false`` drops the STE factor (the 1[·] stays).
+
+Budget (``algorithm.fiarse.budget``): ``model`` (default) keeps ⌊r·d⌋ − d̃
+prunable entries, so the submodel holds ⌊r·d⌋ parameters as for every other
+method here (the comparison of FedLAGC's tables is at equal size); ``maskable``
+is FIARSE's code (``generate_mask``: ``topk(|θ|, int(numel·model_size))`` over
+the maskable entries), ⌊r·(d − d̃)⌋ — r·d̃ fewer, d̃ the always-kept entries.
 """
 from __future__ import annotations
 
@@ -40,6 +46,10 @@ class FIARSEParams:
                                            " (FIARSE Bern.backward) or recover = straight-"
                                            "through on the whole sent submodel",
                                            choices=('frozen', 'recover'))
+    budget: str = param('model', "FIARSE budget: model = floor(r*d) parameters in all (every "
+                                 "method's budget) or maskable = floor(r * maskable entries) "
+                                 "(FIARSE code: topk over the maskable entries)",
+                        choices=('model', 'maskable'))
     always_keep: str = param('norm', "FIARSE always-kept set: norm layers only (FIARSE code) or"
                                      " critical = FedLAGC's (input/output layers, norm layers, "
                                      "biases)", choices=('norm', 'critical'))
@@ -56,4 +66,5 @@ class FIARSE(SubmodelMethod):
         f = cfg.algorithm.fiarse
         self.keep = f.always_keep
         self.frozen_below = f.below_threshold == "frozen"
+        self.budget_rule = f.budget
         super().__init__(cfg, layout, num_clients)

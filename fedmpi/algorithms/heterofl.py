@@ -11,8 +11,12 @@ client's data are set to 0 (``masked_fill(·, 0)``, not −∞) before the
 cross-entropy; evaluation uses all logits. Off by default (the paper does not
 describe it).
 
-Deviations (recorded): no "scaler" module (HeteroFL divides activations by the
-width rate in training); models must be channel-sliceable (``cnn``, ResNets).
+``algorithm.heterofl.scaler`` (default true, the paper's Scaler module, §3):
+in local training the input of every normalisation layer is divided by the
+client's width rate w = √r (identity in evaluation) — for batch-statistics norms
+the same function as the norm with ε·w² (:class:`~fedmpi.algorithms.submodel.Scaler`).
+
+Deviations (recorded): models must be channel-sliceable (``cnn``, ResNets).
 """
 from __future__ import annotations
 
@@ -28,6 +32,9 @@ class HeteroFLParams:
 
     masked_ce: bool = param(False, "HeteroFL masked cross-entropy: logits of classes absent "
                                    "from the client's data set to 0 (HeteroFL code option)")
+    scaler: bool = param(True, "HeteroFL Scaler: in local training the input of every norm "
+                               "layer is divided by the width rate sqrt(r) (paper Sec. 3; "
+                               "= BN eps * r for batch statistics)")
 
 
 class HeteroFL(SubmodelMethod):
@@ -37,4 +44,5 @@ class HeteroFL(SubmodelMethod):
 
     def __init__(self, cfg, layout, num_clients: int) -> None:
         self.masked_ce = bool(cfg.algorithm.heterofl.masked_ce)
+        self.scaler = bool(cfg.algorithm.heterofl.scaler)
         super().__init__(cfg, layout, num_clients)

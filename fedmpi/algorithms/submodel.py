@@ -46,8 +46,10 @@ Rules (``rule`` of :class:`Extractor`):
     normalisation layers (``keep="norm"``, the FIARSE default; input/output
     layers and biases then compete for the budget); ``keep="critical"`` uses
     FedLAGC's critical set (``algorithm.fiarse.always_keep``). Deviation: the
-    budget is ⌊r·d⌋ − d̃ as for every method (FIARSE's code keeps
-    ⌊r·(maskable entries)⌋, which differs by r·d̃).
+    budget is ⌊r·d⌋ − d̃ as for every method (``budget="model"``, the default of
+    ``algorithm.fiarse.budget``); ``budget="maskable"`` is FIARSE's code,
+    ``torch.topk(|θ|, int(r·numel))`` over the maskable entries: ⌊r·(d − d̃)⌋,
+    r·d̃ fewer.
 ``nested`` (HeteroFL, Diao et al. 2021)
     Width factor w = √r (a width-w network has ≈ r of the parameters, which is
     how {1, 1/4, 1/16, 1/64} map to HeteroFL's widths {1, 1/2, 1/4, 1/8}); every
@@ -61,16 +63,21 @@ Rules (``rule`` of :class:`Extractor`):
     Depth fraction δ = r^share, share = ``algorithm.scalefl.depth_share``: the
     deepest ⌊(1 − δ)B + ½⌋ of the B residual blocks are skipped (all their
     entries masked: an identity residual block with zero weights and zero norm
-    affine outputs its input), as far as they are identity blocks; then nested
-    width slices with w = min(1, √(r·d / d_rest)) over the d_rest parameters
-    outside the skipped blocks, so the submodel has ≈ r·d parameters. Models
-    without residual blocks are scaled in width only (w = √r).
+    affine outputs its input), as far as they are identity blocks and as far as
+    the blocks left hold at least r·d parameters at full width (ResNet's deepest
+    blocks are its widest; skipping one can remove more than the budget allows,
+    and width is capped at 1). Then nested width slices whose width w gives the
+    exact parameter count (from the tensor shapes) nearest to r·d, so the
+    submodel trains r·d parameters up to one channel step: within 0.5 % on
+    ResNet-18/34 at levels 16/25, 9/25, 4/25, 1/25 (tested with 1 %). Models
+    without residual blocks are scaled in width only.
 
 Masking the full-width network is exactly the narrow network for ``nested`` and
 ``rolling`` with static BN or running-stat BN: a channel whose weights, bias and
 norm affine parameters are all 0 outputs 0. (Deviation: HeteroFL's output
-"scaler" 1/w is not applied; models that flatten a conv map into a linear layer,
-such as ``lenet``, slice the flattened features rather than whole channels.)
+"scaler" 1/w is applied only with ``algorithm.heterofl.scaler``, :class:`Scaler`;
+models that flatten a conv map into a linear layer, such as ``lenet``, slice the
+flattened features rather than whole channels.)
 
 Longer than ~350 lines: the one submodel implementation shared by FedLAGC, HeteroFL, FedRolex, FIARSE and ScaleFL (extraction rules, coverage averaging, level evaluation).
 """
@@ -212,11 +219,12 @@ class Extractor:
 
     def __init__(self, flat: FlatModel, rule: str, importance: str = "mean",
                  log_normalize: bool = True, keep: str = "critical",
-                 depth_share: float = 0.5) -> None:
+                 depth_share: float = 0.5, budget: str = "model") -> None:
         if rule not in RULES:
             raise ValueError(f"unknown submodel rule {rule!r}")
         self.rule, self.importance, self.log_normalize = rule, importance, log_normalize
         self.depth_share = float(depth_share)
+        self.budget_rule = budget
         self.device = flat.device
         self.D, self.P = flat.size, flat.num_params
         self.segments = list(flat.param_segments)
@@ -253,7 +261,10 @@ class Extractor:
 
     # ------------------------------------------------------------- budgets
     def budget(self, level: float) -> int:
-        """d_n − d̃ with d_n = ⌊r·d⌋ (d = number of parameters)."""
+        """Prunable entries kept: d_n − d̃ with d_n = ⌊r·d⌋ (d = number of parameters;
+        ``model``), or ⌊r·(d − d̃)⌋ (``maskable``: FIARSE's code, r of the maskable entries)."""
+        if self.budget_rule == "maskable":
+            return int(math.floor(level * (self.P - self.critical_size) + 1e-9))
         return int(math.floor(level * self.P + 1e-9)) - self.critical_size
 
     def check_levels(self, levels: list[float], model_name: str) -> None:
@@ -316,26 +327,75 @@ class Extractor:
         return Submodel(mask, thr, kept)
 
     def _window(self, c: int, width: float, round: int) -> torch.Tensor:
-        k = min(c, max(1, math.ceil(width * c - 1e-9)))
         start = round % c if self.rule == "rolling" else 0
-        return (start + torch.arange(k, device=self.device)) % c
+        return (start + torch.arange(_kept_channels(c, width), device=self.device)) % c
+
+    def _sliced(self, s: Segment) -> tuple[bool, bool]:
+        """(dim 0 sliced, dim 1 sliced) of tensor ``s`` under the width rules: every
+        channel dimension except the input channels of the input layer and the
+        classes of the output layer."""
+        is_head = s.name in self.head
+        if len(s.shape) >= 2:
+            return not is_head, s.name != self.input_name
+        return len(s.shape) == 1 and not is_head, False
+
+    def width_count(self, width: float, skip: frozenset[str] | set[str] = frozenset()) -> int:
+        """Parameters kept by width ``width`` outside the tensors ``skip`` (what
+        :meth:`_width` keeps, counted from the shapes alone)."""
+        total = 0
+        for s in self.segments:
+            if s.name in skip:
+                continue
+            n = s.numel
+            rows, cols = self._sliced(s)
+            if rows:
+                n = n // s.shape[0] * _kept_channels(s.shape[0], width)
+            if cols:
+                n = n // s.shape[1] * _kept_channels(s.shape[1], width)
+            total += n
+        return total
+
+    def skip_count(self, level: float) -> int:
+        """ScaleFL's depth split: ⌊(1 − r^share)·B + ½⌋ of the B residual blocks
+        (round half up), at most the number of identity blocks."""
+        if not self.num_blocks:
+            return 0
+        delta = level ** self.depth_share
+        return min(len(self.skippable), int(math.floor((1 - delta) * self.num_blocks + 0.5)))
 
     def depth_plan(self, level: float) -> tuple[set[str], float]:
         """``scaled`` rule: (names skipped, width factor) of level r.
 
-        Depth fraction δ = r^share (``algorithm.scalefl.depth_share``); the
-        deepest ⌊(1 − δ)·B + ½⌋ of the B residual blocks are skipped, as far as
-        they are identity blocks (a skipped block's weights and norm affine are 0,
-        so it outputs its input); the width w = √(r·d / d_rest) spreads the rest of
-        the budget over the d_rest parameters outside the skipped blocks (w ≤ 1).
+        Depth: the deepest :meth:`skip_count` identity residual blocks are
+        skipped (a skipped block's weights and norm affine are 0, so it outputs
+        its input) — fewer when the blocks left hold fewer than r·d parameters at
+        full width (ResNet's deepest blocks are its widest: skipping them cannot
+        be made up by width ≤ 1). Width: w is the channel fraction whose nested
+        slices over the rest hold the parameter count nearest to r·d (exact
+        counts from the shapes; ties to the narrower), so the submodel trains
+        r·d parameters up to one channel step of the widest layer.
         """
-        n = 0
-        if self.num_blocks:
-            delta = level ** self.depth_share
-            n = min(len(self.skippable), int(math.floor((1 - delta) * self.num_blocks + 0.5)))
-        skip = set().union(*self.skippable[len(self.skippable) - n:]) if n else set()
-        rest = sum(seg.numel for seg in self.segments if seg.name not in skip)
-        return skip, min(1.0, math.sqrt(level * self.P / rest))
+        target = level * self.P
+        n = self.skip_count(level)
+        while n and self.width_count(1.0, _union(self.skippable[len(self.skippable) - n:])) < target:
+            n -= 1
+        skip = _union(self.skippable[len(self.skippable) - n:]) if n else set()
+        # achievable widths: the count changes only at w = k/c for a sliced dimension c
+        dims = {s.shape[i] for s in self.segments if s.name not in skip
+                for i, cut in enumerate(self._sliced(s)) if cut}
+        cand = sorted({k / c for c in dims for k in range(1, c + 1)} | {1.0})
+        lo, hi = 0, len(cand) - 1          # first candidate whose count reaches the target
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.width_count(cand[mid], skip) >= target:
+                hi = mid
+            else:
+                lo = mid + 1
+        best = cand[lo]
+        if lo and target - self.width_count(cand[lo - 1], skip) <= \
+                self.width_count(best, skip) - target:
+            best = cand[lo - 1]
+        return skip, best
 
     def _scaled(self, level: float) -> Submodel:
         skip, width = self.depth_plan(level)
@@ -350,23 +410,61 @@ class Extractor:
             if s.name in skip:
                 continue
             m = torch.ones(s.shape, device=self.device)
-            is_head = s.name in self.head
-            if len(s.shape) >= 2:
-                if not is_head:
-                    sel = torch.zeros(s.shape[0], device=self.device)
-                    sel[self._window(s.shape[0], width, round)] = 1.0
-                    m = m * sel.view(-1, *([1] * (len(s.shape) - 1)))
-                if s.name != self.input_name:
-                    sel = torch.zeros(s.shape[1], device=self.device)
-                    sel[self._window(s.shape[1], width, round)] = 1.0
-                    m = m * sel.view(1, -1, *([1] * (len(s.shape) - 2)))
-            elif len(s.shape) == 1 and not is_head:
-                m = torch.zeros(s.shape, device=self.device)
-                m[self._window(s.shape[0], width, round)] = 1.0
+            rows, cols = self._sliced(s)
+            if rows:
+                sel = torch.zeros(s.shape[0], device=self.device)
+                sel[self._window(s.shape[0], width, round)] = 1.0
+                m = m * sel.view(-1, *([1] * (len(s.shape) - 1)))
+            if cols:
+                sel = torch.zeros(s.shape[1], device=self.device)
+                sel[self._window(s.shape[1], width, round)] = 1.0
+                m = m * sel.view(1, -1, *([1] * (len(s.shape) - 2)))
             mask[s.slice] = m.reshape(-1)
             if i < len(self.segments):
                 kept[i] = int(m.sum())
         return Submodel(mask, None, kept)
+
+
+def _kept_channels(c: int, width: float) -> int:
+    """⌈w·c⌉ channels of a dimension of size c (at least 1, at most c)."""
+    return min(c, max(1, math.ceil(width * c - 1e-9)))
+
+
+def _union(blocks: list[set[str]]) -> set[str]:
+    return set().union(*blocks)
+
+
+class Scaler:
+    """HeteroFL's Scaler (Diao et al. 2021, §3 "Scaler"; code ``modules.Scaler``): in
+    training the representation entering every normalisation layer is divided by the
+    width rate w of the client's submodel (HeteroFL's r; here w = √r of the level,
+    see ``nested``); in evaluation it is the identity. HeteroFL places it between
+    each conv and its norm, so for a batch-statistics norm it is the norm with ε·w²:
+    BN(x/w; ε) = (x − μ)/√(σ² + w²ε)·γ + β. Running statistics (``model.norm: bn``)
+    are those of x/w, as in HeteroFL's code with tracking on.
+
+    A forward pre-hook on every normalisation module; ``rate`` is set for the
+    duration of a client's local training (1 otherwise). Models without
+    normalisation layers have nowhere to place it (no effect).
+    """
+
+    def __init__(self) -> None:
+        self.rate = 1.0
+        self._hooked: set[int] = set()
+
+    def install(self, model: nn.Module) -> None:
+        """Hook every normalisation module of ``model`` (once per model)."""
+        if id(model) in self._hooked:
+            return
+        for m in model.modules():
+            if isinstance(m, _NORMS):
+                m.register_forward_pre_hook(self)
+        self._hooked.add(id(model))
+
+    def __call__(self, module: nn.Module, args: tuple) -> Optional[tuple]:
+        if module.training and self.rate != 1.0:
+            return (args[0] / self.rate, *args[1:])
+        return None
 
 
 # --------------------------------------------------------------------------- #
@@ -432,8 +530,12 @@ class SubmodelMethod(Algorithm):
     frozen_below = False
     #: always-kept set of :class:`Extractor` (``critical`` or ``norm``)
     keep = "critical"
+    #: budget rule of :class:`Extractor` (``model`` or FIARSE's ``maskable``)
+    budget_rule = "model"
     #: HeteroFL's masked cross-entropy (logits of absent classes set to 0)
     masked_ce = False
+    #: HeteroFL's Scaler (norm inputs ÷ width rate in local training; :class:`Scaler`)
+    scaler = False
 
     def __init__(self, cfg, layout: FlatModel, num_clients: int) -> None:
         # ECGR is refused by the config validator (fedmpi.config SUBMODEL_METHODS): it
@@ -444,7 +546,7 @@ class SubmodelMethod(Algorithm):
         self.client_level = client_levels(cfg.system.levels, cfg.system.allocation, num_clients,
                                           self.name)
         self.extractor = Extractor(layout, self.rule, a.fedlagc.importance, a.fedlagc.log_normalize,
-                                   self.keep, a.scalefl.depth_share)
+                                   self.keep, a.scalefl.depth_share, self.budget_rule)
         self.extractor.check_levels(self.levels, cfg.model.name)
         self.ste = self.use_ste and bool(a.submodel.ste)
         self.P = layout.num_params
@@ -452,6 +554,7 @@ class SubmodelMethod(Algorithm):
         self._masked: Optional[torch.Tensor] = None
         self._shadow: Optional[torch.Tensor] = None
         self._sub: Optional[Submodel] = None
+        self._scaler = Scaler()
         V, L = len(self.levels), len(self.extractor.segments)
         self._kept_round = -1
         self._kept_entries = np.zeros(V, dtype=np.int64)
@@ -496,7 +599,14 @@ class SubmodelMethod(Algorithm):
             self._masked = torch.empty_like(state)
         torch.mul(state, self._sub.mask, out=self._masked)
         self._flat = trainer.flat
-        return super().client_update(task, trainer, self._masked, extras, out, transforms)
+        if not self.scaler:
+            return super().client_update(task, trainer, self._masked, extras, out, transforms)
+        self._scaler.install(trainer.flat.model)
+        self._scaler.rate = math.sqrt(self.levels[int(self.client_level[task.client])])
+        try:
+            return super().client_update(task, trainer, self._masked, extras, out, transforms)
+        finally:
+            self._scaler.rate = 1.0
 
     def correction(self, task: ClientTask) -> tuple[Optional[torch.Tensor], float]:
         """(λ_n, h(t)) of the gradient correction; none for the baselines."""

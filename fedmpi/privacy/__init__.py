@@ -6,7 +6,8 @@
   per-sample clipping via ``torch.func``, Poisson batches, noise per batch;
 * :mod:`~fedmpi.privacy.accountant` — ε at δ from Google's ``dp-accounting``
   (the ``.[privacy]`` extra), checkpointed with the run;
-* :mod:`~fedmpi.privacy.policy` — which methods and models each level accepts.
+* :mod:`~fedmpi.privacy.policy` — which methods and models each level accepts;
+* :mod:`~fedmpi.privacy.secagg` — secure aggregation (pairwise masks, fixed point).
 
 Submodules are imported where used (``dp`` builds on the update transforms,
 which the local trainer's module also feeds).

@@ -163,5 +163,10 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
             if part.per_client:
                 raise ConfigError(f"config key {key!r}: {part.name!r} needs the 'delta' uplink of "
                                   f"algorithm {cfg.algorithm.name!r} as a weighted statistic")
+    if cfg.privacy.secure_aggregation:
+        from ..privacy.secagg import refuse_per_client
+
+        refuse_per_client(cfg, weighting.per_client, rule.per_client,
+                          [s.name for s in stats if s.combine == "client"])
     return Built(cfg, rank, size, device, data, partition, num_samples, flat, accel, forward, algo,
                  weighting, transforms, rule, host, hosted, ctx, log, stats)

@@ -15,7 +15,10 @@ Per round, in order (DESIGN.md §3):
    statuses; a ``Gather`` of a fixed-size error text per rank only in a round
    where a client failed;
 5. ``Reduce`` of the pre-reduced statistics Σ_k w̃_k x_k in float64 (none with
-   ``runtime.reduction: exact``: every statistic is a row of step 3).
+   ``runtime.reduction: exact``: every statistic is a row of step 3); with
+   ``privacy.secure_aggregation`` each rank's partial sum travels as pairwise-masked
+   int64 ring elements (:mod:`fedmpi.privacy.secagg`), the masks drawn between the
+   participants the metadata ``Allreduce`` of step 4 showed accepted.
 
 Steps 1 and 4 are *patient* waits (they wait for other ranks' computation and
 sleep); everything else moves data between ranks that are already there.
@@ -25,14 +28,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 import torch
 
 from ..algorithms import Stat
 from ..comm import CHUNK, Comm
-from .server import META_FIELDS, M_STATUS, STATUS_FAILED, Uplink, is_summed
+from .server import (META_FIELDS, M_STATUS, STATUS_FAILED, STATUS_OK, STATUS_RANGE, Uplink,
+                     is_summed)
+
+if TYPE_CHECKING:
+    from ..privacy.secagg import SecureAggregator
 
 HEADER = 4
 ERR_BYTES = 1024
@@ -108,7 +115,7 @@ class Channel:
 
     def __init__(self, comm: Comm, plan: UplinkPlan, state_size: int, extras_size: int,
                  num_clients: int, max_local: int, max_rows: int, host: np.ndarray,
-                 device: torch.device) -> None:
+                 device: torch.device, secagg: Optional[SecureAggregator] = None) -> None:
         self.comm = comm
         self.rank, self.size = comm.rank, comm.size
         self.is_server = self.rank == 0
@@ -128,6 +135,12 @@ class Channel:
         # result, which is what makes the global model independent of world size.
         self.red_send = Mirror((plan.reduce_size,), torch.float64, device)
         self.red_recv = Mirror((plan.reduce_size,), torch.float64, device) if self.is_server else None
+        # secure aggregation: the masked ring elements that travel instead (host only)
+        self.secagg = secagg if plan.reduce_size else None
+        self.sealed_send = np.zeros(plan.reduce_size if self.secagg else 0, dtype=np.int64)
+        self.sealed_recv = np.zeros_like(self.sealed_send) if self.is_server else None
+        self.range_limit = float("inf")
+        self._keys_ready = False
         self.rows_send = Mirror((max_local, plan.row_size), torch.float32, device)
         self.rows_recv = (Mirror((max_rows, plan.row_size), torch.float32, device)
                           if self.is_server and plan.row_size else None)
@@ -140,7 +153,10 @@ class Channel:
 
     # ------------------------------------------------------------- downlink
     def exchange_header(self, t: int) -> tuple[int, int, np.ndarray]:
-        """``Bcast`` of the header rank 0 filled: (command, flags, participant mask)."""
+        """``Bcast`` of the header rank 0 filled: (command, flags, participant mask).
+        The first one of a run is preceded by the secure-aggregation key exchange."""
+        if self.secagg is not None and not self._keys_ready:
+            self.exchange_keys()
         self.comm.broadcast(self.header, what=f"round {t} header Bcast")
         return int(self.header[0]), int(self.header[2]), self.header[HEADER:].astype(bool)
 
@@ -169,7 +185,22 @@ class Channel:
         return recv if self.is_server else None
 
     # --------------------------------------------------------- worker side
-    def begin_uplink(self) -> None:
+    def exchange_keys(self) -> None:
+        """Secure aggregation: every client's X25519 public key to every rank (one
+        ``Allreduce``; each row of the [K, 4] int64 array has exactly one owner)."""
+        if self.secagg is None:
+            return
+        send = self.secagg.public_words()
+        recv = np.zeros_like(send)
+        self.comm.allreduce_sum(send, recv, what="secure-aggregation key Allreduce")
+        self.secagg.set_public(recv)
+        self._keys_ready = True
+
+    def begin_uplink(self, participants: int = 1) -> None:
+        if self.secagg is not None:
+            from ..privacy.secagg import limit
+
+            self.range_limit = limit(self.secagg.scale_bits, participants)
         self.up_send.fill(0.0)
         self.err_send.fill(0)
         if self.plan.reduce_size:
@@ -180,6 +211,9 @@ class Channel:
         """Client ``client``'s statistics: add to the reduce buffer (if finite), fill
         its row (streamed at once when rows stream) and its metadata row."""
         self.meta_send[client] = meta
+        if accepted and self.secagg is not None and not self._in_range(stats, raw_weight):
+            self.meta_send[client, M_STATUS] = STATUS_RANGE   # refused, never wrapped
+            accepted = False
         if accepted:
             for stat, off in self.plan.reduced:
                 alpha = raw_weight if stat.combine == "weighted" else 1.0
@@ -188,6 +222,15 @@ class Channel:
             self.rows_send.dev[row, off:off + stat.size].copy_(stats[stat.name])
         if self.stream_rows:
             self._send_row(row, client)
+
+    def _in_range(self, stats: dict[str, torch.Tensor], raw_weight: float) -> bool:
+        """Every coordinate of this client's contribution decodes without wrapping."""
+        for stat, _ in self.plan.reduced:
+            x = stats[stat.name]
+            if x.numel() and float(x.abs().max()) * (raw_weight if stat.combine == "weighted"
+                                                     else 1.0) > self.range_limit:
+                return False
+        return True
 
     def put_failure(self, row: int, client: int, text: str) -> None:
         """A client raised: its error text, status FAILED and (streaming) a zero row."""
@@ -222,7 +265,9 @@ class Channel:
         if failed:
             self.comm.gather_fixed(self.err_send, self.err_recv, what=f"round {t} error Gather",
                                    patient=False)
-        if self.plan.reduce_size:
+        if self.plan.reduce_size and self.secagg is not None:
+            self._secure_reduce(t, mask)
+        elif self.plan.reduce_size:
             self.red_send.pull()
             self.comm.reduce_sum(self.red_send.host, self.red_recv.host if self.red_recv else None,
                                  what=f"round {t} statistics Reduce", patient=False)
@@ -236,6 +281,19 @@ class Channel:
         if not self.is_server:
             return None
         return self._record(t, mask, failed)
+
+    def _secure_reduce(self, t: int, mask: np.ndarray) -> None:
+        """Step 5 under secure aggregation: seal this rank's partial sum with its accepted
+        clients' masks, sum the sealed buffers on rank 0 and decode the total there."""
+        assert self.secagg is not None
+        accepted = np.flatnonzero(mask & (self.meta_recv[:, M_STATUS] == STATUS_OK))
+        mine = [int(k) for k in accepted if self.host[k] == self.rank]
+        self.red_send.pull()
+        self.secagg.seal(self.red_send.host_t, t, mine, accepted.tolist(), self.sealed_send)
+        self.comm.reduce_sum(self.sealed_send, self.sealed_recv,
+                             what=f"round {t} secure statistics Reduce", patient=False)
+        if self.red_recv is not None and self.sealed_recv is not None:
+            self.red_recv.host_t.copy_(self.secagg.open(self.sealed_recv))
 
     def _record(self, t: int, mask: np.ndarray, failed: bool) -> Uplink:
         meta = self.meta_recv

@@ -28,7 +28,7 @@ from .channel import Channel, plan_uplink
 from . import guard
 from .evaluation import Evaluation
 from .record import RoundRecorder
-from .server import M_STEPS, STATUS_FAILED, ArrivalSum, is_summed, server_step
+from .server import EXCLUDED_BECAUSE, M_STEPS, STATUS_FAILED, ArrivalSum, is_summed, server_step
 from .worker import Worker
 from ..privacy.budget import Budget
 from ..privacy.dp import ServerNoise
@@ -57,9 +57,14 @@ class Federation:
         self.m = cfg.train.clients_per_round or self.K
         exact = cfg.runtime.reduction == "exact" and self.size > 1
         self.uplink_plan = plan_uplink(self.stats, b.rows_needed, exact)
+        secagg = None
+        if cfg.privacy.secure_aggregation:
+            from ..privacy.secagg import SecureAggregator
+
+            secagg = SecureAggregator(self.my_clients, self.K, cfg.privacy.secagg.scale_bits)
         self.channel = Channel(comm, self.uplink_plan, self.D, self.algo.downlink_size(), self.K,
                                max_local=min(self.m, len(self.my_clients)), max_rows=self.m,
-                               host=self.host, device=self.device)
+                               host=self.host, device=self.device, secagg=secagg)
         self.state = self.channel.state
         if self.is_server:
             self.state.dev[: self.D].copy_(self.flat.vector)
@@ -232,7 +237,8 @@ class Federation:
         for note in result.events:
             self.recorder.event(t, 0, -1, note)
         for k in result.excluded:
-            self.recorder.event(t, int(self.host[k]), int(k), "update excluded: non-finite values")
+            self.recorder.event(t, int(self.host[k]), int(k), "update excluded: "
+                                + EXCLUDED_BECAUSE.get(int(up.status[k]), "status " + str(up.status[k])))
         if result.accepted.size == 0:
             self.recorder.event(t, 0, -1, "no update accepted; global model unchanged")
         elif not guard.global_model_finite(self, t):   # stop; the last checkpoint is kept

@@ -38,7 +38,10 @@ from ..algorithms import Algorithm, RoundInfo, RuleInfo, ServerRule, Stat, Weigh
 if TYPE_CHECKING:
     from ..privacy.dp import ServerNoise
 
-STATUS_IDLE, STATUS_OK, STATUS_NONFINITE, STATUS_FAILED = 0, 1, 2, 3
+STATUS_IDLE, STATUS_OK, STATUS_NONFINITE, STATUS_FAILED, STATUS_RANGE = 0, 1, 2, 3, 4
+#: why a participant's update was excluded, by status word (the log's event text)
+EXCLUDED_BECAUSE = {STATUS_NONFINITE: "non-finite values",
+                    STATUS_RANGE: "outside the secure-aggregation range (privacy.secagg.scale_bits)"}
 META_FIELDS = ("status", "raw_weight", "loss_sum", "samples_seen", "steps", "train_seconds")
 M_STATUS, M_RAW, M_LOSS, M_SEEN, M_STEPS, M_TIME = range(len(META_FIELDS))
 

@@ -51,7 +51,7 @@ class Worker:
 
     def run(self, t: int, mask: np.ndarray, hosted: list[int], state: torch.Tensor,
             extras: torch.Tensor, channel: Channel) -> None:
-        channel.begin_uplink()
+        channel.begin_uplink(int(mask.sum()))
         mine = [k for k in hosted if mask[k]]
         for row, k in enumerate(mine):
             t0 = time.perf_counter()

@@ -1,0 +1,197 @@
+r"""Secure aggregation by pairwise masking (``privacy.secure_aggregation: true``).
+
+Bonawitz et al., "Practical Secure Aggregation for Privacy-Preserving Machine
+Learning", CCS 2017, §3–4 — the masking protocol without its secret-sharing
+recovery: the metadata ``Allreduce`` of a round tells every rank which
+participants survived *before* any update is sent, so masks are drawn only
+between survivors and cancel exactly; a client that fails after that point
+aborts the round, as it does without secure aggregation.
+
+**Encoding.** Each worker r holds the float64 partial sum S_r = Σ_{k∈r} w̃_k x_k
+of its accepted clients (``weighted`` statistics; ``sum`` ones with weight 1) and
+sends
+
+.. math:: E_r = \mathrm{enc}(S_r) + \sum_{k \in r} m_k \pmod{2^{b}},\qquad
+          \mathrm{enc}(v) = \mathrm{round}(v\,2^{f}) \bmod 2^{b},
+
+with ring size 2^b (b = :data:`RING_BITS` = 48, so Σ over up to 2^15 ranks of
+int64 values below 2^48 never overflows int64) and ``privacy.secagg.scale_bits``
+f fractional bits. The pairwise masks
+
+.. math:: m_k = \sum_{j \in A_t, j \ne k} \sigma_{kj}\, \mathrm{PRG}(s_{kj}, t) \pmod{2^{b}},
+          \qquad \sigma_{kj} = +1 \text{ if } k < j \text{ else } -1,
+
+over the round's accepted participants A_t sum to 0 mod 2^b, so rank 0 gets
+Σ_r E_r = Σ_r enc(S_r) mod 2^b and decodes the centred value ÷ 2^f. Each E_r is
+uniformly distributed in the ring for anyone without the pair secrets s_kj,
+i.e. rank 0 only ever holds the sum over all accepted clients.
+
+**Keys and PRG** (the ``cryptography`` package, extra ``.[privacy]``): every client
+holds an X25519 key pair made at start-up; the public keys travel to every rank
+(one metadata ``Allreduce``); s_kj = HKDF-SHA256 of the X25519 shared secret;
+PRG(s, t) is the AES-256-CTR keystream under key s with the round t as nonce.
+
+**Range.** Decoding is exact iff |Σ_k w̃_k x_k| < 2^{b−1−f} per coordinate. A
+client whose contribution exceeds 2^{b−1−f}/m (m participants of the round) in
+any coordinate is *refused*: excluded and logged (status out-of-range), never
+wrapped. The quantisation error of the decoded sum is at most W·2^{−f−1} per
+coordinate (W ranks that hold clients) before the division by Σ w̃_k.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+
+RING_BITS = 48
+MOD = 1 << RING_BITS
+_MASK = MOD - 1
+KEY_WORDS = 4   # an X25519 public key: 32 bytes = 4 int64 words
+
+__all__ = ["RING_BITS", "MOD", "KEY_WORDS", "SecureAggregator", "encode", "decode", "limit",
+           "check_config", "refuse_per_client"]
+
+
+def _crypto() -> Any:
+    try:
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import x25519
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+    except ImportError:
+        raise ConfigError("config key 'privacy.secure_aggregation' needs the 'cryptography' "
+                          "package: pip install -e '.[privacy]'") from None
+    return hashes, x25519, Cipher, algorithms, modes, HKDF
+
+
+def limit(scale_bits: int, participants: int) -> float:
+    """The largest |contribution| per coordinate one of ``participants`` clients may send:
+    2^{b−1−f} / m, so that the sum of m contributions decodes without wrapping."""
+    return float(2 ** (RING_BITS - 1 - scale_bits)) / max(1, participants)
+
+
+def encode(v: torch.Tensor, scale_bits: int) -> torch.Tensor:
+    """round(v · 2^f) mod 2^b as int64 in [0, 2^b) (v float64, |v| within range)."""
+    q = torch.round(v.to(torch.float64) * float(1 << scale_bits)).to(torch.int64)
+    return torch.bitwise_and(q, _MASK)
+
+
+def decode(e: torch.Tensor, scale_bits: int) -> torch.Tensor:
+    """The centred value of a ring element (int64, any representative) ÷ 2^f, float64."""
+    r = torch.bitwise_and(e, _MASK)
+    r = torch.where(r >= MOD // 2, r - MOD, r)
+    return r.to(torch.float64) / float(1 << scale_bits)
+
+
+class SecureAggregator:
+    """One rank's side of the protocol: its clients' key pairs, the pair secrets
+    (derived on first use and kept for the run), masks and the fixed-point code.
+
+    Args:
+        hosted: the clients this rank trains.
+        num_clients: K.
+        scale_bits: f, fractional bits of the fixed-point code.
+    """
+
+    def __init__(self, hosted: Sequence[int], num_clients: int, scale_bits: int) -> None:
+        self.hashes, self.x25519, self.Cipher, self.algorithms, self.modes, self.HKDF = _crypto()
+        self.hosted = list(hosted)
+        self.K = num_clients
+        self.scale_bits = scale_bits
+        self._private = {k: self.x25519.X25519PrivateKey.generate() for k in self.hosted}
+        self._public: Optional[np.ndarray] = None     # [K, 32] uint8, every client's key
+        self._pair: dict[tuple[int, int], bytes] = {}
+
+    # ------------------------------------------------------------- keys
+    def public_words(self) -> np.ndarray:
+        """[K, 4] int64: this rank's clients' public keys, zero rows for the others
+        (summed over ranks by one Allreduce, every row has exactly one owner)."""
+        out = np.zeros((self.K, 32), dtype=np.uint8)
+        for k, key in self._private.items():
+            out[k] = np.frombuffer(key.public_key().public_bytes_raw(), dtype=np.uint8)
+        return out.view(np.int64).copy()
+
+    def set_public(self, words: np.ndarray) -> None:
+        """Every client's public key, from the summed :meth:`public_words`."""
+        self._public = np.ascontiguousarray(words, dtype=np.int64).view(np.uint8).reshape(self.K, 32)
+        missing = [k for k in range(self.K) if not self._public[k].any()]
+        if missing:
+            raise RuntimeError(f"secure aggregation: no public key for clients {missing[:5]}")
+
+    def _secret(self, k: int, j: int) -> bytes:
+        pair = (min(k, j), max(k, j))
+        if pair not in self._pair:
+            assert self._public is not None, "set_public() first"
+            peer = self.x25519.X25519PublicKey.from_public_bytes(bytes(self._public[j]))
+            shared = self._private[k].exchange(peer)
+            self._pair[pair] = self.HKDF(algorithm=self.hashes.SHA256(), length=32, salt=None,
+                                         info=b"fedmpi secure aggregation %d %d" % pair
+                                         ).derive(shared)
+        return self._pair[pair]
+
+    def _stream(self, key: bytes, t: int, size: int) -> np.ndarray:
+        """PRG(s, t): ``size`` ring elements of the AES-256-CTR keystream (nonce = t)."""
+        nonce = int(t).to_bytes(8, "little") + bytes(8)
+        enc = self.Cipher(self.algorithms.AES(key), self.modes.CTR(nonce)).encryptor()
+        raw = np.frombuffer(enc.update(bytes(8 * size)) + enc.finalize(), dtype=np.uint64)
+        return (raw & np.uint64(_MASK)).view(np.int64)
+
+    def mask(self, k: int, t: int, accepted: Sequence[int], size: int) -> np.ndarray:
+        """m_k of client ``k`` in round ``t`` among the ``accepted`` participants (int64
+        in [0, 2^b)); Σ_{k∈accepted} m_k ≡ 0 (mod 2^b)."""
+        out = np.zeros(size, dtype=np.int64)
+        for j in accepted:
+            if j == k:
+                continue
+            s = self._stream(self._secret(k, int(j)), t, size)
+            if k < j:
+                out += s
+            else:
+                out -= s
+            np.bitwise_and(out, _MASK, out=out)
+        return out
+
+    def seal(self, partial: torch.Tensor, t: int, mine: Sequence[int], accepted: Sequence[int],
+             out: np.ndarray) -> None:
+        """E_r = enc(S_r) + Σ_{k∈mine} m_k (mod 2^b) into the int64 send buffer ``out``;
+        ``partial`` is the float64 S_r of this rank's accepted clients ``mine``."""
+        out[:] = encode(partial.detach().cpu(), self.scale_bits).numpy()
+        for k in mine:
+            out += self.mask(int(k), t, accepted, out.size)
+            np.bitwise_and(out, _MASK, out=out)
+
+    def open(self, total: np.ndarray) -> torch.Tensor:
+        """Σ_k w̃_k x_k (float64) from Σ_r E_r."""
+        return decode(torch.from_numpy(total), self.scale_bits)
+
+
+def check_config(cfg: Any) -> None:
+    """Secure aggregation hands rank 0 only sums over the accepted clients: anything that
+    needs one client's update on the server is refused (exit 2 naming both keys)."""
+    if not cfg.privacy.secure_aggregation:
+        return
+    if cfg.runtime.reduction == "exact":
+        raise ConfigError("config keys 'privacy.secure_aggregation' and 'runtime.reduction': the "
+                          "exact reduction sends every client's update to rank 0 as a row")
+    if cfg.ecgr.enabled:
+        raise ConfigError("config keys 'privacy.secure_aggregation' and 'ecgr.enabled': ECGR sends "
+                          "per-client selection statistics to rank 0")
+
+
+def refuse_per_client(cfg: Any, weighting_rows: bool, rule_rows: bool,
+                      client_stats: Sequence[str]) -> None:
+    """The run's components, once built: none may need one client's statistic on rank 0."""
+    check_config(cfg)
+    if weighting_rows:
+        raise ConfigError("config keys 'privacy.secure_aggregation' and 'aggregation.weighting': "
+                          f"{cfg.aggregation.weighting!r} scores every client's update on rank 0")
+    if rule_rows:
+        raise ConfigError("config keys 'privacy.secure_aggregation' and 'aggregation.rule': "
+                          f"{cfg.aggregation.rule!r} needs every client's update on rank 0")
+    if client_stats:
+        raise ConfigError("config keys 'privacy.secure_aggregation' and 'algorithm.name': "
+                          f"{cfg.algorithm.name!r} sends per-client statistics "
+                          f"({', '.join(client_stats)}) to rank 0")

@@ -1,0 +1,152 @@
+"""Secure aggregation (privacy.secure_aggregation, fedmpi/privacy/secagg.py).
+
+References are computed here: the fixed-point code with numpy integers, the
+masked protocol's outcome as the plain float64 sum, the run's model against a
+plaintext run of the same config within the documented quantisation bound.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_fedmpi
+
+pytest.importorskip("cryptography")
+
+from fedmpi.privacy.secagg import MOD, RING_BITS, SecureAggregator, decode, encode, limit  # noqa: E402
+
+F = 24
+
+
+def _numpy_encode(x: np.ndarray, f: int) -> np.ndarray:
+    q = np.round(x.astype(np.float64) * 2.0 ** f).astype(np.int64)
+    return np.mod(q, 2 ** 48)
+
+
+def test_fixed_point_code_against_numpy():
+    x = np.random.default_rng(0).normal(scale=100.0, size=1000)
+    x[:3] = [0.0, -2.0 ** (47 - F) + 1, 2.0 ** (47 - F) - 1]
+    e = encode(torch.as_tensor(x), F)
+    np.testing.assert_array_equal(e.numpy(), _numpy_encode(x, F))
+    centred = np.where(e.numpy() >= 2 ** 47, e.numpy() - 2 ** 48, e.numpy())
+    np.testing.assert_array_equal(decode(e, F).numpy(), centred / 2.0 ** F)
+    assert np.max(np.abs(decode(e, F).numpy() - x)) <= 2.0 ** -(F + 1)
+    assert RING_BITS == 48 and MOD == 2 ** 48
+    assert limit(F, 4) == 2.0 ** (47 - F) / 4
+
+
+def _ranks(layout: list[list[int]], K: int) -> list[SecureAggregator]:
+    aggs = [SecureAggregator(hosted, K, F) for hosted in layout]
+    words = sum(a.public_words() for a in aggs)          # what the key Allreduce computes
+    for a in aggs:
+        a.set_public(words)
+    return aggs
+
+
+def test_masks_cancel_and_what_rank0_receives_is_masked():
+    """Three ranks: rank 0 hosts nobody, ranks 1 and 2 host clients {0, 2, 4} and {1, 3};
+    client 3 was refused this round. Rank 0 receives the sealed buffers one per rank (the
+    Gather of Comm.reduce_sum): each is uncorrelated with that rank's true partial sum,
+    and their sum decodes to the float64 sum of the accepted clients' contributions."""
+    K, D, t = 5, 20000, 7
+    rng = np.random.default_rng(1)
+    x = rng.normal(scale=0.05, size=(K, D))
+    accepted = [0, 1, 2, 4]
+    layout = [[], [0, 2, 4], [1, 3]]
+    aggs = _ranks(layout, K)
+    sealed = []
+    for a, hosted in zip(aggs, layout):
+        mine = [k for k in hosted if k in accepted]
+        partial = torch.as_tensor(x[mine].sum(0) if mine else np.zeros(D))
+        out = np.zeros(D, dtype=np.int64)
+        a.seal(partial, t, mine, accepted, out)
+        sealed.append(out)
+        if mine:
+            plain = _numpy_encode(partial.numpy(), F).astype(np.float64)
+            assert abs(np.corrcoef(out.astype(np.float64), plain)[0, 1]) < 0.05
+            assert abs(np.corrcoef(out.astype(np.float64), partial.numpy())[0, 1]) < 0.05
+            # uniform on the ring: the mean of U[0, 2^48) is 2^47 ± a few standard errors
+            assert abs(out.mean() / 2 ** 48 - 0.5) < 5 * (1 / np.sqrt(12 * D))
+    total = aggs[0].open(np.sum(sealed, axis=0)).numpy()
+    expected = x[accepted].sum(0)
+    assert np.max(np.abs(total - expected)) <= 2 * 2.0 ** -(F + 1)   # one rounding per rank
+
+
+def test_masks_differ_per_round_and_need_every_accepted_pair():
+    K, D = 4, 64
+    aggs = _ranks([[0, 1], [2, 3]], K)
+    m0 = aggs[0].mask(0, 1, [0, 1, 2, 3], D)
+    assert not np.array_equal(m0, aggs[0].mask(0, 2, [0, 1, 2, 3], D))
+    s = (aggs[0].mask(0, 1, [0, 1, 2, 3], D) + aggs[0].mask(1, 1, [0, 1, 2, 3], D)
+         + aggs[1].mask(2, 1, [0, 1, 2, 3], D) + aggs[1].mask(3, 1, [0, 1, 2, 3], D))
+    assert not np.mod(s, MOD).any()                       # all four: cancel exactly
+    s3 = (aggs[0].mask(0, 1, [0, 1, 2, 3], D) + aggs[0].mask(1, 1, [0, 1, 2, 3], D)
+          + aggs[1].mask(2, 1, [0, 1, 2, 3], D))
+    assert np.mod(s3, MOD).any()                          # a missing survivor: no cancellation
+
+
+SMALL = ["--set", "train.rounds=1", "--set", "data.num_clients=6", "--set", "train.clients_per_round=4",
+         "--set", "runtime.progress=false", "--set", "runtime.threads=1", "--set", "eval.sharded=false"]
+
+
+def _state(out) -> dict[str, torch.Tensor]:
+    return torch.load(out / "model.pt", map_location="cpu", weights_only=True)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [1, 3])
+def test_secure_run_equals_plaintext_within_the_quantisation_bound(tmp_path, n):
+    """One round: θ_secure − θ_plain per coordinate ≤ W·2^-(f+1) / Σ w̃_k (plus float32
+    rounding of θ), W ≤ 2 ranks holding clients."""
+    outs = {}
+    for name, extra in (("plain", []), ("secure", ["--set", "privacy.secure_aggregation=true"])):
+        outs[name] = tmp_path / name
+        run_fedmpi(["run", "configs/quickstart.yaml", *SMALL, *extra, "--out", str(outs[name])], n=n)
+    a, b = _state(outs["plain"]), _state(outs["secure"])
+    from fedmpi.log import read
+
+    log = read(outs["secure"] / "log.h5")
+    w = log.clients.get("weight")
+    bound = 2 * 2.0 ** -(F + 1) / 0.2 + 1e-6     # Σ w̃_k ≥ 0.2 for 4 of 6 digits clients
+    worst = max(float((a[k].double() - b[k].double()).abs().max()) for k in a
+                if a[k].is_floating_point())
+    assert worst <= bound, (worst, bound, w)
+    assert log.attrs["status"] == "completed"
+
+
+def test_out_of_range_update_is_refused_not_wrapped(tmp_path):
+    """A client scaling its update by 1e9 exceeds 2^(47-f)/m: excluded with its reason, and
+    the global model stays finite and close to the plaintext run without that client."""
+    out = tmp_path / "run"
+    run_fedmpi(["run", "configs/quickstart.yaml", *SMALL, "--set", "privacy.secure_aggregation=true",
+                "--set", "adversary.clients=[0,1,2,3,4,5]", "--set", "adversary.kind=scale",
+                "--set", "adversary.factor=1e9", "--out", str(out)], n=0)
+    from fedmpi.log import read
+
+    log = read(out / "log.h5")
+    texts = [str(m) for m in log.events["message"]]
+    assert any("secure-aggregation range" in m for m in texts), texts
+
+
+@pytest.mark.parametrize("extra,keys", [
+    (["aggregation.weighting=fedvg"], "'aggregation.weighting'"),
+    (["runtime.reduction=exact"], "'runtime.reduction'"),
+    (["ecgr.enabled=true"], "'ecgr.enabled'"),
+    (["aggregation.rule=examples.trimmed_mean_rule:TrimmedMean"], "'aggregation.rule'"),
+])
+def test_illegal_combinations_exit_2_naming_both_keys(extra, keys):
+    args = ["check", "configs/quickstart.yaml", "--set", "privacy.secure_aggregation=true"]
+    for e in extra:
+        args += ["--set", e]
+    proc = run_fedmpi(args, n=0, check=False)
+    assert proc.returncode == 2
+    assert "'privacy.secure_aggregation'" in proc.stderr and keys in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_per_client_statistics_of_a_method_are_refused_at_build(tmp_path):
+    proc = run_fedmpi(["run", "configs/quickstart.yaml", *SMALL, "--set", "privacy.secure_aggregation=true",
+                       "--set", "algorithm.name=fednova", "--out", str(tmp_path / "r")], n=0, check=False)
+    assert proc.returncode == 2
+    assert "'privacy.secure_aggregation' and 'algorithm.name'" in proc.stderr
