@@ -1,10 +1,15 @@
 """fedmpi: MPI-native federated learning for cross-silo training.
 
-``fedmpi.run(config, ...)`` runs an experiment from Python (:mod:`fedmpi.api`).
+``fedmpi.run(config, ...)`` runs an experiment from Python (:mod:`fedmpi.api`); it raises
+:class:`ConfigError` (bad input) and :class:`RunFailed` (a run that failed), never
+``SystemExit``.
 """
 from __future__ import annotations
 
 __version__ = "0.1.0"
+
+
+from .errors import ConfigError, RunFailed, RunInterrupted, UserError  # noqa: E402 - light
 
 
 def __getattr__(name: str):
@@ -16,4 +21,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'fedmpi' has no attribute {name!r}")
 
 
-__all__ = ["RunResult", "__version__", "run"]
+__all__ = ["ConfigError", "RunFailed", "RunInterrupted", "RunResult", "UserError", "__version__",
+           "run"]

@@ -8,6 +8,12 @@ same arguments; it returns on every rank, with the metrics on rank 0::
     result = fedmpi.run("configs/quickstart.yaml", overrides=["train.rounds=5"])
     if result.is_root:
         print(result.metrics["test_accuracy"], result.log_path)
+
+Failures are ordinary exceptions, never ``SystemExit``: :class:`fedmpi.ConfigError`
+for bad input (config, data files, user code that raises while the run is built, an
+output directory holding another run — the message says ``overwrite=True``), and
+:class:`fedmpi.RunFailed` for a run that started and failed (a client raised, the
+server step raised); :class:`fedmpi.RunInterrupted` (a RunFailed) after a stop signal.
 """
 from __future__ import annotations
 
@@ -15,14 +21,37 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
+from .callbacks import Callback
 from .config import Config, config_from_dict, load_config
+from .errors import ConfigError, RunFailed, RunInterrupted, UserError
 from .imports import UserCode, path_of
 
 __all__ = ["RunResult", "run"]
 
+#: CLI words in messages, and what they are in the Python API.
+_API_TERMS = (("fedmpi run ... --resume", "fedmpi.run(..., resume=True)"),
+              ("fedmpi run ... --overwrite", "fedmpi.run(..., overwrite=True)"),
+              ("--overwrite", "overwrite=True"), ("--resume", "resume=True"),
+              ("--out", "out="))
+
+
+def api_terms(message: str) -> str:
+    """``message`` with the CLI's flags named as :func:`run`'s arguments."""
+    for cli, api in _API_TERMS:
+        message = message.replace(cli, api)
+    return message
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from .algorithms import Algorithm, ServerRule, Weighting
+    from .comm import Comm
+
 ConfigSource = Union[str, "os.PathLike[str]", Mapping[str, Any], Config]
+#: ``factory(input_shape, num_classes) -> nn.Module`` (an ``nn.Module`` class qualifies).
+ModelFactory = Callable[[tuple[int, ...], int], "nn.Module"]
 
 
 @dataclass(frozen=True)
@@ -66,10 +95,12 @@ def _record(cfg: Config, key: str, obj: Any) -> Config:
 
 
 def run(config: ConfigSource, overrides: Sequence[str] = (), *,
-        model: Optional[Callable[..., Any]] = None, data: Any = None,
-        algorithm: Optional[type] = None, weighting: Optional[type] = None,
+        model: Optional[ModelFactory] = None, data: Any = None,
+        algorithm: Optional[type[Algorithm]] = None,
+        weighting: Optional[type[Weighting]] = None, rule: Optional[type[ServerRule]] = None,
         out: Optional[Union[str, "os.PathLike[str]"]] = None, resume: bool = False,
-        overwrite: bool = False, comm: Any = None) -> RunResult:
+        overwrite: bool = False, comm: Optional[Comm] = None,
+        callbacks: Sequence[Callback] = ()) -> RunResult:
     """Run one federated experiment, the same way ``fedmpi run`` does.
 
     Args:
@@ -85,11 +116,17 @@ def run(config: ConfigSource, overrides: Sequence[str] = (), *,
             ``algorithm.name`` (its parameters come from ``algorithm.params``).
         weighting: a subclass of :class:`fedmpi.algorithms.Weighting`; replaces
             ``aggregation.weighting``.
+        rule: a subclass of :class:`fedmpi.algorithms.ServerRule`; replaces
+            ``aggregation.rule`` (its parameters come from ``aggregation.params``).
         out: output directory (default ``runtime.out_dir/<name>``).
         resume: continue from ``<out>/checkpoint.pt`` and the log.
         overwrite: replace a previous run in ``out`` (without it a directory holding a
             run is refused; see :mod:`fedmpi.rundir`).
         comm: a :class:`fedmpi.comm.Comm` (default: ``MPI.COMM_WORLD``).
+        callbacks: ``cb(round, metrics)`` called on rank 0 after each logged round with
+            that round's ``/rounds`` scalars; returning ``True`` or a reason string stops
+            the run cleanly after that round (status ``completed``;
+            :mod:`fedmpi.callbacks`). Other ranks may pass them too; only rank 0 calls them.
 
     Objects that can be imported by ``module:qualname`` are recorded under
     their key in the logged config; every rank must pass the same objects.
@@ -98,11 +135,42 @@ def run(config: ConfigSource, overrides: Sequence[str] = (), *,
         :class:`RunResult`; metrics on rank 0.
 
     Raises:
-        fedmpi.errors.UserError: bad config, import path, data or parameters (the
-            same on every rank; ``fedmpi run`` prints it and exits 2).
-        SystemExit: a rank failed (1), or the run was interrupted (75; see
-            :mod:`fedmpi.signals`).
+        fedmpi.ConfigError: bad config, import path, data or parameters, user code
+            that raised while the run was built, an output directory holding another
+            run (the same on every rank; ``fedmpi run`` prints it and exits 2). Other
+            :class:`~fedmpi.errors.UserError` kinds (a data file, the run directory)
+            arrive as a ConfigError whose ``__cause__`` is the original.
+        fedmpi.RunFailed: the run started and failed (a client or the server raised,
+            ``exit_code`` 1); on ranks other than 0 its ``quiet`` is True.
+        fedmpi.RunInterrupted: a stop signal ended the run after a checkpoint
+            (continue with ``resume=True``; :mod:`fedmpi.signals`).
     """
+    try:
+        return run_cli(config, overrides, model=model, data=data, algorithm=algorithm,
+                       weighting=weighting, rule=rule, out=out, resume=resume,
+                       overwrite=overwrite, comm=comm, callbacks=callbacks)
+    except ConfigError as exc:
+        error: ConfigError = type(exc)(api_terms(str(exc)))
+        error.__dict__.update(exc.__dict__)
+        raise error from exc
+    except UserError as exc:
+        raise ConfigError(api_terms(str(exc))) from exc
+    except RunFailed as exc:
+        kind = RunInterrupted if isinstance(exc, RunInterrupted) else RunFailed
+        failed = kind(api_terms(str(exc)), quiet=exc.quiet, log_path=exc.log_path)
+        if kind is RunFailed:
+            failed.exit_code = exc.exit_code
+        raise failed from None
+
+
+def run_cli(config: ConfigSource, overrides: Sequence[str] = (), *,
+            model: Optional[ModelFactory] = None, data: Any = None,
+            algorithm: Optional[type[Algorithm]] = None,
+            weighting: Optional[type[Weighting]] = None, rule: Optional[type[ServerRule]] = None,
+            out: Optional[Union[str, "os.PathLike[str]"]] = None, resume: bool = False,
+            overwrite: bool = False, comm: Optional[Comm] = None,
+            callbacks: Sequence[Callback] = ()) -> RunResult:
+    """:func:`run` with the errors in the CLI's terms (``--overwrite``), for ``fedmpi run``."""
     from .runtime import run as run_federation
 
     if comm is None:   # right after MPI init, before the config or the output is touched
@@ -112,15 +180,16 @@ def run(config: ConfigSource, overrides: Sequence[str] = (), *,
         check_world(os.environ, world_size(), mpi_library_version())
     cfg = resolve_config(config, overrides)
     for key, obj in (("model.name", model), ("data.dataset", data if callable(data) else None),
-                     ("algorithm.name", algorithm), ("aggregation.weighting", weighting)):
+                     ("algorithm.name", algorithm), ("aggregation.weighting", weighting),
+                     ("aggregation.rule", rule)):
         cfg = _record(cfg, key, obj)
-    code = UserCode(model=model, data=data, algorithm=algorithm, weighting=weighting)
+    code = UserCode(model=model, data=data, algorithm=algorithm, weighting=weighting, rule=rule)
     out_dir = Path(out) if out else Path(cfg.runtime.out_dir) / cfg.name
     if comm is None:
         from .comm import Comm
 
         comm = Comm(timeout=cfg.runtime.round_timeout)
     metrics = run_federation(cfg, out_dir, comm=comm, resume=resume, overwrite=overwrite,
-                             code=code)
+                             code=code, callbacks=callbacks)
     return RunResult(metrics=metrics or {}, log_path=out_dir / "log.h5", out_dir=out_dir,
                      rank=comm.rank)

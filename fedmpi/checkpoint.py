@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from .comm import CHUNK
-from .errors import UserError
+from .errors import ReportedElsewhere, UserError
 from .outputs import save_atomic  # noqa: F401 - the checkpoint writer (re-exported)
 from .rundir import check_same_run, fingerprint
 
@@ -416,11 +416,12 @@ def resume(fed, restored: Optional[Restored]) -> int:
     code = fed.comm.max_int(2 if error else 0, what="resume agreement")
     if error is not None and fed.rank != 0:   # the CLI prints rank 0's errors only
         print(f"fedmpi: error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
+        raise ReportedElsewhere(str(error))
     if error is not None:
         raise error
     if code:
-        raise SystemExit(code)
+        raise ReportedElsewhere("restoring a client state failed on another rank (its error "
+                                "line says why)")
     if head[0] > 0:   # the same test on every rank: after_resume is collective
         fed.algo.after_resume(fed.ctx, int(head[0]))
     return int(head[0])

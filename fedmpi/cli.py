@@ -1,10 +1,14 @@
-"""Command line: ``fedmpi run | check | info | report | compare | partition``.
+"""Command line: ``fedmpi run | check | info | report | compare | partition | export``.
 
 Bad input (a :class:`~fedmpi.errors.UserError`) prints one line
 ``fedmpi: error: ...`` naming the key or file, and exits with status 2; under
-``mpiexec``/``srun`` only rank 0 prints it (every rank reads the same input). A
-refused write (:class:`~fedmpi.outputs.OutputError`, e.g. disk full) prints one
-line naming the file and exits with status 1.
+``mpiexec``/``srun`` only rank 0 prints it (every rank reads the same input). User
+code that raises prints ``fedmpi: error: <object> (<import path>) raised <Type>:
+<message> at <file>:<line>``, once per job: exit 2 while the run is built
+(:class:`~fedmpi.errors.UserCodeError`), 1 once it runs
+(:class:`~fedmpi.errors.RunFailed`); ``--traceback`` (or ``FEDMPI_TRACEBACK=1``)
+adds the full traceback. A refused write (:class:`~fedmpi.outputs.OutputError`,
+e.g. disk full) prints one line naming the file and exits with status 1.
 """
 from __future__ import annotations
 
@@ -15,13 +19,17 @@ import sys
 from typing import Optional, Sequence
 
 from . import __version__
-from .errors import EXIT_USAGE, UserError
+from .errors import (EXIT_USAGE, RunFailed, RunInterrupted, UserCodeError, UserError,
+                     show_traceback)
 from .outputs import EXIT_WRITE_FAILED, OutputError, quiet_h5py_errors
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedmpi", description="MPI-native federated learning.")
     p.add_argument("--version", action="version", version=f"fedmpi {__version__}")
+    p.add_argument("--traceback", action="store_true",
+                   help="on an error, also print the full Python traceback (as "
+                        "FEDMPI_TRACEBACK=1); without it an error is one line")
     sub = p.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run an experiment (alone or under mpirun -n N)")
@@ -38,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="validate a config and print it resolved")
     check.add_argument("config")
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    check.add_argument("--dry-run", action="store_true",
+                       help="also build every rank (data, model, method, weighting, transforms) "
+                            "and run one forward/backward batch per client and one evaluation "
+                            "batch, checking the model's outputs against the classes; writes "
+                            "nothing (alone or under mpirun -n N, as the run would)")
 
     info = sub.add_parser("info", help="versions, MPI library, CUDA-aware MPI, GPUs, rank placement")
     info.add_argument("-n", "--ranks", type=int, default=None, metavar="N",
@@ -52,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--out", default=None, help="output directory (default <log dir>/report)")
     report.add_argument("--target-accuracy", type=float, default=None, metavar="X",
                         help="target test accuracy as a fraction, e.g. 0.8")
+    report.add_argument("--overwrite", action="store_true",
+                     help="replace the files of an earlier report in --out (without it, "
+                          "existing files are never replaced)")
 
     compare = sub.add_parser("compare", help="table across runs: mean ± std over seeds, "
                                              "rounds to a target, speed-up")
@@ -68,6 +84,21 @@ def _parser() -> argparse.ArgumentParser:
                               "group if there is exactly one)")
     compare.add_argument("--out", default=None,
                          help="also write compare.md, compare.csv and runs.csv into this directory")
+    compare.add_argument("--overwrite", action="store_true",
+                     help="replace compare.md, compare.csv, runs.csv existing in --out")
+
+    export = sub.add_parser("export", help="a run log as TensorBoard events, an MLflow run or "
+                                           "a CSV table (the log stays the record)")
+    export.add_argument("log", help="run log (log.h5)")
+    export.add_argument("--tensorboard", default=None, metavar="DIR",
+                        help="write TensorBoard event files into DIR (extra fedmpi[tensorboard])")
+    export.add_argument("--mlflow", default=None, metavar="URI",
+                        help="log one MLflow run to tracking URI, e.g. sqlite:///mlflow.db "
+                             "(extra fedmpi[mlflow])")
+    export.add_argument("--experiment", default="fedmpi", metavar="NAME",
+                        help="MLflow experiment (default fedmpi)")
+    export.add_argument("--csv", default=None, metavar="FILE",
+                        help="one row per round: /rounds scalars and per-site metrics")
 
     part = sub.add_parser("partition", help="partition preview without training: class-count "
                                             "heatmap and client sizes")
@@ -79,11 +110,17 @@ def _parser() -> argparse.ArgumentParser:
                       help="also write one table per client (silo), the test set and the server "
                            "hold-out: to the files data.silos.path/test/validation name, or as "
                            "DIR/{client}.csv, DIR/test.csv, DIR/validation.csv")
+    part.add_argument("--overwrite", action="store_true",
+                     help="replace existing partition.png/.csv and exported files "
+                          "(without it nothing that exists is replaced)")
+    for command in sub.choices.values():   # also accepted after the command
+        command.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS,
+                             help="on an error, also print the full traceback")
     return p
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .api import run
+    from .api import run_cli as run
 
     result = run(args.config, args.overrides, out=args.out, resume=args.resume,
                  overwrite=args.overwrite)
@@ -100,7 +137,15 @@ def _cmd_check(args: argparse.Namespace) -> int:
     for old, new in cfg.renamed:
         print(f"fedmpi: note: config key {old!r} is now {new!r}", file=sys.stderr)
     check_config_paths(cfg)
-    sys.stdout.write(cfg.to_yaml())
+    if not args.dry_run:
+        sys.stdout.write(cfg.to_yaml())
+        return 0
+    from .runtime.driver import check
+
+    line = check(cfg)
+    if launch_rank() == 0:
+        sys.stdout.write(cfg.to_yaml())
+        print(f"fedmpi check: {line}", file=sys.stderr)
     return 0
 
 
@@ -174,7 +219,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from .report import PLOT_HINT, have_matplotlib, write_report
 
-    for path in write_report(args.log, args.out, args.target_accuracy):
+    for path in write_report(args.log, args.out, args.target_accuracy, overwrite=args.overwrite):
         print(path)
     if not have_matplotlib():
         print(f"fedmpi report: summary.md only; {PLOT_HINT}", file=sys.stderr)
@@ -183,6 +228,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     from .compare import compare
+    from .outputs import claim
     from .rundir import output_dir
 
     out = output_dir(args.out) if args.out is not None else None
@@ -191,6 +237,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     md = table.markdown()
     sys.stdout.write(md)
     if out is not None:
+        claim([out / n for n in ("compare.md", "compare.csv", "runs.csv")], args.overwrite,
+              "fedmpi compare --out")
         (out / "compare.md").write_text(md, encoding="utf-8")
         (out / "compare.csv").write_text(table.csv(), encoding="utf-8")
         (out / "runs.csv").write_text(table.runs_csv(), encoding="utf-8")
@@ -202,25 +250,58 @@ def _cmd_partition(args: argparse.Namespace) -> int:
 
     from .config import load_config
     from .data import build_partition, load_pool
-    from .data.export import export_silos, pooled_config
+    from .data.export import plan_export, pooled_config, silo_files
+    from .data.tabular import write_table
+    from .outputs import claim
     from .report import partition_preview
     from .rundir import output_dir
 
     cfg = load_config(args.config, args.overrides)
+    out = output_dir(args.out if args.out is not None else Path(cfg.runtime.out_dir) / cfg.name)
+    if cfg.data.partition.method == "silos" and args.export is None:
+        files = silo_files(cfg)
+        if cfg.data.silos.loader is not None or all(Path(f).exists() for f in files):
+            from .comm import self_comm
+            from .data import build_local
+
+            # the federation's own silos, read as a run reads them (one rank hosting all)
+            local = build_local(cfg, self_comm(), range(cfg.data.num_clients), True)
+            lines = partition_preview(local.partition, out, cfg.name, args.overwrite)
+            print(f"silos: {cfg.data.silos.loader or cfg.data.silos.path} "
+                  f"({cfg.data.num_clients} clients; test {cfg.data.silos.test})")
+            print("\n".join(lines))
+            return 0
+        print(f"silos: {cfg.data.silos.path} not found; showing what --export would write: "
+              f"data.dataset {cfg.data.dataset!r} cut by data.silos.split "
+              f"{cfg.data.silos.split!r}")
     pooled = pooled_config(cfg)   # silos: the split `--export` writes (data.silos.split)
     data = load_pool(pooled)
     partition = build_partition(pooled, data)
-    out = output_dir(args.out if args.out is not None else Path(cfg.runtime.out_dir) / cfg.name)
-    for line in partition_preview(partition, out, cfg.name):
+    tables = []
+    if args.export is not None:   # every target checked before the first file is written
+        tables = plan_export(cfg, data, partition, args.export or None, args.overwrite)
+        claim([out / "partition.png", out / "partition.csv"], args.overwrite, "fedmpi partition")
+    for line in partition_preview(partition, out, cfg.name, args.overwrite):
         print(line)
-    if args.export is not None:
-        for path in export_silos(cfg, data, partition, args.export or None):
-            print(path)
+    for path, x, y in tables:
+        print(write_table(path, x, y, cfg.data.tabular.label))
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .errors import ConfigError
+    from .trackers import export
+
+    if args.tensorboard is None and args.mlflow is None and args.csv is None:
+        raise ConfigError("fedmpi export needs at least one of --tensorboard DIR, --mlflow URI, "
+                          "--csv FILE")
+    for line in export(args.log, args.tensorboard, args.mlflow, args.csv, args.experiment):
+        print(line)
     return 0
 
 
 COMMANDS = {"run": _cmd_run, "check": _cmd_check, "info": _cmd_info, "report": _cmd_report,
-            "compare": _cmd_compare, "partition": _cmd_partition}
+            "compare": _cmd_compare, "partition": _cmd_partition, "export": _cmd_export}
 
 
 def one_line(exc: BaseException) -> str:
@@ -239,12 +320,34 @@ def launch_rank() -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    before = os.environ.get("FEDMPI_TRACEBACK")
+    if args.traceback:   # every rank parses the same argv; worker code reads the variable
+        os.environ["FEDMPI_TRACEBACK"] = "1"
+    try:
+        return _main(args)
+    finally:   # an in-process caller's environment is left as it was
+        if before is None:
+            os.environ.pop("FEDMPI_TRACEBACK", None)
+        else:
+            os.environ["FEDMPI_TRACEBACK"] = before
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         return COMMANDS[args.command](args)
     except UserError as exc:
-        if launch_rank() == 0:   # every rank hit the same bad input: say it once
+        # every rank hit the same bad input (or another rank reported it): say it once
+        if launch_rank() == 0 and not getattr(exc, "quiet", False):
+            if show_traceback() and isinstance(exc, UserCodeError):
+                sys.stderr.write(exc.trace)
             print(f"fedmpi: error: {one_line(exc)}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    except RunFailed as exc:   # rank 0 says why; the others exit with the same status
+        if not exc.quiet:
+            line = one_line(exc)
+            print(line if isinstance(exc, RunInterrupted) else f"fedmpi: error: {line}",
+                  file=sys.stderr, flush=True)
+        return exc.exit_code
     except OutputError as exc:
         print(f"fedmpi: error: {exc}", file=sys.stderr, flush=True)
         quiet_h5py_errors()

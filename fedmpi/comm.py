@@ -319,6 +319,12 @@ class Comm:
         os._exit(code)
 
 
+def self_comm() -> Comm:
+    """A one-rank :class:`Comm` over ``MPI_COMM_SELF`` (a single process doing a run's
+    collective set-up alone, e.g. ``fedmpi partition`` reading every silo)."""
+    return Comm(_mpi().COMM_SELF)
+
+
 def world_size() -> int:
     """Number of ranks in ``MPI_COMM_WORLD`` (initialises MPI)."""
     return int(_mpi().COMM_WORLD.Get_size())

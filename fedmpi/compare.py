@@ -55,14 +55,18 @@ import numpy as np
 
 from fedmpi.config import METRIC_NAMES
 from fedmpi.errors import UserError
-from fedmpi.log import RunLog, ended_without_status, read
+from fedmpi.log import PathLike, RunLog, as_run_log, ended_without_status, read
 
 #: ``/rounds/<metric>`` series beyond test_accuracy that the table and report show.
 EXTRA_METRICS: tuple[str, ...] = tuple(m for m in METRIC_NAMES if m != "accuracy")
 
 __all__ = ["ALIASES", "IGNORED_KEYS", "GroupRow", "RunMetrics", "Table", "compare",
            "compare_logs", "config_value", "flatten_config", "rounds_to_target",
-           "run_metrics"]
+           "run_config", "run_metrics"]
+
+#: A grouping key's value in a group whose runs did not use it (e.g. another method's
+#: parameter, :func:`run_config`).
+UNUSED = "—"
 
 #: Short names accepted by ``--group-by``.
 ALIASES: dict[str, str] = {
@@ -112,8 +116,23 @@ class RunMetrics:
     epsilon: float | None = None   # ε at privacy.dp.delta after the last logged round (DP runs)
 
 
-def run_metrics(log: RunLog, target: float | None = None) -> RunMetrics:
+def logged_metrics(log: RunLog) -> list[str]:
+    """The further metrics of a log: :data:`EXTRA_METRICS`, then the user metrics its
+    ``eval.metrics`` names by import path (:mod:`fedmpi.metrics`)."""
+    from fedmpi.metrics import extra_names
+
+    chosen = config_value(log.config, "eval.metrics", None) or []
+    return [*EXTRA_METRICS, *(n for n in extra_names(chosen) if n not in EXTRA_METRICS)]
+
+
+def is_percent(metric: str) -> bool:
+    """Built-in metrics are fractions shown in percent; user metrics keep their own scale."""
+    return metric in EXTRA_METRICS
+
+
+def run_metrics(log: RunLog | PathLike, target: float | None = None) -> RunMetrics:
     """Final/best accuracy, round of best and rounds to ``target`` of one log."""
+    log = as_run_log(log)
     rounds = np.asarray(log.rounds.get("round", np.empty(0, dtype=np.int64)))
     acc = np.asarray(log.rounds.get("test_accuracy", np.full(len(rounds), np.nan)), dtype=np.float64)
     evaluated = np.flatnonzero(np.isfinite(acc))
@@ -127,7 +146,7 @@ def run_metrics(log: RunLog, target: float | None = None) -> RunMetrics:
         best = evaluated[int(np.argmax(acc[evaluated]))]
         m.final_accuracy, m.final_round = float(acc[last]), int(rounds[last])
         m.best_accuracy, m.best_round = float(acc[best]), int(rounds[best])
-    for name in EXTRA_METRICS:
+    for name in logged_metrics(log):
         if name in log.rounds:
             m.final_metrics[name] = float(log.rounds[name][evaluated[-1]]) if evaluated.size \
                 else math.nan
@@ -151,6 +170,27 @@ def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any
         else:
             out[dotted] = value
     return out
+
+
+def run_config(log: RunLog | PathLike) -> dict[str, Any]:
+    """The flat config of what ``log``'s run used: :func:`flatten_config` of its config,
+    the method's own parameters as it ran them (``run_info``, e.g.
+    ``algorithm.params.mu`` of a user method, also where the config left the default),
+    less the keys that took no part (:func:`fedmpi.provenance.unused_keys`: no
+    ``data.dataset`` for a silo run, no ``model.norm`` for a user model)."""
+    log = as_run_log(log)
+    from fedmpi.provenance import read_run_info, unused_keys
+
+    flat = flatten_config(log.config)
+    info = read_run_info(log.attrs)
+    method = info.get("method") if info is not None else None
+    if isinstance(method, Mapping) and isinstance(method.get("params"), Mapping):
+        for group, fields in method["params"].items():
+            if isinstance(fields, Mapping):
+                flat.update({f"algorithm.{group}.{k}": v for k, v in fields.items()})
+    for key in unused_keys(flat, info):
+        flat.pop(key, None)
+    return flat
 
 
 def config_value(config: Mapping[str, Any], dotted: str, default: Any = None) -> Any:
@@ -184,10 +224,19 @@ def _group_keys(flat_configs: Sequence[Mapping[str, Any]], group_by: Sequence[st
                                 f"(aliases: {', '.join(sorted(ALIASES))})")
         return keys
     # A key that some logs lack (added to the schema later) varies only if the
-    # logs that have it disagree.
+    # logs that have it disagree; but where the methods differ, each method's own
+    # parameters (algorithm.<block>.<field>, present only in its runs: run_config)
+    # label its groups.
     union = sorted({k for c in flat_configs for k in c})
-    return [k for k in union if not _ignored(k)
-            and len({_fmt_value(c[k]) for c in flat_configs if k in c}) > 1]
+    methods = len({_fmt_value(c.get("algorithm.name")) for c in flat_configs}) > 1
+
+    def method_param(k: str) -> bool:
+        return methods and k.startswith("algorithm.") and k.count(".") >= 2 and \
+            not all(k in c for c in flat_configs)
+
+    varying = [k for k in union if not _ignored(k)
+               and len({_fmt_value(c[k]) for c in flat_configs if k in c}) > 1]
+    return varying + [k for k in union if k not in varying and method_param(k)]
 
 
 # -- per group -------------------------------------------------------------------
@@ -240,14 +289,16 @@ class Table:
     @property
     def metric_names(self) -> list[str]:
         """The further metrics some run of the table logged (:data:`EXTRA_METRICS` order)."""
-        return [n for n in EXTRA_METRICS if any(n in r.final_metrics for r in self.runs)]
+        seen = dict.fromkeys(n for r in self.runs for n in r.final_metrics)
+        return [*(n for n in EXTRA_METRICS if n in seen), *(n for n in seen if not is_percent(n))]
 
     def markdown(self) -> str:
         """The table in GitHub markdown (accuracies in percent)."""
         with_rounds = self.target is not None
         with_speedup = with_rounds and self.baseline is not None
         extra = self.metric_names
-        head = ["group", "runs", "final acc (%)", "best acc (%)", *(f"final {n} (%)" for n in extra)]
+        head = ["group", "runs", "final acc (%)", "best acc (%)",
+                *(f"final {n}{' (%)' if is_percent(n) else ''}" for n in extra)]
         with_eps = any(row.epsilon is not None for row in self.rows)
         if with_eps:
             head += ["ε"]
@@ -260,7 +311,8 @@ class Table:
             label = row.label + (" (baseline)" if row.baseline else "")
             runs = f"{len(row.runs)}" + (f" ({row.incomplete} incomplete)" if row.incomplete else "")
             cells = [label, runs, _pm(row.final, 100, 2), _pm(row.best, 100, 2),
-                     *(_pm(row.metrics.get(n, (math.nan, math.nan)), 100, 2) for n in extra)]
+                     *(_pm(row.metrics.get(n, (math.nan, math.nan)), 100 if is_percent(n) else 1,
+                           2 if is_percent(n) else 4) for n in extra)]
             if with_eps:
                 cells += ["—" if row.epsilon is None else f"{row.epsilon:.3g}"]
             if with_rounds:
@@ -331,14 +383,15 @@ def _pm(ms: tuple[float, float], scale: float, digits: int) -> str:
     return f"{scale * mean:.{digits}f} ± {scale * std:.{digits}f}"
 
 
-def compare_logs(logs: Sequence[RunLog], *, target: float | None = None,
+def compare_logs(logs: Sequence[RunLog | PathLike], *, target: float | None = None,
                  group_by: Sequence[str] = (), baseline: str | None = None) -> Table:
     """Group ``logs`` and compute the table (see the module docstring for the math).
 
     Parameters
     ----------
     logs
-        Run logs, e.g. from :func:`fedmpi.log.read`.
+        Run logs (:class:`~fedmpi.log.RunLog`, e.g. from :func:`fedmpi.log.read`) or
+        their paths.
     target
         Target accuracy as a fraction in (0, 1]; ``None`` derives it from the
         baseline (lowest best accuracy among its runs) if there is one.
@@ -360,19 +413,23 @@ def compare_logs(logs: Sequence[RunLog], *, target: float | None = None,
     if target is not None and not 0.0 < target <= 1.0:
         raise UserError(f"--target-accuracy {target}: expected a fraction in (0, 1], "
                         "e.g. 0.8 for 80%")
-    flats = [flatten_config(log.config) for log in logs]
+    logs = [as_run_log(log) for log in logs]
+    flats = [run_config(log) for log in logs]
     keys = _group_keys(flats, group_by)
 
     groups: dict[tuple[str, ...], list[int]] = {}
     for i, flat in enumerate(flats):
-        groups.setdefault(tuple(_fmt_value(flat.get(k)) for k in keys), []).append(i)
+        groups.setdefault(tuple(_fmt_value(flat[k]) if k in flat else UNUSED for k in keys),
+                          []).append(i)
 
     def label(values: tuple[str, ...]) -> str:
         if not keys:
             return "all"
         if len(keys) == 1:
             return values[0]
-        return ", ".join(f"{_short(k, keys)}={v}" for k, v in zip(keys, values))
+        # a key the group's runs did not use (another method's parameter) is left out
+        present = [(k, v) for k, v in zip(keys, values) if v != UNUSED]
+        return ", ".join(f"{_short(k, [p for p, _ in present])}={v}" for k, v in present)
 
     members = list(groups.items())
     base_idx = _find_baseline(members, keys, flats, baseline, label)
@@ -394,7 +451,7 @@ def compare_logs(logs: Sequence[RunLog], *, target: float | None = None,
                        final=_mean_std(m.final_accuracy for m in ms),
                        best=_mean_std(m.best_accuracy for m in ms),
                        metrics={n: _mean_std(m.final_metrics[n] for m in ms if n in m.final_metrics)
-                                for n in EXTRA_METRICS if any(n in m.final_metrics for m in ms)})
+                                for n in dict.fromkeys(k for m in ms for k in m.final_metrics)})
         if target is not None:
             taus = [m.rounds_to_target for m in ms]
             row.reached = sum(math.isfinite(t) for t in taus)

@@ -217,6 +217,9 @@ SCHEMA: dict[str, Field] = {
                              file=True),
     "data.silos.validation": Field(str | None, None, "silos: server validation file (FedVG), read "
                                    "by rank 0 only; null = none", file=True),
+    "data.silos.client_test": Field(str | None, None, "silos: per-client held-out test file "
+                                    "template with {client}, read by the rank hosting the client "
+                                    "(eval.where: clients | both); null = eval.client_holdout"),
     "data.silos.split": Field(str, "dirichlet", "how `fedmpi partition --export` splits "
                               "data.dataset into the silo files", choices=("iid", "dirichlet", "shards")),
     # tabular files (fedmpi/data/tabular.py)
@@ -251,6 +254,26 @@ SCHEMA: dict[str, Field] = {
     "train.lr": Field(float, 0.05, "client learning rate", gt=0),
     "train.momentum": Field(float, 0.0, "client SGD momentum", ge=0, lt=1),
     "train.weight_decay": Field(float, 0.0, "client weight decay", ge=0),
+    "train.optimizer": Field(str, "sgd", "client optimizer (state reset every client-round); "
+                             "fednova, scaffold and ECGR assume sgd",
+                             choices=("sgd", "adam", "adamw")),
+    "train.betas": Field(list[float], [0.9, 0.999], "adam/adamw: (beta1, beta2)", ge=0, lt=1),
+    "train.eps": Field(float, 1e-8, "adam/adamw: epsilon of the denominator", gt=0),
+    "train.loss": Field(str, "cross_entropy", "client training loss (evaluation's test_loss is "
+                        "always cross-entropy)", choices=("cross_entropy", "bce_logits")),
+    "train.class_weights": Field(list[float] | None, None, "loss weight per class (C entries); "
+                                 "null = equal", ge=0),
+    "train.label_smoothing": Field(float, 0.0, "label smoothing eps: target (1 - eps) one-hot "
+                                   "+ eps / C", ge=0, lt=1),
+    "train.early_stopping.metric": Field(str | None, None, "stop when this /rounds metric "
+                                         "(e.g. test_accuracy, test_loss, auroc) stops improving; "
+                                         "null = off"),
+    "train.early_stopping.mode": Field(str, "max", "max: higher is better; min: lower",
+                                       choices=("max", "min")),
+    "train.early_stopping.patience": Field(int, 5, "evaluated rounds without improvement "
+                                           "before stopping", ge=1),
+    "train.early_stopping.min_delta": Field(float, 0.0, "an improvement is a change beyond this",
+                                            ge=0),
     "train.grad_clip": Field(float | None, None, "max gradient norm; null = no clipping", gt=0),
     "train.lr_decay": Field(float, 1.0, "step decay: round t uses lr * lr_decay^floor(t / "
                             "lr_decay_every) (ECGR paper: 0.5 every 10 rounds)", gt=0, le=1),
@@ -271,7 +294,10 @@ SCHEMA: dict[str, Field] = {
                                    choices=("samples", "uniform", "fedvg", "fedvg_avg"), **_IMPORT,
                                    registry="weighting"),
     "aggregation.rule": Field(str, "mean", "server-side aggregation rule (fedmpi.algorithms.rules), "
-                              "or pkg.module:Class (a ServerRule subclass)", choices=("mean",),
+                              "or pkg.module:Class (a ServerRule subclass); robust rules: "
+                              "docs/robust-aggregation.md",
+                              choices=("mean", "median", "trimmed_mean", "krum", "multi_krum",
+                                       "geometric_median", "norm_clip", "fltrust"),
                               **_IMPORT, registry="rule"),
     "aggregation.params": Field(dict, {}, "parameters of a user rule (pkg.module:Class), checked "
                                 "against its params['params'] dataclass"),
@@ -299,9 +325,12 @@ SCHEMA: dict[str, Field] = {
                         "applied in this order around any method", **_IMPORT),
     "adversary.clients": Field(list[int], [], "ids of misbehaving clients"),
     "adversary.kind": Field(str, "nan", "attack type (crash: local training raises, to exercise "
-                            "the failure path)",
-                            choices=("nan", "scale", "sign_flip", "label_flip", "crash")),
+                            "the failure path; gaussian and alie: docs/robust-aggregation.md)",
+                            choices=("nan", "scale", "sign_flip", "label_flip", "crash",
+                                     "gaussian", "alie")),
     "adversary.factor": Field(float, 10.0, "attack strength (scale factor)"),
+    "adversary.alie_z": Field(float | None, None, "alie: the shift z of mu - z*sigma (null: the "
+                              "paper's z_max from the participants and attackers)"),
     # privacy (fedmpi/privacy): differential privacy with a dp-accounting accountant
     "privacy.dp.level": Field(str, "none", "differential privacy: client = DP-FedAvg (each client's "
                               "update clipped, Gaussian noise on the sum), record = DP-SGD inside "
@@ -330,13 +359,34 @@ SCHEMA: dict[str, Field] = {
     "eval.every": Field(int, 1, "evaluate every N rounds", ge=1),
     "eval.batch_size": Field(int, 1024, "evaluation batch size", ge=1),
     "eval.metrics": Field(list[str], ["accuracy"], "test metrics logged as /rounds/<metric> "
-                          "(accuracy is test_accuracy); auroc evaluates on rank 0 only",
-                          choices=METRIC_NAMES),
+                          "(accuracy is test_accuracy), or pkg.module:fn(labels, probabilities) "
+                          "-> float logged as /rounds/fn; auroc and user metrics evaluate on "
+                          "rank 0 only", choices=METRIC_NAMES, **_IMPORT),
+    "eval.where": Field(str, "server", "who evaluates the global model: server = rank 0 on "
+                        "the test set; clients = every client on its own held-out data (rank 0 "
+                        "reads no test file); both", choices=("server", "clients", "both")),
+    "eval.client_holdout": Field(float | None, None, "eval.where clients | both: share of each "
+                                 "client's samples held out for its evaluation (fixed by seed, "
+                                 "removed from training), unless data.silos.client_test names "
+                                 "files", gt=0, lt=1),
     "eval.overlap": Field(bool, True, "rank 0 evaluates round t's model while the workers train "
                           "round t+1 (world_size > 1, not sharded); round t's log row is "
                           "written then"),
     "eval.sharded": Field(bool, False, "every rank evaluates a slice of the test set (one extra "
                           "state Bcast per evaluation round); rank 0 alone when false"),
+    # best model (fedmpi/callbacks.py)
+    "checkpoint.keep_best.metric": Field(str | None, None, "write best.pt beside model.pt for "
+                                         "the round that is best in this /rounds metric; null = "
+                                         "off"),
+    "checkpoint.keep_best.mode": Field(str, "max", "max: higher is better; min: lower",
+                                       choices=("max", "min")),
+    # experiment trackers (fedmpi/trackers.py): live views of the HDF5 log, from rank 0
+    "logging.tensorboard": Field(str | None, None, "TensorBoard event directory written per "
+                                 "round (extra fedmpi[tensorboard]); null = off"),
+    "logging.mlflow.tracking_uri": Field(str | None, None, "MLflow tracking URI (e.g. "
+                                         "file:/path/mlruns) logged per round (extra "
+                                         "fedmpi[mlflow]); null = off"),
+    "logging.mlflow.experiment": Field(str, "fedmpi", "MLflow experiment name"),
     # runtime
     "runtime.device": Field(str, "auto", "torch device", choices=("auto", "cpu"),
                             pattern=r"cuda(:\d+)?", pattern_help="cuda[:N]"),
@@ -495,12 +545,16 @@ def _check_value(key: str, f: Field, value: Any) -> Any:
             if f.item in (int, float) and not f.in_range(x):
                 raise ConfigError(
                     f"config key {key!r} items must each be {f.range_text}; item {i} is {x!r}")
-            if f.choices is not None and x not in f.choices:
+            matches = f.pattern is not None and isinstance(x, str) and \
+                re.fullmatch(f.pattern, x) is not None
+            if f.choices is not None and x not in f.choices and not matches:
+                alt = f" or {f.pattern_help}" if f.pattern_help else ""
                 raise ConfigError(f"config key {key!r} item {i} expects one of "
-                                  f"{', '.join(f.choices)}, got {x!r}{_suggest(x, f.choices)}")
+                                  f"{', '.join(f.choices)}{alt}, got {x!r}"
+                                  f"{_suggest(x, f.choices)}")
             if f.choices is not None and x in items:
                 raise ConfigError(f"config key {key!r} lists {x!r} twice")
-            if f.pattern is not None and isinstance(x, str) and not re.fullmatch(f.pattern, x):
+            if f.choices is None and f.pattern is not None and not matches:
                 raise ConfigError(f"config key {key!r} item {i} expects "
                                   f"{f.pattern_help or f.pattern}, got {x!r}")
             items.append(x)
@@ -781,6 +835,8 @@ def _cross_checks(cfg: Config) -> None:
             raise ConfigError(f"config key 'data.partition.file': file not found: {part.file}")
 
     _data_checks(cfg)
+    _train_checks(cfg)
+    _eval_checks(cfg)
 
     levels, alloc = cfg.system.levels, cfg.system.allocation
     if (levels is None) != (alloc is None):
@@ -854,6 +910,13 @@ def _privacy_checks(cfg: Config) -> None:
             raise ConfigError("config key 'privacy.target_epsilon' needs privacy.dp.level client or "
                               "record (privacy.dp.level is 'none': no epsilon to budget)")
         return
+    t = cfg.train
+    if level == "record" and (t.loss != "cross_entropy" or t.class_weights is not None
+                              or t.label_smoothing != 0.0):
+        raise ConfigError("config key 'train.loss' (with train.class_weights, "
+                          "train.label_smoothing) must be the plain cross_entropy with "
+                          "privacy.dp.level 'record' (DP-SGD clips per-sample cross-entropy "
+                          "gradients)")
     if level == "client" and cfg.aggregation.weighting != "uniform":
         raise ConfigError(f"config key 'aggregation.weighting' must be 'uniform' with "
                           f"privacy.dp.level 'client' (DP-FedAvg's fixed-denominator mean), got "
@@ -892,18 +955,14 @@ def _data_checks(cfg: Config) -> None:
         if (s.path is None) == (s.loader is None):
             raise ConfigError("config key 'data.silos.path' or 'data.silos.loader' (exactly one) "
                               "must be set when data.partition.method is 'silos'")
-        if s.path is not None:
-            try:
-                ok = s.path.format(client=0) != s.path.format(client=1)
-            except (KeyError, IndexError, ValueError):
-                ok = False
-            if not ok:
-                raise ConfigError(f"config key 'data.silos.path' must be a file template with "
-                                  f"{{client}} as its only field, e.g. silos/{{client}}.csv; got "
-                                  f"{s.path!r}")
-        if s.test is None:
+        if s.path is not None and not _client_template(s.path):
+            raise ConfigError(f"config key 'data.silos.path' must be a file template with "
+                              f"{{client}} as its only field, e.g. silos/{{client}}.csv; got "
+                              f"{s.path!r}")
+        if s.test is None and cfg.eval.where != "clients":
             raise ConfigError("config key 'data.silos.test' is required when "
-                              "data.partition.method is 'silos' (rank 0 reads the test set)")
+                              "data.partition.method is 'silos' (rank 0 reads the test set), "
+                              "unless eval.where is 'clients'")
         if cfg.eval.sharded:
             raise ConfigError("config key 'eval.sharded' must be false when data.partition.method "
                               "is 'silos' (rank 0 alone holds the test set)")
@@ -912,6 +971,77 @@ def _data_checks(cfg: Config) -> None:
             if d.tabular.get(key) is None:
                 raise ConfigError(f"config key 'data.tabular.{key}' is required when "
                                   "data.dataset is 'tabular'")
+
+
+def _client_template(path: str) -> bool:
+    """Whether ``path`` is a file template whose only field is ``{client}``."""
+    try:
+        return path.format(client=0) != path.format(client=1)
+    except (KeyError, IndexError, ValueError):
+        return False
+
+
+def _train_checks(cfg: Config) -> None:
+    """Optimizer and loss keys that only make sense together."""
+    t = cfg.train
+    if len(t.betas) != 2:
+        raise ConfigError(f"config key 'train.betas' expects two numbers (beta1, beta2), got "
+                          f"{t.betas}")
+    if t.optimizer != "sgd" and t.momentum:
+        raise ConfigError(f"config key 'train.momentum' is SGD's; with train.optimizer "
+                          f"{t.optimizer!r} set train.betas instead (momentum must be 0)")
+    if cfg.ecgr.enabled and t.optimizer != "sgd":
+        raise ConfigError(f"config keys 'ecgr.enabled' and 'train.optimizer': ECGR rewrites "
+                          f"SGD steps (its math assumes sgd), got train.optimizer "
+                          f"{t.optimizer!r}")
+
+
+def _metric_names(cfg: Config) -> list[str]:
+    """The ``/rounds`` metrics early stopping and the best model may follow."""
+    from .metrics import extra_names
+
+    own = ["test_loss", "test_accuracy", *extra_names(cfg.eval.metrics)]
+    sites = [f"clients_{m}" for m in own] if cfg.eval.where == "both" else []
+    return [*own, "train_loss", *sites]
+
+
+def _eval_checks(cfg: Config) -> None:
+    """Where evaluation happens, user metric names, the metrics followed by early stopping
+    and the best model."""
+    from .metrics import RESERVED, is_user_metric, metric_name
+
+    e, s = cfg.eval, cfg.data.silos
+    names = [metric_name(m) for m in e.metrics if is_user_metric(m)]
+    for m in e.metrics:
+        name = metric_name(m)
+        if is_user_metric(m) and (name in RESERVED or names.count(name) > 1):
+            raise ConfigError(f"config key 'eval.metrics': {m!r} would be logged as {name!r}, "
+                              "which another metric already uses")
+    if s.client_test is not None:
+        if cfg.data.partition.method != "silos":
+            raise ConfigError("config key 'data.silos.client_test' needs data.partition.method "
+                              "'silos' (with pooled data use eval.client_holdout)")
+        if not _client_template(s.client_test):
+            raise ConfigError(f"config key 'data.silos.client_test' must be a file template "
+                              f"with {{client}} as its only field, got {s.client_test!r}")
+    if e.where != "server":
+        if s.client_test is None and e.client_holdout is None:
+            raise ConfigError(f"config key 'eval.client_holdout' (a share such as 0.2) or "
+                              f"'data.silos.client_test' must be set when eval.where is "
+                              f"{e.where!r}: each client evaluates on data it does not train on")
+        if cfg.algorithm.name in SUBMODEL_METHODS:
+            raise ConfigError(f"config key 'eval.where' must be 'server' for algorithm.name "
+                              f"{cfg.algorithm.name!r} (the method evaluates its resource levels "
+                              "itself)")
+        if e.sharded:
+            raise ConfigError(f"config key 'eval.sharded' must be false when eval.where is "
+                              f"{e.where!r} (the clients evaluate their own data)")
+    allowed = _metric_names(cfg)
+    for key in ("train.early_stopping.metric", "checkpoint.keep_best.metric"):
+        metric = cfg.get(key)
+        if metric is not None and metric not in allowed:
+            raise ConfigError(f"config key {key!r} must name a logged metric, one of "
+                              f"{', '.join(allowed)}; got {metric!r}{_suggest(metric, allowed)}")
 
 
 def _build(given: Mapping[str, Any], base_dir: str | os.PathLike | None) -> Config:

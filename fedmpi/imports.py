@@ -14,11 +14,17 @@ Four config keys accept an import path instead of a built-in name:
 ``aggregation.rule``        a subclass of :class:`fedmpi.algorithms.ServerRule`; its
                             parameters come from ``aggregation.params``
 ``data.silos.loader``       a callable ``(client) -> (x, y)`` (:mod:`fedmpi.data.silos`)
+``eval.metrics`` items      a function ``(labels, probabilities) -> float``
+                            (:mod:`fedmpi.metrics`)
 ==========================  ==============================================================
 
 Every failure — unknown module, unknown attribute, wrong kind of object, wrong
-signature, bad parameters — is a :class:`~fedmpi.errors.ConfigError` (exit 2)
-whose one line names the key and what was expected. ``pkg.module`` is imported
+signature (also of a method's, weighting's or transform's overridden hooks), bad
+parameters — is a :class:`~fedmpi.errors.ConfigError` (exit 2) whose one line names
+the key and what was expected. User code that *raises* while the run is built (at
+import, in a factory, in a constructor or ``setup``) is a
+:class:`~fedmpi.errors.UserCodeError` (a ConfigError, exit 2):
+``<object> (<import path>) raised <Type>: <message> at <file>:<line>`` (:func:`blame`). ``pkg.module`` is imported
 with the current directory on ``sys.path`` (as ``python -m`` does), so a file
 next to where ``fedmpi run`` is started can be named without installing it.
 """
@@ -26,16 +32,17 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from dataclasses import dataclass
 import inspect
 import os
 import re
 import sys
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .errors import ConfigError
+from .errors import OBJECTS, ConfigError, UserCodeError, UserError, code_error_line, user_frame
 
 __all__ = ["UserCode", "is_import_path", "resolve", "model_factory", "dataset_factory",
            "algorithm_class", "weighting_class", "rule_class", "silo_loader", "method_params", "check_config_paths",
@@ -71,8 +78,7 @@ def resolve(path: str, key: str, expected: str) -> Any:
                               f"expected {expected})") from None
         raise ConfigError(f"config key {key!r}: importing {module_name!r} failed: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - user code failed at import time
-        raise ConfigError(f"config key {key!r}: importing {module_name!r} failed: "
-                          f"{type(exc).__name__}: {exc}") from None
+        raise UserCodeError(object_name(key), path, exc) from exc
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ConfigError(f"config key {key!r}: {module_name!r} has no attribute {attr!r} "
@@ -96,6 +102,81 @@ def _named(obj: Any) -> str:
     return getattr(obj, "__qualname__", None) or type(obj).__name__
 
 
+def object_name(key: str) -> str:
+    """What the object of config key ``key`` is called in an error line ("model", "method")."""
+    return OBJECTS.get(key.split("[", 1)[0], key)
+
+
+def code_path(obj: Any) -> Optional[str]:
+    """``module:qualname`` of a function or class (of an instance: of its class); an
+    import path string as it is."""
+    if isinstance(obj, str):
+        return obj if is_import_path(obj) else None
+    target = obj if inspect.isclass(obj) or inspect.isroutine(obj) else type(obj)
+    module, qualname = getattr(target, "__module__", None), getattr(target, "__qualname__", None)
+    return f"{module}:{qualname}" if module and qualname else None
+
+
+def is_user_code(obj: Any) -> bool:
+    """Whether ``obj`` (or its class) is defined outside fedmpi."""
+    path = code_path(obj)
+    return path is not None and path.split(":", 1)[0].split(".", 1)[0] not in ("fedmpi",
+                                                                               "builtins")
+
+
+def _defined_in(obj: Any, frame: Any, by_name: bool) -> bool:
+    target = obj if inspect.isclass(obj) or inspect.isroutine(obj) else type(obj)
+    try:
+        source = inspect.getsourcefile(target)
+    except TypeError:
+        return False
+    if source is None or os.path.abspath(source) != os.path.abspath(frame.filename):
+        return False
+    qualname = getattr(target, "__qualname__", "")
+    return not by_name or frame.qualname == qualname or frame.qualname.startswith(qualname + ".")
+
+
+def run_objects(algo: Any, model: Any, weighting: Any, transforms: Any,
+                rule: Any = None) -> dict[str, Any]:
+    """What a round runs, by config key: the objects :func:`runtime_error_line` blames."""
+    return {"algorithm.name": algo, "model.name": model, "aggregation.weighting": weighting,
+            "aggregation.rule": rule, **{f"transforms[{i}]": tr for i, tr in enumerate(transforms)}}
+
+
+def runtime_error_line(exc: BaseException, objects: Mapping[str, Any]) -> tuple[str, bool]:
+    """One line for an exception raised while a run runs (a client's training, the
+    server step): blamed on the user object of ``objects`` (config key -> object, e.g.
+    ``{"model.name": model, "algorithm.name": algo}``) whose code holds the innermost
+    user frame — matched by qualified name, else by file — else on "user code"; without
+    a user frame, on fedmpi ("run"). Returns (line, whether user code was blamed)."""
+    frame = user_frame(exc)
+    if frame is None:
+        return code_error_line("run", None, exc), False
+    users = [(k, o) for k, o in objects.items() if is_user_code(o)]
+    for by_name in (True, False):
+        for key, obj in users:
+            if _defined_in(obj, frame, by_name):
+                return code_error_line(object_name(key), code_path(obj), exc), True
+    return code_error_line("user code", None, exc), True
+
+
+@contextmanager
+def blame(key: str, obj: Any) -> Iterator[None]:
+    """Inside: an exception raised by user code becomes one :class:`UserCodeError` line
+    naming ``key``'s object and ``obj``'s import path. Blamed: ``obj`` is user code, or
+    the exception's innermost frame outside fedmpi and the libraries is. fedmpi's own
+    errors (:class:`UserError`) and its bugs pass through unchanged."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as exc:
+        if not (is_user_code(obj) or user_frame(exc) is not None):
+            raise
+        raise UserCodeError(object_name(key), code_path(obj) if is_user_code(obj) else None,
+                            exc) from exc
+
+
 # --------------------------------------------------------------------- models
 MODEL_EXPECTED = "a callable (input_shape, num_classes) -> nn.Module, or an nn.Module class"
 
@@ -110,7 +191,8 @@ def model_factory(obj: Any, key: str = "model.name") -> Callable[[tuple[int, ...
     def build(input_shape: tuple[int, ...], num_classes: int):
         from torch import nn
 
-        model = obj(tuple(input_shape), int(num_classes))
+        with blame(key, obj):
+            model = obj(tuple(input_shape), int(num_classes))
         if not isinstance(model, nn.Module):
             raise ConfigError(f"config key {key!r}: {_named(obj)}({tuple(input_shape)}, "
                               f"{num_classes}) returned {type(model).__name__}, not an nn.Module")
@@ -136,7 +218,13 @@ def dataset_factory(obj: Any, key: str = "data.dataset") -> Callable[[], Any]:
     if not _accepts(obj, 0):
         raise ConfigError(f"config key {key!r}: {_named(obj)} must be callable without "
                           f"arguments ({DATASET_EXPECTED})")
-    return lambda: as_dataset(obj(), key)
+
+    def load() -> Any:
+        with blame(key, obj):
+            made = obj()
+        return as_dataset(made, key)
+
+    return load
 
 
 SILO_EXPECTED = "a callable (client) -> (x, y) arrays"
@@ -157,7 +245,39 @@ def _subclass(obj: Any, base: type, key: str, expected: str) -> type:
         obj = resolve(obj, key, expected)
     if not (isinstance(obj, type) and issubclass(obj, base)):
         raise ConfigError(f"config key {key!r}: {_named(obj)} is not {expected}")
+    check_overrides(obj, base, key)
     return obj
+
+
+def _call_args(sig: inspect.Signature) -> tuple[list[None], dict[str, None]]:
+    """The arguments fedmpi passes to a hook of signature ``sig``: its positional
+    parameters by position, its keyword-only ones by name."""
+    args = [None for p in sig.parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    kwargs = {p.name: None for p in sig.parameters.values() if p.kind == p.KEYWORD_ONLY}
+    return args, kwargs
+
+
+def check_overrides(cls: type, base: type, key: str) -> None:
+    """Every hook of ``base`` that ``cls`` overrides must accept the arguments fedmpi
+    calls it with (the base's signature); a ConfigError names the first one that does not,
+    so a wrong hook signature stops the run before it starts instead of in round 0."""
+    for name, hook in vars(base).items():
+        if name.startswith("__") or not inspect.isfunction(hook):
+            continue
+        mine = inspect.getattr_static(cls, name, None)
+        if mine is hook or not inspect.isfunction(mine):
+            continue   # inherited, or a property/classmethod (not a hook called by fedmpi)
+        args, kwargs = _call_args(inspect.signature(hook))
+        try:
+            inspect.signature(mine).bind(*args, **kwargs)
+        except TypeError:
+            wanted = str(inspect.signature(hook)).split(" ->")[0]
+            raise ConfigError(f"config key {key!r}: {cls.__qualname__}.{name}"
+                              f"{str(inspect.signature(mine)).split(' ->')[0]} does not accept "
+                              f"the arguments fedmpi calls it with: {name}{wanted}") from None
+        except ValueError:
+            continue
 
 
 def algorithm_class(obj: Any, key: str = "algorithm.name") -> type:
@@ -338,6 +458,11 @@ def check_config_paths(cfg: Any) -> None:
         refuse_per_client(cfg, bool(getattr(weighting, "per_client", False)), rule_cls.per_client, [])
     for i, path in enumerate(cfg.transforms):
         transform_class(path, f"transforms[{i}]")
+    from .metrics import is_user_metric, user_metric
+
+    for metric in cfg.eval.metrics:
+        if is_user_metric(metric):
+            user_metric(metric)
     if is_import_path(cfg.algorithm.name):
         method_params(algorithm_class(cfg.algorithm.name), cfg.algorithm.params)
     elif cfg.algorithm.params:

@@ -9,7 +9,9 @@ Layout, ``schema_version`` "1" (R rounds, K clients; DESIGN.md section 5)::
                              privacy.target_epsilon),
                              fingerprint (run-defining config hash, fedmpi.rundir),
                              writer_host, writer_pid, flushed_at (Unix time of the
-                             last flush; issue 18)
+                             last flush; issue 18), run_info (JSON: the model, data
+                             and silo files with SHA-256, method and its parameters,
+                             weighting, transforms as they ran; fedmpi.provenance)
     /rounds/round            [R]        int64
     /rounds/<name>           [R]        int64 for ``bytes_*``, float64 otherwise
     /clients/num_samples     [K]        int64
@@ -55,7 +57,7 @@ from fedmpi.outputs import OutputError, quiet_h5py_errors, write_failed
 if TYPE_CHECKING:
     import pandas
 
-__all__ = ["SCHEMA_VERSION", "STATUSES", "LogWriter", "RunLog", "read"]
+__all__ = ["SCHEMA_VERSION", "STATUSES", "LogWriter", "RunLog", "as_run_log", "read"]
 
 SCHEMA_VERSION = "1"
 STATUSES = ("running", "completed", "failed", "interrupted")
@@ -393,6 +395,14 @@ class LogWriter:
         f.attrs["status"] = status
         self._flush()
 
+    @_writes
+    def set_run_info(self, text: str) -> None:
+        """Set the root attribute ``run_info`` (JSON: what ran, :mod:`fedmpi.provenance`)
+        and flush."""
+        f = self._writable()
+        f.attrs["run_info"] = text
+        self._flush()
+
     @property
     def status(self) -> str:
         return _to_python(self._writable().attrs["status"])
@@ -530,6 +540,12 @@ def read(path: PathLike) -> RunLog:
             raise LogFormatError(f"{path}: attribute config_yaml is not valid YAML ({problem})"
                                  ) from None
         raise LogFormatError(f"{path}: truncated or corrupt fedmpi log ({exc})") from exc
+
+
+def as_run_log(log: RunLog | PathLike) -> RunLog:
+    """``log`` itself, or the log read from that path (:func:`read`): the analysis
+    functions (``run_metrics``, ``summary_markdown``, the plots ...) accept either."""
+    return log if isinstance(log, RunLog) else read(log)
 
 
 def _read_file(f: h5py.File, path: str) -> RunLog:

@@ -25,19 +25,61 @@ probabilities in one place, so a run that asks for it evaluates on rank 0 only
 and handed to scikit-learn, so the definitions are scikit-learn's. Predictions
 outside the C classes (FedGPS ``eval_logits: all`` predicting a surrogate class)
 fall into one extra column :math:`p = C`: wrong for every class.
+
+**Your own metrics.** An ``eval.metrics`` item ``"pkg.module:fn"`` names a
+function ``fn(labels [n] int64, probabilities [n, C] float64) -> float`` (the
+softmax of the C class outputs, scikit-learn's ``y_true, y_score`` habit; an
+AUPRC, a sensitivity at a fixed specificity, a Brier score). It is logged as
+``/rounds/fn`` (the last component of the path) and reported like AUROC: it
+needs every sample's probabilities, so it evaluates on rank 0 only, and
+per site (``eval.where: clients``) it is computed on each site and combined
+as the sample-weighted mean (:mod:`fedmpi.runtime.evaluation`).
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["METRICS", "Collector", "confusion_size", "nan_scalars", "scalars", "shardable"]
+__all__ = ["METRICS", "Collector", "confusion_size", "metric_name", "nan_scalars", "scalars",
+           "shardable", "score_metrics"]
 
 METRICS = ("accuracy", "balanced_accuracy", "macro_f1", "auroc")
+#: names a user metric may not take: the built-ins and the other /rounds scalars
+RESERVED = METRICS + ("test_loss", "test_accuracy", "train_loss")
+
+
+def is_user_metric(metric: str) -> bool:
+    """Whether an ``eval.metrics`` item is an import path ``pkg.module:fn``."""
+    return ":" in metric
+
+
+def metric_name(metric: str) -> str:
+    """The ``/rounds`` name of an ``eval.metrics`` item: ``pkg.mod:auprc`` → ``auprc``."""
+    return metric.rsplit(":", 1)[-1].rsplit(".", 1)[-1] if is_user_metric(metric) else metric
+
+
+def score_metrics(metrics: Sequence[str]) -> list[str]:
+    """The chosen metrics that need every sample's probabilities (AUROC, user metrics):
+    not functions of the confusion matrix, so neither sharded nor pooled across sites."""
+    return [m for m in metrics if m == "auroc" or is_user_metric(m)]
+
+
+@functools.lru_cache(maxsize=None)
+def user_metric(path: str) -> Callable[[np.ndarray, np.ndarray], float]:
+    """The function an ``eval.metrics`` import path names (ConfigError naming the key)."""
+    from .errors import ConfigError
+    from .imports import _accepts, resolve
+
+    fn = resolve(path, "eval.metrics", "a function (labels, probabilities) -> float")
+    if not callable(fn) or not _accepts(fn, 2):
+        raise ConfigError(f"config key 'eval.metrics': {path!r} is not a function "
+                          "(labels, probabilities) -> float")
+    return fn
 
 
 def confusion_size(num_classes: int) -> int:
@@ -47,12 +89,12 @@ def confusion_size(num_classes: int) -> int:
 
 def shardable(metrics: Sequence[str]) -> bool:
     """Whether every metric is a function of the confusion matrix (sum-reducible)."""
-    return "auroc" not in metrics
+    return not score_metrics(metrics)
 
 
 def extra_names(metrics: Sequence[str]) -> list[str]:
     """The ``/rounds/<metric>`` names beyond ``test_accuracy``."""
-    return [m for m in metrics if m != "accuracy"]
+    return [metric_name(m) for m in metrics if m != "accuracy"]
 
 
 def nan_scalars(metrics: Sequence[str]) -> dict[str, float]:
@@ -70,7 +112,7 @@ class Collector:
         self.C = int(num_classes)
         self.metrics = tuple(metrics)
         self.confusion = torch.zeros(confusion_size(self.C), dtype=torch.int64, device=device)
-        self.keep_probs = "auroc" in self.metrics
+        self.keep_probs = bool(score_metrics(self.metrics))
         self.probs: list[torch.Tensor] = []
         self.labels: list[torch.Tensor] = []
 
@@ -103,9 +145,14 @@ def scalars(loss_sum: float, n: float, confusion: np.ndarray, num_classes: int,
            "test_accuracy": float(np.trace(m[:, :C])) / n if n else math.nan}
     true, pred = np.nonzero(m)
     y_true, y_pred = np.repeat(true, m[true, pred]), np.repeat(pred, m[true, pred])
-    for name in extra_names(metrics):
+    for metric in metrics:
+        if metric == "accuracy":
+            continue
+        name = metric_name(metric)
         if n == 0:
             out[name] = math.nan
+        elif is_user_metric(metric):
+            out[name] = _user(metric, *probs) if probs is not None else math.nan
         elif name == "balanced_accuracy":
             with warnings.catch_warnings():   # "y_pred contains classes not in y_true": expected
                 warnings.simplefilter("ignore", UserWarning)
@@ -115,6 +162,15 @@ def scalars(loss_sum: float, n: float, confusion: np.ndarray, num_classes: int,
         elif name == "auroc":
             out[name] = _auroc(*probs) if probs is not None else math.nan
     return out
+
+
+def _user(path: str, p: np.ndarray, y: np.ndarray) -> float:
+    """A user metric on (labels, probabilities), as a float (an error names the function)."""
+    fn = user_metric(path)
+    try:
+        return float(fn(y, p))
+    except Exception as exc:  # noqa: BLE001 - user code: say whose it was
+        raise RuntimeError(f"eval.metrics {path!r} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _auroc(p: np.ndarray, y: np.ndarray) -> float:

@@ -11,6 +11,11 @@
   file is the same for any world size.
 * :class:`OutputError` (exit status 1, not 2: the input was fine, the machine failed)
   carries one line ``<path>: cannot write (<reason>)``.
+* :func:`claim`: nothing fedmpi writes replaces a file it did not create in this
+  command without ``--overwrite`` (issue 26): every command that writes files (``run``
+  through :mod:`fedmpi.rundir`; ``report``, ``compare --out``, ``partition`` and
+  ``partition --export``) first claims all its targets; one that exists stops the
+  command before anything is written (exit 2, naming the files).
 """
 from __future__ import annotations
 
@@ -19,15 +24,37 @@ import re
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
+
+from .errors import UserError
 
 EXIT_WRITE_FAILED = 1
 
 
 class OutputError(Exception):
     """Writing an output file failed (disk full, quota, I/O error); exit status 1."""
+
+
+class ExistingFiles(UserError):
+    """Files a command would write exist already and ``--overwrite`` was not given."""
+
+
+def claim(paths: "Sequence[str | os.PathLike]", overwrite: bool, what: str) -> None:
+    """Refuse to write ``paths`` if any of them exists (unless ``overwrite``).
+
+    Called with *all* the files a command is about to write, before it writes the first
+    one, so a refusal leaves every file as it was. ``what`` names the command in the
+    message, e.g. ``"fedmpi report"``.
+    """
+    existing = [os.fspath(p) for p in paths if os.path.lexists(p)]
+    if not existing or overwrite:
+        return
+    shown = ", ".join(existing[:4]) + (f" and {len(existing) - 4} more" if len(existing) > 4 else "")
+    raise ExistingFiles(f"{what}: {shown} exist{'s' if len(existing) == 1 else ''} already and "
+                        "would be replaced; fedmpi replaces only files it created itself in "
+                        "this command: add --overwrite to replace them, or choose another --out")
 
 
 def reason(exc: BaseException) -> str:

@@ -5,6 +5,12 @@ x axis are the round numbers of the log, counted from 0):
 
 =========================  =====================================================
 ``accuracy.png``           test accuracy (%) and test/train loss vs round
+``metrics.png``            one panel per ``eval.metrics`` entry (accuracy,
+                           balanced accuracy, macro-F1, AUROC, user metrics) vs
+                           round; with per-site evaluation (``eval.where``) also
+                           each site's curve (up to 10 sites), the spread across
+                           sites (min–max band, interquartile band) and, with
+                           ``both``, the server's and the sites' combined value
 ``client_weights.png``     aggregation weight :math:`s_k` of every client in every
                            round (FedVG paper Fig. 8); grey = not selected,
                            red x = update excluded
@@ -18,7 +24,8 @@ x axis are the round numbers of the log, counted from 0):
                            (FedLAGC); needs ``/submodel/level_accuracy`` [R, V]
 ``time_per_round.png``     wall time per round split into local training,
                            communication + other, aggregation, evaluation
-``bytes_per_round.png``    bytes sent up/down per round and cumulative
+``bytes_per_round.png``    bytes sent per round, uplink and downlink in separate
+                           panels on one scale, and the cumulative traffic
 =========================  =====================================================
 
 The time split (:func:`time_split`) uses the log's ``train_seconds`` (slowest
@@ -51,14 +58,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fedmpi.compare import config_value, flatten_config, run_metrics
+from fedmpi.compare import config_value, flatten_config, is_percent, run_config, run_metrics
 from fedmpi.errors import UserError
-from fedmpi.log import RunLog, read
+from fedmpi.log import PathLike, RunLog, as_run_log, read
 
 __all__ = ["PLOTS", "partition_preview", "plot_partition", "summary_markdown", "write_report"]
 
 #: File names of the plots, in the order the summary lists them.
-PLOTS: tuple[str, ...] = ("accuracy.png", "client_weights.png", "fedvg_grad_norm.png",
+PLOTS: tuple[str, ...] = ("accuracy.png", "metrics.png", "client_weights.png", "fedvg_grad_norm.png",
                           "partition.png", "level_accuracy.png", "time_per_round.png",
                           "bytes_per_round.png")
 
@@ -135,8 +142,10 @@ def _cmap(name: str):
 
 # -- individual plots ---------------------------------------------------------------
 
-def plot_accuracy(log: RunLog, path: Path, target: float | None = None) -> Path | None:
+def plot_accuracy(log: RunLog | PathLike, path: Path,
+                  target: float | None = None) -> Path | None:
     """Test accuracy and losses vs round; the best round is marked."""
+    log = as_run_log(log)
     r = log.rounds.get("round")
     acc = log.rounds.get("test_accuracy")
     if r is None or acc is None or not np.isfinite(acc).any():
@@ -179,8 +188,105 @@ def plot_accuracy(log: RunLog, path: Path, target: float | None = None) -> Path 
     return _save(fig, path)
 
 
-def plot_client_weights(log: RunLog, path: Path) -> Path | None:
+_METRIC_LABELS = {"test_accuracy": "accuracy", "balanced_accuracy": "balanced accuracy",
+                  "macro_f1": "macro-F1", "auroc": "AUROC"}
+
+
+def _components(log: RunLog) -> str:
+    """What the run is made of, for plot subtitles: data, model, method, optimizer,
+    partition, clients and where it was evaluated."""
+    c = log.config
+    get = lambda key, default=None: config_value(c, key, default)  # noqa: E731
+    method = str(get("algorithm.name", "?"))
+    weighting = get("aggregation.weighting", "samples")
+    part = str(get("data.partition.method", "?"))
+    if part == "dirichlet":
+        part += f" α={get('data.partition.alpha')}"
+    opt = str(get("train.optimizer", "sgd"))
+    where = {"server": "server test set", "clients": "clients' held-out data",
+             "both": "server test set + clients' held-out data"}[str(get("eval.where", "server"))]
+    data = (f"silos {get('data.silos.path') or get('data.silos.loader')}" if part == "silos"
+            else get("data.dataset", "?"))   # a silo run's data.dataset is an unused default
+    return (f"{data} · {get('model.name', '?')} · {method}"
+            f"{f' + {weighting}' if weighting not in (None, 'samples') else ''} · "
+            f"{opt} lr {get('train.lr')} · {part}, {get('data.num_clients')} clients · "
+            f"evaluated on the {where}")
+
+
+def _metric_names(log: RunLog) -> list[str]:
+    """The ``/rounds`` names of the run's ``eval.metrics`` (accuracy is ``test_accuracy``)."""
+    from .metrics import metric_name
+
+    chosen = config_value(log.config, "eval.metrics", None) or ["accuracy"]
+    return ["test_accuracy" if m == "accuracy" else metric_name(m) for m in chosen]
+
+
+def plot_metrics(log: RunLog | PathLike, path: Path) -> Path | None:
+    """One panel per chosen metric vs round, with the per-site curves and their spread when
+    the clients evaluated (``/clients/<metric>`` [R, K]); written when there is more to show
+    than ``accuracy.png`` (another metric, or per-site values)."""
+    log = as_run_log(log)
+    from .metrics import is_user_metric
+
+    r = log.rounds.get("round")
+    names = [n for n in _metric_names(log) if n in log.rounds and np.isfinite(log.rounds[n]).any()
+             or f"clients_{n}" in log.rounds]
+    sites = {n: log.clients[n] for n in names
+             if n in log.clients and np.ndim(log.clients[n]) == 2 and np.isfinite(log.clients[n]).any()}
+    if r is None or not names or (len(names) == 1 and not sites):
+        return None
+    where = str(config_value(log.config, "eval.where", "server"))
+    scored = {n for n in names if n == "auroc" or n not in _METRIC_LABELS} | {
+        m.rsplit(":", 1)[-1] for m in (config_value(log.config, "eval.metrics", None) or [])
+        if is_user_metric(m)}
+    cols = min(len(names), 3)
+    rows = math.ceil(len(names) / cols)
+    fig = _figure(4.2 * cols + 0.5, 3.4 * rows + 0.9)
+    axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False).ravel())
+    for ax, name in zip(axes, names):
+        combined = ("sites: n-weighted mean" if name in scored else "sites pooled (exact)")
+        curves = []
+        if where == "both":
+            curves = [(name, "server test set", "C0"), (f"clients_{name}", combined, "C3")]
+        else:
+            curves = [(name, "server test set" if where == "server" else combined,
+                       "C0" if where == "server" else "C3")]
+        per_site = sites.get(name)
+        if per_site is not None:
+            k = per_site.shape[1]
+            ok = np.isfinite(per_site).any(1)
+            with np.errstate(all="ignore"), __import__("warnings").catch_warnings():
+                __import__("warnings").simplefilter("ignore", RuntimeWarning)
+                q = np.nanpercentile(per_site[ok], [0, 25, 75, 100], axis=1)
+            ax.fill_between(r[ok], q[0], q[3], color="C3", alpha=0.12,
+                            label=f"{k} sites: min–max")
+            ax.fill_between(r[ok], q[1], q[2], color="C3", alpha=0.25, label="sites: 25–75 %")
+            if k <= 10:
+                for j in range(k):
+                    good = np.isfinite(per_site[:, j])
+                    ax.plot(r[good], per_site[good, j], color="C3", lw=0.6, alpha=0.5,
+                            label="each site" if j == 0 else None)
+        for key, label, color in curves:
+            v = log.rounds.get(key)
+            if v is None or not np.isfinite(v).any():
+                continue
+            good = np.isfinite(v)
+            ax.plot(r[good], v[good], color=color, lw=2, marker="o" if good.sum() <= 40 else None,
+                    ms=3, label=label)
+        ax.set(xlabel="round", ylabel=_METRIC_LABELS.get(name, name),
+               title=_METRIC_LABELS.get(name, name))
+        _round_axis(ax)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes[len(names):]:
+        ax.set_visible(False)
+    fig.suptitle(f"{_title(log)}: test metrics\n{_components(log)}", fontsize=10)
+    return _save(fig, path)
+
+
+def plot_client_weights(log: RunLog | PathLike, path: Path) -> Path | None:
     """Heatmap of the aggregation weights, clients x rounds (FedVG Fig. 8)."""
+    log = as_run_log(log)
     w = log.clients.get("weight")
     r = log.rounds.get("round")
     if w is None or r is None or w.size == 0 or not np.isfinite(w).any():
@@ -209,8 +315,9 @@ def _weighting(log: RunLog) -> str:
     return str(config_value(log.config, "aggregation.weighting", "samples"))
 
 
-def plot_grad_norm(log: RunLog, path: Path) -> Path | None:
+def plot_grad_norm(log: RunLog | PathLike, path: Path) -> Path | None:
     """Per-client, per-layer validation-gradient norms at two rounds (FedVG Fig. A.1)."""
+    log = as_run_log(log)
     g = log.arrays.get("fedvg/grad_norm")
     r = log.rounds.get("round")
     if g is None or r is None or g.ndim != 3 or not np.isfinite(g).any():
@@ -283,8 +390,9 @@ def plot_partition(class_counts: np.ndarray, path: str | os.PathLike, title: str
     return _save(fig, Path(path))
 
 
-def plot_level_accuracy(log: RunLog, path: Path) -> Path | None:
+def plot_level_accuracy(log: RunLog | PathLike, path: Path) -> Path | None:
     """Test accuracy of each submodel level vs round (FedLAGC)."""
+    log = as_run_log(log)
     la = log.arrays.get("submodel/level_accuracy")
     r = log.rounds.get("round")
     if la is None or r is None or la.ndim != 2 or not np.isfinite(la).any():
@@ -327,7 +435,7 @@ _TIME_PARTS = (("train_seconds", "local training (slowest worker)", "C0"),
 _OVERLAPPED = "evaluation overlapped with the next round's training (not in the wall time)"
 
 
-def time_split(log: RunLog) -> dict[str, np.ndarray]:
+def time_split(log: RunLog | PathLike) -> dict[str, np.ndarray]:
     """Per-round seconds: the :data:`_TIME_PARTS` present in the log, with
     ``eval_seconds`` cut to its part inside the round's wall time, plus
     ``eval_overlapped`` (the rest) and ``wall_seconds``. NaN counts as 0.
@@ -336,6 +444,7 @@ def time_split(log: RunLog) -> dict[str, np.ndarray]:
     runtime computes overhead as the remainder of the wall time with the in-round
     evaluation only, so the in-round parts sum to the wall time.
     """
+    log = as_run_log(log)
     parts = {name: np.nan_to_num(np.asarray(log.rounds[name], dtype=np.float64))
              for name, _, _ in _TIME_PARTS if name in log.rounds}
     if "wall_seconds" in log.rounds:
@@ -351,9 +460,10 @@ def time_split(log: RunLog) -> dict[str, np.ndarray]:
     return parts
 
 
-def plot_time(log: RunLog, path: Path) -> Path | None:
+def plot_time(log: RunLog | PathLike, path: Path) -> Path | None:
     """Stacked bars: time per round split into training/communication/aggregation/evaluation
     (inside the round); an overlapped evaluation is drawn hatched on top."""
+    log = as_run_log(log)
     r = log.rounds.get("round")
     if r is None or len(r) == 0:
         return None
@@ -394,38 +504,60 @@ def _seconds(x: float) -> str:
     return f"{x:.3g} s" if x >= 1 else f"{1e3 * x:.3g} ms"
 
 
-def plot_bytes(log: RunLog, path: Path) -> Path | None:
-    """Bytes sent per round (up/down) and cumulative traffic."""
+_LINKS = {"bytes_up": ("uplink (clients → server)", "C0"),
+          "bytes_down": ("downlink (server → clients)", "C1")}
+
+
+def plot_bytes(log: RunLog | PathLike, path: Path) -> Path | None:
+    """Bytes per round, uplink and downlink each in its own panel (one shared scale, so
+    equal traffic — FedAvg sends θ down and Δ up — is two visible, equal bar rows, not one
+    line hiding the other), and the cumulative traffic; equal series are drawn once and
+    labelled so."""
+    log = as_run_log(log)
     r = log.rounds.get("round")
-    series = [(n, log.rounds[n]) for n in ("bytes_up", "bytes_down") if n in log.rounds]
+    series = [(n, np.asarray(log.rounds[n], dtype=np.float64)) for n in _LINKS
+              if n in log.rounds]
     if r is None or len(r) == 0 or not series:
         return None
     unit, scale = _byte_unit(max(float(np.max(v)) for _, v in series))
     cum_unit, cum_scale = _byte_unit(max(float(np.sum(v)) for _, v in series))
-    fig = _figure(10, 4)
-    ax, ax_c = fig.subplots(1, 2)
-    for i, (name, v) in enumerate(series):
-        label = {"bytes_up": "uplink (clients → server)",
-                 "bytes_down": "downlink (server → clients)"}[name]
-        style = dict(color=f"C{i}", ls="-" if i == 0 else "--", lw=2.5 if i == 0 else 1.5)
-        ax.plot(r, v / scale, marker=("o" if i == 0 else "s") if len(r) <= 60 else None,
-                ms=5 if i == 0 else 3, label=label, **style)
-        ax_c.plot(r, np.cumsum(v) / cum_scale, **style,
-                  label=f"{label}: {np.sum(v) / cum_scale:.3g} {cum_unit}")
-    vals = np.concatenate([v[v > 0] for _, v in series]) if any((v > 0).any() for _, v in series) \
-        else np.empty(0)
-    if vals.size and vals.max() / vals.min() > 100:
-        ax.set_yscale("log")
-    else:
+    fig = _figure(11, 4.6)
+    grid = fig.add_gridspec(len(series), 2)
+    per = [fig.add_subplot(grid[i, 0]) for i in range(len(series))]
+    for ax in per[1:]:
+        ax.sharex(per[0])
+        ax.sharey(per[0])
+    ax_c = fig.add_subplot(grid[:, 1])
+    width = 0.8 if len(r) < 200 else 1.0
+    for ax, (name, v) in zip(per, series):
+        label, color = _LINKS[name]
+        ax.bar(r, v / scale, width=width, color=color)
+        ax.set_title(f"{label}: mean {np.mean(v) / scale:.3g} {unit} per round", fontsize=9)
+        ax.set_ylabel(unit)
         ax.set_ylim(bottom=0)
-    ax.set(xlabel="round", ylabel=unit, title="Bytes per round")
+        _round_axis(ax)
+        ax.set_axisbelow(True)
+        ax.grid(axis="y", alpha=0.3)
+    per[-1].set_xlabel("round")
+    equal = len(series) == 2 and np.array_equal(series[0][1], series[1][1])
+    drawn = series[:1] if equal else series
+    for i, (name, v) in enumerate(drawn):
+        label, color = _LINKS[name]
+        if equal:
+            label = "uplink = downlink (each)"
+        ax_c.plot(r, np.cumsum(v) / cum_scale, color=color, lw=2, ls="-" if i == 0 else "--",
+                  marker=("o" if i == 0 else "s") if len(r) <= 40 else None, ms=3,
+                  label=f"{label}: {np.sum(v) / cum_scale:.3g} {cum_unit}")
+    if len(series) == 2:
+        total = series[0][1] + series[1][1]
+        ax_c.plot(r, np.cumsum(total) / cum_scale, color="0.35", lw=1, ls=":",
+                  label=f"both directions: {np.sum(total) / cum_scale:.3g} {cum_unit}")
     ax_c.set(xlabel="round", ylabel=cum_unit, title="Cumulative bytes")
     ax_c.set_ylim(bottom=0)
-    for a in (ax, ax_c):
-        _round_axis(a)
-        a.grid(alpha=0.3)
-        a.legend(fontsize=8)
-    fig.suptitle(_title(log))
+    _round_axis(ax_c)
+    ax_c.grid(alpha=0.3)
+    ax_c.legend(fontsize=8)
+    fig.suptitle(f"{_title(log)}: bytes sent per round\n{_components(log)}", fontsize=10)
     return _save(fig, path)
 
 
@@ -441,7 +573,9 @@ def _byte_unit(x: float) -> tuple[str, float]:
 #: Config keys listed in the summary of every run (when present in the log's config).
 DIGEST_KEYS: tuple[str, ...] = (
     "seed", "data.dataset", "data.num_clients", "data.partition.method", "data.partition.alpha",
-    "data.partition.classes_per_client", "data.validation.fraction", "model.name", "model.norm",
+    "data.partition.classes_per_client", "data.silos.path", "data.silos.loader", "data.silos.test",
+    "data.silos.validation", "data.validation.fraction", "model.name", "model.mlp.hidden",
+    "model.norm",
     "algorithm.name", "aggregation.weighting", "ecgr.enabled", "train.rounds",
     "train.clients_per_round", "train.local_epochs", "train.local_steps", "train.batch_size",
     "train.lr", "train.momentum", "train.weight_decay", "train.grad_clip", "eval.every")
@@ -466,7 +600,8 @@ def relevant_keys(flat: dict[str, Any]) -> list[str]:
     cls = ALGORITHMS.get(algo)
     # declared blocks, and the block named after the method (keys not yet declared as params)
     groups = tuple(f"algorithm.{g}."
-                   for g in dict.fromkeys([*(cls.params if cls is not None else ()), algo]))
+                   for g in dict.fromkeys([*(cls.params if cls is not None else ()), algo,
+                                           "params"]))
     if flat.get("system.levels"):      # a resource-level (submodel) run
         groups += ("algorithm.submodel.",)
     legacy = [k for k in flat if any(new.startswith(groups) for new in renamed_to(k))]
@@ -483,6 +618,9 @@ def relevant_keys(flat: dict[str, Any]) -> list[str]:
         keys += under("train.lr_decay", "train.lr_decay_every")
     if flat.get("adversary.clients"):
         keys += under("adversary.")
+    rule = str(flat.get("aggregation.rule", "mean"))
+    if rule != "mean":
+        keys += under("aggregation.rule", f"aggregation.{rule}.", "aggregation.params.")
     if flat.get("privacy.dp.level", "none") != "none":
         keys += under("privacy.")
     out: list[str] = []
@@ -496,12 +634,13 @@ def _pct(x: float) -> str:
     return "—" if x is None or not math.isfinite(x) else f"{100 * x:.2f}%"
 
 
-def summary_markdown(log: RunLog, target: float | None = None,
+def summary_markdown(log: RunLog | PathLike, target: float | None = None,
                      plots: Sequence[str] = (), plots_note: str | None = None) -> str:
     """``summary.md``: config digest, accuracies, rounds to target, timing, exclusions, events.
     ``plots_note``: why no plots were drawn (shown under "Plots")."""
+    log = as_run_log(log)
     m = run_metrics(log, target)
-    flat = flatten_config(log.config)
+    flat = run_config(log)   # only keys the run used: no data.dataset for a silo run
     digest = hashlib.sha256(str(log.attrs.get("config_yaml", "")).encode()).hexdigest()[:12]
     name = flat.get("name", Path(log.path).parent.name)
     out = [f"# Run report: {name}", "",
@@ -520,6 +659,7 @@ def summary_markdown(log: RunLog, target: float | None = None,
            "", "| key | value |", "|---|---|"]
     for key in relevant_keys(flat):
         out.append(f"| {key} | {flat[key]} |")
+    out += _ran_lines(log)
 
     out += ["", "## Results", "", "| metric | value |", "|---|---|"]
     out.append(f"| final test accuracy | {_pct(m.final_accuracy)}"
@@ -527,7 +667,7 @@ def summary_markdown(log: RunLog, target: float | None = None,
     out.append(f"| best test accuracy | {_pct(m.best_accuracy)}"
                + (f" (round {m.best_round})" if m.best_round is not None else "") + " |")
     for name, value in m.final_metrics.items():   # further eval.metrics of the log
-        out.append(f"| final {name} | {_pct(value)} |")
+        out.append(f"| final {name} | {_pct(value) if is_percent(name) else f'{value:.6g}'} |")
     if target is not None:
         tau = m.rounds_to_target
         out.append(f"| rounds to {_pct(target)} | "
@@ -556,6 +696,7 @@ def summary_markdown(log: RunLog, target: float | None = None,
 
     out += ["", "## Clients", ""]
     out += _client_lines(log)
+    out += _rule_lines(log)
     out += ["", "## Events", ""]
     out += _event_lines(log)
     if plots or plots_note:
@@ -566,6 +707,42 @@ def summary_markdown(log: RunLog, target: float | None = None,
         out.insert(5, "- **no complete round in the log** (the run stopped or is still in its "
                       "first round)")
     return "\n".join(out) + "\n"
+
+
+def _ran_lines(log: RunLog) -> list[str]:
+    """"What ran": the log's ``run_info`` (:mod:`fedmpi.provenance`) — the objects by
+    built-in name or import path, the method's parameters, the silo files with SHA-256."""
+    from .provenance import read_run_info
+
+    info = read_run_info(log.attrs)
+    if info is None:
+        return []
+    out = ["", "## What ran", "", "| part | as run |", "|---|---|"]
+    model = info.get("model", {})
+    out.append("| model | `{}`{} |".format(model.get("name"), "".join(
+        f", {k} {v}" for k, v in model.items() if k != "name")))
+    data = info.get("data", {})
+    source = (f"silos `{data['silos'].get('path') or data['silos'].get('loader')}`"
+              if isinstance(data.get("silos"), dict) else f"`{data.get('dataset')}`")
+    out.append(f"| data | {source}, {data.get('num_clients')} clients, partition "
+               f"{data.get('partition')} |")
+    method = info.get("method", {})
+    params = "; ".join(f"{g}: " + ", ".join(f"{k}={v}" for k, v in fields.items())
+                       for g, fields in (method.get("params") or {}).items())
+    out.append(f"| method | `{method.get('name')}` (server_lr {method.get('server_lr')}"
+               f"{'; ' + params if params else ''}) |")
+    out.append(f"| weighting | `{info.get('weighting')}` |")
+    rule = info.get("rule") or {}
+    if rule:
+        rparams = "; ".join(f"{g}: " + ", ".join(f"{k}={v}" for k, v in fields.items())
+                            for g, fields in (rule.get("params") or {}).items())
+        out.append(f"| server rule | `{rule.get('name')}`{f' ({rparams})' if rparams else ''} |")
+    out.append(f"| transforms | {', '.join(f'`{t}`' for t in info.get('transforms', [])) or 'none'} |")
+    files = data.get("silos", {}).get("files", []) if isinstance(data.get("silos"), dict) else []
+    if files:
+        out += ["", "| silo file | path | SHA-256 |", "|---|---|---|"]
+        out += [f"| {f.get('role')} | `{f.get('path')}` | `{f.get('sha256')}` |" for f in files]
+    return out
 
 
 def _time_lines(log: RunLog) -> list[str]:
@@ -614,6 +791,48 @@ def _client_lines(log: RunLog) -> list[str]:
     return lines
 
 
+#: Per-client columns a server rule logs (fedmpi.algorithms.robust): what the value is, and
+#: the name of a value of 0 when that means the client's update was left out.
+RULE_COLUMNS: dict[str, tuple[str, str | None]] = {
+    "rule/selected": ("selected (share of rounds)", "dropped"),
+    "rule/trust": ("mean FLTrust trust score", "zero trust"),
+    "rule/clip": ("mean clip factor", None),
+    "rule/trimmed": ("mean share of coordinates trimmed", None),
+    "rule/weight": ("mean geometric-median coefficient", None),
+}
+
+
+def _rule_lines(log: RunLog) -> list[str]:
+    """``## Server rule``: per client the mean of the rule's column, and per round the
+    clients a selecting rule left out (Krum's dropped clients, FLTrust's zero trust)."""
+    lines: list[str] = []
+    r = log.rounds.get("round", np.arange(0))
+    for path, (label, zero) in RULE_COLUMNS.items():
+        a = log.arrays.get(path)
+        if a is None or a.ndim != 2 or not np.isfinite(a).any():
+            continue
+        if not lines:
+            rule = config_value(log.config, "aggregation.rule", "mean")
+            lines += ["", f"## Server rule ({rule})", ""]
+        seen = np.isfinite(a)
+        mean = np.where(seen.any(0), np.nansum(a, 0) / np.maximum(seen.sum(0), 1), np.nan)
+        lines += [f"| client | rounds seen | {label} |", "|---|---|---|"]
+        lines += [f"| {k} | {int(seen[:, k].sum())} | {mean[k]:.3g} |"
+                  for k in range(a.shape[1]) if seen[:, k].any()]
+        if zero is None:
+            continue
+        left_out = [(int(r[i]) if i < len(r) else i, np.flatnonzero(seen[i] & (a[i] == 0)))
+                    for i in range(a.shape[0])]
+        left_out = [(t, ks) for t, ks in left_out if ks.size]
+        lines += ["", f"Clients {zero} per round:", "", f"| round | {zero} |", "|---|---|"]
+        lines += [f"| {t} | {', '.join(map(str, ks.tolist()))} |" for t, ks in left_out[:_MAX_EVENTS]]
+        if not left_out:
+            lines.append("| — | none |")
+        elif len(left_out) > _MAX_EVENTS:
+            lines.append(f"\n… {len(left_out) - _MAX_EVENTS} more rounds (`{path}` in the log).")
+    return lines
+
+
 def _event_lines(log: RunLog) -> list[str]:
     ev = log.events
     n = len(ev.get("round", []))
@@ -630,7 +849,8 @@ def _event_lines(log: RunLog) -> list[str]:
     return lines
 
 
-def partition_preview(partition: Any, out_dir: str | os.PathLike, name: str = "") -> list[str]:
+def partition_preview(partition: Any, out_dir: str | os.PathLike, name: str = "",
+                      overwrite: bool = False) -> list[str]:
     """``fedmpi partition``: write ``partition.png`` and ``partition.csv`` into
     ``out_dir`` and return the lines to print (per-client sizes, hold-out, files).
 
@@ -638,8 +858,11 @@ def partition_preview(partition: Any, out_dir: str | os.PathLike, name: str = ""
     :func:`fedmpi.data.build_partition`, the function a run uses).
     ``partition.csv`` has one row per client: ``client, size, class_0, ...``.
     """
+    from .outputs import claim
+
     _mpl()
     out = Path(out_dir)
+    claim([out / "partition.png", out / "partition.csv"], overwrite, "fedmpi partition")
     out.mkdir(parents=True, exist_ok=True)
     counts = np.asarray(partition.class_counts, dtype=np.int64)
     sizes = counts.sum(axis=1)
@@ -664,15 +887,17 @@ def partition_preview(partition: Any, out_dir: str | os.PathLike, name: str = ""
 
 # -- entry point ------------------------------------------------------------------------
 
-def write_report(log: RunLog | str | os.PathLike, out_dir: str | os.PathLike | None = None,
-                 target: float | None = None) -> list[Path]:
+def write_report(log: RunLog | PathLike, out_dir: str | os.PathLike | None = None,
+                 target: float | None = None, overwrite: bool = False) -> list[Path]:
     """Write every applicable plot and ``summary.md`` into ``out_dir``.
 
     ``out_dir`` defaults to ``<log directory>/report``. Returns the files
     written (``summary.md`` last). Works on a log that is still being written
     or whose run failed (what is in the log up to its last complete round).
     Without matplotlib only ``summary.md`` is written, saying how to get the
-    plots (:data:`PLOT_HINT`; ``fedmpi report`` prints it too).
+    plots (:data:`PLOT_HINT`; ``fedmpi report`` prints it too). Files of an
+    earlier report in ``out_dir`` are replaced only with ``overwrite``
+    (:func:`fedmpi.outputs.claim`).
 
     Raises
     ------
@@ -681,8 +906,7 @@ def write_report(log: RunLog | str | os.PathLike, out_dir: str | os.PathLike | N
     UserError
         ``target`` out of (0, 1].
     """
-    if not isinstance(log, RunLog):
-        log = read(log)
+    log = as_run_log(log)
     if target is not None and not 0.0 < target <= 1.0:
         raise UserError(f"--target-accuracy {target}: expected a fraction in (0, 1], "
                         "e.g. 0.8 for 80%")
@@ -690,10 +914,14 @@ def write_report(log: RunLog | str | os.PathLike, out_dir: str | os.PathLike | N
 
     out = output_dir(Path(out_dir) if out_dir is not None
                      else Path(log.path).resolve().parent / "report")
+    from .outputs import claim
+
+    claim([out / name for name in (*PLOTS, "summary.md")], overwrite, "fedmpi report")
     draw = have_matplotlib()
     written: list[Path] = []
     makers = {
         "accuracy.png": lambda p: plot_accuracy(log, p, target),
+        "metrics.png": lambda p: plot_metrics(log, p),
         "client_weights.png": lambda p: plot_client_weights(log, p),
         "fedvg_grad_norm.png": lambda p: plot_grad_norm(log, p),
         "partition.png": lambda p: (plot_partition(log.arrays["partition/class_counts"], p,

@@ -126,10 +126,8 @@ def resume_history(log_path: Path, ckpt_path: Path, rounds: int, cfg) -> list[di
                           f"holds {len(logged)} of them: checkpoint and log are not of one run "
                           "(start again with --overwrite)")
     keep = log.rounds["round"] < rounds
-    from .metrics import extra_names
-
-    names = ("test_accuracy", "train_loss", *extra_names(cfg.eval.metrics))
-    return [{"round": int(r), **{n: float(log.rounds[n][i]) for n in names if n in log.rounds}}
+    names = [n for n in log.rounds if n != "round"]   # every scalar, as the live rows hold
+    return [{"round": int(r), **{n: float(log.rounds[n][i]) for n in names}}
             for i, r in enumerate(log.rounds["round"]) if keep[i]]
 
 

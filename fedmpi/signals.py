@@ -33,7 +33,7 @@ from types import FrameType
 from typing import Any, Optional
 
 #: Exit status of a run stopped by a signal after writing its checkpoint.
-EXIT_INTERRUPTED = 75
+from .errors import EXIT_INTERRUPTED  # noqa: E402 - one definition of the status
 
 #: Signals that request a checkpoint-and-stop.
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)

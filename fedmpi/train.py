@@ -25,6 +25,7 @@ from .accel import OFF, Accel
 from .data import Dataset
 from .flat import FlatModel
 from .privacy.dpsgd import RecordDP, clipped_grad_sum, poisson_batch
+from .optim import AdaptiveOptimizer, training_loss
 
 GradHook = Callable[[FlatModel], None]
 StepHook = Callable[[torch.Tensor, float], None]
@@ -39,7 +40,8 @@ class StepHooks:
                                (FedProx, SCAFFOLD, FedDyn, FedLAGC).
     step_hook(update, lr):     called after each step with the momentum-smoothed
                                direction ``b`` (the step was ``θ ← θ − lr·b``); ECGR
-                               records ``lr·b``.
+                               records ``lr·b``. SGD only: a method with one declares
+                               ``optimizers = ("sgd",)``.
     loss_fn(flat, x, y):       replaces cross-entropy (FedGPS).
     """
 
@@ -65,6 +67,18 @@ class SGDConfig:
     batch_size: int = 32
     local_epochs: int = 1
     local_steps: Optional[int] = None
+    optimizer: str = "sgd"                        # sgd | adam | adamw (fedmpi.optim)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    loss: str = "cross_entropy"                   # cross_entropy | bce_logits (fedmpi.optim)
+    class_weights: Optional[tuple[float, ...]] = None
+    label_smoothing: float = 0.0
+
+    @property
+    def plain_loss(self) -> bool:
+        """Unweighted, unsmoothed cross-entropy (the loss the methods' papers use)."""
+        return (self.loss == "cross_entropy" and self.class_weights is None
+                and self.label_smoothing == 0.0)
     #: record-level DP (``privacy.dp.level: record``): DP-SGD steps on Poisson batches
     dp: Optional[RecordDP] = None
 
@@ -117,6 +131,25 @@ class LocalTrainer:
         self.momentum_buf = torch.zeros_like(flat.grad)
         self.device = flat.device
         self._device_gen = torch.Generator(device=self.device)
+        self._adaptive: Optional[AdaptiveOptimizer] = None     # train.optimizer adam/adamw
+        self._class_weights: dict[tuple[float, ...], torch.Tensor] = {}
+
+    def _loss(self, out: torch.Tensor, y: torch.Tensor, cfg: SGDConfig) -> torch.Tensor:
+        """``train.loss`` with its class weights and label smoothing (:mod:`fedmpi.optim`)."""
+        w = None
+        if cfg.class_weights is not None:
+            w = self._class_weights.get(cfg.class_weights)
+            if w is None:
+                w = self._class_weights[cfg.class_weights] = torch.tensor(
+                    cfg.class_weights, dtype=out.dtype, device=out.device)
+        return training_loss(out, y, cfg.loss, w, cfg.label_smoothing)
+
+    def _optimizer(self, cfg: SGDConfig) -> AdaptiveOptimizer:
+        """The Adam/AdamW optimizer of this trainer, reset for a new client-round."""
+        if self._adaptive is None or self._adaptive.kind != cfg.optimizer:
+            self._adaptive = AdaptiveOptimizer(cfg.optimizer, self.flat.params, self.flat.grad)
+        self._adaptive.reset(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
+        return self._adaptive
 
     def batches(self, indices: torch.Tensor, cfg: SGDConfig, gen: torch.Generator):
         """Yield index batches: fresh permutation per epoch, last batch partial; under
@@ -155,6 +188,7 @@ class LocalTrainer:
         model.train()
         params, grad, buf = flat.params, flat.grad, self.momentum_buf
         result = TrainResult(lr=cfg.lr)
+        adaptive = self._optimizer(cfg) if cfg.optimizer != "sgd" else None
         loss_total = torch.zeros((), device=self.device)  # summed on device: no sync per step
         num_classes = data.num_classes
         noise_gen = None
@@ -172,8 +206,10 @@ class LocalTrainer:
                 with accel.autocast_context():
                     if hooks.loss_fn is not None:
                         loss = hooks.loss_fn(flat, x, y)
-                    else:
+                    elif cfg.plain_loss:
                         loss = F.cross_entropy(forward(x), y)
+                    else:
+                        loss = self._loss(forward(x), y, cfg)
                 loss.backward()
                 batch_loss = loss.detach() * y.numel()
             with torch.no_grad():
@@ -182,6 +218,16 @@ class LocalTrainer:
                 if cfg.grad_clip is not None:
                     norm = torch.linalg.vector_norm(grad)
                     grad.mul_(torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0))
+                if adaptive is not None:   # Adam/AdamW: weight decay is theirs (fedmpi.optim)
+                    if hooks.step_hook is not None:
+                        raise RuntimeError(f"train.optimizer {cfg.optimizer!r}: this method's "
+                                           "step hook records SGD steps; declare optimizers = "
+                                           "('sgd',) on it")
+                    adaptive.step()
+                    loss_total += batch_loss
+                    result.samples += y.numel()
+                    result.steps += 1
+                    continue
                 if cfg.weight_decay:
                     grad.add_(params, alpha=cfg.weight_decay)
                 if cfg.momentum:

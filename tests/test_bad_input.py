@@ -406,6 +406,91 @@ def _out_case(cmd: str, where: str) -> Case:
                 lambda tmp: str(target(tmp)) if cmd != "run-out_dir" else str(target(tmp)))
 
 
+# ---------------------------------------------------------------- user code
+# One user module per case (its own name: a module raising at import stays broken),
+# importable from the case's tmp dir. Every user-code error is ONE line
+# "<object> (<import path>) raised <Type>: <message> at <file>:<line>", exit 2 at build time.
+USER_CODE = """
+import math
+from torch import nn
+from fedmpi.algorithms import Algorithm
+
+class Net(nn.Module):
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.lin = nn.Linear(64, num_classes)
+    def forward(self, x):
+        return self.lin(x.flatten(1))
+
+def exploding_model(input_shape, num_classes):
+    raise RuntimeError("model factory exploded")
+
+def wide(input_shape, num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, num_classes + 3))
+
+def one_logit(input_shape, num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), 1))
+
+def hospital_db():
+    raise ConnectionError("hospital database unreachable")
+
+class BadInit(Algorithm):
+    def __init__(self, cfg, layout, num_clients):
+        super().__init__(cfg, layout, num_clients)
+        raise ValueError("method constructor exploded")
+
+class BadSetup(Algorithm):
+    def setup(self, ctx):
+        raise ValueError("method setup exploded")
+
+class WrongHook(Algorithm):
+    def server_update(self, state, agg):
+        pass
+"""
+
+
+def _user_case(id: str, sets: list[str], needle: str, import_error: bool = False,
+               check: bool = False) -> Case:
+    module = f"usercode_{id.replace('-', '_')}"
+
+    def argv(tmp: Path) -> list[str]:
+        import sys
+
+        text = ("raise ImportError('half-written module')\n" if import_error else "") + USER_CODE
+        (tmp / f"{module}.py").write_text(text)
+        if str(tmp) not in sys.path:
+            sys.path.insert(0, str(tmp))
+        over = [x for kv in sets for x in ("--set", kv.replace("M:", f"{module}:"))]
+        if check:
+            return ["check", CFG, *FAST, *over, "--dry-run"]
+        return ["run", CFG, *FAST, *over, "--out", str(tmp / "o")]
+    return Case(f"usercode-{id}", argv, lambda tmp: needle.replace("M:", f"{module}:"))
+
+
+USER_CASES = [
+    _user_case("import", ["model.name=M:Net"], "model (M:Net) raised ImportError: half-written "
+               "module at ", import_error=True),
+    _user_case("model-construction", ["model.name=M:exploding_model"],
+               "model (M:exploding_model) raised RuntimeError: model factory exploded at "),
+    _user_case("dataset-construction", ["data.dataset=M:hospital_db"],
+               "dataset (M:hospital_db) raised ConnectionError: hospital database unreachable at "),
+    _user_case("method-construction", ["model.name=M:Net", "algorithm.name=M:BadInit"],
+               "method (M:BadInit) raised ValueError: method constructor exploded at "),
+    _user_case("method-setup", ["model.name=M:Net", "algorithm.name=M:BadSetup"],
+               "method (M:BadSetup) raised ValueError: method setup exploded at "),
+    _user_case("wrong-hook-signature", ["model.name=M:Net", "algorithm.name=M:WrongHook"],
+               "WrongHook.server_update(self, state, agg) does not accept"),
+    _user_case("wrong-output-width", ["model.name=M:wide"], "13 outputs per sample but the "
+               "data has 10 classes"),
+    _user_case("wrong-output-width-check", ["model.name=M:wide"], "13 outputs per sample",
+               check=True),
+    _user_case("one-logit", ["model.name=M:one_logit", "data.dataset=breast_cancer"],
+               "'model.name' (M:one_logit): the model returns 1 output per sample but the data "
+               "has 2 classes"),
+    _user_case("one-logit-bce", ["model.name=M:one_logit", "data.dataset=breast_cancer",
+                                 "train.loss=bce_logits"], "1 output per sample", check=True),
+]
+
 _READONLY: list[Path] = []
 OUT_CASES = [_out_case(cmd, where) for cmd in ("run", "partition", "report", "compare", "run-out_dir")
              for where in ("under-file", "is-file", "proc", "read-only")]
@@ -415,7 +500,7 @@ RUN_CONFIG_CASES = [Case("run-" + c.id, lambda tmp, c=c: ["run", *c.argv(tmp)[1:
                     for c in CONFIG_CASES if c.id.endswith(("-inf", "-nan", "-str"))][:40]
 
 ALL = (CONFIG_CASES + YAML_CASES + RUN_CONFIG_CASES + PARTITION_CASES + DATASET_CASES
-       + LOG_CASES + CHECKPOINT_CASES + OUT_CASES)
+       + LOG_CASES + CHECKPOINT_CASES + OUT_CASES + USER_CASES)
 
 
 @pytest.fixture(scope="module")
@@ -437,7 +522,7 @@ def test_table_has_every_kind():
     assert len(ALL) >= 150
     kinds = {c.id.split("-")[0] for c in ALL}
     assert {"config", "yaml", "json", "npz", "medmnist", "hdf5", "log", "checkpoint",
-            "out", "run"} <= kinds
+            "out", "run", "usercode"} <= kinds
     assert all(any(c.id.startswith(f"config-{k}-") for c in CONFIG_CASES) for k in SCHEMA)
 
 
@@ -453,6 +538,8 @@ def test_bad_input_exits_2_with_one_line(case, finished, readonly, tmp_path, cap
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("fedmpi: error: "), err[-2000:]
     assert case.needle(tmp_path) in lines[0], lines[0]
+    if argv[0] == "run" and "--out" in argv and case.id.startswith("usercode-"):
+        assert not Path(argv[argv.index("--out") + 1]).exists()   # the dry run wrote nothing
 
 
 @pytest.mark.mpi
@@ -463,3 +550,68 @@ def test_error_line_appears_once_under_mpiexec(tmp_path):
         assert proc.returncode == 2, proc.stderr[-2000:]
         errors = [line for line in proc.stderr.splitlines() if line.startswith("fedmpi: error")]
         assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.mpi
+def test_silo_missing_on_one_rank_only_is_one_line(tmp_path):
+    """Under mpiexec -n 3, client 2's silo file is absent; only rank 1 (its host) reads
+    it: one line naming the file, exit 2, no run directory."""
+    rng = np.random.default_rng(0)
+    for k in range(3):
+        (tmp_path / f"hospital_{k}.csv").write_text(
+            "f0,f1,label\n" + "".join(f"{a:.3f},{b:.3f},{i % 2}\n"
+                                       for i, (a, b) in enumerate(rng.normal(size=(40, 2)))))
+    (tmp_path / "test.csv").write_text((tmp_path / "hospital_0.csv").read_text())
+    (tmp_path / "hospital_2.csv").unlink()
+    config = {"data": {"num_clients": 3, "partition": {"method": "silos"},
+                       "silos": {"path": str(tmp_path / "hospital_{client}.csv"),
+                                 "test": str(tmp_path / "test.csv")}},
+              "model": {"name": "mlp"}, "train": {"rounds": 1},
+              "runtime": {"progress": False, "threads": 1}}
+    (tmp_path / "silos.yaml").write_text(yaml.safe_dump(config))
+    proc = run_fedmpi(["run", str(tmp_path / "silos.yaml"), "--out", str(tmp_path / "o")], n=3,
+                      check=False, timeout=240)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and "hospital_2.csv" in lines[0] and "rank 1" in lines[0], lines
+    assert not (tmp_path / "o").exists()
+
+
+RUNTIME_CODE = """
+from fedmpi.algorithms import Algorithm
+
+class ClientFails(Algorithm):
+    def client_update(self, task, trainer, state, extras, out, transforms):
+        if task.round == 2:
+            raise ValueError("client update exploded")
+        return super().client_update(task, trainer, state, extras, out, transforms)
+
+class EveryRankFails(Algorithm):
+    def begin_round(self, round, mask, state, extras):
+        if round == 2:
+            raise ValueError("begin_round exploded")
+
+def hospital_db():
+    raise ValueError("hospital database unreachable")
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("key, obj, what, code", [
+    ("algorithm.name", "ClientFails", "method", 1),       # round 3, on the workers
+    ("algorithm.name", "EveryRankFails", "method", 1),    # round 3, on every rank
+    ("data.dataset", "hospital_db", "dataset", 2)])       # at construction, on every rank
+def test_user_code_error_is_one_line_per_job(tmp_path, key, obj, what, code):
+    """Under mpiexec -n 3: user code raising on several ranks (the issue: up to 111
+    interleaved traceback lines) gives ONE line naming it; exit 1 once the run runs,
+    2 while it is built."""
+    (tmp_path / "runtime_i26.py").write_text(RUNTIME_CODE)
+    proc = run_fedmpi(["run", CFG, *FAST, "--set", "train.rounds=4", "--set",
+                       f"{key}=runtime_i26:{obj}", "--out", str(tmp_path / "o")],
+                      n=3, check=False, timeout=240, env={"PYTHONPATH": str(tmp_path)})
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert errors[0].startswith(f"fedmpi: error: {what} (runtime_i26:{obj}) raised "
+                                "ValueError: "), errors
+    assert "runtime_i26.py:" in errors[0]

@@ -19,7 +19,8 @@ pytest.importorskip("matplotlib")
 K, C, L, V = 4, 3, 2, 3
 ACC = [0.25, 0.5, np.nan, 0.875, 0.75]      # best 87.50% at round 3; no evaluation in round 2
 CONFIG = (f"name: synthetic\nseed: 3\ndata:\n  num_clients: {K}\n"
-          f"aggregation:\n  weighting: fedvg\ntrain:\n  rounds: 6\n")
+          f"aggregation:\n  weighting: fedvg\ntrain:\n  rounds: 6\n"
+          f"eval:\n  metrics: [accuracy, balanced_accuracy]\n")
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -36,7 +37,8 @@ def writer(path: Path, rounds: int) -> LogWriter:
         exc[1] = t == 1
         weight = np.where(sel, 0.25, np.nan)
         weight[exc] = 0.0
-        w.append_round(t, {"test_accuracy": ACC[t], "test_loss": 2.0 / (t + 1),
+        w.append_round(t, {"test_accuracy": ACC[t], "balanced_accuracy": 0.9 * ACC[t],
+                           "test_loss": 2.0 / (t + 1),
                            "train_loss": 1.0 / (t + 1), "wall_seconds": 1.0,
                            "train_seconds": 0.5, "overhead_seconds": 0.25,
                            "aggregate_seconds": 0.125, "eval_seconds": 0.125,

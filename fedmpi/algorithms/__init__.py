@@ -27,6 +27,7 @@ from .heterofl import HeteroFL
 from .scaffold import Scaffold
 from .scalefl import ScaleFL
 from .rules import RULES, RuleInfo, ServerRule, build_rule, register_rule
+from . import robust  # noqa: F401  (registers the robust rules)
 from .transforms import TRANSFORMS, TransformChain, UpdateTransform, build_transforms, register_transform
 from .weighting import WEIGHTINGS, Weighting, build_weighting, register_weighting
 

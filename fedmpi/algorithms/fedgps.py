@@ -235,6 +235,7 @@ class FedGPSParams:
 
 
 class FedGPS(Algorithm):
+    own_loss = True   # the surrogate objective at the perturbed point
     """FedGPS: surrogate alignment + non-self-gradient rectification (module docstring)."""
 
     name = "fedgps"

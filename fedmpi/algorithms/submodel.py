@@ -495,6 +495,8 @@ class SubmodelParams:
 
 
 class SubmodelMethod(Algorithm):
+    optimizers = ("sgd",)   # masks re-applied after every SGD step (step_hook)
+    own_loss = True         # masked cross-entropy where the method uses it
     """Clients train level-sized submodels; rank 0 aggregates overlap-aware.
 
     Client n at level r in round t (every rank derives M = M(θ^t, r, t) itself):

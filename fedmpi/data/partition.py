@@ -18,7 +18,7 @@ Longer than ~350 lines: every partitioner shares the seeding, minimum-size and h
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -50,11 +50,16 @@ class Partition:
     class_counts:
         ``[K, C]`` ``int64`` matrix; entry ``(k, c)`` is the number of
         samples of class ``c`` held by client ``k``.
+    client_test_indices:
+        Per client, the pool indices of its held-out evaluation samples
+        (``eval.where: clients | both``, :mod:`fedmpi.data.heldout`); empty
+        list when clients do not evaluate.
     """
 
     client_indices: list[np.ndarray]
     validation_indices: np.ndarray
     class_counts: np.ndarray
+    client_test_indices: list[np.ndarray] = field(default_factory=list)
 
     @property
     def num_clients(self) -> int:

@@ -32,8 +32,9 @@ rank stops with the same one-line :class:`~fedmpi.errors.DataError`.
 """
 from __future__ import annotations
 
+import os
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -41,6 +42,7 @@ import torch
 
 from fedmpi.data.base import Dataset, channel_sums, stats_from_sums
 from fedmpi.data.build import build_partition, load_pool
+from fedmpi.data.heldout import holdout_positions, holdout_seed, split_partition
 from fedmpi.data.partition import Partition
 from fedmpi.data.tabular import read_table
 from fedmpi.errors import ConfigError, DataError, UserError
@@ -60,6 +62,7 @@ class LocalData:
     data: Dataset
     partition: Partition
     num_samples: np.ndarray
+    files: list[tuple[str, str, str]] = field(default_factory=list)   # (role, path, SHA-256)
 
 
 def build_local(cfg: Any, comm: Any, hosted: Sequence[int], is_server: bool,
@@ -73,11 +76,41 @@ def build_local(cfg: Any, comm: Any, hosted: Sequence[int], is_server: bool,
     if cfg.data.partition.method != "silos":
         pool = load_pool(cfg, data)
         partition = build_partition(cfg, pool)
+        if clients_evaluate(cfg):
+            partition = split_partition(partition, pool.y_train.cpu().numpy(),
+                                        cfg.eval.client_holdout, holdout_seed(cfg),
+                                        pool.num_classes)
         return LocalData(pool, partition, partition.sizes)
     if data is not None:
         raise ConfigError("a dataset object was given, but data.partition.method is 'silos' "
                           "(silo data comes from data.silos.path or data.silos.loader)")
     return _silos(cfg, comm, list(hosted), is_server)
+
+
+def clients_evaluate(cfg: Any) -> bool:
+    """Whether every client evaluates the global model on its own held-out data."""
+    return cfg.eval.where != "server"
+
+
+def _server_reads_validation(cfg: Any) -> bool:
+    """Rank 0 reads ``data.silos.validation`` unless only the clients evaluate and no
+    FedVG weighting scores on it (then rank 0 reads no data file at all)."""
+    agg = cfg.aggregation
+    fedvg = agg.weighting in ("fedvg", "fedvg_avg") and agg.fedvg.norm != "delta"
+    return cfg.data.silos.validation is not None and (cfg.eval.where != "clients" or fedvg)
+
+
+def _held_out(cfg: Any, client: int, x: np.ndarray, y: np.ndarray
+              ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """(training part, held-out part) of client ``client``'s silo: its
+    ``data.silos.client_test`` file, or :func:`~fedmpi.data.heldout.holdout_positions`."""
+    s = cfg.data.silos
+    if s.client_test is not None:
+        return (x, y), read_table(s.client_test.format(client=client), cfg.data.tabular.label)
+    pos = holdout_positions(len(y), cfg.eval.client_holdout, holdout_seed(cfg), client)
+    keep = np.ones(len(y), dtype=bool)
+    keep[pos] = False
+    return (x[keep], y[keep]), (x[pos], y[pos])
 
 
 def read_silo(cfg: Any, client: int,
@@ -91,8 +124,10 @@ def read_silo(cfg: Any, client: int,
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 - user code: name the key and client
-        raise DataError(f"data.silos.loader {s.loader!r} failed for client {client}: "
-                        f"{type(exc).__name__}: {exc}") from None
+        from fedmpi.errors import code_error_line
+
+        raise DataError(f"{code_error_line('silo loader', s.loader, exc)} (client {client})"
+                        ) from None
     x = np.asarray(x.cpu() if isinstance(x, torch.Tensor) else x, dtype=np.float32)
     y = np.asarray(y.cpu() if isinstance(y, torch.Tensor) else y)
     if x.ndim == 1:
@@ -122,17 +157,20 @@ def _silos(cfg: Any, comm: Any, hosted: list[int], is_server: bool) -> LocalData
 
     s, K = cfg.data.silos, cfg.data.num_clients
     parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    held: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     test = val = None
     error: Optional[UserError] = None
     try:
         loader = imports.silo_loader(s.loader) if s.loader is not None else None
         for k in hosted:
             parts[k] = read_silo(cfg, k, loader)
-        if is_server:
+            if clients_evaluate(cfg):
+                parts[k], held[k] = _held_out(cfg, k, *parts[k])
+        if is_server and cfg.eval.where != "clients":
             test = read_table(s.test, cfg.data.tabular.label)
-            if s.validation is not None:
-                val = read_table(s.validation, cfg.data.tabular.label)
-        arrays = [*parts.values(), *(a for a in (test, val) if a is not None)]
+        if is_server and _server_reads_validation(cfg):
+            val = read_table(s.validation, cfg.data.tabular.label)
+        arrays = [*parts.values(), *held.values(), *(a for a in (test, val) if a is not None)]
         shapes = {x.shape[1:] for x, _ in arrays}
         if len(shapes) > 1 or any(len(sh) > MAX_DIMS or len(sh) == 0 for sh in shapes):
             raise DataError(f"silo inputs must share one shape [n, ...] of at most {MAX_DIMS} "
@@ -180,15 +218,23 @@ def _silos(cfg: Any, comm: Any, hosted: list[int], is_server: bool) -> LocalData
                                 float(tot[-1]))
 
     # 3. the local pool: hosted clients back to back, then (rank 0) the validation set,
-    # moved in one at a time so the peak is the pool plus one silo, not twice the pool
+    # then the hosted clients' held-out samples, moved in one at a time so the peak is
+    # the pool plus one silo, not twice the pool
     del arrays, x, y
-    queue = deque([parts.pop(k) for k in hosted] + ([val] if val is not None else []))
+    has_val = val is not None
+    tested = [k for k in hosted if k in held]
+    queue = deque([parts.pop(k) for k in hosted] + ([val] if has_val else [])
+                  + [held.pop(k) for k in tested])
     val = None
-    offsets = np.cumsum([0, *(len(y) for _, y in queue)])
+    offsets = [int(o) for o in np.cumsum([0, *(len(y) for _, y in queue)])]
+    span = lambda i: np.arange(offsets[i], offsets[i + 1], dtype=np.int64)  # noqa: E731
     client_indices = [np.zeros(0, dtype=np.int64)] * K
     for i, k in enumerate(hosted):
-        client_indices[k] = np.arange(offsets[i], offsets[i + 1], dtype=np.int64)
-    validation = np.arange(offsets[len(hosted)], offsets[-1], dtype=np.int64)
+        client_indices[k] = span(i)
+    validation = span(len(hosted)) if has_val else np.zeros(0, dtype=np.int64)
+    client_test = [np.zeros(0, dtype=np.int64)] * K if clients_evaluate(cfg) else []
+    for i, k in enumerate(tested):
+        client_test[k] = span(len(hosted) + has_val + i)
     if len(queue) == 1:
         x_pool, y_pool = queue.popleft()
     else:
@@ -203,4 +249,36 @@ def _silos(cfg: Any, comm: Any, hosted: list[int], is_server: bool) -> LocalData
     data = Dataset("silos", torch.from_numpy(x_pool), torch.from_numpy(y_pool),
                    torch.from_numpy(x_test), torch.from_numpy(y_test), num_classes=C,
                    mean=mean, std=std, scale=1.0)
-    return LocalData(data, Partition(client_indices, validation, class_counts), num_samples)
+    return LocalData(data, Partition(client_indices, validation, class_counts, client_test),
+                     num_samples, _digests(cfg, comm, hosted, is_server))
+
+
+def sha256_file(path: str) -> str:
+    """SHA-256 (hex) of a file's bytes."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _digests(cfg: Any, comm: Any, hosted: list[int], is_server: bool) -> list[tuple[str, str, str]]:
+    """Collective: ``(role, path, SHA-256)`` of every silo file — client ``k``'s hashed on
+    the rank that read it, the test and validation files on rank 0 — gathered as one
+    ``Allreduce(SUM)`` of 32-byte rows, each non-zero on one rank only (the file's bytes
+    never leave its rank; the paths follow from the config). Empty for a loader."""
+    s, K = cfg.data.silos, cfg.data.num_clients
+    if s.path is None:
+        return []
+    paths = [s.path.format(client=k) for k in range(K)] + [s.test, s.validation]
+    rows = np.zeros((K + 2, 32), dtype=np.int64)
+    mine = hosted + ([K] + ([K + 1] if s.validation is not None else []) if is_server else [])
+    for r in mine:
+        rows[r] = np.frombuffer(bytes.fromhex(sha256_file(paths[r])), dtype=np.uint8)
+    summed = np.zeros_like(rows)
+    comm.allreduce_sum(rows, summed, what="silo digest Allreduce")
+    roles = [f"client {k}" for k in range(K)] + ["test", "validation"]
+    return [(roles[r], os.path.abspath(str(paths[r])),
+             bytes(summed[r].astype(np.uint8)).hex()) for r in range(K + 2) if paths[r] is not None]

@@ -179,6 +179,9 @@ def check_config(cfg: Any) -> None:
     if cfg.ecgr.enabled:
         raise ConfigError("config keys 'privacy.secure_aggregation' and 'ecgr.enabled': ECGR sends "
                           "per-client selection statistics to rank 0")
+    if cfg.adversary.clients and cfg.adversary.kind == "alie":
+        raise ConfigError("config keys 'privacy.secure_aggregation' and 'adversary.kind': the "
+                          "simulated alie attack rewrites the attackers' rows on rank 0")
 
 
 def refuse_per_client(cfg: Any, weighting_rows: bool, rule_rows: bool,

@@ -9,7 +9,7 @@ Where things are:
 :mod:`.channel`               every message of a round (the only user of ``comm``)
 :mod:`.worker`                client task → local update → transforms → status → uplink
 :mod:`.server`                the pure server step: exclusion, weights, server rule
-:mod:`.evaluation`            default / method-owned / sharded / overlapped evaluation
+:mod:`.evaluation`            default / method-owned / sharded / overlapped / per-site evaluation
 :mod:`.record`                log rows and timing
 :mod:`.guard`                 run-level safety nets: run directory, divergence, refused writes
 ============================  ==========================================================

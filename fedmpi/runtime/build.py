@@ -10,7 +10,7 @@ weighting, transforms, server rule; then the uplink statistics are planned.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -25,10 +25,11 @@ from ..context import Context, LogSink
 from ..data import Dataset, Partition, build_local
 from ..errors import ConfigError
 from ..flat import FlatModel
-from ..imports import UserCode, check_rule
+from ..imports import UserCode, blame, check_rule
 from ..models import build_model, model_spec
 from ..placement import gpu_for_local_rank, threads_per_rank
 from ..privacy.policy import check_build as check_privacy
+from ..provenance import run_info
 from .evaluation import test_state
 
 
@@ -63,6 +64,24 @@ def participants(seed: int, num_clients: int, m: int, t: int) -> np.ndarray:
     return mask
 
 
+def check_training_keys(cfg: Config, algo_class: type[Algorithm], num_classes: int) -> None:
+    """``train.optimizer`` among the method's ``optimizers``, ``train.loss`` and its
+    options only for methods without their own loss, one class weight per class."""
+    t, name = cfg.train, cfg.algorithm.name
+    if t.optimizer not in algo_class.optimizers:
+        raise ConfigError(f"config keys 'train.optimizer' and 'algorithm.name': {name!r} "
+                          f"assumes {' or '.join(algo_class.optimizers)} steps in its math, got "
+                          f"train.optimizer {t.optimizer!r}")
+    plain = t.loss == "cross_entropy" and t.class_weights is None and t.label_smoothing == 0
+    if algo_class.own_loss and not plain:
+        raise ConfigError(f"config keys 'train.loss' and 'algorithm.name': {name!r} trains with "
+                          "its own loss; leave train.loss, train.class_weights and "
+                          "train.label_smoothing at their defaults")
+    if t.class_weights is not None and len(t.class_weights) != num_classes:
+        raise ConfigError(f"config key 'train.class_weights' needs one weight per class "
+                          f"({num_classes}), got {len(t.class_weights)}")
+
+
 @dataclass
 class Built:
     """One rank's run, before any round: what the round loop works with."""
@@ -86,12 +105,20 @@ class Built:
     ctx: Context
     log: LogSink
     stats: list[Stat]            # the method's uplink statistics, then the transforms'
+    num_outputs: int = 0         # the model's output width the method needs (C; FedGPS: 2C)
+    run_info: dict = field(default_factory=dict)   # what ran (fedmpi.provenance), for the log
 
     @property
     def rows_needed(self) -> bool:
         """Weighted statistics reach rank 0 as per-client rows (FedVG's weighting, a
-        per-client server rule) instead of the workers' pre-reduced sums."""
-        return self.weighting.per_client or self.rule.per_client
+        per-client server rule, the omniscient adversary) instead of the workers' pre-reduced sums."""
+        return self.weighting.per_client or self.rule.per_client or self.tampered
+
+    @property
+    def tampered(self) -> bool:
+        """The omniscient adversary (``alie``) rewrites rows on rank 0 (simulation only)."""
+        adversary = self.transforms.get("adversary")
+        return bool(getattr(adversary, "needs_rows", False))
 
 
 def setup_process(cfg: Config, comm: Comm) -> torch.device:
@@ -123,18 +150,24 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
 
     torch.manual_seed(cfg.seed)   # every rank builds the same initial model
     algo_class = code.algorithm_class(cfg)
-    outputs = algo_class.num_outputs(cfg, data.num_classes)  # FedGPS: 2C
+    check_training_keys(cfg, algo_class, data.num_classes)
+    with blame("algorithm.name", algo_class):
+        outputs = algo_class.num_outputs(cfg, data.num_classes)  # FedGPS: 2C
     flat = FlatModel(build_model(model_spec(cfg, code.model), data.input_shape, outputs,
                                  cfg.model.norm), device)
     accel = Accel.from_config(cfg.runtime, device)
     forward = accel.wrap(flat.model)   # compiled once, shared by training and evaluation
 
-    algo = algo_class(cfg, flat, K)
-    weighting = code.build_weighting(cfg, num_samples)
-    transforms = build_transforms(cfg)
+    with blame("algorithm.name", algo_class):
+        algo = algo_class(cfg, flat, K)
+    with blame("aggregation.weighting", code.weighting or cfg.aggregation.weighting):
+        weighting = code.build_weighting(cfg, num_samples)
+    with blame("transforms", None):
+        transforms = build_transforms(cfg)
     rule_cls = code.rule_class(cfg)
     check_rule(cfg, rule_cls, algo_class)
-    rule = build_rule(cfg, rule_cls)
+    with blame("aggregation.rule", rule_cls):
+        rule = build_rule(cfg, rule_cls)
     log = LogSink(enabled=rank == 0)
 
     def broadcast(buf: np.ndarray, what: str = "method Bcast") -> None:
@@ -152,11 +185,16 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
                   participants=plan, test=test,
                   client_weight=None if weighting.per_client else weighting.raw,
                   model_delta_scale=algo.model_delta_scale)
-    start(algo, ctx)
-    start(weighting, ctx)
-    transforms.setup(ctx)
-    start(rule, ctx)
-    stats = algo.uplink_stats() + transforms.stats()
+    with blame("algorithm.name", algo):
+        start(algo, ctx)
+    with blame("aggregation.weighting", weighting):
+        start(weighting, ctx)
+    with blame("transforms", None):
+        transforms.setup(ctx)
+    with blame("aggregation.rule", rule):
+        start(rule, ctx)
+    with blame("algorithm.name", algo):
+        stats = algo.uplink_stats() + transforms.stats()
     check_privacy(cfg, algo, stats, flat.model)
     if not any(s.name == "delta" and s.combine == "weighted" for s in stats):
         for key, part in (("aggregation.weighting", weighting), ("aggregation.rule", rule)):
@@ -168,5 +206,7 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
 
         refuse_per_client(cfg, weighting.per_client, rule.per_client,
                           [s.name for s in stats if s.combine == "client"])
+    info = run_info(cfg, algo, weighting, list(transforms), code.model, local.files, rule)
     return Built(cfg, rank, size, device, data, partition, num_samples, flat, accel, forward, algo,
-                 weighting, transforms, rule, host, hosted, ctx, log, stats)
+                 weighting, transforms, rule, host, hosted, ctx, log, stats, num_outputs=outputs,
+                 run_info=info)

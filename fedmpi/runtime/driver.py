@@ -4,25 +4,36 @@
 opens the log on rank 0, restores a checkpoint when resuming, runs rounds
 until the broadcast command is not ``ROUND``, and writes ``model.pt`` and the
 log's final status. Exit codes: 0 completed, 1 a failure (a client raised, a
-collective timed out), 2 bad input (:class:`~fedmpi.errors.UserError`, the
-same on every rank), 75 interrupted by a signal (resume with ``--resume``).
+collective timed out; :class:`~fedmpi.errors.RunFailed`), 2 bad input
+(:class:`~fedmpi.errors.UserError`, the same on every rank), 75 interrupted by a
+signal (:class:`~fedmpi.errors.RunInterrupted`; resume with ``--resume``). Every
+rank raises (never ``SystemExit``); the one error line comes from rank 0.
 """
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from .. import checkpoint, metrics, rundir, signals
+from ..callbacks import AfterRound, Callback
+from ..trackers import check_trackers, open_trackers
 from ..comm import Comm, CommTimeout
-from ..errors import UserError
-from ..imports import UserCode
+from ..errors import RunFailed, RunInterrupted, UserError, show_traceback
+from ..imports import UserCode, run_objects, runtime_error_line
 from ..outputs import OutputError, write_model
 from . import guard
 from .federation import CMD_ABORT, CMD_ROUND, Federation
+from .probe import dry_run
+
+
+#: How long a worker whose round raised waits before it reports and aborts the job
+#: (rank 0, failing the same way, aborts first: one error line per job).
+ABORT_GRACE_SECONDS = 2.0
 
 
 def _finish_pending_quietly(fed: Federation) -> None:
@@ -40,9 +51,19 @@ def _finish_pending_quietly(fed: Federation) -> None:
             fed.writer.event(t, fed.rank, -1, message)
 
 
+def _close_quietly(after: Optional[AfterRound], status: str) -> None:
+    """After a failure: end the trackers' runs; an error there is reported, not raised."""
+    try:
+        if after is not None:
+            after.close(status)
+    except Exception as exc:  # noqa: BLE001 - the run's own failure is the one that counts
+        print(f"fedmpi: error: closing the trackers failed too: {exc}", file=sys.stderr, flush=True)
+
+
 def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
         resume: bool = False, overwrite: bool = False,
-        code: Optional[UserCode] = None) -> Optional[dict[str, float]]:
+        code: Optional[UserCode] = None,
+        callbacks: Sequence[Callback] = ()) -> Optional[dict[str, float]]:
     """Run a whole experiment on this rank; returns on rank 0 the final metrics
     (``test_accuracy`` and the other ``eval.metrics`` of the last evaluated round),
     None elsewhere. ``code``: objects replacing the config's names (:func:`fedmpi.run`).
@@ -54,38 +75,87 @@ def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
     log status ``interrupted``, every rank exits with
     :data:`fedmpi.signals.EXIT_INTERRUPTED` (75). ``overwrite`` replaces a previous
     run in the output directory (:mod:`fedmpi.rundir`: lock, fingerprint, conventions).
+    ``callbacks``: called on rank 0 after each logged round (:mod:`fedmpi.callbacks`).
     """
     signals.install()
     try:
-        return _run(cfg, out_dir, comm, resume, overwrite, code)
+        return _run(cfg, out_dir, comm, resume, overwrite, code, callbacks)
     finally:
         signals.restore()
         rundir.release()
 
 
-def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
-         overwrite: bool = False, code: Optional[UserCode] = None) -> Optional[dict[str, float]]:
-    comm = comm or Comm(timeout=cfg.runtime.round_timeout)
-    if comm.rank == 0:
-        for old, new in getattr(cfg, "renamed", ()):
-            print(f"fedmpi: note: config key {old!r} is now {new!r}", file=sys.stderr, flush=True)
-    out = Path(out_dir) if out_dir else Path(cfg.runtime.out_dir) / cfg.name
+def set_up(cfg, comm: Comm, out: Optional[Path] = None, code: Optional[UserCode] = None,
+           open_dir: Optional[Callable[[Federation], Optional[checkpoint.Restored]]] = None,
+           dry: bool = True) -> tuple[Federation, Optional[checkpoint.Restored]]:
+    """Collective: build this rank, run the dry run (``dry``; :mod:`.probe`) and, on
+    rank 0, ``open_dir`` (lock, resume checks, the log: :func:`guard.open_run`) — in this
+    order, so an error in the build or the dry run leaves no run directory. Any rank's
+    error stops every rank, reported once (:func:`guard.agree_on_setup`)."""
     error: Optional[BaseException] = None
     fed = None
     restored: Optional[checkpoint.Restored] = None
     try:
         fed = Federation(cfg, comm, out, code)
-        if comm.rank == 0:   # lock, fingerprint and resume checks, the log (guard, rundir)
-            restored = guard.open_run(fed, out, resume, overwrite)
+        if dry:
+            dry_run(fed.built, code.model if code is not None else None)
+        if comm.rank == 0 and open_dir is not None:
+            restored = open_dir(fed)
     except (UserError, OutputError) as exc:
         error = exc
     except Exception as exc:  # noqa: BLE001 - any setup failure must stop every rank
         error = exc
-        traceback.print_exc()
+        if comm.rank != 0 or show_traceback():   # rank 0 raises it: its traceback is printed
+            traceback.print_exc()
     guard.agree_on_setup(comm, error)   # the error line once, every rank stops
     assert fed is not None
+    return fed, restored
+
+
+def check(cfg, comm: Optional[Comm] = None) -> str:
+    """``fedmpi check --dry-run``: :func:`set_up` without a run directory; returns (on
+    every rank) the line saying what was built and checked."""
+    comm = comm or Comm(timeout=cfg.runtime.round_timeout)
+    fed, _ = set_up(cfg, comm)
+    b = fed.built
+    hosted = comm.max_int(len(b.hosted), what="dry run summary")
+    return (f"dry run passed on {comm.size} rank(s): data {b.data.num_classes} classes, inputs "
+            f"{tuple(b.data.input_shape)}, {fed.K} clients (up to {hosted} per rank, one "
+            f"forward/backward batch each, one evaluation batch); model {cfg.model.name} "
+            f"({fed.D} values, {b.num_outputs} outputs); method {cfg.algorithm.name}; "
+            f"weighting {cfg.aggregation.weighting}; transforms {list(cfg.transforms) or 'none'}")
+
+
+def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
+         overwrite: bool = False, code: Optional[UserCode] = None,
+         callbacks: Sequence[Callback] = ()) -> Optional[dict[str, float]]:
+    comm = comm or Comm(timeout=cfg.runtime.round_timeout)
+    if comm.rank == 0:
+        for old, new in getattr(cfg, "renamed", ()):
+            print(f"fedmpi: note: config key {old!r} is now {new!r}", file=sys.stderr, flush=True)
+    out = Path(out_dir) if out_dir else Path(cfg.runtime.out_dir) / cfg.name
+    after: Optional[AfterRound] = None
+
+    def open_dir(fed: Federation) -> Optional[checkpoint.Restored]:
+        """Rank 0, after the build and the dry run: the run directory, then the
+        trackers and the after-round hooks (best model, early stopping, callbacks)."""
+        nonlocal after
+        check_trackers(cfg)   # a missing extra is bad input before anything is written
+        restored = guard.open_run(fed, out, resume, overwrite)
+        try:
+            trackers = open_trackers(cfg)
+        except Exception:
+            fed.writer.set_status("failed")
+            fed.writer.close()
+            raise
+        fed.recorder.after = after = AfterRound(cfg, fed.save_best, trackers, callbacks)
+        return restored
+
+    fed, restored = set_up(cfg, comm, out, code, open_dir, dry=not resume)
     start = checkpoint.resume(fed, restored) if resume else 0
     fed.checkpoint_round = start
+    if after is not None:
+        after.replay(fed.history)   # a resumed run's best value and patience count
 
     progress = None
     if comm.rank == 0 and cfg.runtime.progress:
@@ -120,16 +190,29 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
             fed.writer.event(t, comm.rank, -1, str(exc))
             fed.writer.set_status("failed")
             fed.writer.close()
+        _close_quietly(after, "failed")
         comm.abort(1)
     except Exception as exc:  # noqa: BLE001 - a rank outside local training failed
-        print(f"fedmpi: error: rank {comm.rank}: {type(exc).__name__}: {exc}", file=sys.stderr,
-              flush=True)
-        traceback.print_exc()
+        line, user = runtime_error_line(exc, run_objects(fed.algo, fed.flat.model, fed.weighting,
+                                                         fed.transforms, fed.built.rule))
+        line = f"{line} (round {t} on rank {comm.rank})"
+        if show_traceback() or not user:   # a fedmpi bug: show where
+            traceback.print_exc()
         _finish_pending_quietly(fed)
         if fed.writer is not None:
-            fed.writer.event(t, comm.rank, -1, f"{type(exc).__name__}: {exc}")
+            fed.writer.event(t, comm.rank, -1, line)
             fed.writer.set_status("failed")
             fed.writer.close()
+        _close_quietly(after, "failed")
+        if comm.size == 1:   # nobody waits in a collective: an exception, not an abort
+            logged = len(fed.history) + (fed.recorder.pending is not None)
+            kept = guard.discard_unstarted(out, logged, resume)
+            raise RunFailed(line, log_path=str(out / "log.h5") if kept else None) from exc
+        if comm.rank != 0:
+            # code that every rank runs (a method's begin_round) fails on every rank: give
+            # rank 0 the time to report it and end the job, so the line appears once
+            time.sleep(ABORT_GRACE_SECONDS)
+        print(f"fedmpi: error: {line}", file=sys.stderr, flush=True)
         comm.abort(1)
     finally:
         if progress is not None:
@@ -137,21 +220,23 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
 
     if comm.rank != 0:
         if status == "failed":
-            raise SystemExit(1)
+            raise RunFailed("the run failed (rank 0 reports why)", quiet=True)
         if status == "interrupted":
-            raise SystemExit(signals.EXIT_INTERRUPTED)
+            raise RunInterrupted("the run was interrupted (rank 0 reports where)", quiet=True)
         return None
     if status != "failed":   # a failed run has no final model
         fed.flat.load(fed.global_state)
         write_model(fed.flat.model, out / "model.pt")
     fed.writer.set_status(status)
     fed.writer.close()
+    if after is not None:
+        after.close(status)
     if status == "failed":
-        print(f"fedmpi: error: {fed.failure}", file=sys.stderr, flush=True)
-        raise SystemExit(1)
+        logged = len(fed.history) + (fed.recorder.pending is not None)
+        kept = guard.discard_unstarted(out, logged, resume)
+        raise RunFailed(str(fed.failure), log_path=str(out / "log.h5") if kept else None)
     if status == "interrupted":
-        print(guard.interrupted_message(fed, t, out), file=sys.stderr, flush=True)
-        raise SystemExit(signals.EXIT_INTERRUPTED)
+        raise RunInterrupted(guard.interrupted_message(fed, t, out), log_path=str(out / "log.h5"))
     names = ("test_accuracy", *metrics.extra_names(cfg.eval.metrics))
     final: dict = next((h for h in reversed(fed.history) if not np.isnan(h["test_accuracy"])), {})
     out = {n: float(final.get(n, float("nan"))) for n in names}

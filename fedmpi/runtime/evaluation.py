@@ -1,4 +1,4 @@
-"""Evaluation of the global model: which rounds, where, and when.
+r"""Evaluation of the global model: which rounds, where, and when.
 
 Policies (every rank derives them from the config, so no message decides them):
 
@@ -12,6 +12,25 @@ Policies (every rank derives them from the config, so no message decides them):
   nor with ``runtime.reduction: exact``: the slices (and so the batches and the
   order of the loss sum) change with the world size, and the log's test metrics
   must not;
+* **per site** (``eval.where: clients | both``) — one extra state ``Bcast``;
+  every client (all K, not only the round's participants: the per-site curves
+  have no holes) evaluates θ on its own held-out samples
+  (:mod:`fedmpi.data.heldout`) on the rank hosting it, and one ``Reduce`` of a
+  ``[K, F]`` float64 table brings rank 0 each client's (Σ loss, n, confusion
+  matrix, AUROC and user metrics): client k's row is non-zero on its host only,
+  so the sum is exact and independent of the rank layout. Rank 0 logs every
+  client's metrics as ``/clients/<metric>`` [R, K] and combines them:
+  loss, accuracy, balanced accuracy and macro-F1 from the *summed* loss and
+  confusion matrices — exactly the values on the union of the held-out sets
+  (scikit-learn on the pooled samples); AUROC and user metrics, which need
+  every sample's score in one place, as the sample-weighted mean
+  :math:`\sum_k n_k v_k / \sum_k n_k` over the sites where they are defined
+  (a site holding one class has no AUROC). Pooling the scores instead would
+  send every held-out sample's prediction to the aggregator, which a
+  consortium's silos need not allow. With ``clients`` these combined values are
+  ``/rounds/<metric>`` and rank 0 reads no test file; with ``both`` rank 0's
+  test-set values keep those names and the combined ones are
+  ``/rounds/clients_<metric>``. Not overlapped, not sharded;
 * **overlapped** (``eval.overlap``, world size > 1) — round t's model is
   evaluated on rank 0 while the workers train round t + 1 (rank 0 is idle
   then); before a checkpoint, at a stop and after the last round it is
@@ -56,15 +75,47 @@ class Evaluation:
     the other ``eval.metrics`` (:mod:`fedmpi.metrics`; NaN where not evaluated).
     """
 
-    def __init__(self, cfg: Config, rank: int, world_size: int, owned_by_method: bool) -> None:
+    def __init__(self, cfg: Config, rank: int, world_size: int, owned_by_method: bool,
+                 client_tests: Optional[dict[int, torch.Tensor]] = None) -> None:
         self.cfg = cfg
         self.rank, self.size = rank, world_size
         self.owned = owned_by_method
         self.names = tuple(cfg.eval.metrics)
+        for m in self.names:   # a user metric that cannot be imported is bad input, now
+            if metrics.is_user_metric(m):
+                metrics.user_metric(m)
+        self.where = cfg.eval.where
+        self.client_tests = client_tests or {}      # hosted client -> held-out pool indices
+        self.sites: dict[str, np.ndarray] = {}      # per-client arrays of the last evaluation
 
     def none(self) -> Scalars:
         """The scalars of a round that is not evaluated (or not yet)."""
-        return metrics.nan_scalars(self.names)
+        own = metrics.nan_scalars(self.names)
+        if self.where != "both":
+            return own
+        return {**own, **{f"clients_{k}": v for k, v in own.items()}}
+
+    def on_clients(self, t: int) -> bool:
+        """Whether round ``t`` is evaluated by every client (collective, every rank)."""
+        return self.where != "server" and self.is_eval_round(t)
+
+    def collective(self, t: int) -> bool:
+        """Whether round ``t``'s evaluation is a collective every rank joins."""
+        return self.shards(t) or self.on_clients(t)
+
+    def join(self, t: int, state: torch.Tensor, ctx, algo, channel: Channel) -> None:
+        """Take part in round ``t``'s collective evaluation (workers, and rank 0 on a
+        path that logs nothing: the workers wait in it)."""
+        if self.shards(t):
+            self.sharded(state, ctx, channel)
+        elif self.on_clients(t):
+            self.clients(state, ctx, algo, channel)
+            self.sites = {}
+
+    def take_sites(self) -> dict[str, np.ndarray]:
+        """The per-client arrays of the last client evaluation (once)."""
+        sites, self.sites = self.sites, {}
+        return sites
 
     def is_eval_round(self, t: int) -> bool:
         return (t + 1) % self.cfg.eval.every == 0 or t == self.cfg.train.rounds - 1
@@ -79,7 +130,8 @@ class Evaluation:
     def overlaps(self, t: int) -> bool:
         """Rank 0: evaluate round ``t``'s model during round t + 1 (``eval.overlap``)?"""
         return (self.cfg.eval.overlap and self.size > 1 and self.is_eval_round(t)
-                and not self.shards(t) and t + 1 < self.cfg.train.rounds and not self.owned)
+                and not self.shards(t) and t + 1 < self.cfg.train.rounds and not self.owned
+                and self.where == "server")
 
     def run(self, t: int, state: torch.Tensor, ctx, algo, channel: Channel) -> Scalars:
         """The scalars of round ``t``'s global ``state``; NaN off eval rounds, ``{}`` on
@@ -88,7 +140,12 @@ class Evaluation:
             return self.none()
         if self.shards(t):
             return self.sharded(state, ctx, channel)
-        return self.here(state, ctx, algo)
+        if self.where == "server":
+            return self.here(state, ctx, algo)
+        sites = self.clients(state, ctx, algo, channel)
+        if self.where == "clients":
+            return sites
+        return {**self.here(state, ctx, algo), **{f"clients_{k}": v for k, v in sites.items()}}
 
     def here(self, state: torch.Tensor, ctx, algo) -> Scalars:
         """The scalars of ``state`` on this rank alone: the method's own evaluation
@@ -114,3 +171,46 @@ class Evaluation:
         if total is None:
             return {}
         return metrics.scalars(total[0], total[1], total[2:], C, self.names)
+
+    def clients(self, state: torch.Tensor, ctx, algo, channel: Channel) -> Scalars:
+        """Every client evaluates θ on its held-out samples; one ``Reduce`` of the
+        ``[K, F]`` table (module docstring). Rank 0: the combined scalars (and the
+        per-client arrays in :attr:`sites`); ``{}`` elsewhere."""
+        theta = channel.broadcast_eval_state()
+        C, K = ctx.data.num_classes, ctx.cfg.data.num_clients
+        cells = metrics.confusion_size(C)
+        scored = metrics.score_metrics(self.names)
+        table = np.zeros((K, 2 + cells + len(scored)), dtype=np.float64)
+        if self.client_tests:
+            ctx.flat.load(theta)   # evaluation leaves the model unchanged (eval mode)
+        for k, idx in sorted(self.client_tests.items()):
+            collect = metrics.Collector(C, self.names, ctx.device)
+            loss, _, n = evaluate(ctx.forward, ctx.data, ctx.data.x_train[idx], ctx.data.y_train[idx],
+                                  self.cfg.eval.batch_size, num_logits=algo.eval_logits(),
+                                  accel=ctx.accel, collect=collect)
+            site = collect.scalars(loss, n) if n else metrics.nan_scalars(self.names)
+            table[k, :2] = loss, n
+            table[k, 2:2 + cells] = collect.confusion.cpu().numpy()
+            table[k, 2 + cells:] = [site[metrics.metric_name(m)] for m in scored]
+        total = channel.reduce_eval(table.ravel())
+        if total is None:
+            return {}
+        return self._combine(total.reshape(table.shape), C, scored)
+
+    def _combine(self, table: np.ndarray, C: int, scored: list[str]) -> Scalars:
+        """Rank 0: per-client arrays into :attr:`sites`, and the combined scalars."""
+        cells = metrics.confusion_size(C)
+        pooled_names = [m for m in self.names if m not in scored]
+        rows = [metrics.scalars(r[0], r[1], r[2:2 + cells], C, pooled_names) for r in table]
+        n = table[:, 1]
+        self.sites = {name: np.array([r[name] for r in rows]) for name in rows[0]}
+        self.sites["test_samples"] = n.copy()
+        out = metrics.scalars(table[:, 0].sum(), n.sum(), table[:, 2:2 + cells].sum(0), C,
+                              pooled_names)
+        for j, m in enumerate(scored):
+            v = table[:, 2 + cells + j]
+            self.sites[metrics.metric_name(m)] = v.copy()
+            ok = np.isfinite(v) & (n > 0)
+            out[metrics.metric_name(m)] = float(np.dot(n[ok], v[ok]) / n[ok].sum()) if ok.any() \
+                else float("nan")
+        return out

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
 import numpy as np
 import torch
 
 from .. import checkpoint, signals
+from ..algorithms.adversary import Adversary
 from ..comm import Comm
 from ..imports import UserCode
+from ..outputs import write_model
 from ..train import LocalTrainer
 from .build import build, participants
 from .channel import Channel, plan_uplink
@@ -52,6 +54,9 @@ class Federation:
         self.flat, self.accel, self.forward = b.flat, b.accel, b.forward
         self.algo, self.weighting, self.transforms, self.stats = b.algo, b.weighting, b.transforms, b.stats
         self.rule = b.rule
+        # adversary.kind: alie — rows rewritten on rank 0 (simulation shortcut)
+        self.omniscient: Optional[Adversary] = (
+            cast(Adversary, b.transforms.get("adversary")) if b.tampered else None)
         self.num_samples, self.host, self.my_clients = b.num_samples, b.host, b.hosted
         self.K, self.D = cfg.data.num_clients, self.flat.size
         self.m = cfg.train.clients_per_round or self.K
@@ -75,7 +80,10 @@ class Federation:
         self.scratch = {s.name: torch.zeros(s.size, device=self.device) for s in self.stats}
         self.worker = Worker(cfg.seed, self.rank, self.algo, self.weighting, self.transforms,
                              self.trainer, self.client_idx, self.scratch, self.device)
-        self.evals = Evaluation(cfg, self.rank, self.size, self.algo.owns_evaluation)
+        tests = self.partition.client_test_indices
+        self.evals = Evaluation(cfg, self.rank, self.size, self.algo.owns_evaluation,
+                                {k: torch.as_tensor(tests[k], device=self.device)
+                                 for k in self.my_clients} if tests else None)
         self.recorder = RoundRecorder(self.host, self.size)
         summed = [s for s in self.stats if is_summed(s, b.rows_needed)]
         self.agg_bufs = ({s.name: torch.zeros(s.size, device=self.device)
@@ -161,8 +169,8 @@ class Federation:
             if self.arrival_sum is not None:
                 up = self.arrival_sum.into(up)
             self._server_round(t, up, t_start, t_train)
-        elif self.evals.shards(t):
-            self.evals.sharded(state, self.ctx, self.channel)
+        elif self.evals.collective(t):
+            self.evals.join(t, state, self.ctx, self.algo, self.channel)
         return CMD_ROUND
 
     def _arrived(self, state: torch.Tensor, client: int, row: dict[str, torch.Tensor]) -> None:
@@ -179,7 +187,8 @@ class Federation:
         cmd = CMD_ROUND
         if self.failure is not None:
             cmd = CMD_ABORT
-        elif self.stop_reason is not None or self.finished_early or t >= self.cfg.train.rounds:
+        elif (self.stop_reason is not None or self.recorder.stop_request is not None
+              or self.finished_early or t >= self.cfg.train.rounds):   # a signal, early stopping/a callback, the end
             cmd = CMD_STOP
         elif self.budget is not None:
             self.finished_early = self.budget.exceeded_by(self.participants(t))
@@ -226,13 +235,14 @@ class Federation:
             self.failure = "; ".join(up.errors) or f"clients {failed.tolist()} failed"
             for k in failed:
                 self.recorder.event(t, int(self.host[k]), int(k),
-                                    f"local training failed: {self.failure}")
-            if self.evals.shards(t):
-                self.evals.sharded(self.global_state, self.ctx, self.channel)   # workers wait in it
+                                    f"local training failed: {self.failure}", echo=False)
+            self.evals.join(t, self.global_state, self.ctx, self.algo, self.channel)  # workers wait
             return
         t_agg = time.perf_counter()
         result = server_step(self.global_state, up, self.algo, self.weighting, self.stats,
                              self.num_samples, self.agg_bufs, self.sum_bufs, rule=self.rule,
+                             tamper=None if self.omniscient is None else
+                             lambda c, rows: self._tamper(up, c, rows),
                              dp_noise=self.dp_noise)
         for note in result.events:
             self.recorder.event(t, 0, -1, note)
@@ -242,8 +252,7 @@ class Federation:
         if result.accepted.size == 0:
             self.recorder.event(t, 0, -1, "no update accepted; global model unchanged")
         elif not guard.global_model_finite(self, t):   # stop; the last checkpoint is kept
-            if self.evals.shards(t):
-                self.evals.sharded(self.global_state, self.ctx, self.channel)   # workers wait in it
+            self.evals.join(t, self.global_state, self.ctx, self.algo, self.channel)  # workers wait
             return
         overlapped = self.evals.overlaps(t)
         t_eval = time.perf_counter()
@@ -258,6 +267,7 @@ class Federation:
                                 sum(self.algo.downlink_bytes(k, t) for k in sel), arrays)
         self.channel.exposed_arrival_seconds = 0.0
         row[1].update(evals)
+        row[2].update(self.evals.take_sites())   # /clients/<metric> of a per-site evaluation
         if self.budget is not None:   # every participant trained, accepted or not: all spent
             eps, eps_clients = self.budget.record_round(up.mask, up.meta[:, M_STEPS])
             row[1].update(eps)
@@ -266,6 +276,28 @@ class Federation:
             self.recorder.pending = row
         else:
             self.recorder.append(row)
+
+    def _tamper(self, up, clients: np.ndarray, rows: dict[str, torch.Tensor]) -> None:
+        """Rank 0, simulation only: the omniscient adversary writes its rows from the benign
+        ones (:meth:`Adversary.on_server_rows`); a per-client weighting that scored the
+        honest rows on arrival scores the rewritten ones."""
+        assert self.omniscient is not None
+        hit = self.omniscient.on_server_rows(clients, rows["delta"], int(up.mask.sum()))
+        if self.weighting.per_client:
+            where = {int(k): i for i, k in enumerate(clients)}
+            for k in hit:
+                self.weighting.on_arrival(self.global_state, k,
+                                          {n: x[where[k]] for n, x in rows.items()})
+
+    def save_best(self, t: int, value: float) -> None:
+        """Rank 0: the global model of round ``t`` (best in ``checkpoint.keep_best``) to
+        ``best.pt``, its round in the log's root attributes (:mod:`fedmpi.callbacks`)."""
+        assert self.out_dir is not None and self.writer is not None, "rank 0 of a run with a log"
+        metric = self.cfg.checkpoint.keep_best.metric
+        self.flat.load(self.global_state)
+        write_model(self.flat.model, self.out_dir / "best.pt")
+        for name, v in (("best_round", t), ("best_metric", metric), ("best_value", value)):
+            self.writer.set_attr("/", name, v)
 
     def _evaluate(self, t: int) -> dict[str, float]:
         return self.evals.run(t, self.global_state, self.ctx, self.algo, self.channel)

@@ -15,10 +15,13 @@ Kept out of :mod:`fedmpi.runtime` so the driver only has one-line call sites:
   ``model.pt``: one line naming the file, status ``failed`` if the log still takes it,
   exit 1 without running HDF5's finalisation (which crashes on a file whose flush
   failed).
+* :func:`discard_unstarted` — a fresh run that failed in its first round leaves nothing
+  that blocks its rerun.
 * :func:`interrupted_message` — what the stop message says about the checkpoint.
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -27,7 +30,7 @@ import numpy as np
 import torch
 
 from .. import __version__, checkpoint, rundir
-from ..errors import UserError
+from ..errors import ReportedElsewhere, RunFailed, UserError
 from ..outputs import OutputError, quiet_h5py_errors
 
 
@@ -47,6 +50,7 @@ def open_run(fed, out: Path, resume: bool, overwrite: bool) -> Optional[checkpoi
                            resume=restored is not None,
                            resume_rounds=restored.round if restored else None,
                            fingerprint=owned.fingerprint)
+    fed.writer.set_run_info(json.dumps(fed.built.run_info, sort_keys=True))
     if owned.stale_lock:
         fed.writer.event(restored.round if restored else 0, 0, -1,
                          f"took over the stale lock of a run that is gone ({owned.stale_lock})")
@@ -62,9 +66,10 @@ def open_run(fed, out: Path, resume: bool, overwrite: bool) -> Optional[checkpoi
 def agree_on_setup(comm, error: Optional[BaseException]) -> None:
     """Collective: return if every rank set up; else raise on every rank.
 
-    Rank 0 raises its own error (the CLI prints it); a worker raises ``SystemExit``
-    quietly when rank 0 failed too (the same bad input, reported once), and prints
-    its own error first when rank 0 did not fail."""
+    Rank 0 raises its own error (the CLI prints it); a worker raises a quiet
+    :class:`~fedmpi.errors.ReportedElsewhere` (bad input) or
+    :class:`~fedmpi.errors.RunFailed` when rank 0 failed too (the same bad input,
+    reported once), and prints its own error first when rank 0 did not fail."""
     code = 2 if isinstance(error, UserError) else (1 if error is not None else 0)
     agreed = comm.max_int(code, what="setup agreement")
     if agreed == 0:
@@ -75,7 +80,10 @@ def agree_on_setup(comm, error: Optional[BaseException]) -> None:
         raise error
     if error is not None and lead[0] == 0:
         print(f"fedmpi: error: rank {comm.rank}: {error}", file=sys.stderr, flush=True)
-    raise SystemExit(agreed)
+    if agreed == 2:
+        raise ReportedElsewhere("the run's set-up failed on another rank (its error line says "
+                                "why)")
+    raise RunFailed("the run's set-up failed on another rank (its error says why)", quiet=True)
 
 
 def global_model_finite(fed, t: int) -> bool:
@@ -105,6 +113,18 @@ def write_failed(fed, comm, exc: OutputError, t: int) -> None:
             pass
     rundir.release()
     comm.abort(1)
+
+
+def discard_unstarted(out: Path, logged: int, resume: bool) -> bool:
+    """Rank 0, after a fresh run failed with ``logged`` rounds in its log: a run that
+    failed in its first round (no round logged, no checkpoint) removes the ``log.h5``
+    and ``config.yaml`` it created, so nothing blocks the corrected rerun (issue 26).
+    Returns whether the log is kept."""
+    if resume or logged > 0 or checkpoint.checkpoint_path(out).exists():
+        return True
+    for name in ("log.h5", "config.yaml"):   # the directory stays: it may be the user's
+        (out / name).unlink(missing_ok=True)
+    return False
 
 
 def interrupted_message(fed, t: int, out: Path) -> str:

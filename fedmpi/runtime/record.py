@@ -32,11 +32,18 @@ class RoundRecorder:
         self.writer = None                         # the LogWriter, opened by the driver
         self.history: list[dict] = []
         self.pending: Optional[Row] = None
+        #: rank 0's listeners (fedmpi.callbacks.AfterRound): (round, scalars, per-client)
+        #: -> a stop request or None
+        self.after: Optional[Callable[[int, dict, dict], Optional[str]]] = None
+        self.stop_request: Optional[str] = None
 
-    def event(self, t: int, rank: int, client: int, message: str) -> None:
+    def event(self, t: int, rank: int, client: int, message: str, echo: bool = True) -> None:
+        """Log an event (and print it, unless ``echo`` is False: a failure whose one
+        error line the driver prints)."""
         if self.writer is not None:
             self.writer.event(t, rank, client, message)
-        print(f"fedmpi: round {t}: client {client}: {message}", file=sys.stderr, flush=True)
+        if echo:
+            print(f"fedmpi: round {t}: client {client}: {message}", file=sys.stderr, flush=True)
 
     def row(self, up: Uplink, result: ServerResult, times: dict[str, float],
             bytes_up: int, bytes_down: int, arrays: dict) -> Row:
@@ -72,6 +79,11 @@ class RoundRecorder:
         self.history.append({"round": t, **scalars})
         if self.writer is not None:
             self.writer.append_round(t, scalars, per_client, arrays)
+        if self.after is not None:
+            reason = self.after(t, scalars, per_client)
+            if reason and self.stop_request is None:
+                self.stop_request = reason
+                self.event(t, 0, -1, f"stop requested ({reason}); checkpoint and finish")
 
     def finish_pending(self, evaluate: Callable[[int], dict[str, float]]) -> None:
         """Evaluate the pending round's model and append its row. The state still holds

@@ -177,11 +177,14 @@ def server_step(state: torch.Tensor, up: Uplink, algo: Algorithm, weighting: Wei
                 out: Optional[dict[str, torch.Tensor]] = None,
                 sums: Optional[dict[str, torch.Tensor]] = None,
                 rule: Optional[ServerRule] = None,
+                tamper: Optional[Callable[[np.ndarray, dict[str, torch.Tensor]], None]] = None,
                 dp_noise: Optional[ServerNoise] = None) -> ServerResult:
     """Exclusion, weights, combination and the method's server rule (module docstring).
 
     ``state`` is θ (parameters and float buffers) and is updated in place; ``rule``
-    is the ``aggregation.rule`` component (None: ``mean``).
+    is the ``aggregation.rule`` component (None: ``mean``). ``tamper(clients, rows)``
+    (simulation only: the omniscient ``adversary.kind: alie``) rewrites the accepted
+    clients' rows in place before the weights and the rule see them; it needs rows.
     ``out`` may hold preallocated float32 buffers for the summed statistics and
     ``sums`` float64 ones for :func:`ordered_sum` (no model-sized allocation per round).
     ``dp_noise`` (client-level DP): the Gaussian noise and fixed denominator of DP-FedAvg
@@ -209,8 +212,10 @@ def server_step(state: torch.Tensor, up: Uplink, algo: Algorithm, weighting: Wei
 
     raw = up.meta[accepted, M_RAW]
     per_client_rule = rule is not None and rule.per_client
-    rows_needed = weighting.per_client or per_client_rule
+    rows_needed = weighting.per_client or per_client_rule or tamper is not None
     acc_rows = up.rows_of(accepted) if rows_needed else {}
+    if tamper is not None:
+        tamper(accepted, acc_rows)
     if weighting.per_client:
         s = np.asarray(weighting.weights(state, accepted, acc_rows), dtype=np.float64)
     else:

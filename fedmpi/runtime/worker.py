@@ -7,7 +7,6 @@ non-finite is marked so and never enters a sum.
 """
 from __future__ import annotations
 
-import sys
 import time
 import traceback
 
@@ -15,6 +14,8 @@ import numpy as np
 import torch
 
 from ..algorithms import Algorithm, ClientTask, TransformChain, Weighting
+from ..errors import show_traceback
+from ..imports import run_objects, runtime_error_line
 from ..train import LocalTrainer, TrainResult
 from .channel import Channel
 from .server import M_TIME, STATUS_NONFINITE, STATUS_OK
@@ -58,8 +59,12 @@ class Worker:
             try:
                 result = self.train(self.task(k, t), state, extras, self.scratch)
             except Exception as exc:  # noqa: BLE001 - reported to rank 0, then the job stops
-                text = f"rank {self.rank} client {k}: {type(exc).__name__}: {exc}"
-                print(f"fedmpi: error: {text}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+                assert self.trainer is not None, "only a rank hosting clients trains"
+                line, user = runtime_error_line(exc, run_objects(
+                    self.algo, self.trainer.flat.model, self.weighting, self.transforms))
+                text = f"{line} (round {t}, client {k} on rank {self.rank})"
+                if show_traceback() or not user:   # the one error line comes from rank 0
+                    traceback.print_exc()
                 channel.put_failure(row, k, text)
                 continue
             # A float64 sum is non-finite iff some entry is (no [P] bool temporary).

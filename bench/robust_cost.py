@@ -1,0 +1,80 @@
+"""Server time per round of each robust rule against ``mean`` (issue 24).
+
+    python bench/robust_cost.py [--clients 16] [--size 11200000] [--repeats 3]
+        [--out bench/measured/cpu2-2026-11-24/robust_cost.json]
+
+Rows of ResNet-18 size (11.2 M float32 per client, 16 clients) on the CPU; each
+rule's :meth:`aggregate` is timed as the server step calls it (after one warm-up
+call that allocates the rule's reused buffers), median over ``--repeats``.
+``mean`` is the base rule's per-client aggregate Σ s_k x_k (a per-client run
+under ``mean`` does exactly that; the default reducible path only divides the
+workers' pre-summed vector). FLTrust is timed without its server update (the
+local training on D_val, whose cost is one client's training on |D_val|
+samples, model-dependent): its given g_0 is fixed here. Peak extra memory is
+not measured; the rules allocate nothing model-sized per round after the warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedmpi.algorithms import build_rule
+from fedmpi.algorithms.rules import RuleInfo
+from fedmpi.config import config_from_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+RULES = ["mean", "median", "trimmed_mean", "krum", "multi_krum", "geometric_median",
+         "norm_clip", "fltrust"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--size", type=int, default=11_200_000)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rules", nargs="+", default=RULES)
+    ap.add_argument("--out", default=str(ROOT / "bench/measured/cpu2-2026-11-24/robust_cost.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    n, d = args.clients, args.size
+    gen = torch.Generator().manual_seed(0)
+    X = torch.randn(n, d, generator=gen).mul_(1e-3)
+    g0 = torch.randn(d, generator=gen).mul_(1e-3)
+    w = np.random.default_rng(0).uniform(0.5, 1.5, n)
+    info = RuleInfo(round=0, clients=np.arange(n), weights=w / w.sum(),
+                    num_samples=np.ones(n), num_clients=n, state=torch.zeros(d))
+    results = {}
+    for name in args.rules:
+        cfg = config_from_dict({"data": {"num_clients": n}, "train": {"clients_per_round": None},
+                                "aggregation": {"rule": name}})
+        rule = build_rule(cfg)
+        if name == "fltrust":
+            rule.server_update = lambda state, rnd: g0   # type: ignore[method-assign]
+        else:
+            rule.setup(None)
+        rule.aggregate({"delta": X}, info)              # warm-up: buffers
+        times = []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            rule.aggregate({"delta": X}, info)
+            times.append(time.perf_counter() - t)
+        results[name] = {"seconds": times, "median_seconds": statistics.median(times)}
+        print(f"{name:17s} {statistics.median(times):8.3f} s", flush=True)
+    base = results.get("mean", {}).get("median_seconds")
+    for r in results.values():
+        r["vs_mean"] = r["median_seconds"] / base if base else None
+    doc = {"clients": n, "size": d, "threads": args.threads, "repeats": args.repeats,
+           "torch": torch.__version__, "results": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
