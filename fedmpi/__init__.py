@@ -6,7 +6,7 @@
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 
 from .errors import ConfigError, RunFailed, RunInterrupted, UserError  # noqa: E402 - light

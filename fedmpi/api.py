@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 from .callbacks import Callback
 from .config import Config, config_from_dict, load_config
 from .errors import ConfigError, RunFailed, RunInterrupted, UserError
-from .imports import UserCode, path_of
+from .imports import path_of
+from .usercode import UserCode
 
 __all__ = ["RunResult", "run"]
 
@@ -186,9 +187,9 @@ def run_cli(config: ConfigSource, overrides: Sequence[str] = (), *,
     code = UserCode(model=model, data=data, algorithm=algorithm, weighting=weighting, rule=rule)
     out_dir = Path(out) if out else Path(cfg.runtime.out_dir) / cfg.name
     if comm is None:
-        from .comm import Comm
+        from .runtime.driver import run_comm
 
-        comm = Comm(timeout=cfg.runtime.round_timeout)
+        comm = run_comm(cfg)
     metrics = run_federation(cfg, out_dir, comm=comm, resume=resume, overwrite=overwrite,
                              code=code, callbacks=callbacks)
     return RunResult(metrics=metrics or {}, log_path=out_dir / "log.h5", out_dir=out_dir,

@@ -7,14 +7,20 @@ same point of the run: "rounds 0 … r−1 are done". It holds
   client RNG streams by (seed, client, round), so r *is* the RNG state of the
   protocol; the process RNG states of rank 0 are stored anyway),
 * ``global_state``: θ on rank 0 (parameters and float buffers, [D] float32),
-* ``server_state``: :meth:`Algorithm.server_state` (optimizer moments, c, h …),
+* ``components``: ``{name: component.state_dict()}`` for every named component
+  of the run (:class:`RunState`: ``algorithm`` — optimizer moments, c, h …,
+  ``weighting``, ``transform/<name>``, the server ``rule``, ``privacy`` — the
+  privacy accountant's counts (:mod:`fedmpi.privacy.budget`), only when
+  ``privacy.dp.level`` is not ``none`` — and ``rng``, the torch / numpy /
+  ``random`` states of rank 0, :class:`RngStreams`),
 * ``clients``: ``{client id: Algorithm.client_state(id)}`` for every client
   with a non-empty state (SCAFFOLD c_k, FedDyn h_k, FedGPS last Δ_k, …),
-* ``privacy``: the privacy accountant's counts (:mod:`fedmpi.privacy.accountant`),
-  only when ``privacy.dp.level`` is not ``none``,
-* ``rng``: torch / numpy / ``random`` states of rank 0, and identification
-  (``format``, ``version``, ``algorithm``, ``num_clients``, ``state_size``,
-  ``world_size``, ``config_yaml``).
+* identification (``format``, ``version``, ``algorithm``, ``num_clients``,
+  ``state_size``, ``world_size``, ``config_yaml``).
+
+Nothing here sees the :class:`~fedmpi.runtime.Federation`: the runtime hands
+:func:`save` and :func:`load_server_side` a :class:`RunState` — θ, the named
+components, the per-client states and the rank layout.
 
 Client states live on the worker that hosts the client. :func:`save` brings
 them to rank 0 without pickle: each state dict is serialised to bytes in the
@@ -31,7 +37,9 @@ The file is written by rank 0 with :func:`fedmpi.outputs.save_atomic`
 (temporary file, ``fsync``, rename: a failed write leaves the previous
 checkpoint intact and exits 1 naming the path), and read with
 ``torch.load(weights_only=True)`` — tensors, numbers, strings and containers
-only, no code runs when a checkpoint is read. Version 2 adds ``checksum``, the
+only, no code runs when a checkpoint is read. Version 3 stores the named
+components (version 2 had ``server_state`` and ``rng``; it is refused with one
+line saying so). Version 2 added ``checksum``, the
 SHA-256 of every other entry (:func:`digest`: tensor bytes included, so a
 flipped bit is found) and ``fingerprint``, the run-defining config's hash
 (:mod:`fedmpi.rundir`). A truncated, foreign or corrupt file (checksum
@@ -49,18 +57,19 @@ import random
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 import torch
 
 from .comm import CHUNK
-from .errors import ReportedElsewhere, UserError
+from .errors import ReportedElsewhere
 from .outputs import save_atomic  # noqa: F401 - the checkpoint writer (re-exported)
 from .rundir import check_same_run, fingerprint
+from .state_check import CheckpointError, check_checkpoint
 
 FORMAT = "fedmpi-checkpoint"
-VERSION = 2   # 2: ``checksum`` and ``fingerprint`` (issue 18)
+VERSION = 3   # 2: ``checksum`` and ``fingerprint`` (issue 18); 3: named ``components`` (issue 23)
 CHECKPOINT_NAME = "checkpoint.pt"
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -69,10 +78,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
 }
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-
-
-class CheckpointError(UserError):
-    """A checkpoint file is missing, truncated, corrupt or from another run."""
 
 
 # --------------------------------------------------------------------- bytes
@@ -137,10 +142,11 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a fedmpi checkpoint")
     if ckpt.get("version") != VERSION:
-        raise CheckpointError(f"{path}: checkpoint version {ckpt.get('version')!r}, "
-                              f"this fedmpi reads version {VERSION}")
+        raise CheckpointError(f"{path}: checkpoint format version {ckpt.get('version')!r} was "
+                              f"written by another fedmpi; this one reads version {VERSION} "
+                              "(start the run again without --resume, with --overwrite)")
     need = {"round": int, "algorithm": str, "num_clients": int, "state_size": int,
-            "global_state": torch.Tensor, "server_state": dict, "clients": dict, "rng": dict,
+            "global_state": torch.Tensor, "components": dict, "clients": dict,
             "checksum": str, "fingerprint": str, "config_yaml": str}
     for key, tp in need.items():
         if not isinstance(ckpt.get(key), tp):
@@ -183,32 +189,90 @@ def digest(obj: Any) -> str:
     return h.hexdigest()
 
 
-# ------------------------------------------------------------- RNG (rank 0)
-def _rng_state() -> dict[str, Any]:
-    np_state: Any = np.random.get_state()
-    py_version, py_state, py_gauss = random.getstate()
-    out: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy_keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
-        "numpy_pos": int(np_state[2]), "numpy_has_gauss": int(np_state[3]),
-        "numpy_cached_gaussian": float(np_state[4]),
-        "python": torch.tensor(py_state, dtype=torch.int64), "python_version": int(py_version),
-        "python_gauss": None if py_gauss is None else float(py_gauss),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    return out
+# ---------------------------------------------------------------- the run
+class StateOwner(Protocol):
+    """A named component of a checkpoint: methods, weightings, transforms, server rules."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def _set_rng_state(rng: dict[str, Any]) -> None:
-    torch.set_rng_state(rng["torch"])
-    np.random.set_state(("MT19937", rng["numpy_keys"].numpy().astype(np.uint32),
-                         rng["numpy_pos"], rng["numpy_has_gauss"], rng["numpy_cached_gaussian"]))
-    random.setstate((rng["python_version"], tuple(int(x) for x in rng["python"].tolist()),
-                     rng["python_gauss"]))
-    if "cuda" in rng and torch.cuda.is_available():
-        states = rng["cuda"][: torch.cuda.device_count()]
-        torch.cuda.set_rng_state_all(states)
+class ClientStates(Protocol):
+    """Per-client state on the hosting rank (the method's ``client_state``)."""
+
+    def client_state(self, client: int) -> dict[str, torch.Tensor]: ...
+
+    def load_client_state(self, client: int, state: dict[str, torch.Tensor]) -> None: ...
+
+
+class RngStreams:
+    """The process RNG states of rank 0 (torch, CUDA, numpy, ``random``) as a component.
+
+    Client streams are seeded by (seed, client, round), so the round is the
+    protocol's RNG state; these are stored so that user code drawing from the
+    global generators resumes where it stopped."""
+
+    def state_dict(self) -> dict[str, Any]:
+        np_state: Any = np.random.get_state()
+        py_version, py_state, py_gauss = random.getstate()
+        out: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "numpy_keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
+            "numpy_pos": int(np_state[2]), "numpy_has_gauss": int(np_state[3]),
+            "numpy_cached_gaussian": float(np_state[4]),
+            "python": torch.tensor(py_state, dtype=torch.int64), "python_version": int(py_version),
+            "python_gauss": None if py_gauss is None else float(py_gauss),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["cuda"] = torch.cuda.get_rng_state_all()
+        return out
+
+    def load_state_dict(self, rng: dict[str, Any]) -> None:
+        rng = _to_device(rng, torch.device("cpu"))
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(("MT19937", rng["numpy_keys"].numpy().astype(np.uint32),
+                             rng["numpy_pos"], rng["numpy_has_gauss"],
+                             rng["numpy_cached_gaussian"]))
+        random.setstate((rng["python_version"], tuple(int(x) for x in rng["python"].tolist()),
+                         rng["python_gauss"]))
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"][: torch.cuda.device_count()])
+
+
+@dataclass
+class RunState:
+    """What a checkpoint saves and restores of one rank's run.
+
+    ``components`` are the named stateful parts (rank 0 saves and restores
+    their ``state_dict``); ``clients`` holds the per-client states of the
+    clients this rank hosts (``hosted``; ``host[k]`` is the rank of client k);
+    ``global_state`` is θ on rank 0, restored in place; ``after_resume(round)``
+    runs collectively on every rank after a restore."""
+
+    cfg: Any
+    comm: Any
+    num_clients: int
+    host: np.ndarray
+    hosted: list[int]
+    device: torch.device
+    global_state: torch.Tensor
+    components: dict[str, StateOwner]
+    clients: ClientStates
+    after_resume: Callable[[int], None] = lambda round: None
+    out_dir: Any = None   # the run directory (for messages); None in tests
+
+    @property
+    def rank(self) -> int:
+        return int(self.comm.rank)
+
+    @property
+    def size(self) -> int:
+        return int(self.comm.size)
+
+    @property
+    def is_server(self) -> bool:
+        return self.rank == 0
 
 
 # --------------------------------------------------------------- transport
@@ -217,10 +281,10 @@ def _block(size: int) -> int:
     return max(1, CHUNK // max(1, size))
 
 
-def _streams_layout(fed, lengths: np.ndarray) -> tuple[list[int], int]:
+def _streams_layout(run: RunState, lengths: np.ndarray) -> tuple[list[int], int]:
     """Per-rank stream lengths (clients in id order) and the number of blocks."""
-    per_rank = [int(lengths[fed.host == r].sum()) for r in range(fed.size)]
-    block = _block(fed.size)
+    per_rank = [int(lengths[run.host == r].sum()) for r in range(run.size)]
+    block = _block(run.size)
     return per_rank, -(-max(per_rank) // block) if max(per_rank) else 0
 
 
@@ -234,79 +298,79 @@ def _split(stream: np.ndarray, clients: list[int], lengths: np.ndarray) -> dict[
     return out
 
 
-def gather_client_states(fed) -> dict[int, dict[str, torch.Tensor]]:
+def gather_client_states(run: RunState) -> dict[int, dict[str, torch.Tensor]]:
     """Collective: every client's :meth:`Algorithm.client_state` on rank 0, by id."""
-    comm, K = fed.comm, fed.K
+    comm, K = run.comm, run.num_clients
     blobs: dict[int, np.ndarray] = {}
     lengths = np.zeros(K, dtype=np.int64)
-    for k in fed.my_clients:
-        state = fed.algo.client_state(k)
+    for k in run.hosted:
+        state = run.clients.client_state(k)
         if state:
             blobs[k] = encode_state(state)
             lengths[k] = blobs[k].size
     total = np.zeros(K, dtype=np.int64)
-    comm.reduce_sum(lengths, total if fed.is_server else None, what="checkpoint sizes Reduce")
+    comm.reduce_sum(lengths, total if run.is_server else None, what="checkpoint sizes Reduce")
     comm.broadcast(total, what="checkpoint sizes Bcast")
-    per_rank, blocks = _streams_layout(fed, total)
-    mine = [blobs[k] for k in fed.my_clients if k in blobs]
+    per_rank, blocks = _streams_layout(run, total)
+    mine = [blobs[k] for k in run.hosted if k in blobs]
     stream = np.concatenate(mine) if mine else np.zeros(0, dtype=np.uint8)
-    parts: list[list[np.ndarray]] = [[] for _ in range(fed.size)]
-    block = _block(fed.size)
+    parts: list[list[np.ndarray]] = [[] for _ in range(run.size)]
+    block = _block(run.size)
     for j in range(blocks):
         rows = [max(0, min(block, n - j * block)) for n in per_rank]
-        send = stream[j * block: j * block + rows[fed.rank]].reshape(-1, 1)
-        recv = np.empty((sum(rows), 1), dtype=np.uint8) if fed.is_server else None
+        send = stream[j * block: j * block + rows[run.rank]].reshape(-1, 1)
+        recv = np.empty((sum(rows), 1), dtype=np.uint8) if run.is_server else None
         comm.gatherv_rows(send, recv, rows, what="checkpoint client-state Gatherv")
-        if fed.is_server:
+        if run.is_server:
             pos = 0
             for r, n in enumerate(rows):
                 parts[r].append(recv[pos:pos + n, 0])
                 pos += n
-    if not fed.is_server:
+    if not run.is_server:
         return {}
     out: dict[int, dict[str, torch.Tensor]] = {}
-    for r in range(fed.size):
+    for r in range(run.size):
         full = np.concatenate(parts[r]) if parts[r] else np.zeros(0, dtype=np.uint8)
-        hosted = [k for k in range(K) if fed.host[k] == r]
+        hosted = [k for k in range(K) if run.host[k] == r]
         for k, blob in _split(full, hosted, total).items():
             out[k] = decode_state(blob)
     return out
 
 
-def scatter_client_states(fed, states: Optional[dict[int, dict[str, torch.Tensor]]]) -> int:
+def scatter_client_states(run: RunState, states: Optional[dict[int, dict[str, torch.Tensor]]]) -> int:
     """Collective: rank 0's ``states`` to the clients' current hosts, loaded with
     :meth:`Algorithm.load_client_state`; returns how many this rank loaded."""
-    comm, K = fed.comm, fed.K
+    comm, K = run.comm, run.num_clients
     lengths = np.zeros(K, dtype=np.int64)
     blobs: dict[int, np.ndarray] = {}
-    if fed.is_server:
+    if run.is_server:
         for k, state in (states or {}).items():
             if state:
                 blobs[int(k)] = encode_state(state)
                 lengths[int(k)] = blobs[int(k)].size
     comm.broadcast(lengths, what="resume sizes Bcast")
-    per_rank, blocks = _streams_layout(fed, lengths)
-    block = _block(fed.size)
+    per_rank, blocks = _streams_layout(run, lengths)
+    block = _block(run.size)
     send_streams: list[np.ndarray] = []
-    if fed.is_server:
-        for r in range(fed.size):
-            hosted = [blobs[k] for k in range(K) if fed.host[k] == r and k in blobs]
+    if run.is_server:
+        for r in range(run.size):
+            hosted = [blobs[k] for k in range(K) if run.host[k] == r and k in blobs]
             send_streams.append(np.concatenate(hosted) if hosted else np.zeros(0, dtype=np.uint8))
     received: list[np.ndarray] = []
     for j in range(blocks):
         rows = [max(0, min(block, n - j * block)) for n in per_rank]
         send = None
-        if fed.is_server:
+        if run.is_server:
             send = np.concatenate([s[j * block: j * block + rows[r]]
                                    for r, s in enumerate(send_streams)]).reshape(-1, 1)
-        recv = np.empty((rows[fed.rank], 1), dtype=np.uint8)
+        recv = np.empty((rows[run.rank], 1), dtype=np.uint8)
         comm.scatterv_rows(send, recv, rows, what="resume client-state Scatterv")
         received.append(recv[:, 0])
     stream = np.concatenate(received) if received else np.zeros(0, dtype=np.uint8)
     loaded = 0
-    for k, blob in _split(stream, fed.my_clients, lengths).items():
-        state = {n: t.to(fed.device) for n, t in decode_state(blob).items()}
-        fed.algo.load_client_state(k, state)
+    for k, blob in _split(stream, run.hosted, lengths).items():
+        state = {n: t.to(run.device) for n, t in decode_state(blob).items()}
+        run.clients.load_client_state(k, state)
         loaded += 1
     return loaded
 
@@ -333,23 +397,20 @@ def _to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
-def save(fed, round: int, path: Path) -> Optional[Path]:
+def save(run: RunState, round: int, path: Path) -> Optional[Path]:
     """Collective: checkpoint "rounds < ``round`` are done" to ``path`` (rank 0 writes)."""
-    clients = gather_client_states(fed)
-    if not fed.is_server:
+    clients = gather_client_states(run)
+    if not run.is_server:
         return None
     ckpt = {
         "format": FORMAT, "version": VERSION, "round": int(round),
-        "algorithm": str(fed.cfg.algorithm.name), "num_clients": int(fed.K),
-        "state_size": int(fed.D), "world_size": int(fed.size),
-        "config_yaml": fed.cfg.to_yaml(), "fingerprint": fingerprint(fed.cfg),
-        "global_state": fed.global_state.detach().to("cpu", copy=True),
-        "server_state": {n: _to_cpu(v) for n, v in fed.algo.server_state().items()},
+        "algorithm": str(run.cfg.algorithm.name), "num_clients": int(run.num_clients),
+        "state_size": int(run.global_state.numel()), "world_size": int(run.size),
+        "config_yaml": run.cfg.to_yaml(), "fingerprint": fingerprint(run.cfg),
+        "global_state": run.global_state.detach().to("cpu", copy=True),
+        "components": {name: _to_cpu(dict(c.state_dict())) for name, c in run.components.items()},
         "clients": clients,
-        "rng": _rng_state(),
     }
-    if fed.budget is not None:   # the privacy accountant's counts: resume reports the same ε
-        ckpt["privacy"] = {n: _to_cpu(v) for n, v in fed.budget.state_dict().items()}
     ckpt["checksum"] = digest(ckpt)
     save_atomic(ckpt, path)
     return path
@@ -364,57 +425,59 @@ class Restored:
     clients: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
-def load_server_side(fed, path: Path) -> Restored:
-    """Rank 0, not collective: read ``path``, check it fits this run, restore θ,
-    the server state and the RNG states. Raises :class:`CheckpointError`."""
+def load_server_side(run: RunState, path: Path) -> Restored:
+    """Rank 0, not collective: read ``path``, check it fits this run, restore θ and
+    every named component's state. Raises :class:`CheckpointError`."""
     ckpt = read_checkpoint(path)
-    check_same_run(fed.cfg, ckpt["fingerprint"], ckpt["config_yaml"], Path(path))
-    checks = (("algorithm", str(fed.cfg.algorithm.name), "algorithm.name"),
-              ("num_clients", int(fed.K), "data.num_clients"),
-              ("state_size", int(fed.D), "model.name/model.norm"))
+    check_same_run(run.cfg, ckpt["fingerprint"], ckpt["config_yaml"], Path(path))
+    D, K = int(run.global_state.numel()), int(run.num_clients)
+    checks = (("algorithm", str(run.cfg.algorithm.name), "algorithm.name"),
+              ("num_clients", K, "data.num_clients"),
+              ("state_size", D, "model.name/model.norm"))
     for key, mine, cfg_key in checks:
         if ckpt[key] != mine:
             raise CheckpointError(f"{path}: checkpoint has {key}={ckpt[key]!r} but this run has "
                                   f"{mine!r} (config key {cfg_key!r} differs from the checkpointed run)")
     g = ckpt["global_state"]
-    if g.shape != (fed.D,) or g.dtype != torch.float32:
+    if g.shape != (D,) or g.dtype != torch.float32:
         raise CheckpointError(f"{path}: global_state has shape {tuple(g.shape)} {g.dtype}, "
-                              f"expected ({fed.D},) float32")
-    bad = [k for k in ckpt["clients"] if not isinstance(k, int) or not 0 <= k < fed.K]
+                              f"expected ({D},) float32")
+    bad = [k for k in ckpt["clients"] if not isinstance(k, int) or not 0 <= k < K]
     if bad:
-        raise CheckpointError(f"{path}: client ids {bad[:5]} out of range 0..{fed.K - 1}")
+        raise CheckpointError(f"{path}: client ids {bad[:5]} out of range 0..{K - 1}")
     if ckpt["round"] < 0:
         raise CheckpointError(f"{path}: negative round {ckpt['round']}")
-    fed.state.dev[: fed.D].copy_(g.to(fed.device))
-    try:
-        fed.algo.load_server_state({n: _to_device(v, fed.device)
-                                    for n, v in ckpt["server_state"].items()})
-        _set_rng_state(ckpt["rng"])
-        if fed.budget is not None:
-            if not isinstance(ckpt.get("privacy"), dict):
-                raise ValueError("no privacy accountant state (privacy.dp.level was 'none')")
-            fed.budget.load_state_dict(ckpt["privacy"])
-    except Exception as exc:  # noqa: BLE001 - a state that does not fit this run
-        raise CheckpointError(f"{path}: cannot restore server/RNG state "
-                              f"({type(exc).__name__}: {exc})") from None
+    stored = ckpt["components"]
+    extra = sorted(set(stored) - set(run.components))
+    if extra:
+        raise CheckpointError(f"{path}: checkpoint holds state of components {extra} that this "
+                              "run does not have")
+    check_checkpoint(ckpt, run.components, run.clients, D, Path(path))   # shape, finite, range
+    run.global_state.copy_(g.to(run.device))
+    for name, component in run.components.items():
+        try:
+            component.load_state_dict(_to_device(stored.get(name, {}), run.device))
+        except Exception as exc:  # noqa: BLE001 - a state that does not fit this run
+            raise CheckpointError(f"{path}: cannot restore the state of {name} "
+                                  f"({type(exc).__name__}: {exc})") from None
     return Restored(int(ckpt["round"]), Path(path), ckpt["clients"])
 
 
-def resume(fed, restored: Optional[Restored]) -> int:
+def resume(run: RunState, restored: Optional[Restored]) -> int:
     """Collective after :func:`load_server_side`: client states to their hosts;
     every rank returns the round to continue from. Any rank failing to load a
     client state stops every rank (exit 2 with the message on that rank)."""
     head = np.array([restored.round if restored else 0], dtype=np.int64)
-    fed.comm.broadcast(head, what="resume round Bcast")
+    run.comm.broadcast(head, what="resume round Bcast")
     error: Optional[BaseException] = None
     try:
-        scatter_client_states(fed, restored.clients if restored else None)
+        scatter_client_states(run, restored.clients if restored else None)
     except Exception as exc:  # noqa: BLE001 - reported below, then every rank stops
-        where = restored.path if restored else checkpoint_path(fed.out_dir)
-        error = CheckpointError(f"{where}: cannot restore client state on rank {fed.rank} "
+        where = restored.path if restored else checkpoint_path(run.out_dir or Path("."))
+        error = CheckpointError(f"{where}: cannot restore client state on rank {run.rank} "
                                 f"({type(exc).__name__}: {exc})")
-    code = fed.comm.max_int(2 if error else 0, what="resume agreement")
-    if error is not None and fed.rank != 0:   # the CLI prints rank 0's errors only
+    code = run.comm.max_int(2 if error else 0, what="resume agreement")
+    if error is not None and run.rank != 0:   # the CLI prints rank 0's errors only
         print(f"fedmpi: error: {error}", file=sys.stderr, flush=True)
         raise ReportedElsewhere(str(error))
     if error is not None:
@@ -423,5 +486,5 @@ def resume(fed, restored: Optional[Restored]) -> int:
         raise ReportedElsewhere("restoring a client state failed on another rank (its error "
                                 "line says why)")
     if head[0] > 0:   # the same test on every rank: after_resume is collective
-        fed.algo.after_resume(fed.ctx, int(head[0]))
+        run.after_resume(int(head[0]))
     return int(head[0])

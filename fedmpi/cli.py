@@ -15,11 +15,14 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import signal
 import sys
 from typing import Optional, Sequence
 
-from . import __version__
-from .errors import (EXIT_USAGE, RunFailed, RunInterrupted, UserCodeError, UserError,
+from . import __version__, signals
+
+signals.install_early()   # before the heavy imports: a SIGTERM at start-up exits 75
+from .errors import (EXIT_USAGE, RunFailed, RunInterrupted, UserCodeError, UserError,  # noqa: E402
                      show_traceback)
 from .outputs import EXIT_WRITE_FAILED, OutputError, quiet_h5py_errors
 
@@ -131,7 +134,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from .config import load_config
-    from .imports import check_config_paths
+    from .usercode import check_config_paths
 
     cfg = load_config(args.config, args.overrides)
     for old, new in cfg.renamed:
@@ -237,11 +240,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     md = table.markdown()
     sys.stdout.write(md)
     if out is not None:
+        from .safefile import refuse_links, write_text
+
+        refuse_links(out, ("compare.md", "compare.csv", "runs.csv"), "an output directory")
         claim([out / n for n in ("compare.md", "compare.csv", "runs.csv")], args.overwrite,
               "fedmpi compare --out")
-        (out / "compare.md").write_text(md, encoding="utf-8")
-        (out / "compare.csv").write_text(table.csv(), encoding="utf-8")
-        (out / "runs.csv").write_text(table.runs_csv(), encoding="utf-8")
+        write_text(out / "compare.md", md)
+        write_text(out / "compare.csv", table.csv())
+        write_text(out / "runs.csv", table.runs_csv())
     return 0
 
 
@@ -320,6 +326,10 @@ def launch_rank() -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command != "run":   # only a run is requeued: other commands die by the signal
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            if signal.getsignal(sig) is signals._exit_interrupted:
+                signal.signal(sig, signal.SIG_DFL)
     before = os.environ.get("FEDMPI_TRACEBACK")
     if args.traceback:   # every rank parses the same argv; worker code reads the variable
         os.environ["FEDMPI_TRACEBACK"] = "1"

@@ -18,8 +18,10 @@ one of two ways:
   the data transfers that follow a patient collective, when every peer is known
   to be there: MPI progresses a non-blocking collective only inside ``Test``, so
   a sleeping rank would stall the pipelined algorithms of large Reduce/Bcast.
-A collective that does not complete within ``timeout`` seconds raises
-:class:`CommTimeout` (the runtime then aborts the whole job).
+A collective that does not complete within ``timeout`` seconds on rank 0 (two timeouts
+and :data:`WORKER_GRACE` on a worker, so that rank 0 — which can name the missing rank —
+reports first, in one line) raises :class:`CommTimeout` (the runtime then aborts the
+whole job).
 
 Messages over ``CHUNK`` elements are split (MPI counts are C ints; APPFL hit
 the 2^31 limit with large models).
@@ -37,6 +39,7 @@ from typing import Callable, Optional
 import numpy as np
 
 CHUNK = 1 << 30  # elements per MPI call; below the 2**31 - 1 count limit
+WORKER_GRACE = 5.0  # seconds a worker waits beyond two timeouts (see Comm._wait)
 
 
 class CommTimeout(RuntimeError):
@@ -88,6 +91,8 @@ class Comm:
         self.gather_reduce_bytes = gather_reduce_bytes
         self._gather_scratch: dict[tuple, np.ndarray] = {}
         self.traffic = Traffic()
+        #: the config key that set ``timeout`` (named in a CommTimeout message)
+        self.timeout_key = "runtime.round_timeout"
 
     # ------------------------------------------------------------------ waits
     def _wait(self, requests: list, what: str, patient: bool = True,
@@ -107,7 +112,9 @@ class Comm:
         """
         MPI = self.MPI
         start = time.monotonic()
-        deadline = start + self.timeout
+        # workers wait longer (2 timeouts + WORKER_GRACE): the aggregator, which knows
+        # which rank is missing, reports a timeout first, in one line
+        deadline = start + (self.timeout if self.rank == 0 else 2 * self.timeout + WORKER_GRACE)
         spin_until = start + self.spin if patient else deadline
         delay = 1e-5
         while True:
@@ -129,7 +136,7 @@ class Comm:
                 continue
             if now > deadline:
                 raise CommTimeout(
-                    f"rank {self.rank}: {what} did not complete within runtime.round_timeout="
+                    f"rank {self.rank}: {what} did not complete within {self.timeout_key}="
                     f"{self.timeout:g}s (a rank died or hangs)")
             time.sleep(delay)
             delay = min(delay * 2.0, self.max_sleep)
@@ -295,6 +302,33 @@ class Comm:
         recv = np.zeros(1, dtype=np.int64)
         self._wait([self.comm.Iallreduce(send, recv, op=self.MPI.MAX)], what)
         return int(recv[0])
+
+    def roll_call(self, what: str) -> None:
+        """Every rank reports to rank 0 that it reached this point (``what``: e.g. its data
+        is loaded); rank 0 waits at most ``timeout`` and otherwise raises
+        :class:`CommTimeout` naming the ranks that did not arrive.
+
+        Point-to-point, not a collective: a collective that times out cannot say who is
+        missing. A worker's one-integer ``Isend`` completes at once (eager protocol), so
+        workers go on to the next collective."""
+        if self.size == 1:
+            return
+        tag = 31_031
+        if self.rank != 0:
+            mine = np.array([self.rank], dtype=np.int64)
+            self._wait([self.comm.Isend(mine, dest=0, tag=tag)], what, patient=False)
+            return
+        bufs = [np.zeros(1, dtype=np.int64) for _ in range(1, self.size)]
+        reqs = [self.comm.Irecv(b, source=r + 1, tag=tag) for r, b in enumerate(bufs)]
+        arrived: set[int] = set()
+        try:
+            self._wait(reqs, what, on_done=lambda i: arrived.add(i + 1))
+        except CommTimeout:
+            missing = [r for r in range(1, self.size) if r not in arrived]
+            raise CommTimeout(f"start-up: rank{'s' if len(missing) > 1 else ''} "
+                              f"{', '.join(map(str, missing))} did not finish {what} within "
+                              f"{self.timeout_key}={self.timeout:g}s (raise it for slow data "
+                              "sources, or check that rank's data)") from None
 
     def node_local(self) -> tuple[int, int]:
         """(local rank, local size) among the ranks sharing this node."""

@@ -9,14 +9,22 @@ Four config keys accept an import path instead of a built-in name:
                             ``(train, test)`` map-style datasets of ``(x, label)`` items
 ``algorithm.name``          a subclass of :class:`fedmpi.algorithms.Algorithm`; its
                             parameters come from ``algorithm.params``, checked against the
-                            class's ``Params`` dataclass (:func:`method_params`)
+                            class's ``params["params"]`` dataclass
+                            (:func:`fedmpi.params.check_params`)
 ``aggregation.weighting``   a subclass of :class:`fedmpi.algorithms.Weighting`
 ``aggregation.rule``        a subclass of :class:`fedmpi.algorithms.ServerRule`; its
                             parameters come from ``aggregation.params``
+``transforms``              subclasses of :class:`fedmpi.algorithms.UpdateTransform`
 ``data.silos.loader``       a callable ``(client) -> (x, y)`` (:mod:`fedmpi.data.silos`)
 ``eval.metrics`` items      a function ``(labels, probabilities) -> float``
                             (:mod:`fedmpi.metrics`)
 ==========================  ==============================================================
+
+This module is the bottom layer of user code: it resolves a path and checks the
+kind of object (:func:`subclass` for component classes), and imports nothing of
+fedmpi but its errors. The objects handed to :func:`fedmpi.run` in place of
+names are :class:`fedmpi.usercode.UserCode`; the datasets are converted in
+:mod:`fedmpi.data.custom`.
 
 Every failure — unknown module, unknown attribute, wrong kind of object, wrong
 signature (also of a method's, weighting's or transform's overridden hooks), bad
@@ -30,25 +38,23 @@ next to where ``fedmpi run`` is started can be named without installing it.
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import inspect
 import os
 import re
 import sys
-import typing
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from .errors import OBJECTS, ConfigError, UserCodeError, UserError, code_error_line, user_frame
 
-__all__ = ["UserCode", "is_import_path", "resolve", "model_factory", "dataset_factory",
-           "algorithm_class", "weighting_class", "rule_class", "silo_loader", "method_params", "check_config_paths",
-           "path_of"]
+__all__ = ["IMPORT_PATTERN", "is_import_path", "resolve", "model_factory", "silo_loader",
+           "subclass", "path_of"]
 
-_PATTERN = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
+#: ``pkg.module:attr``, a Python object named by import path.
+IMPORT_PATTERN = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
+_PATTERN = re.compile(IMPORT_PATTERN)
 
 
 def is_import_path(value: Any) -> bool:
@@ -87,7 +93,7 @@ def resolve(path: str, key: str, expected: str) -> Any:
     return obj
 
 
-def _accepts(obj: Any, nargs: int) -> bool:
+def accepts(obj: Any, nargs: int) -> bool:
     """Whether ``obj(*nargs positional arguments)`` binds (classes: their ``__init__``)."""
     try:
         inspect.signature(obj).bind(*([None] * nargs))
@@ -98,7 +104,7 @@ def _accepts(obj: Any, nargs: int) -> bool:
     return True
 
 
-def _named(obj: Any) -> str:
+def named(obj: Any) -> str:
     return getattr(obj, "__qualname__", None) or type(obj).__name__
 
 
@@ -185,8 +191,8 @@ def model_factory(obj: Any, key: str = "model.name") -> Callable[[tuple[int, ...
     """Check a model factory; returned wrapped so its result is checked to be an ``nn.Module``."""
     if isinstance(obj, str):
         obj = resolve(obj, key, MODEL_EXPECTED)
-    if not callable(obj) or not _accepts(obj, 2):
-        raise ConfigError(f"config key {key!r}: {_named(obj)} is not {MODEL_EXPECTED}")
+    if not callable(obj) or not accepts(obj, 2):
+        raise ConfigError(f"config key {key!r}: {named(obj)} is not {MODEL_EXPECTED}")
 
     def build(input_shape: tuple[int, ...], num_classes: int):
         from torch import nn
@@ -194,37 +200,11 @@ def model_factory(obj: Any, key: str = "model.name") -> Callable[[tuple[int, ...
         with blame(key, obj):
             model = obj(tuple(input_shape), int(num_classes))
         if not isinstance(model, nn.Module):
-            raise ConfigError(f"config key {key!r}: {_named(obj)}({tuple(input_shape)}, "
+            raise ConfigError(f"config key {key!r}: {named(obj)}({tuple(input_shape)}, "
                               f"{num_classes}) returned {type(model).__name__}, not an nn.Module")
         return model
 
     return build
-
-
-# ---------------------------------------------------------------------- data
-DATASET_EXPECTED = ("a callable () -> fedmpi.data.Dataset or (train, test) map-style datasets "
-                    "of (x, label) items")
-
-
-def dataset_factory(obj: Any, key: str = "data.dataset") -> Callable[[], Any]:
-    """A zero-argument callable returning the pooled :class:`~fedmpi.data.Dataset`
-    (converted with :func:`fedmpi.data.custom.as_dataset`)."""
-    if isinstance(obj, str):
-        obj = resolve(obj, key, DATASET_EXPECTED)
-    from .data.custom import as_dataset
-
-    if not callable(obj):   # an object: a Dataset or a (train, test) pair
-        return lambda: as_dataset(obj, key)
-    if not _accepts(obj, 0):
-        raise ConfigError(f"config key {key!r}: {_named(obj)} must be callable without "
-                          f"arguments ({DATASET_EXPECTED})")
-
-    def load() -> Any:
-        with blame(key, obj):
-            made = obj()
-        return as_dataset(made, key)
-
-    return load
 
 
 SILO_EXPECTED = "a callable (client) -> (x, y) arrays"
@@ -234,17 +214,20 @@ def silo_loader(obj: Any, key: str = "data.silos.loader") -> Callable[[int], Any
     """The per-client loader of silo-local data (called on the hosting rank only)."""
     if isinstance(obj, str):
         obj = resolve(obj, key, SILO_EXPECTED)
-    if not callable(obj) or not _accepts(obj, 1):
-        raise ConfigError(f"config key {key!r}: {_named(obj)} is not {SILO_EXPECTED}")
+    if not callable(obj) or not accepts(obj, 1):
+        raise ConfigError(f"config key {key!r}: {named(obj)} is not {SILO_EXPECTED}")
     return obj
 
 
-# ------------------------------------------------------------------ methods
-def _subclass(obj: Any, base: type, key: str, expected: str) -> type:
+# -------------------------------------------------------------- components
+def subclass(obj: Any, base: type, key: str) -> type:
+    """A subclass of ``base`` (a component base class such as
+    :class:`fedmpi.algorithms.Algorithm`), given as such or as ``pkg.module:Class``."""
+    expected = f"a subclass of fedmpi.algorithms.{base.__name__}"
     if isinstance(obj, str):
         obj = resolve(obj, key, expected)
     if not (isinstance(obj, type) and issubclass(obj, base)):
-        raise ConfigError(f"config key {key!r}: {_named(obj)} is not {expected}")
+        raise ConfigError(f"config key {key!r}: {named(obj)} is not {expected}")
     check_overrides(obj, base, key)
     return obj
 
@@ -280,132 +263,7 @@ def check_overrides(cls: type, base: type, key: str) -> None:
             continue
 
 
-def algorithm_class(obj: Any, key: str = "algorithm.name") -> type:
-    """A subclass of :class:`fedmpi.algorithms.Algorithm` (from a path or the class)."""
-    from .algorithms.base import Algorithm
-
-    return _subclass(obj, Algorithm, key, "a subclass of fedmpi.algorithms.Algorithm")
-
-
-def weighting_class(obj: Any, key: str = "aggregation.weighting") -> type:
-    """A subclass of :class:`fedmpi.algorithms.Weighting` (from a path or the class)."""
-    from .algorithms.weighting import Weighting
-
-    return _subclass(obj, Weighting, key, "a subclass of fedmpi.algorithms.Weighting")
-
-
-def rule_class(obj: Any, key: str = "aggregation.rule") -> type:
-    """A subclass of :class:`fedmpi.algorithms.ServerRule` (from a path or the class)."""
-    from .algorithms.rules import ServerRule
-
-    return _subclass(obj, ServerRule, key, "a subclass of fedmpi.algorithms.ServerRule")
-
-
-def transform_class(obj: Any, key: str = "transforms") -> type:
-    """A subclass of :class:`fedmpi.algorithms.UpdateTransform` (from a path or the class);
-    it is constructed with the run's config."""
-    from .algorithms.transforms import UpdateTransform
-
-    return _subclass(obj, UpdateTransform, key, "a subclass of fedmpi.algorithms.UpdateTransform")
-
-
-def method_params(cls: type, given: Mapping[str, Any], key: str = "algorithm.params") -> Any:
-    """``algorithm.params`` checked against the method's parameters dataclass.
-
-    Convention (that of :mod:`fedmpi.params` for the built-in methods): a method
-    names its parameter dataclasses by config block in the class attribute
-    ``params``; a method given by import path reads the block ``algorithm.params``,
-    so it declares ``params = {"params": MyParams}`` and gets the instance from
-    ``self.hparams("params")``. Fields have defaults where optional and types
-    ``int``, ``float``, ``str``, ``bool``, ``list[...]`` or ``X | None`` (the
-    config's typing rules: an integer is accepted for a float, never a bool for an
-    integer); bounds and choices in a field's metadata (``fedmpi.params.param``,
-    keys ``ge``, ``gt``, ``le``, ``lt``, ``choices``) are checked too. Unknown,
-    missing and mistyped entries raise a ConfigError naming
-    ``algorithm.params.<field>``. Without a ``"params"`` block the mapping must be
-    empty. Returns the dataclass instance (None without one).
-    """
-    spec = (getattr(cls, "params", None) or {}).get("params")
-    if spec is None:
-        if given:
-            raise ConfigError(f"config key {key!r}: {cls.__qualname__} declares no parameters "
-                              f"(params = {{'params': <dataclass>}}); got {sorted(given)}")
-        return None
-    if not dataclasses.is_dataclass(spec) or not isinstance(spec, type):
-        raise ConfigError(f"config key {key!r}: {cls.__qualname__}.params['params'] must be a "
-                          "dataclass")
-    from .config import Field, _check_value, _suggest
-
-    hints = typing.get_type_hints(spec)
-    fields = {f.name: f for f in dataclasses.fields(spec) if f.init}
-    unknown = sorted(set(given) - set(fields))
-    if unknown:
-        raise ConfigError(f"config key '{key}.{unknown[0]}' is not a parameter of "
-                          f"{cls.__qualname__}{_suggest(unknown[0], list(fields))}; "
-                          f"parameters: {', '.join(fields) or 'none'}")
-    values = {}
-    for name, f in fields.items():
-        if name not in given:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ConfigError(f"config key '{key}.{name}' is required by {cls.__qualname__}")
-            continue
-        bounds = {k: f.metadata[k] for k in ("ge", "gt", "le", "lt", "choices")
-                  if f.metadata.get(k) is not None}
-        try:
-            field_spec = Field(hints[name], None, **bounds)
-        except TypeError:   # a type the config cannot check (e.g. a callable): passed as is
-            values[name] = given[name]
-            continue
-        value = _check_value(f"{key}.{name}", field_spec, given[name])
-        values[name] = list(value) if isinstance(value, tuple) else value
-    return spec(**values)
-
-
 # ------------------------------------------------------------ objects in hand
-@dataclass(frozen=True)
-class UserCode:
-    """Objects given to :func:`fedmpi.run` that replace the config's names.
-
-    ``model``: a factory ``(input_shape, num_classes) -> nn.Module`` (or an
-    ``nn.Module`` class); ``data``: a :class:`~fedmpi.data.Dataset`, a
-    ``(train, test)`` pair or a zero-argument callable returning either;
-    ``algorithm``: an :class:`~fedmpi.algorithms.Algorithm` subclass;
-    ``weighting``: a :class:`~fedmpi.algorithms.Weighting` subclass; ``rule``: a
-    :class:`~fedmpi.algorithms.ServerRule` subclass. None: the config's name.
-    Every rank must be given the same objects.
-    """
-
-    model: Optional[Callable[..., Any]] = None
-    data: Any = None
-    algorithm: Optional[type] = None
-    weighting: Optional[type] = None
-    rule: Optional[type] = None
-
-    def algorithm_class(self, cfg: Any) -> Any:
-        """The method class: the one given, else ``algorithm.name``'s."""
-        if self.algorithm is not None:
-            return algorithm_class(self.algorithm)
-        from .algorithms import algorithm_class as by_name
-
-        return by_name(cfg)
-
-    def build_weighting(self, cfg: Any, num_samples: Any) -> Any:
-        """The weighting: the class given, else ``aggregation.weighting``'s."""
-        if self.weighting is not None:
-            return weighting_class(self.weighting)(num_samples)
-        from .algorithms import build_weighting
-
-        return build_weighting(cfg.aggregation.weighting, num_samples)
-
-    def rule_class(self, cfg: Any) -> type:
-        """The server rule's class: the one given, else ``aggregation.rule``'s."""
-        if self.rule is not None:
-            return rule_class(self.rule)
-        from .algorithms.rules import rule_class_for
-
-        return rule_class_for(cfg.aggregation.rule)
-
-
 def path_of(obj: Any) -> Optional[str]:
     """``"module:qualname"`` of ``obj`` if importing it by that path gives ``obj`` back
     (what :func:`fedmpi.run` records in the config), else None (lambdas, local classes)."""
@@ -417,54 +275,3 @@ def path_of(obj: Any) -> Optional[str]:
         return path if resolve(path, "", "") is obj else None
     except ConfigError:
         return None
-
-
-# --------------------------------------------------------------- fedmpi check
-def check_rule(cfg: Any, rule_cls: Any, algo_cls: Any) -> None:
-    """The server rule's parameters and cross-key rules, and that it can combine the
-    method's update: a per-client rule needs the model update Δ_k as a *weighted*
-    statistic, which the submodel family's coverage averaging is not."""
-    if is_import_path(cfg.aggregation.rule):
-        method_params(rule_cls, cfg.aggregation.params, "aggregation.params")
-    elif cfg.aggregation.params:
-        raise ConfigError("config key 'aggregation.params' is for a rule given by import path; "
-                          f"{cfg.aggregation.rule!r} takes its parameters from its own keys")
-    if rule_cls.per_client and not algo_cls.weighted_update:
-        raise ConfigError(f"config keys 'aggregation.rule' and 'algorithm.name': rule "
-                          f"{cfg.aggregation.rule!r} combines per-client weighted updates; method "
-                          f"{cfg.algorithm.name!r} aggregates its update otherwise (coverage sums)")
-    rule_cls.check(cfg)
-
-
-def check_config_paths(cfg: Any) -> None:
-    """Resolve and check every import path of ``cfg`` (``fedmpi check``); raises ConfigError."""
-    if is_import_path(cfg.model.name):
-        model_factory(cfg.model.name)
-    if is_import_path(cfg.data.dataset):
-        dataset_factory(cfg.data.dataset)
-    if cfg.data.silos.loader is not None:
-        silo_loader(cfg.data.silos.loader)
-    if is_import_path(cfg.aggregation.weighting):
-        weighting_class(cfg.aggregation.weighting)
-    rule_cls: Any = UserCode().rule_class(cfg)
-    check_rule(cfg, rule_cls, UserCode().algorithm_class(cfg))
-    if cfg.privacy.secure_aggregation:
-        from .algorithms.weighting import WEIGHTINGS
-        from .privacy.secagg import refuse_per_client
-
-        weighting = (weighting_class(cfg.aggregation.weighting)
-                     if is_import_path(cfg.aggregation.weighting)
-                     else WEIGHTINGS.get(cfg.aggregation.weighting))
-        refuse_per_client(cfg, bool(getattr(weighting, "per_client", False)), rule_cls.per_client, [])
-    for i, path in enumerate(cfg.transforms):
-        transform_class(path, f"transforms[{i}]")
-    from .metrics import is_user_metric, user_metric
-
-    for metric in cfg.eval.metrics:
-        if is_user_metric(metric):
-            user_metric(metric)
-    if is_import_path(cfg.algorithm.name):
-        method_params(algorithm_class(cfg.algorithm.name), cfg.algorithm.params)
-    elif cfg.algorithm.params:
-        raise ConfigError(f"config key 'algorithm.params' is for a method given by import path; "
-                          f"{cfg.algorithm.name!r} takes its parameters from its own keys")

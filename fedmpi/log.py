@@ -53,6 +53,7 @@ import yaml
 
 from fedmpi.errors import LogFormatError
 from fedmpi.outputs import OutputError, quiet_h5py_errors, write_failed
+from fedmpi.safefile import create_temp
 
 if TYPE_CHECKING:
     import pandas
@@ -186,20 +187,31 @@ class LogWriter:
         # libver v108: dense attribute storage (config_yaml may exceed 64 KiB)
         # without the v3 superblock, whose "open for write" flag would make a
         # log of a killed run unreadable until `h5clear`.
-        f = self._file = h5py.File(self.path, "w", libver="v108", locking="best-effort")
-        f.attrs.update(schema_version=SCHEMA_VERSION, fedmpi_version=fedmpi_version,
-                       config_yaml=config_yaml, world_size=int(world_size), status="running")
-        f.create_dataset("clients/num_samples", data=num_samples)
-        f.create_dataset("partition/class_counts", data=class_counts)
-        events = f.create_group("events")
-        for name, dtype in _EVENT_DTYPES.items():
-            events.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(256,))
-        self._create_series("rounds/round", np.empty((), dtype=np.int64), 0)
+        # created under an exclusive temporary name, renamed over the log once it is
+        # one (fedmpi.safefile: a planted link at the log's name is never followed)
+        fd, tmp = create_temp(self.path)
+        os.close(fd)
+        try:
+            f = self._file = h5py.File(tmp, "w", libver="v108", locking="best-effort")
+            f.attrs.update(schema_version=SCHEMA_VERSION, fedmpi_version=fedmpi_version,
+                           config_yaml=config_yaml, world_size=int(world_size), status="running")
+            f.create_dataset("clients/num_samples", data=num_samples)
+            f.create_dataset("partition/class_counts", data=class_counts)
+            events = f.create_group("events")
+            for name, dtype in _EVENT_DTYPES.items():
+                events.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype,
+                                      chunks=(256,))
+            self._create_series("rounds/round", np.empty((), dtype=np.int64), 0)
+            f.flush()
+            os.replace(tmp, self.path)
+        finally:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
 
     def _open_resume(self, config_yaml: str, world_size: int, fedmpi_version: str,
                      resume_rounds: int | None) -> None:
-        if not os.path.isfile(self.path):
-            raise LogFormatError(f"{self.path}: cannot resume, no such log file")
+        if os.path.islink(self.path) or not os.path.isfile(self.path):
+            raise LogFormatError(f"{self.path}: cannot resume, no such log file (or a link)")
         try:
             f = self._file = h5py.File(self.path, "r+", locking="best-effort")
         except OSError as exc:
@@ -550,6 +562,7 @@ def as_run_log(log: RunLog | PathLike) -> RunLog:
 
 def _read_file(f: h5py.File, path: str) -> RunLog:
     _check_schema(f, path)
+    _check_storage(f, path)
     attrs = {name: _to_python(value) for name, value in f.attrs.items()}
     config = yaml.safe_load(attrs["config_yaml"]) or {}
     if not isinstance(config, dict):
@@ -605,6 +618,32 @@ def _check_shapes(path: str, rounds: dict[str, np.ndarray], clients: dict[str, n
         if name != "num_samples" and (a.dtype.kind not in "biuf" or not (per_round or static)):
             raise bad(f"clients/{name}", f"numeric [{num_rounds}, {k}] (rounds x clients) or "
                       f"[{k}]", a)
+
+
+#: A dataset may declare at most this many times the log file's size (plus
+#: :data:`_DECLARED_FLOOR`): a fedmpi log stores every row it declares, uncompressed.
+_DECLARED_RATIO = 16
+_DECLARED_FLOOR = 64 << 20
+
+
+def _check_storage(f: h5py.File, path: str) -> None:
+    """A log is untrusted input (issue 30): refuse, before reading any data, a dataset
+    whose bytes live outside the file (HDF5 *external* storage — which reads any file
+    the reader may read — or *virtual* datasets mapping other files) and one whose
+    declared shape is far larger than the file (a fill-value dataset that would
+    allocate gigabytes on reading), naming the dataset."""
+    limit = _DECLARED_RATIO * os.path.getsize(path) + _DECLARED_FLOOR
+    for key, ds in _datasets(f).items():
+        if ds.external or ds.is_virtual:
+            kind = "external storage (other files)" if ds.external else "a virtual dataset"
+            raise LogFormatError(f"{path}: dataset /{key} uses {kind}; a fedmpi log keeps its "
+                                 "data inside the file, so this log is refused")
+        declared = int(np.prod(ds.shape, dtype=np.float64)) * ds.dtype.itemsize
+        if declared > limit:
+            raise LogFormatError(f"{path}: dataset /{key} declares shape {ds.shape} "
+                                 f"({declared / 2**20:.0f} MiB), more than the file can hold "
+                                 f"({os.path.getsize(path) / 2**20:.1f} MiB); refused as a "
+                                 "crafted or damaged log")
 
 
 def _check_schema(f: h5py.File, path: str) -> None:

@@ -73,10 +73,10 @@ def score_metrics(metrics: Sequence[str]) -> list[str]:
 def user_metric(path: str) -> Callable[[np.ndarray, np.ndarray], float]:
     """The function an ``eval.metrics`` import path names (ConfigError naming the key)."""
     from .errors import ConfigError
-    from .imports import _accepts, resolve
+    from .imports import accepts, resolve
 
     fn = resolve(path, "eval.metrics", "a function (labels, probabilities) -> float")
-    if not callable(fn) or not _accepts(fn, 2):
+    if not callable(fn) or not accepts(fn, 2):
         raise ConfigError(f"config key 'eval.metrics': {path!r} is not a function "
                           "(labels, probabilities) -> float")
     return fn

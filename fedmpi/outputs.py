@@ -1,6 +1,6 @@
 """Writing a run's files so that a failed write never leaves a wrong one (issue 18).
 
-* :func:`save_atomic`: ``torch.save`` into a temporary file in the same directory,
+* :func:`save_atomic`: ``torch.save`` into a new temporary file in the same directory,
   ``fsync``, rename over the target (atomic on POSIX), ``fsync`` the directory. A write
   that fails half-way (disk full: ``torch.save`` then reports "unexpected pos …")
   leaves the previous file untouched and raises :class:`OutputError` naming the path.
@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import torch
 
 from .errors import UserError
+from .safefile import replacing
 
 EXIT_WRITE_FAILED = 1
 
@@ -98,45 +99,27 @@ def quiet_h5py_errors() -> None:
     sys.unraisablehook, sys.excepthook = quiet_unraisable, quiet_except
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:   # some filesystems do not fsync directories
-        pass
-    finally:
-        os.close(fd)
-
-
 def save_atomic(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save(obj)`` to ``path`` atomically (see module docstring).
+    """``torch.save(obj)`` to ``path`` atomically (see module docstring), through an
+    exclusively created temporary file (:mod:`fedmpi.safefile`: a planted link is never
+    written through).
 
     Raises :class:`OutputError` when the file system refuses the write; other
     errors (an object torch cannot save) propagate unchanged. Either way the
     previous ``path`` is intact and no temporary file is left.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with replacing(path) as f:
+            try:
+                torch.save(obj, f)
+            except RuntimeError as exc:   # torch's zip writer: "unexpected pos …" on a full
+                if "pos" in str(exc) or "write" in str(exc).lower():   # disk (temp file still there)
+                    raise write_failed(path, OSError(28, "No space left on device")
+                                       if _disk_full(path) else exc) from None
+                raise
     except OSError as exc:
         raise write_failed(path, exc) from None
-    except RuntimeError as exc:   # torch's zip writer: "unexpected pos …" on a full disk
-        if "pos" in str(exc) or "write" in str(exc).lower():
-            raise write_failed(path, OSError(28, "No space left on device")
-                               if _disk_full(path) else exc) from None
-        raise
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_dir(path.parent)
 
 
 def _disk_full(path: Path) -> bool:

@@ -61,6 +61,7 @@ import numpy as np
 from fedmpi.compare import config_value, flatten_config, is_percent, run_config, run_metrics
 from fedmpi.errors import UserError
 from fedmpi.log import PathLike, RunLog, as_run_log, read
+from fedmpi.safefile import refuse_links, replacing, write_text
 
 __all__ = ["PLOTS", "partition_preview", "plot_partition", "summary_markdown", "write_report"]
 
@@ -104,7 +105,8 @@ def _figure(w: float, h: float):
 
 
 def _save(fig, path: Path) -> Path:
-    fig.savefig(path)   # Figure without pyplot: the Agg canvas, no global backend state
+    with replacing(path) as f:   # fedmpi.safefile: never through a planted link
+        fig.savefig(f, format=path.suffix.lstrip(".") or "png")   # the Agg canvas, no pyplot
     return path
 
 
@@ -873,7 +875,7 @@ def partition_preview(partition: Any, out_dir: str | os.PathLike, name: str = ""
     csv_path = out / "partition.csv"
     rows = ["client,size," + ",".join(f"class_{j}" for j in range(c))]
     rows += [f"{i},{sizes[i]}," + ",".join(map(str, counts[i])) for i in range(k)]
-    csv_path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    write_text(csv_path, "\n".join(rows) + "\n")
     present = (counts > 0).sum(axis=1)
     lines = ["client  size  classes  largest class share"]
     for i in range(k):
@@ -916,6 +918,7 @@ def write_report(log: RunLog | PathLike, out_dir: str | os.PathLike | None = Non
                      else Path(log.path).resolve().parent / "report")
     from .outputs import claim
 
+    refuse_links(out, (*PLOTS, "summary.md"), "a report directory")
     claim([out / name for name in (*PLOTS, "summary.md")], overwrite, "fedmpi report")
     draw = have_matplotlib()
     written: list[Path] = []
@@ -939,7 +942,7 @@ def write_report(log: RunLog | PathLike, out_dir: str | os.PathLike | None = Non
         elif draw and path.exists():
             path.unlink()   # stale plot from an earlier report of this directory
     summary = out / "summary.md"
-    summary.write_text(summary_markdown(log, target, [p.name for p in written],
-                                        None if draw else PLOT_HINT), encoding="utf-8")
+    write_text(summary, summary_markdown(log, target, [p.name for p in written],
+                                         None if draw else PLOT_HINT))
     written.append(summary)
     return written

@@ -18,7 +18,10 @@ SIGTERM, SIGUSR1 and SIGINT to every rank and pass 75 through as their own
 exit status.
 
 A second SIGINT raises :class:`KeyboardInterrupt` (interactive escape hatch:
-Ctrl-C twice stops without a checkpoint). Repeated SIGTERM/SIGUSR1 only keep
+Ctrl-C twice stops without a checkpoint); under MPI the driver then aborts the
+communicator, so no rank keeps waiting for the one that left (issue 31).
+Before the run's handlers are installed (interpreter start-up, imports),
+:func:`install_early` makes SIGTERM/SIGUSR1 exit with 75 too. Repeated SIGTERM/SIGUSR1 only keep
 the request (SLURM follows SIGTERM with SIGKILL after ``KillWait`` anyway) —
 also after the run has returned: in the ``fedmpi`` process
 (:func:`hold_after_stop`) :func:`restore` leaves stop signals ignored once a
@@ -50,6 +53,20 @@ def _handler(signum: int, frame: Optional[FrameType]) -> None:
         raise KeyboardInterrupt
     if _reason is None:
         _reason, _signum = signal.Signals(signum).name, int(signum)
+
+
+def _exit_interrupted(signum: int, frame: Optional[FrameType]) -> None:
+    raise SystemExit(EXIT_INTERRUPTED)
+
+
+def install_early() -> None:
+    """The ``fedmpi run`` process, first thing (before torch and MPI are imported): a
+    SIGTERM or SIGUSR1 before the run's own handlers are installed exits with
+    :data:`EXIT_INTERRUPTED` (75) — nothing is written yet, and 75 is what the Slurm
+    wrapper requeues — instead of dying by the signal (15)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, _exit_interrupted)
 
 
 def install() -> bool:

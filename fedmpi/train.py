@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -297,3 +298,9 @@ def evaluate(model: torch.nn.Module, data: Dataset, x: torch.Tensor, y: torch.Te
         if collect is not None:
             collect(out, yb)
     return loss_sum, correct, int(y.numel())
+
+
+def stream_seed(*keys: int) -> int:
+    """A 63-bit seed derived from integer keys (e.g. (seed, client, round)): the RNG
+    stream of one client's local training in one round."""
+    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(1, np.uint64)[0] >> 1)

@@ -156,3 +156,62 @@ def bare_context(cfg, flat, num_samples, role: str = "server", hosted: tuple = (
                    num_samples=ns, hosted=tuple(hosted), flat=flat, forward=flat.model,
                    accel=Accel("cpu"), data=fields.pop("data", None),
                    partition=fields.pop("partition", None), **fields)
+
+
+# ------------------------------------------------- the shared checkpoint fake
+class Comm1:
+    """World-size-1 stand-in for fedmpi.comm.Comm (its size-1 code paths)."""
+
+    rank, size = 0, 1
+
+    def reduce_sum(self, send, recv, what=""):
+        import numpy as np
+
+        np.copyto(recv, send)
+
+    def broadcast(self, buf, what=""):
+        pass
+
+    def gatherv_rows(self, send, recv, rows, what=""):
+        import numpy as np
+
+        np.copyto(recv[: rows[0]], send)
+
+    def scatterv_rows(self, send, recv, rows, what=""):
+        import numpy as np
+
+        np.copyto(recv, send[: rows[0]])
+
+    def max_int(self, v, what=""):
+        return v
+
+
+class DictClients:
+    """Per-client states kept in a dict (the method's client_state / load_client_state)."""
+
+    def __init__(self, states=None):
+        self.states = dict(states or {})
+
+    def client_state(self, k):
+        return self.states.get(k, {})
+
+    def load_client_state(self, k, st):
+        self.states[k] = st
+
+
+def fake_run_state(cfg=None, num_clients: int = 4, size: int = 8, components=None, clients=None,
+                   out_dir=None):
+    """The one fake of what fedmpi.checkpoint saves and restores (a RunState at world size 1):
+    θ = arange(size)/7, the given named components, per-client states in a dict."""
+    import numpy as np
+    import torch
+
+    from fedmpi.checkpoint import RunState
+    from fedmpi.config import config_from_dict
+
+    cfg = cfg if cfg is not None else config_from_dict({"data": {"num_clients": num_clients}})
+    return RunState(cfg=cfg, comm=Comm1(), num_clients=num_clients,
+                    host=np.zeros(num_clients, dtype=int), hosted=list(range(num_clients)),
+                    device=torch.device("cpu"), global_state=torch.arange(size, dtype=torch.float32) / 7,
+                    components=dict(components or {}), clients=clients or DictClients(),
+                    out_dir=out_dir)

@@ -265,7 +265,7 @@ def test_fedadam_fedyogi_steps_match_reddi(name):
         th[:P] += lr * m / (np.sqrt(v) + tau)
         th[P:] += d[P:]
         np.testing.assert_allclose(state.double().numpy(), th, atol=1e-5, rtol=1e-5)
-    assert set(algo.server_state()) == {"opt.m", "opt.v"}
+    assert set(algo.state_dict()) == {"opt.m", "opt.v"}
 
 
 def test_default_server_lr_per_method():

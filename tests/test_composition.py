@@ -114,11 +114,10 @@ def test_a_new_method_is_one_file_and_one_line(tmp_path, monkeypatch):
     the real driver, and its server rule is the one applied (θ moves by half of FedAvg's)."""
     import importlib
 
-    import fedmpi.algorithms
-
     (tmp_path / "toy_method.py").write_text(TOY)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(fedmpi.algorithms, "ALGORITHMS", dict(ALGORITHMS))   # undone after the test
+    monkeypatch.setitem(ALGORITHMS, "halfstep", None)   # unregistered again after the test
+    monkeypatch.setattr(ALGORITHMS, "version", ALGORITHMS.version)
     importlib.import_module("toy_method")
     feds = {}
     for name in ("fedavg", "halfstep"):
@@ -190,9 +189,9 @@ def test_bad_transform_paths_exit_2_naming_the_key(tmp_path, capsys, value, need
 def test_ecgr_refuses_a_client_with_fewer_than_two_steps():
     """Silo data is as the consortium made it: ECGR names the first client with τ_k < 2."""
     from fedmpi.algorithms.base import sgd_config
-    from fedmpi.algorithms.ecgr import ECGR
+    from fedmpi.algorithms.ecgr import ECGR, EcgrParams
 
     cfg = config_from_dict({"ecgr": {"enabled": True}, "train": {"batch_size": 32}})
     with pytest.raises(ConfigError, match="client 1 has 20 samples"):
-        ECGR(cfg, 10, np.array([100, 20, 64]), sgd_config(cfg))
-    ECGR(cfg, 10, np.array([100, 64]), sgd_config(cfg))
+        ECGR(EcgrParams(), 10, np.array([100, 20, 64]), sgd_config(cfg))
+    ECGR(EcgrParams(), 10, np.array([100, 64]), sgd_config(cfg))

@@ -286,13 +286,38 @@ def test_fedvg_needs_validation_set():
 # --------------------------------------------------------------------------- #
 # Schema extension
 # --------------------------------------------------------------------------- #
-def test_adding_a_key_is_one_schema_entry(monkeypatch):
-    monkeypatch.setitem(SCHEMA, "algorithm.beta", Field(float, 0.9, "test key", ge=0, lt=1))
-    cfg = config_from_dict({"algorithm": {"beta": 0.5}})
-    assert cfg.algorithm.beta == 0.5
-    assert cfg.to_dict()["algorithm"]["beta"] == 0.5
-    assert load_config(None).algorithm.beta == 0.9
-    raises(["algorithm.beta", "in [0, 1)"], config_from_dict, {}, ["algorithm.beta=1"])
+def test_a_component_brings_its_keys_and_rules(monkeypatch):
+    """A weighting registered after import: its params dataclass becomes the keys
+    aggregation.<block>.* (typed, bounded, defaulted) and its check() runs when selected."""
+    from dataclasses import dataclass
+
+    from fedmpi.algorithms import WEIGHTINGS, Weighting
+    from fedmpi.params import param
+
+    @dataclass(frozen=True)
+    class ToyParams:
+        beta: float = param(0.9, "toy key", ge=0, lt=1)
+
+    class Toy(Weighting):
+        name = "toy_w"
+        params = {"toy_w": ToyParams}
+
+        @classmethod
+        def check(cls, cfg):
+            if cfg.aggregation.toy_w.beta == 0.5 and cfg.seed == 1:
+                raise ConfigError("config keys 'aggregation.toy_w.beta' and 'seed' disagree")
+
+    monkeypatch.setitem(WEIGHTINGS, "toy_w", Toy)
+    monkeypatch.setattr(WEIGHTINGS, "version", WEIGHTINGS.version + 1)
+    cfg = config_from_dict({"aggregation": {"weighting": "toy_w", "toy_w": {"beta": 0.5}}})
+    assert cfg.aggregation.toy_w.beta == 0.5
+    assert cfg.to_dict()["aggregation"]["toy_w"]["beta"] == 0.5
+    assert load_config(None).aggregation.toy_w.beta == 0.9
+    raises(["aggregation.toy_w.beta", "in [0, 1)"], config_from_dict, {},
+           ["aggregation.toy_w.beta=1"])
+    raises(["aggregation.toy_w.beta", "seed"], config_from_dict, {},
+           ["aggregation.weighting=toy_w", "aggregation.toy_w.beta=0.5", "seed=1"])
+    config_from_dict({}, ["aggregation.toy_w.beta=0.5", "seed=1"])   # not selected: no rule
 
 
 def test_field_type_names():

@@ -14,7 +14,7 @@ from conftest import SMALL, TEST_DEVICE, build_fed, run_at_world_sizes, run_fedm
 from fedmpi.algorithms import ALGORITHMS, ClientTask
 from fedmpi.algorithms import ecgr as ecgr_mod
 from fedmpi.algorithms.base import sgd_config
-from fedmpi.algorithms.ecgr import ECGR, SELECTED_STAT, choose_storage, herding, num_selected
+from fedmpi.algorithms.ecgr import ECGR, SELECTED_STAT, EcgrParams, choose_storage, herding, num_selected
 from fedmpi.config import config_from_dict
 from fedmpi.errors import ConfigError, DataError
 from fedmpi.runtime import Federation, stream_seed
@@ -40,7 +40,7 @@ def brute_force_herding(X: torch.Tensor, k: int) -> list[int]:
 def make_ecgr(beta: float, tau: int, P: int, budget: int = 1 << 30) -> ECGR:
     cfg = config_from_dict({"ecgr": {"enabled": True, "beta": beta, "memory_budget": budget},
                             "train": {"local_steps": tau}})
-    return ECGR(cfg, P, np.array([50, 70]), sgd_config(cfg))
+    return ECGR(EcgrParams(True, beta, budget), P, np.array([50, 70]), sgd_config(cfg))
 
 
 def feed(e: ECGR, B: torch.Tensor, lrs: list[float]) -> None:

@@ -122,7 +122,7 @@ def test_abadi_moments_accountant_example():
 def test_clip_bounds_the_norm_and_keeps_the_direction():
     from types import SimpleNamespace
 
-    from fedmpi.privacy.dp import ClientClip
+    from fedmpi.algorithms.dp_clip import ClientClip
 
     cfg = config_from_dict(small(**{"privacy.dp.noise_multiplier": 0.0}))
     tr = ClientClip(cfg)
@@ -205,7 +205,8 @@ def test_central_noise_has_std_sigma_c_on_the_sum():
 def test_distributed_noise_shares_sum_to_sigma_c_and_rank0_tops_up_an_excluded_share():
     from types import SimpleNamespace
 
-    from fedmpi.privacy.dp import ClientClip, ServerNoise
+    from fedmpi.algorithms.dp_clip import ClientClip
+    from fedmpi.privacy.dp import ServerNoise
 
     cfg = config_from_dict(small(**{"privacy.dp.noise_multiplier": 2.0,
                                     "privacy.dp.noise": "distributed"}))
@@ -292,7 +293,7 @@ def test_resume_reports_the_epsilon_of_an_uninterrupted_run(tmp_path, level):
     if level == "record":
         np.testing.assert_array_equal(resumed.clients["epsilon"], full.clients["epsilon"])
     ckpt = torch.load(part / "checkpoint.pt", weights_only=True)
-    assert int(ckpt["privacy"]["rounds"]) == (4 if level == "client" else 0)
+    assert int(ckpt["components"]["privacy"]["rounds"]) == (4 if level == "client" else 0)
 
 
 # ------------------------------------------------------------ refused input

@@ -15,13 +15,13 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, SMALL, TEST_DEVICE, fedmpi_cmd, mpiexec_path, run_fedmpi
+from conftest import (ROOT, SMALL, TEST_DEVICE, DictClients, fake_run_state, fedmpi_cmd,
+                      mpiexec_path, run_fedmpi)
 from fedmpi import checkpoint, signals
 from fedmpi.cli import main as fedmpi_main
 from fedmpi.log import read
@@ -46,9 +46,10 @@ def _assert_same_run(out: Path, ref: Path) -> None:
     a, b = _ckpt(out), _ckpt(ref)
     assert a["round"] == b["round"] == ROUNDS
     torch.testing.assert_close(a["global_state"], b["global_state"], atol=TOL, rtol=0)
-    assert a["server_state"].keys() == b["server_state"].keys() and b["server_state"]
-    for k, v in b["server_state"].items():
-        torch.testing.assert_close(a["server_state"][k], v, atol=TOL, rtol=0)
+    sa, sb = a["components"]["algorithm"], b["components"]["algorithm"]
+    assert sa.keys() == sb.keys() and sb
+    for k, v in sb.items():
+        torch.testing.assert_close(sa[k], v, atol=TOL, rtol=0)
     assert sorted(a["clients"]) == sorted(b["clients"]) and b["clients"]
     for k, st in b["clients"].items():
         assert a["clients"][k].keys() == st.keys() and st
@@ -227,6 +228,7 @@ def test_foreign_missing_and_mismatched_checkpoints_exit_2(reference, tmp_path, 
     with pytest.raises(checkpoint.CheckpointError, match="not a fedmpi checkpoint"):
         checkpoint.read_checkpoint(out / "checkpoint.pt")
     # weights_only: a pickle that would run code is refused, not executed
+    from types import SimpleNamespace   # any class: its unpickling would run code
     torch.save({"format": checkpoint.FORMAT, "evil": SimpleNamespace(a=1)}, out / "checkpoint.pt")
     with pytest.raises(checkpoint.CheckpointError, match="truncated or corrupt"):
         checkpoint.read_checkpoint(out / "checkpoint.pt")
@@ -252,57 +254,78 @@ def test_state_bytes_round_trip_all_dtypes():
     assert checkpoint.decode_state(checkpoint.encode_state({})) == {}
 
 
-class _Comm1:
-    """World-size-1 stand-in for fedmpi.comm.Comm (its size-1 code paths)."""
-
-    rank, size = 0, 1
-
-    def reduce_sum(self, send, recv, what=""):
-        np.copyto(recv, send)
-
-    def broadcast(self, buf, what=""):
-        pass
-
-    def gatherv_rows(self, send, recv, rows, what=""):
-        assert send.shape[0] == rows[0] <= checkpoint.CHUNK
-        np.copyto(recv[: rows[0]], send)
-
-    def scatterv_rows(self, send, recv, rows, what=""):
-        assert recv.shape[0] == rows[0] <= checkpoint.CHUNK
-        np.copyto(recv, send[: rows[0]])
-
-    def max_int(self, v, what=""):
-        return v
-
-
-class _Algo:
-    def __init__(self, states):
-        self.states = states
-
-    def client_state(self, k):
-        return self.states.get(k, {})
-
-    def load_client_state(self, k, st):
-        self.states[k] = st
-
-
 def test_client_states_travel_in_blocks(monkeypatch):
     """Gather/scatter with a 7-byte block: blobs split across many Gatherv calls."""
     monkeypatch.setattr(checkpoint, "CHUNK", 7)
     K = 4
     states = {0: {"c": torch.randn(5)}, 2: {"c": torch.randn(3), "n": torch.tensor([2])}}
-    fed = SimpleNamespace(comm=_Comm1(), K=K, host=np.zeros(K, dtype=int), my_clients=list(range(K)),
-                          algo=_Algo(states), is_server=True, size=1, rank=0,
-                          device=torch.device("cpu"), out_dir=Path("."))
-    got = checkpoint.gather_client_states(fed)
+    run = fake_run_state(num_clients=K, clients=DictClients(states))
+    got = checkpoint.gather_client_states(run)
     assert sorted(got) == [0, 2]                       # clients 1 and 3 have no state
     for k in got:
         for n, v in states[k].items():
             assert torch.equal(got[k][n], v)
-    fed.algo = _Algo({})
-    assert checkpoint.scatter_client_states(fed, got) == 2
-    assert torch.equal(fed.algo.states[2]["n"], torch.tensor([2]))
-    assert torch.equal(fed.algo.states[0]["c"], states[0]["c"])
+    run.clients = DictClients()
+    assert checkpoint.scatter_client_states(run, got) == 2
+    assert torch.equal(run.clients.states[2]["n"], torch.tensor([2]))
+    assert torch.equal(run.clients.states[0]["c"], states[0]["c"])
+
+
+class _Counter:
+    """A stateful component: a step count and a running sum."""
+
+    def __init__(self):
+        self.steps, self.total = 0, torch.zeros(3)
+
+    def state_dict(self):
+        return {"steps": torch.tensor(self.steps), "total": self.total.clone()}
+
+    def load_state_dict(self, state):
+        self.steps, self.total = int(state["steps"]), state["total"].clone()
+
+
+def test_named_components_and_global_state_round_trip(tmp_path):
+    """save/load_server_side restore θ and each named component's state_dict (the
+    shared fake; no Federation), and the RNG streams continue where they stopped."""
+    comp = _Counter()
+    comp.steps, comp.total = 5, torch.tensor([1.0, -2.0, 0.5])
+    run = fake_run_state(components={"algorithm": comp, "rng": checkpoint.RngStreams()},
+                         clients=DictClients({1: {"c": torch.ones(2)}}))
+    theta = run.global_state.clone()
+    torch.manual_seed(11)
+    path = checkpoint.save(run, 3, tmp_path / "checkpoint.pt")
+    expected_draw = torch.rand(4)                      # what the run draws next
+    fresh = _Counter()
+    run2 = fake_run_state(components={"algorithm": fresh, "rng": checkpoint.RngStreams()})
+    run2.global_state.zero_()
+    torch.manual_seed(0)
+    restored = checkpoint.load_server_side(run2, path)
+    assert restored.round == 3 and torch.equal(restored.clients[1]["c"], torch.ones(2))
+    assert torch.equal(run2.global_state, theta)
+    assert fresh.steps == 5 and torch.equal(fresh.total, torch.tensor([1.0, -2.0, 0.5]))
+    assert torch.equal(torch.rand(4), expected_draw)
+    stored = torch.load(path, weights_only=True)
+    assert stored["version"] == checkpoint.VERSION and set(stored["components"]) == {"algorithm", "rng"}
+    # a component this run does not have is refused, naming it
+    run3 = fake_run_state(components={"rng": checkpoint.RngStreams()})
+    with pytest.raises(checkpoint.CheckpointError, match="algorithm"):
+        checkpoint.load_server_side(run3, path)
+
+
+def test_checkpoint_of_an_older_format_is_refused_in_one_line(tmp_path, capsys):
+    """A version-2 checkpoint (server_state + rng, no components): exit 2, one line."""
+    out = tmp_path / "old"
+    assert _main("run", CFG, *SMALL, "--set", "train.rounds=2", "--out", str(out)) == 0
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
+    ckpt["version"] = 2
+    ckpt["server_state"] = ckpt.pop("components")["algorithm"]
+    ckpt.pop("checksum")
+    ckpt["checksum"] = checkpoint.digest(ckpt)
+    torch.save(ckpt, out / "checkpoint.pt")
+    capsys.readouterr()
+    assert _main("run", CFG, *SMALL, "--set", "train.rounds=3", "--out", str(out), "--resume") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "version 2" in err and "checkpoint.pt" in err, err
 
 
 def test_atomic_save_leaves_old_file_on_failure(tmp_path):

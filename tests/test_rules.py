@@ -93,7 +93,7 @@ def test_rule_params_are_config_keys_and_checked(median_rule):
 
 
 def test_per_client_rule_refused_for_a_coverage_averaging_method():
-    from fedmpi.imports import check_config_paths
+    from fedmpi.usercode import check_config_paths
 
     cfg = config_from_dict({"algorithm": {"name": "heterofl"},
                             "system": {"levels": [1.0, 0.5], "allocation": [5, 5]},
@@ -103,7 +103,7 @@ def test_per_client_rule_refused_for_a_coverage_averaging_method():
 
 
 def test_user_rule_params_are_checked_against_its_dataclass():
-    from fedmpi.imports import check_config_paths
+    from fedmpi.usercode import check_config_paths
 
     cfg = config_from_dict({"aggregation": {"rule": "examples.trimmed_mean_rule:TrimmedMean",
                                             "params": {"bta": 0.2}}})
@@ -126,7 +126,8 @@ def _trimmed_mean_reference(x: np.ndarray, beta: float) -> np.ndarray:
 
 def test_trimmed_mean_example_against_numpy():
     from fedmpi.algorithms.rules import RuleInfo
-    from fedmpi.imports import rule_class
+    from fedmpi.algorithms import RULES
+    rule_class = RULES.lookup
 
     TrimmedMean = rule_class("examples.trimmed_mean_rule:TrimmedMean")
 

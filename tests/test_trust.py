@@ -39,7 +39,10 @@ MAY_CHANGE_PREFIXES = ("eval.", "runtime.")
 
 
 def _expected_fingerprint(config_yaml: str) -> str:
-    """SHA-256 of the sorted compact JSON of the run-defining keys, computed here."""
+    """SHA-256 of the sorted compact JSON of the run-defining keys that differ from their
+    schema default (issue 31: keys a later release adds leave it unchanged), computed here."""
+    from fedmpi.config import SCHEMA
+
     def flat(tree, prefix=""):
         out = {}
         for k, v in tree.items():
@@ -47,7 +50,8 @@ def _expected_fingerprint(config_yaml: str) -> str:
             out.update(flat(v, key) if isinstance(v, dict) else {key: v})
         return out
     keys = {k: v for k, v in flat(yaml.safe_load(config_yaml)).items()
-            if k not in MAY_CHANGE and not k.startswith(MAY_CHANGE_PREFIXES)}
+            if k not in MAY_CHANGE and not k.startswith(MAY_CHANGE_PREFIXES)
+            and not (k in SCHEMA and v == SCHEMA[k].default)}
     text = json.dumps(keys, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -274,6 +278,10 @@ def test_disk_full_while_the_log_grows_exits_1_with_one_line(small_disk):
     assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
     assert lines == [f"fedmpi: error: {out / 'log.h5'}: cannot write (No space left on device)"]
     assert not (out / "model.pt").exists()
+    log = read(out / "log.h5")      # issue 30: readable up to its last flushed round
+    n = log.num_rounds
+    assert n >= 1 and list(log.rounds["round"]) == list(range(n))
+    assert log.clients["selected"].shape == (n, 300)
 
 
 # ------------------------------------------------------------------- 8

@@ -121,15 +121,17 @@ def test_method_params_checked_field_by_field(usermod, capsys, params, key, word
 
 
 def test_method_params_typing_rules(usermod):
-    from fedmpi.imports import algorithm_class, method_params
+    from fedmpi.algorithms import ALGORITHMS
+    from fedmpi.params import check_params as method_params
 
+    algorithm_class = ALGORITHMS.lookup
     cls = algorithm_class("usermod_i16:Damped")
     p = method_params(cls, {"scale": 2, "steps": 3})       # int accepted for a float
     assert p == cls.P(scale=2.0, steps=3, tag="x") and isinstance(p.scale, float)
     with pytest.raises(ConfigError, match="declares no parameters"):
         method_params(algorithm_class("usermod_i16:NoParams"), {"a": 1})
     with pytest.raises(ConfigError, match="'algorithm.params' is for a method given by import"):
-        from fedmpi.imports import check_config_paths
+        from fedmpi.usercode import check_config_paths
         check_config_paths(config_from_dict({"algorithm": {"params": {"a": 1}}}))
 
 

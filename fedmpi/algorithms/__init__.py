@@ -2,15 +2,20 @@
 
 A new method is one module defining an :class:`Algorithm` subclass with a
 ``name``, plus one line in :data:`_BUILTIN_METHODS` (or
-:func:`register_method` from user code); the same holds for weightings
-(:func:`register_weighting`) and update transforms
-(:func:`~fedmpi.algorithms.transforms.register_transform`).
+:func:`register_method` from user code, or no line at all when it is named by
+import path, ``algorithm.name: pkg.module:Class``); the same holds for
+weightings (:func:`register_weighting`), update transforms
+(:func:`register_transform`) and server rules (:func:`register_rule`). Every kind is a
+:class:`~fedmpi.algorithms.component.Component`: it declares its config blocks
+and cross-key rules and owns its checkpointed state; :mod:`fedmpi.config`
+assembles the schema from these registries.
 """
 from __future__ import annotations
 
-from ..errors import ConfigError
 from .adversary import Adversary
 from .base import Algorithm, ClientTask, RoundInfo, Stat, start
+from .component import Component, Registry
+from .dp_clip import ClientClip
 from .ecgr import EcgrTransform
 from .elastic import Elastic
 from .fedavg import FedAvg
@@ -22,22 +27,24 @@ from .fednova import FedNova
 from .fedopt import FedAdam, FedYogi
 from .fedprox import FedProx
 from .fedrolex import FedRolex
+from .fedvg import FedVG, FedVGAvg
 from .fiarse import FIARSE
 from .heterofl import HeteroFL
 from .scaffold import Scaffold
 from .scalefl import ScaleFL
 from .rules import RULES, RuleInfo, ServerRule, build_rule, register_rule
 from . import robust  # noqa: F401  (registers the robust rules)
-from .transforms import TRANSFORMS, TransformChain, UpdateTransform, build_transforms, register_transform
-from .weighting import WEIGHTINGS, Weighting, build_weighting, register_weighting
+from .transforms import (TRANSFORMS, TransformChain, UpdateTransform, build_transforms,
+                         enabled_transforms, register_transform)
+from .weighting import WEIGHTINGS, Uniform, Weighting, build_weighting, register_weighting
 
-ALGORITHMS: dict[str, type[Algorithm]] = {}
+#: ``algorithm.name`` names → method classes
+ALGORITHMS: Registry = Registry(Algorithm, "algorithm.name")
 
 
 def register_method(cls: type[Algorithm]) -> type[Algorithm]:
     """Make ``cls`` available as ``algorithm.name: <cls.name>`` (usable as a decorator)."""
-    ALGORITHMS[cls.name] = cls
-    return cls
+    return ALGORITHMS.register(cls)
 
 
 _BUILTIN_METHODS = (FedAvg, FedAvgM, FedAdam, FedYogi, FedProx, Scaffold, FedDyn, FedNova, Elastic,
@@ -45,38 +52,28 @@ _BUILTIN_METHODS = (FedAvg, FedAvgM, FedAdam, FedYogi, FedProx, Scaffold, FedDyn
 for _cls in _BUILTIN_METHODS:
     register_method(_cls)
 
-def _client_clip(cfg) -> UpdateTransform:
-    from ..privacy.dp import ClientClip   # privacy.dp builds on this package's transforms
-
-    return ClientClip(cfg)
-
+for _w in (Weighting, Uniform, FedVG, FedVGAvg):
+    register_weighting(_w)
 
 # Update transforms, applied in this order (ECGR first: an adversary corrupts the real upload).
-register_transform("ecgr", lambda cfg: bool(cfg.ecgr.enabled), EcgrTransform)
-register_transform("adversary", lambda cfg: bool(cfg.adversary.clients), Adversary.from_config)
+register_transform(EcgrTransform)
+register_transform(Adversary)
 # Client-level DP clips (and, distributed, noises) the final upload: always the last built-in.
-register_transform("dp", lambda cfg: cfg.privacy.dp.level == "client", _client_clip)
+register_transform(ClientClip)
 
 
 def algorithm_class(cfg) -> type[Algorithm]:
-    """The class of ``algorithm.name`` (ConfigError if not implemented)."""
-    name = cfg.algorithm.name
-    if ":" in name:   # pkg.module:Class, a user method (fedmpi.imports)
-        from ..imports import algorithm_class as by_path
-
-        return by_path(name)
-    try:
-        return ALGORITHMS[name]
-    except KeyError:
-        raise ConfigError(f"config key 'algorithm.name': {name!r} is not implemented in this "
-                          f"version; available: {', '.join(sorted(ALGORITHMS))}") from None
+    """The class of ``algorithm.name``: registered, or ``pkg.module:Class``
+    (ConfigError naming the key otherwise)."""
+    return ALGORITHMS.lookup(cfg.algorithm.name)
 
 
 def build_algorithm(cfg, layout, num_clients: int) -> Algorithm:
     return algorithm_class(cfg)(cfg, layout, num_clients)
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "ClientTask", "RULES", "RoundInfo", "RuleInfo", "ServerRule",
-           "Stat", "TRANSFORMS", "TransformChain", "UpdateTransform", "WEIGHTINGS", "Weighting",
-           "algorithm_class", "build_algorithm", "build_rule", "build_transforms", "build_weighting",
-           "register_method", "register_rule", "register_transform", "register_weighting", "start"]
+__all__ = ["ALGORITHMS", "Algorithm", "ClientTask", "Component", "RULES", "Registry", "RoundInfo",
+           "RuleInfo", "ServerRule", "Stat", "TRANSFORMS", "TransformChain", "UpdateTransform",
+           "WEIGHTINGS", "Weighting", "algorithm_class", "build_algorithm", "build_rule",
+           "build_transforms", "build_weighting", "enabled_transforms", "register_method",
+           "register_rule", "register_transform", "register_weighting", "start"]

@@ -33,13 +33,15 @@ rule; only ``delta`` is attacked, the attackers' other statistics stay honest.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from statistics import NormalDist
 from typing import Optional
 
 import numpy as np
 import torch
 
+from ..errors import ConfigError
+from ..params import load_group, param
 from .transforms import UpdateTransform
 
 __all__ = ["Adversary", "alie_z"]
@@ -52,8 +54,24 @@ def alie_z(n: int, f: int) -> float:
     return NormalDist().inv_cdf(p) if 0 < p < 1 else 0.0
 
 
+@dataclass(frozen=True)
+class AdversaryParams:
+    """``adversary.*`` (:mod:`fedmpi.params`)."""
+
+    clients: list[int] = param([], "ids of misbehaving clients")
+    kind: str = param("nan", "attack type (crash: local training raises, to exercise the "
+                             "failure path; gaussian and alie: docs/robust-aggregation.md)",
+                      choices=("nan", "scale", "sign_flip", "label_flip", "crash", "gaussian",
+                               "alie"))
+    factor: float = param(10.0, "attack strength (scale factor)")
+    alie_z: float | None = param(None, "alie: the shift z of mu - z*sigma (null: the paper's "
+                                       "z_max from the participants and attackers)")
+
+
 class Adversary(UpdateTransform):
     name = "adversary"
+    params = {"adversary": AdversaryParams}
+    enable_key = "adversary.clients"
 
     def __init__(self, clients: list[int], kind: str, factor: float,
                  z: Optional[float] = None) -> None:
@@ -63,9 +81,27 @@ class Adversary(UpdateTransform):
         self.z = z
 
     @classmethod
-    def from_config(cls, cfg) -> Adversary:
-        a = cfg.adversary
-        return cls(a.clients, a.kind, a.factor, a.alie_z)
+    def build(cls, cfg) -> Adversary:
+        """From the block ``adversary.*``."""
+        p = load_group(cfg, "adversary", AdversaryParams)
+        adversary = cls(p.clients, p.kind, p.factor, p.alie_z)
+        adversary.cfg = cfg
+        return adversary
+
+    @classmethod
+    def enabled(cls, cfg) -> bool:
+        return bool(cfg.adversary.clients)
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        """Listed clients exist and are listed once."""
+        n, clients = cfg.data.num_clients, cfg.adversary.clients
+        for c in clients:
+            if not 0 <= c < n:
+                raise ConfigError(f"config key 'adversary.clients' has client id {c} outside "
+                                  f"[0, {n}) (data.num_clients = {n})")
+        if len(set(clients)) != len(clients):
+            raise ConfigError(f"config key 'adversary.clients' lists a client twice: {clients}")
 
     @property
     def needs_rows(self) -> bool:

@@ -33,10 +33,10 @@ import numpy as np
 import torch
 
 from ..flat import FlatModel
-from ..imports import method_params
-from ..params import load_group
+from ..params import check_params
 from ..privacy.dpsgd import RecordDP
 from ..train import LocalTrainer, SGDConfig, StepHooks, TrainResult, step_decay_lr
+from .component import Component, State
 from .transforms import TransformChain
 
 if TYPE_CHECKING:
@@ -108,14 +108,57 @@ class ClientVectors(dict):
         return self[client]
 
 
-class Algorithm:
+class Algorithm(Component):
     """FedAvg; the base of every method (see module docstring).
 
-    Lifecycle: the runtime constructs the method, then calls :meth:`setup` once
-    with the run's :class:`~fedmpi.context.Context` (after :attr:`ctx` and
-    :attr:`device` are set by :func:`start`), then asks for
-    :meth:`uplink_stats` and :meth:`downlink_size`. Nothing in the framework
-    depends on an override calling ``super().setup``.
+    Lifecycle: the runtime constructs the method (``cls(cfg, layout,
+    num_clients)`` on every rank), then calls :meth:`setup` once with the run's
+    :class:`~fedmpi.context.Context` (after :attr:`ctx` and :attr:`device` are
+    set by :func:`start`), then asks for :meth:`uplink_stats` and
+    :meth:`downlink_size`. Nothing in the framework depends on an override
+    calling ``super().setup``. Parameters come from :meth:`hparams` (the blocks
+    named in :attr:`params`), never from ``cfg.algorithm.<block>``; rules that
+    span keys go in the classmethod :meth:`check`.
+
+    The interface has two halves. Every hook has a working default (FedAvg), so
+    a method overrides only what makes it different — **at least one of**
+    :meth:`hooks` / :meth:`finish_client` (client side) or :meth:`server_update`
+    (server side); a statistic it uploads besides ``delta`` must be declared in
+    :meth:`uplink_stats` and consumed by :meth:`server_update`.
+
+    **Declarations** (read on every rank): :meth:`uplink_stats` (per-client
+    vectors and how they combine: ``weighted`` with s_k, ``sum``, or per
+    ``client``), :meth:`downlink_size` (extras broadcast with θ),
+    :meth:`num_outputs` (classifier width), :attr:`weighted_update` (False
+    when Δ_k is not a weighted statistic: no per-client server rule),
+    :meth:`log_outputs`.
+
+    **Client half** — runs on the worker hosting the client, once per
+    participant and round: :meth:`begin_round` (every rank, after the state
+    Bcast), :meth:`local_sgd` (the client optimizer), :meth:`hooks` (inside the
+    shared local loop: gradient and step hooks, a loss), :meth:`finish_client`
+    (after training: per-client state, extra statistics into ``out``);
+    :meth:`client_update` itself is overridden only to change what is trained
+    (the submodel family trains θ ⊙ M). Per-client vectors live in
+    :meth:`client_store` and are checkpointed by client id
+    (:meth:`client_state` / :meth:`load_client_state`).
+
+    **Server half** — rank 0, once per round: :meth:`fill_downlink` (extras
+    for the next round), :meth:`server_update` (apply the round's aggregate
+    ``agg``: weighted statistics combined by the weighting and
+    ``aggregation.rule``, ``sum`` ones summed, ``client`` ones as rows), its
+    state :meth:`state_dict` / :meth:`load_state_dict` (required when
+    :meth:`server_update` keeps state across rounds, for bit-exact resume),
+    :meth:`after_resume` (hand restored state back to workers),
+    :meth:`evaluate` with :attr:`owns_evaluation`, :meth:`log_arrays`,
+    :meth:`model_delta_scale` (for per-client weightings), and the byte counts
+    :meth:`uplink_bytes` / :meth:`downlink_bytes`.
+
+    A new method is one module with this subclass plus one registration line
+    (:func:`fedmpi.algorithms.register_method`), or none when named by import
+    path. The submodel family is the same: subclass
+    :class:`~fedmpi.algorithms.submodel.SubmodelMethod` and name a mask ``rule``
+    (``tests/test_family.py``).
     """
 
     name: ClassVar[str] = "fedavg"
@@ -123,6 +166,7 @@ class Algorithm:
     #: ``algorithm.fedprox.*`` from that frozen dataclass (:mod:`fedmpi.params`); a
     #: method given by import path uses the block ``"params"`` (``algorithm.params``)
     params: ClassVar[dict[str, type]] = {}
+    prefix: ClassVar[str] = "algorithm"
     #: the model update Δ_k is a ``weighted`` uplink statistic, so a per-client server
     #: rule (``aggregation.rule``) can combine it; False for methods that aggregate it
     #: otherwise (the submodel family's coverage sums)
@@ -150,16 +194,16 @@ class Algorithm:
         self.ctx: Optional[Context] = None
         self.device = torch.device("cpu")      # the training device, from the context
         self._client_stores: list[ClientVectors] = []
-        # a user method's block algorithm.params, checked against params["params"]
-        self._user_params = method_params(type(self), cfg.algorithm.params)
+        # a user method's block algorithm.params, checked against params["params"] now
+        self._user_params = check_params(type(self), cfg.algorithm.params)
 
     def hparams(self, group: str) -> Any:
         """The validated, typed parameters of block ``algorithm.<group>``; the block
         ``params`` is that of a method given by import path (``algorithm.params``,
-        :func:`fedmpi.imports.method_params`)."""
+        :func:`fedmpi.params.check_params`)."""
         if group == "params":
             return self._user_params
-        return load_group(self.cfg, group, self.params[group])
+        return super().hparams(group)
 
     def client_store(self, name: str, size: int) -> ClientVectors:
         """A per-client vector store that :meth:`client_state` checkpoints by client id."""
@@ -289,11 +333,12 @@ class Algorithm:
         state.add_(agg["delta"], alpha=self.server_lr)
 
     # ------------------------------------------------------------------ state
-    def server_state(self) -> dict[str, torch.Tensor]:
-        """Server-side tensors to checkpoint (optimizer moments, c, h, ...)."""
+    def state_dict(self) -> State:
+        """Server-side tensors to checkpoint (optimizer moments, c, h, ...); per-client
+        state is :meth:`client_state`."""
         return {}
 
-    def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: State) -> None:
         pass
 
     def after_resume(self, ctx: Context, round: int) -> None:
@@ -320,4 +365,6 @@ def start(component, ctx: Context) -> None:
     """
     component.ctx = ctx
     component.device = ctx.device
+    if getattr(component, "cfg", None) is None:
+        component.cfg = ctx.cfg
     component.setup(ctx)

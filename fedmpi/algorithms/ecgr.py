@@ -71,21 +71,61 @@ Deviations from the paper / official code (all recorded here):
 * The official code's learning-rate schedule halves at the start of rounds
   9, 19, … (``(round+1) % 10 == 0``); ``train.lr_decay_every`` halves at
   rounds 10, 20, … (the paper's "decays by a factor of two every 10 rounds").
-* τ ≥ 2 (paper §4.1, "a minimum data size of two batches"): with
-  ``train.local_steps`` a value < 2 is a ConfigError; with epochs the
-  partitioner gives every client ≥ 2 batches
-  (``fedmpi.data.build``).
+* τ ≥ 2 (paper §4.1, "a minimum data size of two batches"), checked in one
+  place, :func:`check_local_steps`: with ``train.local_steps`` a value < 2 is a
+  ConfigError when the config is built; with epochs the partitioner gives every
+  pooled client ≥ 2 batches (``fedmpi.data.build``) and silo-local clients are
+  checked with their sizes when ECGR is set up.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 
 from ..errors import ConfigError
+from ..params import param
 from ..train import SGDConfig, StepHooks, num_local_steps
+from .base import Stat, sgd_config
 from .transforms import UpdateTransform
+
+
+@dataclass(frozen=True)
+class EcgrParams:
+    """``ecgr.*`` (:mod:`fedmpi.params`)."""
+
+    enabled: bool = param(False, "rewrite client updates with ECGR")
+    beta: float = param(0.2, "ECGR damping", ge=0, le=1)
+    memory_budget: int = param(1 << 30, "ECGR memory budget in bytes", ge=0)
+
+#: τ_k ≥ 2: ECGR selects half of the local steps (paper §4.1)
+MIN_LOCAL_STEPS = 2
+
+
+def check_local_steps(sgd: SGDConfig, num_samples: Optional[np.ndarray] = None) -> list[int]:
+    """ECGR's one rule on the step count: every client makes τ_k ≥ 2 local steps.
+
+    With ``train.local_steps`` the rule is on that key (no sizes needed); with
+    ``num_samples`` every client's τ_k is checked. Returns the τ_k (empty without
+    sizes); ConfigError naming the key otherwise."""
+    if sgd.local_steps is not None and sgd.local_steps < MIN_LOCAL_STEPS:
+        raise ConfigError(f"config key 'train.local_steps' must be >= {MIN_LOCAL_STEPS} when "
+                          f"ecgr.enabled is true (ECGR selects half of the local steps), got "
+                          f"{sgd.local_steps}")
+    if num_samples is None:
+        return []
+    steps = [num_local_steps(int(n), sgd) for n in np.asarray(num_samples)]
+    short = [k for k, s in enumerate(steps) if s < MIN_LOCAL_STEPS]
+    if short:   # pooled partitions guarantee τ_k ≥ 2; silos are as the consortium made them
+        k = short[0]
+        raise ConfigError(f"config key 'ecgr.enabled': client {k} has {int(num_samples[k])} "
+                          f"samples, fewer than {MIN_LOCAL_STEPS} local steps of "
+                          f"train.batch_size {sgd.batch_size} (ECGR selects among the steps; "
+                          f"{len(short)} such clients); lower train.batch_size or set "
+                          "train.local_steps")
+    return steps
 
 STORAGE_MODES = ("fp32", "bf16", "host")
 SELECTED_STAT = "ecgr/selected"
@@ -144,18 +184,12 @@ class ECGR:
     allocated on first use and reused for every client-round.
     """
 
-    def __init__(self, cfg, num_params: int, num_samples: np.ndarray, sgd: SGDConfig) -> None:
-        self.beta = float(cfg.ecgr.beta)
-        self.budget = int(cfg.ecgr.memory_budget)
+    def __init__(self, params: EcgrParams, num_params: int, num_samples: np.ndarray,
+                 sgd: SGDConfig) -> None:
+        self.beta = float(params.beta)
+        self.budget = int(params.memory_budget)
         self.P = int(num_params)
-        steps = [num_local_steps(int(n), sgd) for n in np.asarray(num_samples)]
-        short = [k for k, s in enumerate(steps) if s < 2]
-        if short:   # pooled partitions guarantee τ_k ≥ 2; silos are as the consortium made them
-            k = short[0]
-            raise ConfigError(f"config key 'ecgr.enabled': client {k} has {int(num_samples[k])} "
-                              f"samples, fewer than 2 local steps of train.batch_size "
-                              f"{sgd.batch_size} (ECGR selects among the steps; {len(short)} such "
-                              "clients); lower train.batch_size or set train.local_steps")
+        steps = check_local_steps(sgd, num_samples)
         self.tau_max = max(steps) if steps else 0
         self.storage: Optional[str] = None      # chosen with the device on first use
         self.device: Optional[torch.device] = None
@@ -294,16 +328,30 @@ class EcgrTransform(UpdateTransform):
     """
 
     name = "ecgr"
+    params = {"ecgr": EcgrParams}
+    enable_key = "ecgr.enabled"
+    rewrites_update = True
 
     def __init__(self, cfg) -> None:
-        self.cfg = cfg
+        super().__init__(cfg)
         self.engine: Optional[ECGR] = None
 
-    def setup(self, ctx) -> None:
-        from .base import sgd_config
+    @classmethod
+    def enabled(cls, cfg) -> bool:
+        return bool(cfg.ecgr.enabled)
 
+    @classmethod
+    def check(cls, cfg) -> None:
+        """τ_k ≥ 2 (:func:`check_local_steps`) and plain SGD steps (the recorded b_s)."""
+        check_local_steps(sgd_config(cfg))
+        if cfg.train.optimizer != "sgd":
+            raise ConfigError(f"config keys 'ecgr.enabled' and 'train.optimizer': ECGR rewrites "
+                              f"SGD steps (its math assumes sgd), got train.optimizer "
+                              f"{cfg.train.optimizer!r}")
+
+    def setup(self, ctx) -> None:
         self.P = ctx.flat.num_params
-        self.engine = ECGR(ctx.cfg, self.P, ctx.num_samples, sgd_config(ctx.cfg))
+        self.engine = ECGR(self.hparams("ecgr"), self.P, ctx.num_samples, sgd_config(ctx.cfg))
         self.engine.setup(ctx.device)
         info = self.engine.describe()
         for key, value in info.items():
@@ -311,8 +359,6 @@ class EcgrTransform(UpdateTransform):
         ctx.log.event(0, -1, "ecgr: step buffer " + ", ".join(f"{k}={v}" for k, v in info.items()))
 
     def stats(self) -> list:
-        from .base import Stat
-
         return [Stat(SELECTED_STAT, self.engine.stat_size(), "client")]
 
     def log_outputs(self) -> list[str]:

@@ -118,9 +118,9 @@ class FedDyn(Algorithm):
         state[: self.num_params].add_(self.h_sum, alpha=1.0 / info.num_clients)
 
     # ------------------------------------------------------------------ state
-    def server_state(self) -> dict[str, torch.Tensor]:
+    def state_dict(self) -> dict[str, torch.Tensor]:
         return {"h_sum": self.h_sum} if self.h_sum is not None else {}
 
-    def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.h_sum.copy_(state["h_sum"])
 

@@ -155,6 +155,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ConfigError
 from ..params import param
 from ..flat import FlatModel
 from ..train import LocalTrainer, StepHooks, TrainResult
@@ -242,14 +243,22 @@ class FedGPS(Algorithm):
     params = {"fedgps": FedGPSParams}
 
     @classmethod
+    def check(cls, cfg) -> None:
+        """At least one of the two objectives (both off is FedAvg)."""
+        gps = cfg.algorithm.fedgps
+        if not (gps.static or gps.dynamic):
+            raise ConfigError("config keys 'algorithm.fedgps.static' and 'algorithm.fedgps.dynamic' "
+                              "are both false: that is FedAvg (use algorithm.name=fedavg)")
+
+    @classmethod
     def num_outputs(cls, cfg, num_classes: int) -> int:
         """2C outputs with the static objective (surrogate class c → label C + c)."""
         return 2 * num_classes if cfg.algorithm.fedgps.static else num_classes
 
     def __init__(self, cfg, layout: FlatModel, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
-        g = cfg.algorithm.fedgps
-        # static and dynamic both off is refused by the config validator (that is FedAvg)
+        g = self.hparams("fedgps")
+        # static and dynamic both off is refused by check() (that is FedAvg)
         self.static, self.dynamic = bool(g.static), bool(g.dynamic)
         o = self.options = resolve_options(g)
         self.lambda_g, self.norm_kind = float(g.lambda_g), o["norm"]
@@ -504,13 +513,13 @@ class FedGPS(Algorithm):
                 self.has_protos = True
 
     # ------------------------------------------------------------------ state
-    def server_state(self) -> dict[str, torch.Tensor]:
+    def state_dict(self) -> dict[str, torch.Tensor]:
         out = {"protos": self.protos.clone(), "has_protos": torch.tensor(float(self.has_protos))}
         if self.dynamic:   # θ^{t−1}: the first round after a resume is rectified too
             out.update(prev_theta=self._prev.clone(), prev_round=torch.tensor(self._prev_round))
         return out
 
-    def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if "protos" in state:
             self.protos.copy_(state["protos"])
             self.has_protos = bool(state["has_protos"])

@@ -30,8 +30,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 AUTHORS_MEAN, AUTHORS_STD = 0.5, 0.25
 
 
-def resolve_options(section) -> dict[str, Any]:
-    """Values of the preset-controlled keys of ``algorithm.fedgps`` (``section``):
-    an explicitly set (non-null) key wins, then the preset, then :data:`DEFAULTS`."""
-    base = PRESETS.get(section.preset, DEFAULTS) if section.preset else DEFAULTS
-    return {k: (section.get(k) if section.get(k) is not None else base[k]) for k in DEFAULTS}
+def resolve_options(params) -> dict[str, Any]:
+    """Values of the preset-controlled keys of ``algorithm.fedgps`` (``params``, the
+    block's :class:`~fedmpi.algorithms.fedgps.FedGPSParams`): an explicitly set
+    (non-null) key wins, then the preset, then :data:`DEFAULTS`."""
+    base = PRESETS.get(params.preset, DEFAULTS) if params.preset else DEFAULTS
+    return {k: (getattr(params, k) if getattr(params, k) is not None else base[k])
+            for k in DEFAULTS}

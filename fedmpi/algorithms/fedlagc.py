@@ -30,7 +30,7 @@ per client that has participated on its hosting worker).
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -46,11 +46,16 @@ class FedLAGC(SubmodelMethod):
 
     def __init__(self, cfg, layout, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
-        a = cfg.algorithm.fedlagc
+        a = self.hparams("fedlagc")
         self.use_correction = bool(a.correction)
         self.beta = float(a.beta)
         self.switch_round = int(math.floor(a.correction_fraction * cfg.train.rounds))
         self._lam = self.client_store("lambda", self.num_params)   # λ_k of hosted clients (worker)
+
+    def extractor_options(self) -> dict[str, Any]:
+        """Layer importance S_l and its normalisation (``algorithm.fedlagc.*``)."""
+        a = self.hparams("fedlagc")
+        return {"importance": a.importance, "log_normalize": a.log_normalize}
 
     def h(self, t: int) -> float:
         """h(t) = 1 for t < ⌊fraction·T⌋ (fraction 1/4), else 0."""

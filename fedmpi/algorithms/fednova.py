@@ -67,7 +67,7 @@ class FedNova(Algorithm):
 
     def client_normaliser(self, steps: int, momentum: float) -> float:
         """a_k of ``algorithm.fednova.normaliser`` (module docstring)."""
-        if self.cfg.algorithm.fednova.normaliser == "steps":
+        if self.hparams("fednova").normaliser == "steps":
             return float(steps)
         return float(normaliser(steps, momentum))
 

@@ -106,6 +106,7 @@ Longer than ~350 lines: scoring, layer/block grouping and their log output are o
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -116,6 +117,7 @@ from torch import nn
 from ..accel import Accel
 from ..errors import ConfigError
 from ..flat import FlatModel, Segment
+from ..params import param
 from .weighting import Weighting
 
 __all__ = ["FedVG", "FedVGAvg", "block_of", "layer_norms", "fedvg_scores"]
@@ -176,15 +178,50 @@ def fedvg_scores(gbar: np.ndarray, eps: float) -> np.ndarray:
     return np.where(tot > 0, raw / np.where(tot > 0, tot, 1.0), uniform)
 
 
+@dataclass(frozen=True)
+class FedVGParams:
+    """``aggregation.fedvg.*`` (:mod:`fedmpi.params`)."""
+
+    norm: str = param("l1", "FedVG gradient norm", choices=("l1", "l2", "spectral", "delta"))
+    granularity: str = param("model", "FedVG weight per model/layer/block",
+                             choices=("model", "layer", "block"))
+    eps: float = param(1e-8, "FedVG epsilon in 1/(G + eps)", gt=0)
+    batch_size: int = param(512, "FedVG scoring batch size", ge=1)
+    bf16: bool = param(False, "FedVG scoring under bf16 autocast (CUDA only)")
+    spectral_1d: str = param("exclude", "FedVG spectral norm: 1-D tensors left out of G_k "
+                                         "(A.7.2) or scored with l2", choices=("exclude", "l2"))
+
+
 class FedVG(Weighting):
     """``aggregation.weighting: fedvg`` (see module docstring)."""
 
     name = "fedvg"
+    params = {"fedvg": FedVGParams}
     per_client = True
     mix_samples = False
 
+    @classmethod
+    def check(cls, cfg) -> None:
+        """bf16 scoring needs CUDA; scoring needs a server validation set (not for ``delta``)."""
+        c, part, val = cfg.aggregation.fedvg, cfg.data.partition, cfg.data.validation
+        if c.bf16 and cfg.runtime.device == "cpu":
+            raise ConfigError("config key 'aggregation.fedvg.bf16' needs a CUDA scoring device "
+                              "(runtime.device is 'cpu')")
+        if c.norm == "delta" or val.source != "holdout":
+            return
+        weighting = cfg.aggregation.weighting
+        if part.method == "silos" and cfg.data.silos.validation is None:
+            raise ConfigError(
+                f"config key 'data.silos.validation' must name the server validation file for "
+                f"aggregation.weighting {weighting!r} (FedVG scores on it) with silo-local data")
+        if part.method != "silos" and val.fraction == 0:
+            raise ConfigError(
+                f"config key 'data.validation.fraction' must be > 0 for aggregation.weighting "
+                f"{weighting!r} (FedVG scores on a server validation set), or set "
+                "data.validation.source to an external dataset")
+
     def setup(self, ctx) -> None:
-        c = ctx.cfg.aggregation.fedvg
+        c = self.hparams("fedvg")
         self.norm: str = c.norm
         self.granularity: str = c.granularity
         self.eps = float(c.eps)

@@ -63,7 +63,8 @@ class FIARSE(SubmodelMethod):
     dynamic_mask = True
 
     def __init__(self, cfg, layout, num_clients: int) -> None:
-        f = cfg.algorithm.fiarse
+        self.cfg = cfg   # hparams before the base sets up the extractor with self.keep
+        f = self.hparams("fiarse")
         self.keep = f.always_keep
         self.frozen_below = f.below_threshold == "frozen"
         self.budget_rule = f.budget

@@ -43,6 +43,7 @@ class HeteroFL(SubmodelMethod):
     rule = "nested"
 
     def __init__(self, cfg, layout, num_clients: int) -> None:
-        self.masked_ce = bool(cfg.algorithm.heterofl.masked_ce)
-        self.scaler = bool(cfg.algorithm.heterofl.scaler)
         super().__init__(cfg, layout, num_clients)
+        p = self.hparams("heterofl")
+        self.masked_ce = bool(p.masked_ce)
+        self.scaler = bool(p.scaler)

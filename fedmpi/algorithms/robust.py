@@ -372,8 +372,7 @@ class FLTrust(RobustRule):
             return
         from ..data.validation import build_validation
         from ..flat import FlatModel
-        from ..runtime.worker import stream_seed
-        from ..train import LocalTrainer, step_decay_lr
+        from ..train import LocalTrainer, step_decay_lr, stream_seed
         from .base import sgd_config
 
         val = build_validation(ctx.cfg, ctx.data, ctx.partition.validation_indices, ctx.device)

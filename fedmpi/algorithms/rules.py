@@ -36,8 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional
 import numpy as np
 import torch
 
-from ..errors import ConfigError
-from ..params import load_group
+from .component import Component, Registry
 
 if TYPE_CHECKING:
     from ..context import Context
@@ -57,7 +56,7 @@ class RuleInfo:
     state: torch.Tensor        # θ before this round's update (read only)
 
 
-class ServerRule:
+class ServerRule(Component):
     """``mean``: Σ_k s_k x_k, today's aggregation; the base of every rule.
 
     Lifecycle as for methods and weightings: constructed with the run's config,
@@ -66,6 +65,7 @@ class ServerRule:
     """
 
     name: ClassVar[str] = "mean"
+    prefix: ClassVar[str] = "aggregation"
     #: config blocks of the rule: ``{"trimmed_mean": TrimmedMeanParams}`` gives the keys
     #: ``aggregation.trimmed_mean.*``; a rule given by import path uses ``"params"``
     #: (``aggregation.params``)
@@ -79,13 +79,7 @@ class ServerRule:
         self.ctx: Optional[Context] = None
         self.device = torch.device("cpu")
 
-    @classmethod
-    def check(cls, cfg: Any) -> None:
-        """Rules that span config keys (e.g. Krum's n > 2f + 2); raise
-        :class:`~fedmpi.errors.ConfigError` naming the keys. Run by ``fedmpi check``
-        and before a run starts."""
-
-    def hparams(self, group: Optional[str] = None) -> Any:
+    def hparams(self, group: Optional[str] = None) -> Any:  # type: ignore[override]
         """The validated, typed parameters of block ``aggregation.<group>`` (default:
         the rule's only block); ``"params"`` is the block of a rule given by import
         path (``aggregation.params``)."""
@@ -94,11 +88,7 @@ class ServerRule:
                 raise TypeError(f"rule {self.name!r} has {len(self.params)} parameter blocks; "
                                 "name one")
             group = next(iter(self.params))
-        if group == "params":
-            from ..imports import method_params
-
-            return method_params(type(self), self.cfg.aggregation.params, "aggregation.params")
-        return load_group(self.cfg, group, self.params[group], section="aggregation")
+        return super().hparams(group)
 
     def setup(self, ctx: Context) -> None:
         """Prepare per-run state (rank 0 holds the server's validation data, if any)."""
@@ -129,13 +119,13 @@ class ServerRule:
         """Restore what :meth:`state_dict` returned."""
 
 
-RULES: dict[str, type[ServerRule]] = {}
+#: ``aggregation.rule`` names → classes
+RULES: Registry = Registry(ServerRule, "aggregation.rule")
 
 
 def register_rule(cls: type[ServerRule]) -> type[ServerRule]:
     """Make ``cls`` available as ``aggregation.rule: <cls.name>``."""
-    RULES[cls.name] = cls
-    return cls
+    return RULES.register(cls)
 
 
 register_rule(ServerRule)
@@ -143,15 +133,7 @@ register_rule(ServerRule)
 
 def rule_class_for(name: str) -> type[ServerRule]:
     """The class of ``aggregation.rule``: a registered name or ``pkg.module:Class``."""
-    if ":" in name:
-        from ..imports import rule_class
-
-        return rule_class(name)
-    try:
-        return RULES[name]
-    except KeyError:
-        raise ConfigError(f"config key 'aggregation.rule': {name!r} is not implemented in this "
-                          f"version; available: {', '.join(sorted(RULES))}") from None
+    return RULES.lookup(name)
 
 
 def build_rule(cfg: Any, cls: Optional[type] = None) -> ServerRule:

@@ -67,7 +67,7 @@ class Scaffold(Algorithm):
         self.c: torch.Tensor | None = None             # server variate (rank 0)
         self._corr: torch.Tensor | None = None         # c − c_k of the client in training
         self.device = torch.device("cpu")
-        self.weighted_c = cfg.algorithm.scaffold.server_c == "weighted"
+        self.weighted_c = self.hparams("scaffold").server_c == "weighted"
         self._dc: torch.Tensor | None = None
 
     def uplink_stats(self) -> list[Stat]:
@@ -126,9 +126,9 @@ class Scaffold(Algorithm):
             self.c.add_(agg["dc"], alpha=1.0 / info.num_clients)
 
     # ------------------------------------------------------------------ state
-    def server_state(self) -> dict[str, torch.Tensor]:
+    def state_dict(self) -> dict[str, torch.Tensor]:
         return {"c": self.c} if self.c is not None else {}
 
-    def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.c.copy_(state["c"])
 

@@ -36,6 +36,7 @@ Deviations (recorded; what the mask module cannot express):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..params import param
 from .submodel import SubmodelMethod, SubmodelParams
@@ -54,6 +55,10 @@ class ScaleFL(SubmodelMethod):
     name = "scalefl"
     params = {"submodel": SubmodelParams, "scalefl": ScaleFLParams}
     rule = "scaled"
+
+    def extractor_options(self) -> dict[str, Any]:
+        """Depth share s of the ``scaled`` rule (``algorithm.scalefl.depth_share``)."""
+        return {"depth_share": self.hparams("scalefl").depth_share}
 
     def setup(self, ctx) -> None:
         """Also records when the model allows no depth scaling."""

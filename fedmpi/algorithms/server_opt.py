@@ -140,8 +140,8 @@ class ServerOptAlgorithm(Algorithm, abc.ABC):
         self.opt.step(state[:P], agg["delta"][:P])
         state[P:].add_(agg["delta"][P:])
 
-    def server_state(self) -> dict[str, torch.Tensor]:
+    def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"opt.{k}": v for k, v in self.opt.state_dict().items()} if self.opt else {}
 
-    def load_server_state(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.opt.load_state_dict({k[4:]: v for k, v in state.items() if k.startswith("opt.")})

@@ -85,7 +85,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import numpy as np
 import torch
@@ -520,12 +520,23 @@ class SubmodelMethod(Algorithm):
 
     Evaluation: every level's submodel θ ⊙ M(θ, r_v, t+1) on the global test
     set; the run's ``test_accuracy``/``test_loss`` are the means over levels.
+
+    A member of the family is one subclass: a ``name``, a mask ``rule`` (one of
+    :data:`RULES`) and, where it differs, the switches ``use_ste``, ``keep``,
+    ``dynamic_mask``, ``frozen_below``, ``masked_ce``, :meth:`extractor_options`
+    (options of its rule) and :meth:`correction` (a gradient correction). The
+    family's config rules come with the class (:meth:`check`: resource levels;
+    ``masked_upload`` and ``weighted_update = False``: no ECGR, no per-client
+    server rule).
     """
 
     weighted_update = False   # coverage averaging sums masked updates (a `sum` statistic)
 
     rule = "layer_adaptive"
-    params: ClassVar[dict[str, type]] = {"submodel": SubmodelParams, "fedlagc": FedLAGCParams}
+    params: ClassVar[dict[str, type]] = {"submodel": SubmodelParams}
+    #: uploads are masked to the client's submodel: a transform that rewrites the whole
+    #: update (``UpdateTransform.rewrites_update``, ECGR) does not compose (fedmpi.config)
+    masked_upload: ClassVar[bool] = True
     use_ste = False
     dynamic_mask = False
     #: FIARSE: entries below θ̃ during local training get zero gradient (Bern.backward)
@@ -540,17 +551,14 @@ class SubmodelMethod(Algorithm):
     scaler = False
 
     def __init__(self, cfg, layout: FlatModel, num_clients: int) -> None:
-        # ECGR is refused by the config validator (fedmpi.config SUBMODEL_METHODS): it
-        # rescales the whole update after finish_client, outside the client's mask.
         super().__init__(cfg, layout, num_clients)
-        a = cfg.algorithm
         self.levels = [float(r) for r in (cfg.system.levels or [])]
         self.client_level = client_levels(cfg.system.levels, cfg.system.allocation, num_clients,
                                           self.name)
-        self.extractor = Extractor(layout, self.rule, a.fedlagc.importance, a.fedlagc.log_normalize,
-                                   self.keep, a.scalefl.depth_share, self.budget_rule)
+        self.extractor = Extractor(layout, self.rule, keep=self.keep, budget=self.budget_rule,
+                                   **self.extractor_options())
         self.extractor.check_levels(self.levels, cfg.model.name)
-        self.ste = self.use_ste and bool(a.submodel.ste)
+        self.ste = self.use_ste and bool(self.hparams("submodel").ste)
         self.P = layout.num_params
         self._cache: dict[tuple[int, int], Submodel] = {}
         self._masked: Optional[torch.Tensor] = None
@@ -563,6 +571,19 @@ class SubmodelMethod(Algorithm):
         self._keep_ratio = np.full((V, L), np.nan)
         self._level_acc = np.full(V, np.nan)
         self._eval_round = 0
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        """Resource levels are required (``system.levels`` with ``system.allocation``)."""
+        if cfg.system.levels is None:
+            raise ConfigError(f"config key 'system.levels' must be set for algorithm.name "
+                              f"{cfg.algorithm.name!r} (with system.allocation, e.g. levels "
+                              "[1, 0.25] and allocation [5, 5])")
+
+    def extractor_options(self) -> dict[str, Any]:
+        """Keyword options of this method's :class:`Extractor` beyond ``rule`` and ``keep``
+        (FedLAGC: layer importance; ScaleFL: depth share). Default: the Extractor's."""
+        return {}
 
     # ------------------------------------------------------------------ masks
     def submodel(self, state: torch.Tensor, level: int, round: int) -> Submodel:

@@ -15,29 +15,55 @@ A transform sees a client's work at four points of the one local-training path
 
 Each transform declares its own uplink statistics (:meth:`stats`, e.g. ECGR's
 ``ecgr/selected`` row) and log output (:meth:`log_arrays`, and static
-attributes through ``ctx.log`` in :meth:`setup`). A transform is one class
-registered in :data:`TRANSFORMS` with the config key that enables it; the
-runtime builds the enabled ones in registration order (ECGR before the
-adversary, so an attack corrupts what would really be uploaded).
+attributes through ``ctx.log`` in :meth:`setup`), its config block (a top-level
+section named after it: ``ecgr.*``, ``adversary.*``) and whether a config turns
+it on (:meth:`UpdateTransform.enabled`). A transform is one class registered in
+:data:`TRANSFORMS`; the runtime builds the enabled ones in registration order
+(ECGR before the adversary, so an attack corrupts what would really be
+uploaded), then those listed by import path in ``transforms``.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, ClassVar, Optional, Sequence
 
 import numpy as np
 import torch
 
 from ..train import StepHooks
+from .component import Component, Registry
 
 if TYPE_CHECKING:
     from ..context import Context
     from .base import ClientTask, Stat
 
 
-class UpdateTransform:
-    """Base of a client-side update transform (every hook is optional)."""
+class UpdateTransform(Component):
+    """Base of a client-side update transform (every hook is optional).
 
-    name = "transform"
+    Built with the run's config, ``cls(cfg)``. Its block ``<name>`` gives the
+    top-level keys ``<name>.*``.
+    """
+
+    name: ClassVar[str] = "transform"
+    prefix: ClassVar[str] = ""
+    #: True: the transform rewrites the whole update after the method's ``finish_client``
+    #: (ECGR), so it cannot run with a method whose upload is masked (the submodel family)
+    rewrites_update: ClassVar[bool] = False
+    #: the key that turns it on (named in errors about combinations)
+    enable_key: ClassVar[str] = "transforms"
+
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+
+    @classmethod
+    def enabled(cls, cfg) -> bool:
+        """Whether ``cfg`` turns this registered transform on (ECGR: ``ecgr.enabled``)."""
+        return False
+
+    @classmethod
+    def build(cls, cfg) -> UpdateTransform:
+        """The transform of this run (default ``cls(cfg)``)."""
+        return cls(cfg)
 
     def setup(self, ctx: Context) -> None:
         """Called once on every rank with the run's context, before the uplink is planned."""
@@ -116,24 +142,24 @@ class TransformChain:
         return next((tr for tr in self.transforms if tr.name == name), None)
 
 
-#: name → (whether the config enables it, factory). A new transform is one module
-#: defining an :class:`UpdateTransform` plus one ``register_transform`` line.
-TRANSFORMS: dict[str, tuple[Callable[[Any], bool], Callable[[Any], UpdateTransform]]] = {}
+#: name → class; a new transform is one module defining an :class:`UpdateTransform`
+#: plus one ``register_transform`` line (built-ins: :mod:`fedmpi.algorithms`).
+TRANSFORMS: Registry = Registry(UpdateTransform, "transforms")
 
 
-def register_transform(name: str, enabled: Callable[[Any], bool],
-                       factory: Callable[[Any], UpdateTransform]) -> None:
-    """Register transform ``name``: built when ``enabled(cfg)``, as ``factory(cfg)``."""
-    TRANSFORMS[name] = (enabled, factory)
+def register_transform(cls: type[UpdateTransform]) -> type[UpdateTransform]:
+    """Register a transform class; it is built when ``cls.enabled(cfg)``, as ``cls(cfg)``."""
+    return TRANSFORMS.register(cls)
+
+
+def enabled_transforms(cfg) -> list[type[UpdateTransform]]:
+    """The classes of the transforms ``cfg`` enables, in order: registered ones whose
+    :meth:`~UpdateTransform.enabled` is true, then the ``transforms`` import paths."""
+    chain = [cls for cls in TRANSFORMS.values() if cls.enabled(cfg)]
+    return chain + [TRANSFORMS.lookup(path, f"transforms[{i}]")
+                    for i, path in enumerate(cfg.transforms)]
 
 
 def build_transforms(cfg) -> TransformChain:
-    """The transforms ``cfg`` enables, in registration order, then those of the
-    ``transforms`` key (import paths, in their order)."""
-    chain = [factory(cfg) for enabled, factory in TRANSFORMS.values() if enabled(cfg)]
-    if cfg.transforms:
-        from ..imports import transform_class
-
-        chain += [transform_class(path, f"transforms[{i}]")(cfg)
-                  for i, path in enumerate(cfg.transforms)]
-    return TransformChain(chain)
+    """The transforms ``cfg`` enables, built with the config (:func:`enabled_transforms`)."""
+    return TransformChain([cls.build(cfg) for cls in enabled_transforms(cfg)])

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, ClassVar, Mapping, Optional
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from .component import Component, Registry
 
 if TYPE_CHECKING:
     from ..context import Context
@@ -24,15 +24,17 @@ if TYPE_CHECKING:
 Rows = Mapping[str, torch.Tensor]
 
 
-class Weighting:
+class Weighting(Component):
     """``samples`` (s_k = n_k/Σn); the base of every weighting.
 
     Lifecycle as for methods: constructed with n_k of every client, then
-    :func:`~fedmpi.algorithms.base.start` sets ``ctx``/``device`` and calls
-    :meth:`setup`.
+    :func:`~fedmpi.algorithms.base.start` sets ``ctx``/``device``/``cfg`` and
+    calls :meth:`setup`. Parameter blocks are ``aggregation.<block>.*``
+    (FedVG: ``aggregation.fedvg.*``).
     """
 
     name: ClassVar[str] = "samples"
+    prefix: ClassVar[str] = "aggregation"
     per_client: ClassVar[bool] = False
 
     def __init__(self, num_samples: np.ndarray) -> None:
@@ -87,33 +89,15 @@ class Uniform(Weighting):
         return 1.0
 
 
-WEIGHTINGS: dict[str, type[Weighting]] = {}
+#: ``aggregation.weighting`` names → classes (built-ins registered in :mod:`fedmpi.algorithms`)
+WEIGHTINGS: Registry = Registry(Weighting, "aggregation.weighting")
 
 
 def register_weighting(cls: type[Weighting]) -> type[Weighting]:
     """Make ``cls`` available as ``aggregation.weighting: <cls.name>``."""
-    WEIGHTINGS[cls.name] = cls
-    return cls
-
-
-def _register_builtin() -> None:
-    from .fedvg import FedVG, FedVGAvg   # subclasses of Weighting: imported after it exists
-
-    for cls in (Weighting, Uniform, FedVG, FedVGAvg):
-        register_weighting(cls)
-
-
-_register_builtin()
+    return WEIGHTINGS.register(cls)
 
 
 def build_weighting(name: str, num_samples: np.ndarray) -> Weighting:
-    if ":" in name:   # pkg.module:Class, a user weighting (fedmpi.imports)
-        from ..imports import weighting_class
-
-        return weighting_class(name)(num_samples)
-    try:
-        cls = WEIGHTINGS[name]
-    except KeyError:
-        raise ConfigError(f"config key 'aggregation.weighting': {name!r} is not implemented in this "
-                          f"version; available: {', '.join(sorted(WEIGHTINGS))}") from None
-    return cls(num_samples)
+    """The weighting ``name`` (registered, or ``pkg.module:Class``) for clients of sizes n_k."""
+    return WEIGHTINGS.lookup(name)(num_samples)

@@ -205,6 +205,9 @@ def npz_member(npz: "np.lib.npyio.NpzFile", key: str, path: str) -> np.ndarray:
     array (which only pickle could load) or a damaged member is a DataError naming both."""
     from fedmpi.errors import DataError
 
+    if npz.files.count(key) > 1:   # a zip may hold one name twice; numpy reads only one
+        raise DataError(f"{path}: array {key!r} appears {npz.files.count(key)} times in the "
+                        ".npz (an archive with duplicate members is ambiguous); write it once")
     try:
         return npz[key]
     except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
@@ -212,3 +215,16 @@ def npz_member(npz: "np.lib.npyio.NpzFile", key: str, path: str) -> np.ndarray:
             raise DataError(f"{path}: array {key!r} is an object array (needs pickle, which "
                             "fedmpi never loads); store numeric arrays") from None
         raise DataError(f"{path}: array {key!r} is unreadable ({exc})") from None
+
+
+#: Class ids must lie below this (2^20): per-client class histograms are dense [K, C]
+#: arrays, so a stray label of 2^40 would ask for terabytes.
+MAX_CLASSES = 1 << 20
+
+
+def check_class_ids(y: np.ndarray, where: str) -> None:
+    """Labels ``y`` (integers >= 0) are class ids below :data:`MAX_CLASSES`, else a
+    DataError naming ``where`` and the label."""
+    if len(y) and int(y.max()) >= MAX_CLASSES:
+        raise DataError(f"{where}: label {int(y.max())} is not a class id below 2^20 "
+                        f"({MAX_CLASSES}); labels must be 0 .. C-1 for C classes")

@@ -21,12 +21,13 @@ def load_pool(cfg: Any, data: Optional[Any] = None) -> Dataset:
 
     from fedmpi import imports
     from fedmpi.data import tabular
+    from fedmpi.data.custom import dataset_factory
 
     d = cfg.data
     if data is not None or imports.is_import_path(d.dataset) or d.dataset == "tabular" \
             or d.dataset in tabular.EMBEDDED:
         if data is not None or imports.is_import_path(d.dataset):
-            pool = imports.dataset_factory(data if data is not None else d.dataset)()
+            pool = dataset_factory(data if data is not None else d.dataset)()
         elif d.dataset == "tabular":
             pool = tabular.load_tabular(d.tabular.train, d.tabular.test, d.tabular.label)
         else:

@@ -10,15 +10,38 @@ else the largest label + 1.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from fedmpi.data.base import Dataset, channel_stats
 from fedmpi.errors import ConfigError
+from fedmpi.imports import accepts, blame, named, resolve
 
-__all__ = ["as_dataset"]
+__all__ = ["as_dataset", "dataset_factory"]
+
+DATASET_EXPECTED = ("a callable () -> fedmpi.data.Dataset or (train, test) map-style datasets "
+                    "of (x, label) items")
+
+
+def dataset_factory(obj: Any, key: str = "data.dataset") -> Callable[[], Dataset]:
+    """A zero-argument callable returning the pooled :class:`~fedmpi.data.Dataset`
+    (converted with :func:`as_dataset`); ``obj`` is ``pkg.module:fn`` or the object."""
+    if isinstance(obj, str):
+        obj = resolve(obj, key, DATASET_EXPECTED)
+    if not callable(obj):   # an object: a Dataset or a (train, test) pair
+        return lambda: as_dataset(obj, key)
+    if not accepts(obj, 0):
+        raise ConfigError(f"config key {key!r}: {named(obj)} must be callable without "
+                          f"arguments ({DATASET_EXPECTED})")
+
+    def load() -> Dataset:
+        with blame(key, obj):
+            made = obj()
+        return as_dataset(made, key)
+
+    return load
 
 
 def _stack(ds: Any, what: str, key: str) -> tuple[torch.Tensor, torch.Tensor]:

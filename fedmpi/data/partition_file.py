@@ -55,10 +55,28 @@ def _as_indices(value: Any, path: str, what: str) -> np.ndarray:
     return arr.astype(np.int64)
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are unique (``json`` would keep the last of a repeat)."""
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen
+
+
 def _read_json(path: str) -> tuple[list[np.ndarray], np.ndarray | None]:
     try:
         with open(os.path.expanduser(path), encoding="utf-8") as fh:
-            obj = json.load(fh)
+            obj = json.load(fh, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        raise DataError(f"data.partition.file={path!r}: key {exc.args[0]!r} appears twice in one "
+                        "JSON object (JSON readers disagree on which one counts); write it once"
+                        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DataError(f"data.partition.file={path!r} is not valid JSON ({exc})") from None
     except RecursionError:

@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from fedmpi.data.base import Dataset, channel_sums, stats_from_sums
+from fedmpi.data.base import Dataset, channel_sums, check_class_ids, stats_from_sums
 from fedmpi.data.build import build_partition, load_pool
 from fedmpi.data.heldout import holdout_positions, holdout_seed, split_partition
 from fedmpi.data.partition import Partition
@@ -136,6 +136,7 @@ def read_silo(cfg: Any, client: int,
                                                        or y.min() < 0)):
         raise DataError(f"data.silos.loader {s.loader!r}: client {client} must give x [n, ...] "
                         f"and integer labels y [n] >= 0; got x {x.shape}, y {y.shape} {y.dtype}")
+    check_class_ids(y, f"data.silos.loader {s.loader!r}: client {client}")
     return np.ascontiguousarray(x), y.astype(np.int64)
 
 
@@ -177,6 +178,7 @@ def _silos(cfg: Any, comm: Any, hosted: list[int], is_server: bool) -> LocalData
                             f"dimensions; this rank reads shapes {sorted(shapes)}")
     except UserError as exc:
         error = exc
+    comm.roll_call("reading its silos")   # a slow silo is named (runtime.setup_timeout)
     _agree_on_errors(comm, error)
 
     # 1. input shape and class count: max of (d, BIG - d) over the ranks holding data

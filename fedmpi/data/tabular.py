@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedmpi.data.base import Dataset, channel_stats
+from fedmpi.data.base import Dataset, channel_stats, check_class_ids
 from fedmpi.errors import DataError
 
 __all__ = ["EMBEDDED", "TABLE_SUFFIXES", "load_embedded", "load_tabular", "read_table",
@@ -102,6 +102,7 @@ def read_table(path: str | os.PathLike, label: str = "label") -> tuple[np.ndarra
         else:
             raise DataError(f"{path}: labels must be integers >= 0 (class ids), got dtype "
                             f"{y.dtype}")
+    check_class_ids(y, str(path))
     x = np.asarray(x, dtype=np.float32)
     if x.ndim == 1:
         x = x[:, None]

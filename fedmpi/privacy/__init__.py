@@ -9,6 +9,7 @@
 * :mod:`~fedmpi.privacy.policy` — which methods and models each level accepts;
 * :mod:`~fedmpi.privacy.secagg` — secure aggregation (pairwise masks, fixed point).
 
-Submodules are imported where used (``dp`` builds on the update transforms,
-which the local trainer's module also feeds).
+Submodules are imported where used. None imports :mod:`fedmpi.algorithms`: the
+client clip transform built on :mod:`~fedmpi.privacy.dp` is
+:class:`fedmpi.algorithms.dp_clip.ClientClip`.
 """

@@ -2,7 +2,8 @@ r"""Client-level differential privacy: DP-FedAvg (McMahan, Ramage, Talwar, Zhang
 
 Per round t with the m sampled clients S_t (fixed size, without replacement):
 
-1. **clip on the client** (:class:`ClientClip`, an update transform, the last
+1. **clip on the client** (:class:`fedmpi.algorithms.dp_clip.ClientClip`, an
+   update transform, the last
    one to touch the upload): Δ̄_k = Δ_k · min(1, C / ‖Δ_k‖₂) over the whole
    uploaded state (parameters and float buffers; Alg. 1 ``ClipFn``);
 2. **noise on the sum**, std σC per coordinate, added either by rank 0
@@ -28,18 +29,14 @@ and a resumed run draws the same noise.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
-from ..algorithms.transforms import UpdateTransform
-
-if TYPE_CHECKING:
-    from ..algorithms.base import ClientTask
 
 #: stream tags (SeedSequence entropy) of the DP noise
-_CENTRAL_TAG, _SHARE_TAG = 0xD9_0001, 0xD9_0002
+CENTRAL_TAG, SHARE_TAG = 0xD9_0001, 0xD9_0002
 
 
 def noise_generator(device: torch.device, *keys: int) -> torch.Generator:
@@ -66,30 +63,6 @@ def gaussian_(out: torch.Tensor, std: float, gen: torch.Generator) -> torch.Tens
     return out
 
 
-class ClientClip(UpdateTransform):
-    """Clip the upload to norm C; under ``distributed`` noise add this client's share."""
-
-    name = "dp"
-
-    def __init__(self, cfg) -> None:
-        d = cfg.privacy.dp
-        self.clip, self.sigma, self.seed = float(d.clip), float(d.noise_multiplier), int(cfg.seed)
-        self.distributed = d.noise == "distributed"
-        self.m = cfg.train.clients_per_round or cfg.data.num_clients
-
-    @property
-    def share_std(self) -> float:
-        """Std of one participant's share: σC/√m, so m shares sum to std σC."""
-        return self.sigma * self.clip / math.sqrt(self.m)
-
-    def on_upload(self, task: ClientTask, out: dict[str, torch.Tensor]) -> None:
-        delta = out["delta"]
-        clip_(delta, self.clip)
-        if self.distributed:
-            gen = noise_generator(delta.device, self.seed, _SHARE_TAG, task.client, task.round)
-            gaussian_(delta, self.share_std, gen)
-
-
 class ServerNoise:
     """Rank 0's part of DP-FedAvg: noise (central, or the top-up of excluded shares)
     and the fixed denominator m (module docstring)."""
@@ -111,7 +84,7 @@ class ServerNoise:
         text when rank 0 topped up missing shares (distributed noise), else None."""
         mean.mul_(accepted / selected)
         std = self.noise_std(selected, accepted)
-        gen = noise_generator(mean.device, self.seed, _CENTRAL_TAG, round)
+        gen = noise_generator(mean.device, self.seed, CENTRAL_TAG, round)
         gaussian_(mean, std / selected, gen)
         if self.distributed and accepted < selected and std > 0:
             return (f"distributed DP noise: {selected - accepted} participant share(s) excluded; "

@@ -20,7 +20,7 @@ from .driver import run
 from .federation import CMD_ABORT, CMD_ROUND, CMD_STOP, Federation
 from .server import (META_FIELDS, STATUS_FAILED, STATUS_IDLE, STATUS_NONFINITE, STATUS_OK,
                      ServerResult, Uplink, server_step)
-from .worker import stream_seed
+from ..train import stream_seed
 
 __all__ = ["CMD_ABORT", "CMD_ROUND", "CMD_STOP", "Federation", "META_FIELDS", "Mirror",
            "STATUS_FAILED", "STATUS_IDLE", "STATUS_NONFINITE", "STATUS_OK", "ServerResult", "Uplink",

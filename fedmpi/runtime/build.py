@@ -25,7 +25,8 @@ from ..context import Context, LogSink
 from ..data import Dataset, Partition, build_local
 from ..errors import ConfigError
 from ..flat import FlatModel
-from ..imports import UserCode, blame, check_rule
+from ..imports import blame
+from ..usercode import UserCode
 from ..models import build_model, model_spec
 from ..placement import gpu_for_local_rank, threads_per_rank
 from ..privacy.policy import check_build as check_privacy
@@ -144,10 +145,12 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
     # silo-local: a rank reads only its clients' silos; n_k of all clients arrive as
     # metadata (fedmpi.data.silos)
     local = build_local(cfg, comm, hosted, rank == 0, code.data)
+    comm.roll_call("loading its data")   # a slow rank is named (runtime.setup_timeout)
     data, partition = local.data.to(device), local.partition
     num_samples = np.asarray(local.num_samples, dtype=np.int64)
     num_samples.setflags(write=False)
 
+    code.check(cfg)   # the components' rules, also for those given by import path
     torch.manual_seed(cfg.seed)   # every rank builds the same initial model
     algo_class = code.algorithm_class(cfg)
     check_training_keys(cfg, algo_class, data.num_classes)
@@ -165,7 +168,6 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
     with blame("transforms", None):
         transforms = build_transforms(cfg)
     rule_cls = code.rule_class(cfg)
-    check_rule(cfg, rule_cls, algo_class)
     with blame("aggregation.rule", rule_cls):
         rule = build_rule(cfg, rule_cls)
     log = LogSink(enabled=rank == 0)

@@ -24,7 +24,8 @@ from ..callbacks import AfterRound, Callback
 from ..trackers import check_trackers, open_trackers
 from ..comm import Comm, CommTimeout
 from ..errors import RunFailed, RunInterrupted, UserError, show_traceback
-from ..imports import UserCode, run_objects, runtime_error_line
+from ..imports import run_objects, runtime_error_line
+from ..usercode import UserCode
 from ..outputs import OutputError, write_model
 from . import guard
 from .federation import CMD_ABORT, CMD_ROUND, Federation
@@ -60,6 +61,15 @@ def _close_quietly(after: Optional[AfterRound], status: str) -> None:
         print(f"fedmpi: error: closing the trackers failed too: {exc}", file=sys.stderr, flush=True)
 
 
+def run_comm(cfg) -> Comm:
+    """The world communicator of a run: start-up collectives wait up to
+    ``runtime.setup_timeout`` (data loading), rounds ``runtime.round_timeout`` (the
+    driver switches after the start-up)."""
+    comm = Comm(timeout=cfg.runtime.setup_timeout)
+    comm.timeout_key = "runtime.setup_timeout"
+    return comm
+
+
 def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
         resume: bool = False, overwrite: bool = False,
         code: Optional[UserCode] = None,
@@ -79,7 +89,16 @@ def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
     """
     signals.install()
     try:
+        comm = comm or run_comm(cfg)
         return _run(cfg, out_dir, comm, resume, overwrite, code, callbacks)
+    except KeyboardInterrupt:   # a second Ctrl-C: stop now, without a checkpoint
+        if comm is None or comm.size == 1:
+            raise
+        print(f"fedmpi: error: rank {comm.rank}: interrupted twice (SIGINT); stopping every "
+              "rank now, without a checkpoint", file=sys.stderr, flush=True)
+        rundir.release()
+        comm.abort(130)   # the other ranks would otherwise wait in a collective
+        raise
     finally:
         signals.restore()
         rundir.release()
@@ -103,11 +122,16 @@ def set_up(cfg, comm: Comm, out: Optional[Path] = None, code: Optional[UserCode]
             restored = open_dir(fed)
     except (UserError, OutputError) as exc:
         error = exc
+    except CommTimeout as exc:   # a rank slower than runtime.setup_timeout: one line
+        guard.setup_timed_out(comm, exc, fed)
     except Exception as exc:  # noqa: BLE001 - any setup failure must stop every rank
         error = exc
         if comm.rank != 0 or show_traceback():   # rank 0 raises it: its traceback is printed
             traceback.print_exc()
-    guard.agree_on_setup(comm, error)   # the error line once, every rank stops
+    try:
+        guard.agree_on_setup(comm, error)   # the error line once, every rank stops
+    except CommTimeout as exc:
+        guard.setup_timed_out(comm, exc, fed)
     assert fed is not None
     return fed, restored
 
@@ -115,7 +139,7 @@ def set_up(cfg, comm: Comm, out: Optional[Path] = None, code: Optional[UserCode]
 def check(cfg, comm: Optional[Comm] = None) -> str:
     """``fedmpi check --dry-run``: :func:`set_up` without a run directory; returns (on
     every rank) the line saying what was built and checked."""
-    comm = comm or Comm(timeout=cfg.runtime.round_timeout)
+    comm = comm or run_comm(cfg)
     fed, _ = set_up(cfg, comm)
     b = fed.built
     hosted = comm.max_int(len(b.hosted), what="dry run summary")
@@ -126,10 +150,9 @@ def check(cfg, comm: Optional[Comm] = None) -> str:
             f"weighting {cfg.aggregation.weighting}; transforms {list(cfg.transforms) or 'none'}")
 
 
-def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
+def _run(cfg, out_dir: Optional[str | Path], comm: Comm, resume: bool,
          overwrite: bool = False, code: Optional[UserCode] = None,
          callbacks: Sequence[Callback] = ()) -> Optional[dict[str, float]]:
-    comm = comm or Comm(timeout=cfg.runtime.round_timeout)
     if comm.rank == 0:
         for old, new in getattr(cfg, "renamed", ()):
             print(f"fedmpi: note: config key {old!r} is now {new!r}", file=sys.stderr, flush=True)
@@ -152,8 +175,13 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
         return restored
 
     fed, restored = set_up(cfg, comm, out, code, open_dir, dry=not resume)
-    start = checkpoint.resume(fed, restored) if resume else 0
+    try:
+        start = checkpoint.resume(fed.run_state(), restored) if resume else 0
+    except CommTimeout as exc:
+        guard.setup_timed_out(comm, exc, fed)
     fed.checkpoint_round = start
+    if comm.timeout_key == "runtime.setup_timeout":
+        comm.timeout, comm.timeout_key = cfg.runtime.round_timeout, "runtime.round_timeout"
     if after is not None:
         after.replay(fed.history)   # a resumed run's best value and patience count
 
@@ -167,6 +195,8 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Optional[Comm], resume: bool,
     try:
         t = start
         while True:
+            if comm.rank == 0:
+                rundir.heartbeat()   # the lock says this run is alive (other hosts too)
             cmd = fed.round(t)
             if cmd != CMD_ROUND:
                 break

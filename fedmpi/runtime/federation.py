@@ -22,8 +22,8 @@ import torch
 from .. import checkpoint, signals
 from ..algorithms.adversary import Adversary
 from ..comm import Comm
-from ..imports import UserCode
 from ..outputs import write_model
+from ..usercode import UserCode
 from ..train import LocalTrainer
 from .build import build, participants
 from .channel import Channel, plan_uplink
@@ -102,6 +102,7 @@ class Federation:
         self.dp_noise = ServerNoise(cfg) if self.is_server and level == "client" else None
         self.checkpoint_round = 0                 # rounds < this are in the newest checkpoint
         self.failure: Optional[str] = None
+        self.rounds_without_update = 0            # runtime.max_rounds_without_update
 
     # ----------------------------------------------------------- accessors
     @property
@@ -135,6 +136,23 @@ class Federation:
         """The ECGR engine when ``ecgr.enabled`` (None otherwise)."""
         tr = self.transforms.get("ecgr")
         return tr.engine if tr is not None else None
+
+    def run_state(self) -> checkpoint.RunState:
+        """What a checkpoint saves and restores (:class:`fedmpi.checkpoint.RunState`):
+        θ, the named components (method, weighting, transforms, privacy accountant, RNG
+        streams) and the per-client states of the hosted clients."""
+        parts: dict[str, checkpoint.StateOwner] = {"algorithm": self.algo,
+                                                   "weighting": self.weighting}
+        parts.update({f"transform/{tr.name}": tr for tr in self.transforms})
+        parts["rule"] = self.rule
+        if self.budget is not None:   # the accountant's counts: resume reports the same ε
+            parts["privacy"] = self.budget
+        parts["rng"] = checkpoint.RngStreams()
+        return checkpoint.RunState(
+            cfg=self.cfg, comm=self.comm, num_clients=self.K, host=self.host,
+            hosted=self.my_clients, device=self.device, global_state=self.global_state,
+            components=parts, clients=self.algo,
+            after_resume=lambda t: self.algo.after_resume(self.ctx, t), out_dir=self.out_dir)
 
     def participants(self, t: int) -> np.ndarray:
         """Boolean mask of S_t: m of K clients without replacement, RNG (seed, t)."""
@@ -218,7 +236,7 @@ class Federation:
     def save_checkpoint(self, t: int) -> None:
         """Collective: checkpoint "rounds < t are done" (:mod:`fedmpi.checkpoint`)."""
         assert self.out_dir is not None, "checkpoints are flagged only with an output directory"
-        path = checkpoint.save(self, t, checkpoint.checkpoint_path(self.out_dir))
+        path = checkpoint.save(self.run_state(), t, checkpoint.checkpoint_path(self.out_dir))
         self.checkpoint_round = t
         if path is not None and self.stop_reason is not None:
             self.recorder.event(t, 0, -1, f"checkpoint of rounds < {t} written to {path}")
@@ -251,7 +269,9 @@ class Federation:
                                 + EXCLUDED_BECAUSE.get(int(up.status[k]), "status " + str(up.status[k])))
         if result.accepted.size == 0:
             self.recorder.event(t, 0, -1, "no update accepted; global model unchanged")
-        elif not guard.global_model_finite(self, t):   # stop; the last checkpoint is kept
+        self.rounds_without_update = 0 if result.accepted.size else self.rounds_without_update + 1
+        guard.no_progress(self, t)   # too many such rounds in a row: the next header aborts
+        if result.accepted.size and not guard.global_model_finite(self, t):   # keep the last checkpoint
             self.evals.join(t, self.global_state, self.ctx, self.algo, self.channel)  # workers wait
             return
         overlapped = self.evals.overlaps(t)

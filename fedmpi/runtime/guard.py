@@ -11,6 +11,8 @@ Kept out of :mod:`fedmpi.runtime` so the driver only has one-line call sites:
 * :func:`global_model_finite` — after aggregation: a non-finite θ stops the run (exit 1,
   status ``failed``); no checkpoint is written after it, so the last one is the last
   good state, and no ``model.pt`` is written.
+* :func:`no_progress` — ``runtime.max_rounds_without_update`` rounds in a row without an
+  accepted update stop the run (exit 1, status ``failed``).
 * :func:`write_failed` — a refused write (disk full) of the log, checkpoint or
   ``model.pt``: one line naming the file, status ``failed`` if the log still takes it,
   exit 1 without running HDF5's finalisation (which crashes on a file whose flush
@@ -24,14 +26,16 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 import numpy as np
 import torch
 
-from .. import __version__, checkpoint, rundir
+from .. import checkpoint, rundir
+from .._version import __version__
 from ..errors import ReportedElsewhere, RunFailed, UserError
 from ..outputs import OutputError, quiet_h5py_errors
+from ..safefile import write_text
 
 
 def open_run(fed, out: Path, resume: bool, overwrite: bool) -> Optional[checkpoint.Restored]:
@@ -41,7 +45,7 @@ def open_run(fed, out: Path, resume: bool, overwrite: bool) -> Optional[checkpoi
     owned = rundir.prepare(out, fed.cfg, resume, overwrite)
     restored = None
     if resume:
-        restored = checkpoint.load_server_side(fed, checkpoint.checkpoint_path(out))
+        restored = checkpoint.load_server_side(fed.run_state(), checkpoint.checkpoint_path(out))
         fed.history = rundir.resume_history(out / "log.h5", restored.path, restored.round,
                                             fed.cfg)
     fed.writer = LogWriter(out / "log.h5", config_yaml=fed.cfg.to_yaml(), world_size=fed.size,
@@ -55,7 +59,7 @@ def open_run(fed, out: Path, resume: bool, overwrite: bool) -> Optional[checkpoi
         fed.writer.event(restored.round if restored else 0, 0, -1,
                          f"took over the stale lock of a run that is gone ({owned.stale_lock})")
     try:
-        (out / "config.yaml").write_text(fed.cfg.to_yaml())
+        write_text(out / "config.yaml", fed.cfg.to_yaml())
     except OSError as exc:
         from ..outputs import write_failed
 
@@ -86,6 +90,30 @@ def agree_on_setup(comm, error: Optional[BaseException]) -> None:
     raise RunFailed("the run's set-up failed on another rank (its error says why)", quiet=True)
 
 
+def setup_timed_out(comm, exc: BaseException, fed=None) -> NoReturn:
+    """A collective of the start-up did not complete within ``runtime.setup_timeout``:
+    one line (naming the slow rank where the roll call knows it), the log (if rank 0
+    opened it already) says ``failed``, every rank stops (exit 1)."""
+    end_job(fed, comm, exc, 0)
+
+
+def end_job(fed, comm, exc: BaseException, t: int) -> NoReturn:
+    """Report ``exc`` in one line, record it in the log (status ``failed``) while the log
+    still takes writes, release the lock, and end every rank with exit 1."""
+    print(f"fedmpi: error: {exc}", file=sys.stderr, flush=True)
+    writer = getattr(fed, "writer", None)
+    if writer is not None and writer.broken is None:
+        try:
+            writer.event(t, comm.rank, -1, str(exc))
+            writer.set_status("failed")
+            writer.close()
+        except OutputError:
+            pass
+    rundir.release()
+    comm.abort(1)
+    raise SystemExit(1)   # not reached: abort ends the process
+
+
 def global_model_finite(fed, t: int) -> bool:
     """Rank 0 after aggregation: whether θ is finite; if not, record the failure."""
     if bool(torch.isfinite(fed.global_state.sum(dtype=torch.float64))):
@@ -99,20 +127,25 @@ def global_model_finite(fed, t: int) -> bool:
     return False
 
 
+def no_progress(fed, t: int) -> bool:
+    """Rank 0 after aggregation: whether ``runtime.max_rounds_without_update``
+    consecutive rounds (this one the last) accepted no client update; if so, record the
+    failure (the run ends ``failed``, exit 1: a run that cannot move is not a success)."""
+    limit = fed.cfg.runtime.max_rounds_without_update
+    if not limit or fed.rounds_without_update < limit:
+        return False
+    fed.failure = (f"rounds {t - limit + 1}..{t}: no client update was accepted in {limit} "
+                   f"consecutive rounds (runtime.max_rounds_without_update={limit}); the global "
+                   "model has not changed since: the log's events say why each update was "
+                   "excluded")
+    fed.recorder.event(t, 0, -1, fed.failure)
+    return True
+
+
 def write_failed(fed, comm, exc: OutputError, t: int) -> None:
     """A refused write on this rank: report it in one line and end the job (exit 1)."""
-    print(f"fedmpi: error: {exc}", file=sys.stderr, flush=True)
     quiet_h5py_errors()
-    writer = getattr(fed, "writer", None)
-    if writer is not None and writer.broken is None:
-        try:
-            writer.event(t, comm.rank, -1, str(exc))
-            writer.set_status("failed")
-            writer.close()
-        except OutputError:
-            pass
-    rundir.release()
-    comm.abort(1)
+    end_job(fed, comm, exc, t)
 
 
 def discard_unstarted(out: Path, logged: int, resume: bool) -> bool:

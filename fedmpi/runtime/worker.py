@@ -16,14 +16,9 @@ import torch
 from ..algorithms import Algorithm, ClientTask, TransformChain, Weighting
 from ..errors import show_traceback
 from ..imports import run_objects, runtime_error_line
-from ..train import LocalTrainer, TrainResult
+from ..train import LocalTrainer, TrainResult, stream_seed
 from .channel import Channel
 from .server import M_TIME, STATUS_NONFINITE, STATUS_OK
-
-
-def stream_seed(*keys: int) -> int:
-    """A 63-bit seed derived from integer keys (e.g. (seed, client, round))."""
-    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(1, np.uint64)[0] >> 1)
 
 
 class Worker:

@@ -1,0 +1,95 @@
+"""User code handed to :func:`fedmpi.run` or named in the config, resolved for a run.
+
+Sits above :mod:`fedmpi.algorithms` and :mod:`fedmpi.data`: :mod:`fedmpi.imports`
+only resolves a path and checks the kind of object; here the component classes
+are looked up in their registries and checked as a whole (``fedmpi check``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from .algorithms import (ALGORITHMS, RULES, WEIGHTINGS, Algorithm, ServerRule, Weighting,
+                         enabled_transforms)
+from .config import check_components
+from .data.custom import dataset_factory
+from .errors import ConfigError
+from .imports import is_import_path, model_factory, silo_loader, subclass
+from .metrics import is_user_metric, user_metric
+from .params import check_params
+
+__all__ = ["UserCode", "check_config_paths"]
+
+
+@dataclass(frozen=True)
+class UserCode:
+    """Objects given to :func:`fedmpi.run` that replace the config's names.
+
+    ``model``: a factory ``(input_shape, num_classes) -> nn.Module`` (or an
+    ``nn.Module`` class); ``data``: a :class:`~fedmpi.data.Dataset`, a
+    ``(train, test)`` pair or a zero-argument callable returning either;
+    ``algorithm``: an :class:`~fedmpi.algorithms.Algorithm` subclass;
+    ``weighting``: a :class:`~fedmpi.algorithms.Weighting` subclass; ``rule``: a
+    :class:`~fedmpi.algorithms.ServerRule` subclass. None: the config's name.
+    Every rank must be given the same objects.
+    """
+
+    model: Optional[Callable[..., Any]] = None
+    data: Any = None
+    algorithm: Optional[type] = None
+    weighting: Optional[type] = None
+    rule: Optional[type] = None
+
+    def algorithm_class(self, cfg: Any) -> Any:
+        """The method class: the one given, else ``algorithm.name``'s."""
+        if self.algorithm is not None:
+            return subclass(self.algorithm, Algorithm, "algorithm.name")
+        return ALGORITHMS.lookup(cfg.algorithm.name)
+
+    def weighting_class(self, cfg: Any) -> Any:
+        """The weighting class: the one given, else ``aggregation.weighting``'s."""
+        if self.weighting is not None:
+            return subclass(self.weighting, Weighting, "aggregation.weighting")
+        return WEIGHTINGS.lookup(cfg.aggregation.weighting)
+
+    def rule_class(self, cfg: Any) -> Any:
+        """The server rule's class: the one given, else ``aggregation.rule``'s."""
+        if self.rule is not None:
+            return subclass(self.rule, ServerRule, "aggregation.rule")
+        return RULES.lookup(cfg.aggregation.rule)
+
+    def build_weighting(self, cfg: Any, num_samples: Any) -> Any:
+        """The weighting: the class given, else ``aggregation.weighting``'s."""
+        return self.weighting_class(cfg)(num_samples)
+
+    def check(self, cfg: Any) -> None:
+        """Every selected component's ``check`` and the combination rules, with the
+        classes this run really uses (those by import path or given as objects too)."""
+        check_components(cfg, self.algorithm_class(cfg), self.weighting_class(cfg),
+                         enabled_transforms(cfg), self.rule_class(cfg))
+
+
+# --------------------------------------------------------------- fedmpi check
+def check_config_paths(cfg: Any) -> None:
+    """Resolve and check every import path of ``cfg`` (``fedmpi check``); raises ConfigError."""
+    if is_import_path(cfg.model.name):
+        model_factory(cfg.model.name)
+    if is_import_path(cfg.data.dataset):
+        dataset_factory(cfg.data.dataset)
+    if cfg.data.silos.loader is not None:
+        silo_loader(cfg.data.silos.loader)
+    for metric in cfg.eval.metrics:
+        if is_user_metric(metric):
+            user_metric(metric)
+    code = UserCode()
+    if cfg.privacy.secure_aggregation:
+        from .privacy.secagg import refuse_per_client
+
+        refuse_per_client(cfg, bool(code.weighting_class(cfg).per_client),
+                          bool(code.rule_class(cfg).per_client), [])
+    if is_import_path(cfg.algorithm.name):
+        check_params(code.algorithm_class(cfg), cfg.algorithm.params)
+    elif cfg.algorithm.params:
+        raise ConfigError(f"config key 'algorithm.params' is for a method given by import path; "
+                          f"{cfg.algorithm.name!r} takes its parameters from its own keys")
+    code.check(cfg)

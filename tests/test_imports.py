@@ -1,0 +1,160 @@
+"""The package has no import cycle (issue 23): every ``import`` in ``fedmpi/`` counts,
+also those inside functions; only ``if TYPE_CHECKING:`` blocks are exempt.
+
+The graph is built from the source with :mod:`ast`, independently of the
+package: an edge A → B for every module B that executing A's imports would
+import — the named module, each submodule named in ``from pkg import sub``, and
+every parent package of the named module below ``fedmpi`` (importing
+``fedmpi.algorithms.base`` runs ``fedmpi/algorithms/__init__.py``). Cycles are
+the strongly connected components with more than one module.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import ROOT
+
+PKG = ROOT / "fedmpi"
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    out = {}
+    for path in PKG.rglob("*.py"):
+        parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_pkg else parts)] = (path, is_pkg)
+    return out
+
+
+def _type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or \
+        (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for name, (path, is_pkg) in mods.items():
+        package = name if is_pkg else name.rsplit(".", 1)[0]
+
+        def targets(node: ast.Import | ast.ImportFrom) -> list[str]:
+            if isinstance(node, ast.Import):
+                return [a.name for a in node.names]
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            subs = [f"{module}.{a.name}" for a in node.names if f"{module}.{a.name}" in mods]
+            return subs + ([module] if len(subs) < len(node.names) else [])
+
+        def visit(node: ast.AST) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.If) and _type_checking(child):
+                    for stmt in child.orelse:
+                        visit(stmt)
+                    continue
+                if isinstance(child, (ast.Import, ast.ImportFrom)):
+                    for target in targets(child):
+                        parts = target.split(".")
+                        for i in range(2, len(parts) + 1):   # parent packages, then the module
+                            dep = ".".join(parts[:i])
+                            if dep in mods and dep != name and not name.startswith(dep + "."):
+                                graph[name].add(dep)
+                visit(child)
+
+        visit(ast.parse(path.read_text(encoding="utf-8")))
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = counter
+                    counter += 1
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    comp = []
+                    while True:
+                        top = stack.pop()
+                        on_stack.discard(top)
+                        comp.append(top)
+                        if top == node:
+                            break
+                    if len(comp) > 1:
+                        found.append(sorted(comp))
+    return found
+
+
+def test_the_cycle_finder_finds_cycles():
+    """The detector itself: a 3-cycle, a self-contained DAG, a 2-cycle through a package."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+    assert sorted(map(tuple, cycles({"p": {"p.x"}, "p.x": {"q"}, "q": {"p"}, "r": set()}))) == \
+        [("p", "p.x", "q")]
+
+
+def test_graph_sees_function_local_imports_and_ignores_type_checking():
+    g = import_graph()
+    # fedmpi.__init__ imports api only inside __getattr__: still an edge
+    assert "fedmpi.api" in g["fedmpi"]
+    # base.py imports fedmpi.context only under TYPE_CHECKING
+    assert "fedmpi.context" not in g["fedmpi.algorithms.base"]
+    # importing fedmpi.algorithms.base runs fedmpi/algorithms/__init__.py
+    assert "fedmpi.algorithms" in g["fedmpi.config"]
+
+
+def test_fedmpi_has_no_import_cycle():
+    found = cycles(import_graph())
+    assert not found, "import cycles in fedmpi/: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_config_core_imports_no_component_and_names_no_method():
+    """The config core is below the components: it imports neither fedmpi.algorithms nor
+    anything that does, and no method, weighting or transform name appears in it."""
+    g = import_graph()
+    reach, todo = set(), ["fedmpi.config_core"]
+    while todo:
+        for dep in g[todo.pop()]:
+            if dep not in reach:
+                reach.add(dep)
+                todo.append(dep)
+    assert not {m for m in reach if m.startswith("fedmpi.algorithms")}, reach
+    from fedmpi.algorithms import ALGORITHMS, RULES, TRANSFORMS, WEIGHTINGS
+
+    for path in (PKG / "config_core.py", PKG / "config.py"):
+        code = ast.unparse(ast.parse(path.read_text(encoding="utf-8")))   # no comments
+        strings = {n.value for n in ast.walk(ast.parse(code))
+                   if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+        names = set(ALGORITHMS) | set(TRANSFORMS) | (set(WEIGHTINGS) - {"samples", "uniform"}) \
+            | (set(RULES) - {"mean"})
+        named = {n for n in names if any(n in s.split() or f"'{n}'" in s or s == n for s in strings)}
+        assert not named, f"{path.name} names components {sorted(named)}"
