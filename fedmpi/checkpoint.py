@@ -28,8 +28,8 @@ safetensors layout (8-byte little-endian header length, a JSON header with
 dtype, shape and byte offsets per tensor, then the raw data; see
 :func:`encode_state`), a ``Reduce`` of the per-client byte counts and a
 ``Bcast`` of them tell every rank the sizes, and ``Gatherv`` of ``uint8``
-blocks moves the bytes (in blocks of at most ``CHUNK/size`` bytes per rank, so
-MPI counts stay below 2^31). :func:`resume` does the reverse with
+blocks moves the bytes (in blocks of at most ``comm.chunk(uint8)/size`` bytes per
+rank, so MPI counts stay below 2^31 and messages within ``runtime.max_message_bytes``). :func:`resume` does the reverse with
 ``Scatterv`` to the clients' hosts under the *current* rank layout, so a run
 checkpointed under ``-n 5`` resumes under ``-n 2`` or alone.
 
@@ -62,7 +62,6 @@ from typing import Any, Callable, Optional, Protocol
 import numpy as np
 import torch
 
-from .comm import CHUNK
 from .errors import ReportedElsewhere
 from .outputs import save_atomic  # noqa: F401 - the checkpoint writer (re-exported)
 from .rundir import check_same_run, fingerprint
@@ -276,15 +275,15 @@ class RunState:
 
 
 # --------------------------------------------------------------- transport
-def _block(size: int) -> int:
-    """Bytes per rank per Gatherv/Scatterv call (total per call ≤ CHUNK)."""
-    return max(1, CHUNK // max(1, size))
+def _block(comm) -> int:
+    """Bytes per rank per Gatherv/Scatterv call (total per call ≤ ``comm.chunk``)."""
+    return max(1, comm.chunk(np.uint8) // max(1, comm.size))
 
 
 def _streams_layout(run: RunState, lengths: np.ndarray) -> tuple[list[int], int]:
     """Per-rank stream lengths (clients in id order) and the number of blocks."""
     per_rank = [int(lengths[run.host == r].sum()) for r in range(run.size)]
-    block = _block(run.size)
+    block = _block(run.comm)
     return per_rank, -(-max(per_rank) // block) if max(per_rank) else 0
 
 
@@ -315,7 +314,7 @@ def gather_client_states(run: RunState) -> dict[int, dict[str, torch.Tensor]]:
     mine = [blobs[k] for k in run.hosted if k in blobs]
     stream = np.concatenate(mine) if mine else np.zeros(0, dtype=np.uint8)
     parts: list[list[np.ndarray]] = [[] for _ in range(run.size)]
-    block = _block(run.size)
+    block = _block(run.comm)
     for j in range(blocks):
         rows = [max(0, min(block, n - j * block)) for n in per_rank]
         send = stream[j * block: j * block + rows[run.rank]].reshape(-1, 1)
@@ -350,7 +349,7 @@ def scatter_client_states(run: RunState, states: Optional[dict[int, dict[str, to
                 lengths[int(k)] = blobs[int(k)].size
     comm.broadcast(lengths, what="resume sizes Bcast")
     per_rank, blocks = _streams_layout(run, lengths)
-    block = _block(run.size)
+    block = _block(run.comm)
     send_streams: list[np.ndarray] = []
     if run.is_server:
         for r in range(run.size):

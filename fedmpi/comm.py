@@ -23,8 +23,14 @@ and :data:`WORKER_GRACE` on a worker, so that rank 0 — which can name the miss
 reports first, in one line) raises :class:`CommTimeout` (the runtime then aborts the
 whole job).
 
-Messages over ``CHUNK`` elements are split (MPI counts are C ints; APPFL hit
-the 2^31 limit with large models).
+Messages of any size: every buffer call is split into pieces of at most
+:meth:`Comm.chunk` elements -- ``CHUNK`` = 2^30 (MPI counts are C ints; APPFL hit
+the 2^31 − 1 limit with large models), fewer when ``max_message_bytes``
+(``runtime.max_message_bytes``) asks for smaller messages, which is how the tests
+reach the chunked paths with small models. Chunks cut along elements that are
+combined independently (a broadcast or gather moves bytes; a reduction adds each
+element over ranks in the same order in every chunk), so a chunked transfer gives
+the same bits as one call.
 
 Longer than ~350 lines on purpose: it is the only module that touches MPI, so every collective, wait policy and chunking rule lives here.
 """
@@ -79,7 +85,8 @@ class Comm:
     """
 
     def __init__(self, comm=None, timeout: float = 600.0, max_sleep: float = 2e-3,
-                 spin: float = 5e-3, gather_reduce_bytes: int = 1 << 30) -> None:
+                 spin: float = 5e-3, gather_reduce_bytes: int = 1 << 30,
+                 max_message_bytes: Optional[int] = None) -> None:
         MPI = _mpi()
         self.MPI = MPI
         self.comm = comm if comm is not None else MPI.COMM_WORLD
@@ -89,6 +96,9 @@ class Comm:
         self.max_sleep = max_sleep
         self.spin = spin
         self.gather_reduce_bytes = gather_reduce_bytes
+        if max_message_bytes is not None and max_message_bytes < 1:
+            raise ValueError(f"max_message_bytes must be >= 1, got {max_message_bytes}")
+        self.max_message_bytes = max_message_bytes
         self._gather_scratch: dict[tuple, np.ndarray] = {}
         self.traffic = Traffic()
         #: the config key that set ``timeout`` (named in a CommTimeout message)
@@ -141,10 +151,17 @@ class Comm:
             time.sleep(delay)
             delay = min(delay * 2.0, self.max_sleep)
 
-    @staticmethod
-    def _chunks(n: int):
-        for start in range(0, max(n, 1), CHUNK):
-            yield slice(start, min(start + CHUNK, n))
+    def chunk(self, dtype: np.dtype | type) -> int:
+        """Elements of ``dtype`` per MPI call: ``CHUNK``, or fewer under
+        ``max_message_bytes`` (at least one element)."""
+        if self.max_message_bytes is None:
+            return CHUNK
+        return max(1, min(CHUNK, self.max_message_bytes // np.dtype(dtype).itemsize))
+
+    def _chunks(self, n: int, dtype: np.dtype | type):
+        step = self.chunk(dtype)
+        for start in range(0, max(n, 1), step):
+            yield slice(start, min(start + step, n))
 
     # ------------------------------------------------------------ collectives
     def broadcast(self, buf: np.ndarray, root: int = 0, what: str = "Bcast",
@@ -154,7 +171,7 @@ class Comm:
             return
         t0 = time.perf_counter()
         flat = buf.reshape(-1)
-        reqs = [self.comm.Ibcast(flat[s], root=root) for s in self._chunks(flat.size)]
+        reqs = [self.comm.Ibcast(flat[s], root=root) for s in self._chunks(flat.size, flat.dtype)]
         self._wait(reqs, what, patient)
         sent = flat.nbytes * (self.size - 1) if self.rank == root else 0
         self.traffic.add("bcast", sent, time.perf_counter() - t0)
@@ -177,21 +194,29 @@ class Comm:
         t0 = time.perf_counter()
         send = sendbuf.reshape(-1)
         recv = recvbuf.reshape(-1) if self.rank == root else None
-        if self.size * send.nbytes <= self.gather_reduce_bytes and send.size <= CHUNK:
+        if self.size * send.nbytes <= self.gather_reduce_bytes:
+            # one Gather per chunk of columns; each column is summed over rows 0, 1, …
+            # whatever the chunking, so the bits do not depend on it
+            step = self.chunk(send.dtype)
             rows = None
             if self.rank == root:
-                key = (send.size, send.dtype.str)
+                key = (min(step, send.size), send.dtype.str)
                 rows = self._gather_scratch.get(key)
                 if rows is None:
-                    rows = self._gather_scratch[key] = np.empty((self.size, send.size), send.dtype)
-            self._wait([self.comm.Igather(send, rows, root=root)], what, patient)
-            if rows is not None:
-                np.sum(rows, axis=0, out=recv)
+                    rows = self._gather_scratch[key] = np.empty((self.size, key[0]), send.dtype)
+            for s in self._chunks(send.size, send.dtype):
+                block = rows[:, : s.stop - s.start] if rows is not None else None
+                if block is not None and not block.flags.c_contiguous:
+                    block = np.empty_like(block)
+                self._wait([self.comm.Igather(send[s], block, root=root)], what, patient)
+                if block is not None:
+                    np.sum(block, axis=0, out=recv[s])
             self.traffic.add("reduce", 0 if self.rank == root else send.nbytes,
                              time.perf_counter() - t0)
             return
         reqs = [self.comm.Ireduce(send[s], recv[s] if recv is not None else None,
-                                  op=self.MPI.SUM, root=root) for s in self._chunks(send.size)]
+                                  op=self.MPI.SUM, root=root)
+                for s in self._chunks(send.size, send.dtype)]
         self._wait(reqs, what, patient)
         self.traffic.add("reduce", 0 if self.rank == root else send.nbytes, time.perf_counter() - t0)
 
@@ -200,7 +225,7 @@ class Comm:
         """Gather row blocks: rank ``r`` sends ``rows[r]`` rows of width ``P``.
 
         ``sendbuf`` is ``[rows[rank], P]``; on ``root`` ``recvbuf`` is
-        ``[sum(rows), P]`` in rank order. Messages larger than ``CHUNK``
+        ``[sum(rows), P]`` in rank order. Calls larger than :meth:`chunk`
         elements are sent in column blocks (staged through a copy).
         """
         width = sendbuf.shape[1]
@@ -209,7 +234,8 @@ class Comm:
             return
         t0 = time.perf_counter()
         mpi_type = self.MPI._typedict[sendbuf.dtype.char]
-        step = width if sum(rows) * width <= CHUNK else max(1, CHUNK // max(1, sum(rows)))
+        limit = self.chunk(sendbuf.dtype)
+        step = width if sum(rows) * width <= limit else max(1, limit // max(1, sum(rows)))
         for c0 in range(0, width, step):
             c1 = min(width, c0 + step)
             direct = c0 == 0 and c1 == width
@@ -233,11 +259,12 @@ class Comm:
 
         On ``root`` ``sendbuf`` is ``[sum(rows), P]`` in rank order; ``recvbuf``
         is ``[rows[rank], P]``. One MPI call: the caller keeps
-        ``sum(rows)·P ≤ CHUNK`` (checkpoint restore sends in blocks).
+        ``sum(rows)·P ≤ chunk(dtype)`` (checkpoint restore sends in blocks).
         """
         width = recvbuf.shape[1]
-        if sum(rows) * width > CHUNK:
-            raise ValueError(f"{what}: {sum(rows) * width} elements exceed one call ({CHUNK})")
+        if sum(rows) * width > self.chunk(recvbuf.dtype):
+            raise ValueError(f"{what}: {sum(rows) * width} elements exceed one call "
+                             f"({self.chunk(recvbuf.dtype)})")
         if self.size == 1:
             np.copyto(recvbuf, sendbuf[: rows[0]])
             return
@@ -257,34 +284,65 @@ class Comm:
             np.copyto(recvbuf.reshape(1, -1), sendbuf.reshape(1, -1))
             return
         t0 = time.perf_counter()
-        req = self.comm.Igather(sendbuf, recvbuf if self.rank == root else None, root=root)
-        self._wait([req], what, patient)
+        send = sendbuf.reshape(-1)
+        if send.size * self.size <= self.chunk(send.dtype):
+            req = self.comm.Igather(send, recvbuf if self.rank == root else None, root=root)
+            self._wait([req], what, patient)
+        else:
+            out = recvbuf.reshape(self.size, send.size) if self.rank == root else None
+            self.gatherv_rows(send.reshape(1, -1), out, [1] * self.size, root, what, patient)
         self.traffic.add("gather", 0 if self.rank == root else sendbuf.nbytes, time.perf_counter() - t0)
 
-    def start_send(self, buf: np.ndarray, dest: int, tag: int):
-        """Buffer ``Isend`` of a contiguous array (≤ ``CHUNK`` elements); returns the request."""
+    def start_send(self, buf: np.ndarray, dest: int, tag: int) -> list:
+        """Buffer ``Isend`` of a contiguous array, one per :meth:`chunk` (same tag:
+        MPI keeps messages between two ranks with one tag in order); returns the
+        requests."""
         self.traffic.add("send", buf.nbytes, 0.0)
-        return self.comm.Isend(buf, dest=dest, tag=tag)
+        flat = buf.reshape(-1)
+        return [self.comm.Isend(flat[s], dest=dest, tag=tag)
+                for s in self._chunks(flat.size, flat.dtype)]
 
-    def start_recv(self, buf: np.ndarray, source: int, tag: int):
-        """Buffer ``Irecv`` into a contiguous array; returns the request."""
-        return self.comm.Irecv(buf, source=source, tag=tag)
+    def start_recv(self, buf: np.ndarray, source: int, tag: int) -> list:
+        """Buffer ``Irecv`` into a contiguous array, chunked as :meth:`start_send`;
+        returns the requests."""
+        flat = buf.reshape(-1)
+        return [self.comm.Irecv(flat[s], source=source, tag=tag)
+                for s in self._chunks(flat.size, flat.dtype)]
 
     def wait(self, requests: list, what: str, patient: bool = True,
              on_done: Optional[Callable[[int], None]] = None) -> None:
-        """Complete requests from :meth:`start_send`/:meth:`start_recv` (see :meth:`_wait`)."""
-        if requests:
-            self._wait(requests, what, patient, on_done)
+        """Complete requests from :meth:`start_send`/:meth:`start_recv` (see
+        :meth:`_wait`): ``requests`` is a list of those calls' lists, and
+        ``on_done(i)`` is called once every request of ``requests[i]`` is done."""
+        if not requests:
+            return
+        flat = [r for group in requests for r in group]
+        owner = [i for i, group in enumerate(requests) for _ in group]
+        left = [len(group) for group in requests]
+
+        def piece_done(j: int) -> None:
+            i = owner[j]
+            left[i] -= 1
+            if left[i] == 0 and on_done is not None:
+                on_done(i)
+
+        self._wait(flat, what, patient, piece_done if on_done is not None else None)
 
     def allreduce_sum(self, sendbuf: np.ndarray, recvbuf: np.ndarray, what: str = "Allreduce",
                       patient: bool = True) -> None:
-        """``recvbuf = Σ_ranks sendbuf`` on every rank (one call: small buffers)."""
+        """``recvbuf = Σ_ranks sendbuf`` on every rank."""
         if self.size == 1:
             np.copyto(recvbuf, sendbuf)
             return
         t0 = time.perf_counter()
-        self._wait([self.comm.Iallreduce(sendbuf, recvbuf, op=self.MPI.SUM)], what, patient)
+        self._allreduce(sendbuf, recvbuf, self.MPI.SUM, what, patient)
         self.traffic.add("allreduce", sendbuf.nbytes, time.perf_counter() - t0)
+
+    def _allreduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op, what: str,
+                   patient: bool = True) -> None:
+        send, recv = sendbuf.reshape(-1), recvbuf.reshape(-1)
+        self._wait([self.comm.Iallreduce(send[s], recv[s], op=op)
+                    for s in self._chunks(send.size, send.dtype)], what, patient)
 
     def allreduce_max(self, sendbuf: np.ndarray, recvbuf: np.ndarray,
                       what: str = "Allreduce") -> None:
@@ -292,7 +350,7 @@ class Comm:
         if self.size == 1:
             np.copyto(recvbuf, sendbuf)
             return
-        self._wait([self.comm.Iallreduce(sendbuf, recvbuf, op=self.MPI.MAX)], what)
+        self._allreduce(sendbuf, recvbuf, self.MPI.MAX, what)
 
     def max_int(self, value: int, what: str = "Allreduce") -> int:
         """Max of an integer over all ranks (setup agreement on error codes)."""

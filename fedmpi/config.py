@@ -256,6 +256,10 @@ _FRAMEWORK: dict[str, Field] = {
                                                "many consecutive rounds in which no client update "
                                                "was accepted (0 = never)", ge=0),
     "runtime.progress": Field(bool, True, "show a progress bar"),
+    "runtime.max_message_bytes": Field(int | None, None, "largest MPI message in bytes; longer "
+                                       "buffers go in pieces (same result bit for bit); null = "
+                                       "2^30 elements per call, below MPI's 2^31 - 1 count limit",
+                                       ge=1),
     "runtime.reduction": Field(str, "default", "how the uplink sums reach rank 0: default = "
                                "summed on each worker, then over ranks (equal across world sizes "
                                "up to float rounding); exact = one row per client, summed in "

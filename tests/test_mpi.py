@@ -175,3 +175,120 @@ def test_comm_collectives_patient_and_eager():
     wait modes (patient: sleeping poll; eager: spin) on 3 ranks."""
     from conftest import run_mpi_script
     assert "COMM OK 3" in run_mpi_script(COMM_SCRIPT).stdout
+
+
+CHUNK_SCRIPT = r"""
+import numpy as np
+from fedmpi.comm import Comm
+
+LIMIT = 100                     # bytes per message: 25 float32, 12 float64, 100 uint8
+sent = []                       # (call, bytes this rank sent in it)
+
+
+class Spy:
+    # the mpi4py communicator, recording the send buffer of every call
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        f = getattr(self.inner, name)
+        if not (name[0] == "I" and callable(f)):
+            return f
+        def call(*a, **k):
+            buf = a[0][0] if isinstance(a[0], list) else a[0]
+            if isinstance(buf, np.ndarray):
+                sent.append((name, buf.nbytes))
+            return f(*a, **k)
+        return call
+
+
+small = Comm(timeout=60, max_message_bytes=LIMIT)
+small.comm = Spy(small.comm)
+whole = Comm(timeout=60)
+r, n = small.rank, small.size
+per_rank = [np.random.default_rng(i).standard_normal(333) for i in range(n)]
+
+# Bcast: 1001 float32 (41 messages of <= 25)
+x = np.random.default_rng(9).standard_normal(1001).astype(np.float32)
+b = x.copy() if r == 0 else np.zeros_like(x)
+small.broadcast(b)
+assert np.array_equal(b, x)
+
+# Reduce (Gather path): bit-identical to the one-call path and to ((x0 + x1) + x2)
+ref = per_rank[0].copy()
+for v in per_rank[1:]:
+    ref = ref + v
+for c in (small, whole):
+    out = np.zeros(333) if r == 0 else None
+    c.reduce_sum(per_rank[r], out)
+    if r == 0:
+        assert np.array_equal(out, ref), c.max_message_bytes
+# Reduce (MPI_Reduce path of large worlds): the same sum up to rounding
+tree = Comm(timeout=60, gather_reduce_bytes=0, max_message_bytes=LIMIT)
+out = np.zeros(333) if r == 0 else None
+tree.reduce_sum(per_rank[r], out)
+if r == 0:
+    np.testing.assert_allclose(out, ref, rtol=1e-12)
+
+# Gatherv of row blocks: rows 2, 0, 3 ... of width 17
+rows = [(2, 0, 3)[i % 3] for i in range(n)]
+mine = np.full((rows[r], 17), r, np.float32) + np.arange(17, dtype=np.float32)
+out = np.zeros((sum(rows), 17), np.float32) if r == 0 else None
+small.gatherv_rows(mine, out, rows)
+if r == 0:
+    expect = np.concatenate([np.full((k, 17), i, np.float32) + np.arange(17, dtype=np.float32)
+                             for i, k in enumerate(rows)])
+    assert np.array_equal(out, expect)
+
+# Scatterv: one call within the limit; more is refused
+rows = [1 + i for i in range(n)]
+full = np.arange(sum(rows) * 5, dtype=np.uint8).reshape(-1, 5)
+got = np.zeros((rows[r], 5), np.uint8)
+small.scatterv_rows(full if r == 0 else None, got, rows)
+assert np.array_equal(got, full[sum(rows[:r]): sum(rows[:r + 1])])
+try:
+    small.scatterv_rows(None, np.zeros((rows[r], 50), np.uint8), rows)
+    raise AssertionError("scatterv over the limit was not refused")
+except ValueError:
+    pass
+
+# fixed Gather of 64 bytes per rank (192 > 100: column blocks)
+out = np.zeros((n, 64), np.uint8) if r == 0 else None
+small.gather_fixed(np.full(64, r + 1, np.uint8), out)
+if r == 0:
+    assert np.array_equal(out, np.repeat(np.arange(1, n + 1, dtype=np.uint8)[:, None], 64, 1))
+
+# point to point: 250 float32 from every worker, in 10 pieces, one arrival each
+if r == 0:
+    bufs = [np.zeros(250, np.float32) for _ in range(1, n)]
+    arrived = []
+    small.wait([small.start_recv(bufs[i - 1], i, tag=7) for i in range(1, n)], "rows",
+               on_done=arrived.append)
+    assert sorted(arrived) == list(range(n - 1))
+    for i in range(1, n):
+        assert np.array_equal(bufs[i - 1], np.arange(250, dtype=np.float32) * i)
+else:
+    small.wait([small.start_send(np.arange(250, dtype=np.float32) * r, 0, tag=7)], "rows")
+
+# Allreduce sum and max
+tot = np.zeros(500)
+small.allreduce_sum(np.full(500, r + 1.0), tot)
+assert np.all(tot == n * (n + 1) / 2)
+mx = np.zeros(40, np.int64)
+small.allreduce_max(np.arange(40, dtype=np.int64) * (r + 1), mx)
+assert np.array_equal(mx, np.arange(40) * n)
+
+assert max(b for _, b in sent) <= LIMIT, max(sent, key=lambda t: t[1])
+assert len(sent) > 100
+if r == 0:
+    print("CHUNK OK", len(sent))
+"""
+
+
+def test_every_comm_call_is_chunked_below_max_message_bytes():
+    """With max_message_bytes=100 every buffer a rank sends in one MPI call is at
+    most 100 bytes, and Bcast, both Reduce paths, Gatherv, Scatterv, Gather,
+    Isend/Irecv and Allreduce give what plain numpy computes (the Gather-path Reduce
+    bit for bit, equal to the one-call path)."""
+    from conftest import run_mpi_script
+    assert "CHUNK OK" in run_mpi_script(CHUNK_SCRIPT).stdout

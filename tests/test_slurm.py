@@ -32,7 +32,8 @@ def _fake_bin(tmp_path: Path) -> tuple[Path, Path]:
 
     ``srun --mpi=list`` answers with $FAKE_SRUN_MPI (not logged); ``scontrol`` fails
     with $FAKE_SCONTROL_ERR when set; srun/mpirun sleep with $FAKE_SLEEP and exit 75
-    on SIGUSR1 (fedmpi's checkpoint-and-stop), else exit $FAKE_RC.
+    on SIGUSR1 (fedmpi's checkpoint-and-stop), else exit $FAKE_RC. Exiting 75, they
+    replace the file $FAKE_CKPT (a new checkpoint) when that is set.
     """
     bindir, log = tmp_path / "bin", tmp_path / "calls.log"
     bindir.mkdir()
@@ -46,10 +47,12 @@ fi
 echo "$name $*" >> "$FAKE_LOG"
 if [[ $name == mpirun && "$1" == --version ]]; then echo "mpirun (Open MPI) 4.1.6"; exit 0; fi
 if [[ $name == scontrol && -n "${FAKE_SCONTROL_ERR:-}" ]]; then echo "$FAKE_SCONTROL_ERR" >&2; exit 1; fi
+ckpt() { [[ -z "${FAKE_CKPT:-}" ]] || { echo "$RANDOM" > "$FAKE_CKPT.tmp"; mv "$FAKE_CKPT.tmp" "$FAKE_CKPT"; }; }
 if [[ -n "${FAKE_SLEEP:-}" && $name =~ ^(srun|mpirun)$ ]]; then
-    trap 'echo "$name got USR1" >> "$FAKE_LOG"; exit 75' USR1
+    trap 'echo "$name got USR1" >> "$FAKE_LOG"; ckpt; exit 75' USR1
     for i in $(seq 300); do sleep 0.1; done
 fi
+[[ ${FAKE_RC:-0} == 75 && $name =~ ^(srun|mpirun)$ ]] && ckpt
 exit ${FAKE_RC:-0}
 """
     for name in ("sbatch", "srun", "scontrol", "mpirun"):
@@ -200,7 +203,8 @@ def test_sbatch_requeues_on_75_and_resumes_only_its_own_checkpoint(tmp_path):
     out.mkdir()
     (out / "checkpoint.pt").write_bytes(b"")      # left by an older run in the same directory
     env = _script_env(bindir, log, SLURM_JOB_ID="4242", SLURM_CLUSTER_NAME="c",
-                      SLURM_CPUS_PER_TASK="3", OUT=str(out), FAKE_RC="75", LAUNCHER="srun")
+                      SLURM_CPUS_PER_TASK="3", OUT=str(out), FAKE_RC="75", LAUNCHER="srun",
+                      FAKE_CKPT=str(out / "checkpoint.pt"))
     line = f"srun {PY} -m fedmpi run {CFG} --out {out} {RUN_TAIL} --set runtime.threads=3"
     # a first start never resumes; 75 without a SIGTERM (scancel --signal=USR1) requeues
     proc = _sbatch(env, CFG, "--set", "train.rounds=7")
@@ -232,7 +236,8 @@ def test_sbatch_requeues_on_75_and_resumes_only_its_own_checkpoint(tmp_path):
 def test_requeue_already_done_is_not_reported_as_failed(tmp_path):
     bindir, log = _fake_bin(tmp_path)
     env = _script_env(bindir, log, SLURM_JOB_ID="8", OUT=str(tmp_path / "o"), FAKE_RC="75",
-                      LAUNCHER="srun", FAKE_SCONTROL_ERR="Job is pending execution")
+                      LAUNCHER="srun", FAKE_SCONTROL_ERR="Job is pending execution",
+                      FAKE_CKPT=str(tmp_path / "o" / "checkpoint.pt"))
     proc = _sbatch(env, CFG)
     assert proc.returncode == 75
     assert "requeue failed" not in proc.stderr and "requeued already" in proc.stderr
@@ -244,7 +249,7 @@ def test_requeue_already_done_is_not_reported_as_failed(tmp_path):
 def _signal_running_script(tmp_path: Path, sig: int, script: str = "multinode.sbatch"):
     bindir, log = _fake_bin(tmp_path)
     env = _script_env(bindir, log, SLURM_JOB_ID="9", OUT=str(tmp_path / "o"), FAKE_SLEEP="1",
-                      LAUNCHER="mpirun -n 4")
+                      LAUNCHER="mpirun -n 4", FAKE_CKPT=str(tmp_path / "o" / "checkpoint.pt"))
     proc = subprocess.Popen(["bash", str(ROOT / "slurm" / script), CFG], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
@@ -269,6 +274,75 @@ def test_plain_scancel_checkpoints_and_stops_for_good(tmp_path):
     assert rc == 75, err
     assert calls[1:] == ["mpirun got USR1"]
     assert "not requeueing" in err
+
+
+def test_stop_without_a_new_checkpoint_is_not_requeued(tmp_path):
+    """Exit 75 that left checkpoint.pt as it was (stopped before a round ended): exit 1."""
+    bindir, log = _fake_bin(tmp_path)
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "checkpoint.pt").write_text("older")
+    env = _script_env(bindir, log, SLURM_JOB_ID="11", OUT=str(out), FAKE_RC="75", LAUNCHER="srun")
+    proc = _sbatch(env, CFG)
+    assert proc.returncode == 1
+    assert "scontrol" not in log.read_text()              # launched, never requeued
+    lines = [ln for ln in proc.stderr.splitlines() if "not requeueing" in ln]
+    assert len(lines) == 1 and "without writing a new checkpoint" in lines[0]
+    assert "after writing a new checkpoint" not in proc.stderr
+    assert (out / "checkpoint.pt").read_text() == "older"
+
+
+def test_restarts_without_progress_are_bounded(tmp_path):
+    """Slurm restarts the job (node failure, preemption) but no checkpoint appears."""
+    bindir, log = _fake_bin(tmp_path)
+    out = tmp_path / "o"
+    env = _script_env(bindir, log, SLURM_JOB_ID="12", OUT=str(out), FAKE_RC="1", LAUNCHER="srun",
+                      MAX_RESTARTS_WITHOUT_PROGRESS="2")
+    launches = []
+    for restart in range(5):
+        log.unlink(missing_ok=True)
+        proc = _sbatch({**env, "SLURM_RESTART_COUNT": str(restart)}, CFG)
+        launches.append(log.exists())
+        if restart == 1:            # this start wrote a checkpoint: progress, the count restarts
+            (out / "checkpoint.pt").write_text("new")
+    # restart 1: 1 without progress; 2 finds the new checkpoint (0); 3 and 4: 1 and 2
+    assert launches == [True, True, True, True, True]
+    log.unlink()
+    proc = _sbatch({**env, "SLURM_RESTART_COUNT": "5"}, CFG)   # the 3rd in a row
+    assert proc.returncode == 1
+    line, = [ln for ln in proc.stderr.splitlines() if "not running again" in ln]
+    assert "3 restarts in a row found no new checkpoint" in line
+    assert not log.exists()                                   # nothing launched
+
+
+def test_time_limit_shorter_than_the_signal_lead_is_adapted(tmp_path):
+    """--time shorter than the #SBATCH --signal lead (600 s): the one early SIGUSR1
+    is held and the wrapper stops fedmpi itself LEFT/4 before the end."""
+    bindir, log = _fake_bin(tmp_path)
+    out = tmp_path / "o"
+    env = _script_env(bindir, log, SLURM_JOB_ID="13", OUT=str(out), FAKE_SLEEP="1",
+                      LAUNCHER="srun", FAKE_CKPT=str(out / "checkpoint.pt"),
+                      SLURM_JOB_END_TIME=str(int(time.time()) + 12))
+    start = time.monotonic()
+    proc = subprocess.Popen(["bash", str(ROOT / "slurm" / "fedmpi.sbatch"), CFG], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not (log.exists() and log.read_text()) and time.monotonic() < start + 30:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGUSR1)              # what Slurm sends at once
+    _, err = proc.communicate(timeout=60)
+    took = time.monotonic() - start
+    assert proc.returncode == 75, err
+    assert "signal (600 s before the end) would arrive 0 s into" in err
+    assert "stopping 2 s before the end instead" in err or "stopping 3 s before" in err
+    assert "before the adapted stop time" in err
+    assert log.read_text().splitlines()[1:] == ["srun got USR1", "scontrol requeue 13"]
+    assert 6 < took < 14                          # stopped by the timer (~9 s), not at once
+    # a lead that fits leaves everything as it was
+    log.unlink()
+    env.update(FAKE_SLEEP="", FAKE_RC="0", SLURM_JOB_END_TIME=str(int(time.time()) + 3600))
+    proc = _sbatch(env, CFG)
+    assert proc.returncode == 0 and "warning" not in proc.stderr
 
 
 def test_sweep_submission_and_tasks(tmp_path):

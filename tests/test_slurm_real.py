@@ -35,14 +35,19 @@ ALLOC = ["--ntasks=2", "--cpus-per-task=1", "--gpus-per-node=0", "--time=30"]
 SLOW = ["--set", "train.local_epochs=3", "--set", "runtime.checkpoint_every=1"]
 
 
-def _cluster_problem() -> str | None:
+def cluster_problem(nodes: tuple[str, ...] = ()) -> str | None:
+    """Why the fedmpi-ci test cluster (with ``nodes``, if given) cannot be used, or None."""
     conf = os.environ.get("SLURM_CONF")
-    how = ("start one with `slurm/testing/local-cluster start DIR` as root and export "
+    start = "start --nodes 3 DIR" if nodes else "start DIR"
+    how = (f"start one with `slurm/testing/local-cluster {start}` as root and export "
            "SLURM_CONF=DIR/slurm.conf (.ci/run does both)")
     if not conf or not Path(conf).is_file():
         return f"no local test Slurm (SLURM_CONF unset): {how}"
-    if not re.search(r"^ClusterName=fedmpi-ci\s*$", Path(conf).read_text(), re.M):
-        return f"SLURM_CONF={conf} is not the fedmpi-ci test cluster: {how}"
+    text = Path(conf).read_text()
+    if not re.search(r"^ClusterName=fedmpi-ci\s*$", text, re.M) or not all(
+            re.search(rf"^NodeName={n} ", text, re.M) for n in nodes):
+        what = f"the fedmpi-ci test cluster{' of ' + ', '.join(nodes) if nodes else ''}"
+        return f"SLURM_CONF={conf} is not {what}: {how}"
     if shutil.which("scontrol") is None:
         return f"no scontrol on PATH: {how}"
     ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30)
@@ -51,7 +56,7 @@ def _cluster_problem() -> str | None:
     return None
 
 
-_PROBLEM = _cluster_problem()
+_PROBLEM = cluster_problem()
 if _PROBLEM and os.environ.get("FEDMPI_REQUIRE_SLURM") == "1":
     raise RuntimeError(f"FEDMPI_REQUIRE_SLURM=1 but {_PROBLEM}")
 pytestmark = [pytest.mark.slurm, pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")]
@@ -217,3 +222,19 @@ def test_plain_scancel_stops_for_good(tmp_path):
     assert log.status == "interrupted" and log.num_rounds < 40
     assert (out / "checkpoint.pt").exists()
     assert "not requeueing" in _output(tmp_path, job)
+
+
+def test_ten_minute_limit_with_the_templates_600_s_lead_completes(tmp_path):
+    """Issue 28's report: --time=00:10:00 under `#SBATCH --signal=B:USR1@600` signals the
+    job at once; it used to stop before round 0 and requeue forever. The wrapper warns,
+    ignores that one early signal (its own timer stops fedmpi 150 s before the end
+    instead), and the job completes without a restart."""
+    out = tmp_path / "run"
+    job = _sbatch(tmp_path, "fedmpi.sbatch", CFG, "--set", "train.rounds=3",
+                  env=_env(tmp_path, OUT=str(out)), opts=("--time=00:10:00",))
+    info = _wait_end(job)
+    text = _output(tmp_path, job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", text
+    assert "signal (600 s before the end) would arrive 0 s into" in text
+    assert "requeue" not in text
+    _rounds_once(out / "log.h5", 3)

@@ -10,6 +10,7 @@ weighting, transforms, server rule; then the uplink statistics are planned.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -122,13 +123,36 @@ class Built:
         return bool(getattr(adversary, "needs_rows", False))
 
 
-def setup_process(cfg: Config, comm: Comm) -> torch.device:
-    """Threads per rank, the rank's device and the determinism switches."""
+def setup_process(cfg: Config, comm: Comm) -> tuple[torch.device, int, int]:
+    """Threads per rank, the rank's device and the determinism switches; returns
+    (device, node-local rank, ranks on this node)."""
     local_rank, local_size = comm.node_local()
     torch.set_num_threads(cfg.runtime.threads or threads_per_rank(os.cpu_count() or 1, local_size))
     device = resolve_device(cfg.runtime.device, local_rank)
     set_deterministic(cfg.runtime.deterministic)
-    return device
+    return device, local_rank, local_size
+
+
+RANK_ROW_BYTES = 256   # one rank's "host\tlocal rank\tlocal size\tdevice" line
+
+
+def rank_table(comm: Comm, device: torch.device, local_rank: int,
+               local_size: int) -> dict[str, np.ndarray] | None:
+    """Collective: where every rank runs, on rank 0 (None elsewhere) -- the log's
+    ``ranks/`` group: ``host`` (hostname), ``local_rank`` and ``local_size`` (MPI's
+    shared-memory node split) and ``device``, one entry per rank."""
+    line = f"{socket.gethostname()}\t{local_rank}\t{local_size}\t{device}".encode()
+    row = np.zeros(RANK_ROW_BYTES, dtype=np.uint8)
+    row[: min(len(line), RANK_ROW_BYTES - 1)] = np.frombuffer(line[: RANK_ROW_BYTES - 1], np.uint8)
+    rows = np.zeros((comm.size, RANK_ROW_BYTES), dtype=np.uint8) if comm.rank == 0 else None
+    comm.gather_fixed(row, rows, what="rank table Gather")
+    if rows is None:
+        return None
+    fields = [bytes(r).rstrip(b"\0").decode(errors="replace").split("\t") for r in rows]
+    return {"host": np.array([f[0] for f in fields], dtype=object),
+            "local_rank": np.array([int(f[1]) for f in fields], dtype=np.int64),
+            "local_size": np.array([int(f[2]) for f in fields], dtype=np.int64),
+            "device": np.array([f[3] for f in fields], dtype=object)}
 
 
 def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
@@ -137,7 +161,8 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
     ``code``: objects given to :func:`fedmpi.run` in place of the config's names."""
     code = code or UserCode()
     rank, size = comm.rank, comm.size
-    device = setup_process(cfg, comm)
+    device, local_rank, local_size = setup_process(cfg, comm)
+    ranks = rank_table(comm, device, local_rank, local_size)
     K = cfg.data.num_clients
     host = client_hosts(K, size)
     hosted = [k for k in range(K) if host[k] == rank]
@@ -171,6 +196,8 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
     with blame("aggregation.rule", rule_cls):
         rule = build_rule(cfg, rule_cls)
     log = LogSink(enabled=rank == 0)
+    for name, column in (ranks or {}).items():
+        log.write_static(f"ranks/{name}", column)
 
     def broadcast(buf: np.ndarray, what: str = "method Bcast") -> None:
         comm.broadcast(buf, what=what)

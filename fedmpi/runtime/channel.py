@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..algorithms import Stat
-from ..comm import CHUNK, Comm
+from ..comm import Comm
 from .server import (META_FIELDS, M_STATUS, STATUS_FAILED, STATUS_OK, STATUS_RANGE, Uplink,
                      is_summed)
 
@@ -144,10 +144,10 @@ class Channel:
         self.rows_send = Mirror((max_local, plan.row_size), torch.float32, device)
         self.rows_recv = (Mirror((max_rows, plan.row_size), torch.float32, device)
                           if self.is_server and plan.row_size else None)
-        # Rows travel as one Isend per client as soon as it finishes, so rank 0 can
-        # work on them while later clients still train; one Gatherv after training
-        # otherwise (world size 1, or a row too long for one message).
-        self.stream_rows = bool(plan.row_size) and self.size > 1 and plan.row_size <= CHUNK
+        # Rows travel as Isends per client (chunked like every message) as soon as it
+        # finishes, so rank 0 can work on them while later clients still train; one
+        # Gatherv after training at world size 1.
+        self.stream_rows = bool(plan.row_size) and self.size > 1
         self._row_sends: list = []
         self.exposed_arrival_seconds = 0.0
 

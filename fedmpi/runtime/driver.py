@@ -65,7 +65,7 @@ def run_comm(cfg) -> Comm:
     """The world communicator of a run: start-up collectives wait up to
     ``runtime.setup_timeout`` (data loading), rounds ``runtime.round_timeout`` (the
     driver switches after the start-up)."""
-    comm = Comm(timeout=cfg.runtime.setup_timeout)
+    comm = Comm(timeout=cfg.runtime.setup_timeout, max_message_bytes=cfg.runtime.max_message_bytes)
     comm.timeout_key = "runtime.setup_timeout"
     return comm
 

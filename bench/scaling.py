@@ -1,0 +1,156 @@
+"""How the cost of a round grows with the number of silos K and the model size D (CPU).
+
+Part 1 (``mpiexec -n 3``: rank 0 + 2 workers, one thread each): digits, an MLP
+``1024 → H → H → 10`` whose H gives D ≈ 0.4 M, 11 M and 25 M parameters, K ∈ {10,
+100, 1000} clients (IID; 10 of them per round, one local step of batch 8, no
+evaluation until the last round), 3 rounds. Reported per (K, D): the median
+``wall_seconds`` of rounds 1–2 (round 0 includes warm-up), and rank 0's peak
+resident set size (``VmHWM``) minus its size after ``import torch, fedmpi`` (what the
+run itself costs on the aggregator).
+
+Part 2 (``--cluster``, needs the 3-node test Slurm of
+``slurm/testing/local-cluster start --nodes 3`` and ``SLURM_CONF``): the quickstart
+(0.39 M parameters, 10 clients, 5 per round) with 3 ranks on one node versus 3 ranks
+on 3 nodes (one per node: MPI over TCP across the bridge), median round time of
+rounds 1..R−1 from the log.
+
+Usage::
+
+    python bench/scaling.py [--out bench/measured/<machine>/scaling.json] [--cluster]
+
+The last stdout line is the JSON written to ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from silo_memory import WORKER   # runs fedmpi.run; each rank writes its peak RSS
+
+ROOT = Path(__file__).resolve().parents[1]
+INPUT = 32 * 32          # digits at data.image_size 32, one channel
+
+
+def hidden_for(d: float) -> int:
+    """H of the MLP 1024 → H → H → 10 with about ``d`` parameters:
+    D(H) = H² + (1024 + 1 + 1 + 10) H + 10."""
+    b = INPUT + 12
+    return int(round((-b + math.sqrt(b * b + 4 * (d - 10))) / 2))
+
+
+def params(h: int) -> int:
+    return INPUT * h + h + h * h + h + h * 10 + 10
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if len(s) % 2 else 0.5 * (s[len(s) // 2 - 1] + s[len(s) // 2])
+
+
+def round_seconds(log: Path, skip: int = 1, column: str = "wall_seconds") -> list[float]:
+    from fedmpi.log import read
+
+    return [float(x) for x in read(log).rounds[column][skip:]]
+
+
+def one_point(k: int, d: float, rounds: int, tmp: Path) -> dict:
+    import yaml
+
+    h = hidden_for(d)
+    cfg = {"name": f"scaling-K{k}-H{h}", "seed": 0,
+           "data": {"dataset": "digits", "num_clients": k,
+                    "partition": {"method": "iid", "min_size": 1}},
+           "model": {"name": "mlp", "mlp": {"hidden": [h, h]}},
+           "train": {"rounds": rounds, "clients_per_round": 10, "local_steps": 1,
+                     "batch_size": 8, "lr": 0.01},
+           "eval": {"every": rounds},
+           "runtime": {"device": "cpu", "progress": False, "threads": 1,
+                       "round_timeout": 600}}
+    path = tmp / f"{cfg['name']}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = tmp / cfg["name"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    proc = subprocess.run(["mpiexec", "-n", "3", sys.executable, "-c", WORKER, str(path), str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise SystemExit(f"K={k} D={d}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
+    mem = json.loads((out / "mem_0.json").read_text())
+    secs = round_seconds(out / "log.h5")
+    parts = {f"{c}_median": median(round_seconds(out / "log.h5", column=c))
+             for c in ("train_seconds", "aggregate_seconds", "overhead_seconds")}
+    return {**parts, "K": k, "D": params(h), "hidden": h, "round_seconds_median": median(secs),
+            "round_seconds": secs, "rank0_peak_rss_mib": mem["peak_rss_kib"] / 1024,
+            "rank0_run_rss_mib": (mem["peak_rss_kib"] - mem["base_rss_kib"]) / 1024,
+            "total_seconds": time.perf_counter() - t0}
+
+
+def cluster_point(nodes: int, rounds: int, tmp: Path) -> dict:
+    """The quickstart as a 3-task job on ``nodes`` nodes of the test cluster."""
+    from fedmpi.log import read
+
+    out = tmp / f"nodes{nodes}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+    env.update(OUT=str(out), FEDMPI_PYTHON=sys.executable, OMP_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT))
+    job = subprocess.run(["sbatch", "--parsable", f"--nodes={nodes}", "--ntasks=3",
+                          f"--ntasks-per-node={3 // nodes}", "--cpus-per-task=1",
+                          "--gpus-per-node=0", "--time=30", f"--output={tmp}/slurm-%j.out",
+                          str(ROOT / "slurm" / "multinode.sbatch"), "configs/quickstart.yaml",
+                          "--set", f"train.rounds={rounds}"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    while True:
+        state = subprocess.run(["squeue", "--noheader", "--jobs", job, "--format=%T"],
+                               capture_output=True, text=True).stdout.strip()
+        if not state:
+            break
+        time.sleep(2)
+    log = read(out / "log.h5")
+    if log.status != "completed":
+        raise SystemExit(f"cluster job {job} on {nodes} node(s): log status {log.status}")
+    secs = round_seconds(out / "log.h5")
+    return {"nodes": nodes, "ranks": 3, "hosts": sorted(set(log.arrays["ranks/host"])),
+            "round_seconds_median": median(secs), "round_seconds": secs,
+            "bytes_down_per_round": float(log.rounds["bytes_down"][1]),
+            "bytes_up_per_round": float(log.rounds["bytes_up"][1])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "scaling.json"))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--silos", type=int, nargs="+", default=[10, 100, 1000])
+    ap.add_argument("--params", type=float, nargs="+", default=[0.4e6, 11e6, 25e6])
+    ap.add_argument("--cluster", action="store_true",
+                    help="also part 2 on the 3-node test Slurm (SLURM_CONF)")
+    ap.add_argument("--cluster-only", action="store_true")
+    args = ap.parse_args()
+    result: dict = {"machine": {"cpus": os.cpu_count()}, "ranks": 3, "points": [],
+                    "cluster": []}
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        if not args.cluster_only:
+            for d in args.params:
+                for k in args.silos:
+                    point = one_point(k, d, args.rounds, tmp)
+                    print(json.dumps(point), file=sys.stderr, flush=True)
+                    result["points"].append(point)
+        if args.cluster or args.cluster_only:
+            for nodes in (1, 3):
+                point = cluster_point(nodes, 8, tmp)
+                print(json.dumps(point), file=sys.stderr, flush=True)
+                result["cluster"].append(point)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
