@@ -163,6 +163,10 @@ class Comm1:
     """World-size-1 stand-in for fedmpi.comm.Comm (its size-1 code paths)."""
 
     rank, size = 0, 1
+    chunk_elements = 1 << 30   # what Comm.chunk gives without runtime.max_message_bytes
+
+    def chunk(self, dtype) -> int:
+        return self.chunk_elements
 
     def reduce_sum(self, send, recv, what=""):
         import numpy as np

@@ -69,10 +69,9 @@ def test_worker_exception_stops_job_quickly(tmp_path):
                       n=3, check=False, timeout=120)
     assert proc.returncode != 0
     assert time.monotonic() - start < 60
-    assert "rank 2 client 1" in proc.stderr and "simulated crash" in proc.stderr
-    log = read(tmp_path / "crash" / "log.h5")
-    assert log.attrs["status"] == "failed"
-    assert any("simulated crash" in m for m in log.events["message"])
+    assert "client 1 on rank 2" in proc.stderr and "simulated crash" in proc.stderr
+    # failed in its first round: nothing is left that would block the corrected rerun
+    assert not (tmp_path / "crash" / "log.h5").exists()
 
 
 def test_log_schema_and_final_line(tmp_path):

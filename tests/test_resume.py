@@ -256,7 +256,9 @@ def test_state_bytes_round_trip_all_dtypes():
 
 def test_client_states_travel_in_blocks(monkeypatch):
     """Gather/scatter with a 7-byte block: blobs split across many Gatherv calls."""
-    monkeypatch.setattr(checkpoint, "CHUNK", 7)
+    from conftest import Comm1
+
+    monkeypatch.setattr(Comm1, "chunk_elements", 7)
     K = 4
     states = {0: {"c": torch.randn(5)}, 2: {"c": torch.randn(3), "n": torch.tensor([2])}}
     run = fake_run_state(num_clients=K, clients=DictClients(states))
