@@ -9,8 +9,10 @@ same point of the run: "rounds 0 … r−1 are done". It holds
 * ``global_state``: θ on rank 0 (parameters and float buffers, [D] float32),
 * ``components``: ``{name: component.state_dict()}`` for every named component
   of the run (:class:`RunState`: ``algorithm`` — optimizer moments, c, h …,
-  ``weighting``, ``transform/<name>``, the server ``rule``, and ``rng``, the
-  torch / numpy / ``random`` states of rank 0, :class:`RngStreams`),
+  ``weighting``, ``transform/<name>``, the server ``rule``, ``privacy`` — the
+  privacy accountant's counts (:mod:`fedmpi.privacy.budget`), only when
+  ``privacy.dp.level`` is not ``none`` — and ``rng``, the torch / numpy /
+  ``random`` states of rank 0, :class:`RngStreams`),
 * ``clients``: ``{client id: Algorithm.client_state(id)}`` for every client
   with a non-empty state (SCAFFOLD c_k, FedDyn h_k, FedGPS last Δ_k, …),
 * identification (``format``, ``version``, ``algorithm``, ``num_clients``,

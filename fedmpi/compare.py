@@ -113,6 +113,7 @@ class RunMetrics:
     rounds_to_target: float = math.nan
     note: str | None = None   # a "running" log whose writer is gone (log.ended_without_status)
     final_metrics: dict[str, float] = field(default_factory=dict)   # EXTRA_METRICS in the log
+    epsilon: float | None = None   # ε at privacy.dp.delta after the last logged round (DP runs)
 
 
 def logged_metrics(log: RunLog) -> list[str]:
@@ -149,6 +150,9 @@ def run_metrics(log: RunLog | PathLike, target: float | None = None) -> RunMetri
         if name in log.rounds:
             m.final_metrics[name] = float(log.rounds[name][evaluated[-1]]) if evaluated.size \
                 else math.nan
+    eps = log.rounds.get("epsilon")
+    if eps is not None and len(eps):
+        m.epsilon = float(eps[-1])
     if target is not None:
         m.rounds_to_target = rounds_to_target(rounds, acc, target)
     return m
@@ -260,6 +264,12 @@ class GroupRow:
     metrics: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
+    def epsilon(self) -> float | None:
+        """The largest final ε of the group's DP runs (None: no run is a DP run)."""
+        values = [r.epsilon for r in self.runs if r.epsilon is not None]
+        return max(values) if values else None
+
+    @property
     def incomplete(self) -> int:
         """Runs whose log status is not ``completed``."""
         return sum(r.status != "completed" for r in self.runs)
@@ -289,6 +299,9 @@ class Table:
         extra = self.metric_names
         head = ["group", "runs", "final acc (%)", "best acc (%)",
                 *(f"final {n}{' (%)' if is_percent(n) else ''}" for n in extra)]
+        with_eps = any(row.epsilon is not None for row in self.rows)
+        if with_eps:
+            head += ["ε"]
         if with_rounds:
             head += ["rounds to target", "reached"]
         if with_speedup:
@@ -300,6 +313,8 @@ class Table:
             cells = [label, runs, _pm(row.final, 100, 2), _pm(row.best, 100, 2),
                      *(_pm(row.metrics.get(n, (math.nan, math.nan)), 100 if is_percent(n) else 1,
                            2 if is_percent(n) else 4) for n in extra)]
+            if with_eps:
+                cells += ["—" if row.epsilon is None else f"{row.epsilon:.3g}"]
             if with_rounds:
                 cells += [_pm(row.rounds, 1, 1) if row.reached == len(row.runs) else "not reached",
                           f"{row.reached}/{len(row.runs)}"]
@@ -308,6 +323,9 @@ class Table:
             lines.append("| " + " | ".join(cells) + " |")
         notes = ["", "Mean ± std (population std, ddof=0) over the runs of each group; "
                      "final = last evaluated round, best = maximum over evaluated rounds."]
+        if with_eps:
+            notes.append("ε = privacy.dp.delta's ε after each run's last logged round "
+                         "(/rounds/epsilon), the largest over the group's runs; — = no DP.")
         if with_rounds:
             notes.append(f"Target accuracy {100 * self.target:.2f}% ({self.target_source}); "
                          "rounds to target = rounds completed when a run first reaches it, "

@@ -186,7 +186,25 @@ _FRAMEWORK: dict[str, Field] = {
                         "a subclass of fedmpi.algorithms.UpdateTransform built with the config), "
                         "applied in this order around any method", **_IMPORT),
     # transform blocks <name>.* (ecgr.*, adversary.*): assembled from the registered transforms
-    # privacy (fedmpi.privacy)
+    # privacy (fedmpi.privacy): differential privacy with a dp-accounting accountant
+    "privacy.dp.level": Field(str, "none", "differential privacy: client = DP-FedAvg (each "
+                              "client's update clipped, Gaussian noise on the sum), record = "
+                              "DP-SGD inside each silo (per-sample clipping, Poisson batches)",
+                              choices=("none", "client", "record")),
+    "privacy.dp.noise": Field(str, "central", "client level: who adds the noise std sigma*C to "
+                              "the sum: rank 0 (central) or every participant a share "
+                              "(distributed)", choices=("central", "distributed")),
+    "privacy.dp.noise_multiplier": Field(float, 1.0, "sigma: noise std / clip norm (0 = "
+                                         "clipping only, epsilon infinite)", ge=0),
+    "privacy.dp.clip": Field(float, 1.0, "C: l2 clip norm of a client's update (client) or of a "
+                             "sample's gradient (record)", gt=0),
+    "privacy.dp.delta": Field(float, 1e-5, "delta at which epsilon is reported", gt=0, lt=1),
+    "privacy.dp.accountant": Field(str, "rdp", "dp-accounting accountant: rdp (Renyi DP) or pld "
+                                   "(privacy loss distributions; not for fixed-size client "
+                                   "sampling)", choices=("rdp", "pld")),
+    "privacy.target_epsilon": Field(float | None, None, "stop the run (status completed) before "
+                                    "the next round would take epsilon above this; null = no "
+                                    "budget", gt=0),
     "privacy.secure_aggregation": Field(bool, False, "pairwise-masked secure aggregation: rank 0 "
                                         "only holds sums over the accepted clients (extra "
                                         ".[privacy])"),
@@ -301,6 +319,24 @@ def _framework_checks(cfg: Config) -> None:
             raise ConfigError(
                 f"config key 'system.allocation' must sum to data.num_clients ({n}), "
                 f"got {alloc} (sum {sum(alloc)})")
+    _privacy_checks(cfg)
+
+
+def _privacy_checks(cfg: Config) -> None:
+    """``privacy.*`` against the rest, for every level (client-level DP's own rules are
+    :meth:`fedmpi.algorithms.dp_clip.ClientClip.check`; docs/privacy.md says why each is refused)."""
+    p = cfg.privacy
+    level = p.dp.level
+    if level == "none" and p.target_epsilon is not None:
+        raise ConfigError("config key 'privacy.target_epsilon' needs privacy.dp.level client or "
+                          "record (privacy.dp.level is 'none': no epsilon to budget)")
+    t = cfg.train
+    if level == "record" and (t.loss != "cross_entropy" or t.class_weights is not None
+                              or t.label_smoothing != 0.0):
+        raise ConfigError("config key 'train.loss' (with train.class_weights, "
+                          "train.label_smoothing) must be the plain cross_entropy with "
+                          "privacy.dp.level 'record' (DP-SGD clips per-sample cross-entropy "
+                          "gradients)")
 
 
 def _data_checks(cfg: Config) -> None:

@@ -195,7 +195,9 @@ def _is_int(x: Any) -> bool:
 def _coerce_scalar(tp: type, x: Any) -> tuple[bool, Any]:
     """Return ``(ok, value)`` for scalar ``x`` against type ``tp`` (int -> float widening)."""
     if tp is float:
-        return (_is_int(x) or isinstance(x, float)), (float(x) if _is_int(x) else x)
+        # float(): a numpy float64 (a float subclass) is stored as a plain float
+        ok = _is_int(x) or isinstance(x, float)
+        return ok, (float(x) if ok else x)
     if tp is int:
         return _is_int(x), x
     return isinstance(x, tp), x

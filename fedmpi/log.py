@@ -5,6 +5,8 @@ Layout, ``schema_version`` "1" (R rounds, K clients; DESIGN.md section 5)::
     / attrs                  schema_version, fedmpi_version, config_yaml, world_size,
                              status (running|completed|failed|interrupted),
                              resumed_world_sizes (only after a resume),
+                             stop_reason (only for a run completed before train.rounds:
+                             privacy.target_epsilon),
                              fingerprint (run-defining config hash, fedmpi.rundir),
                              writer_host, writer_pid, flushed_at (Unix time of the
                              last flush; issue 18), run_info (JSON: the model, data
@@ -248,6 +250,8 @@ class LogWriter:
         old_world_size = int(f.attrs["world_size"])
         old_config = _to_python(f.attrs["config_yaml"])
         history = [int(w) for w in np.atleast_1d(f.attrs.get("resumed_world_sizes", []))]
+        if "stop_reason" in f.attrs:   # the resumed run decides its own end
+            del f.attrs["stop_reason"]
         f.attrs.update(status="running", world_size=int(world_size),
                        resumed_world_sizes=np.array(history + [int(world_size)], dtype=np.int64),
                        fedmpi_version=fedmpi_version, config_yaml=config_yaml)

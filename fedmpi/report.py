@@ -623,6 +623,8 @@ def relevant_keys(flat: dict[str, Any]) -> list[str]:
     rule = str(flat.get("aggregation.rule", "mean"))
     if rule != "mean":
         keys += under("aggregation.rule", f"aggregation.{rule}.", "aggregation.params.")
+    if flat.get("privacy.dp.level", "none") != "none":
+        keys += under("privacy.")
     out: list[str] = []
     for k in keys:
         if k not in out and flat.get(k) is not None and not skip.get(k, False):
@@ -673,6 +675,11 @@ def summary_markdown(log: RunLog | PathLike, target: float | None = None,
         out.append(f"| rounds to {_pct(target)} | "
                    + (f"{int(tau)} (first reached in round {int(tau) - 1})" if math.isfinite(tau)
                       else "not reached") + " |")
+    if m.epsilon is not None:
+        stop = log.attrs.get("stop_reason")
+        out.append(f"| privacy: ε at δ={flat.get('privacy.dp.delta')} "
+                   f"({flat.get('privacy.dp.level')} level) | {m.epsilon:.4g} after round "
+                   f"{int(log.rounds['round'][-1])}" + (f"; {stop}" if stop else "") + " |")
     loss = log.rounds.get("test_loss")
     if loss is not None and np.isfinite(loss).any():
         out.append(f"| final test loss | {loss[np.isfinite(loss)][-1]:.4f} |")

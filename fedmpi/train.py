@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from .accel import OFF, Accel
 from .data import Dataset
 from .flat import FlatModel
+from .privacy.dpsgd import RecordDP, clipped_grad_sum, poisson_batch
 from .optim import AdaptiveOptimizer, training_loss
 
 GradHook = Callable[[FlatModel], None]
@@ -79,6 +80,8 @@ class SGDConfig:
         """Unweighted, unsmoothed cross-entropy (the loss the methods' papers use)."""
         return (self.loss == "cross_entropy" and self.class_weights is None
                 and self.label_smoothing == 0.0)
+    #: record-level DP (``privacy.dp.level: record``): DP-SGD steps on Poisson batches
+    dp: Optional[RecordDP] = None
 
 
 def epoch_bounds(n: int, batch_size: int) -> list[int]:
@@ -150,9 +153,16 @@ class LocalTrainer:
         return self._adaptive
 
     def batches(self, indices: torch.Tensor, cfg: SGDConfig, gen: torch.Generator):
-        """Yield index batches: fresh permutation per epoch, last batch partial."""
+        """Yield index batches: fresh permutation per epoch, last batch partial; under
+        record-level DP τ_k Poisson batches of expected size B instead
+        (:func:`~fedmpi.privacy.dpsgd.poisson_batch`, the sampling its accountant assumes)."""
         n = indices.numel()
         steps = num_local_steps(n, cfg)
+        if cfg.dp is not None:
+            q = min(1.0, cfg.batch_size / max(1, n))
+            for _ in range(steps):
+                yield poisson_batch(indices, q, gen)
+            return
         bounds = epoch_bounds(n, cfg.batch_size)
         done = 0
         while done < steps:
@@ -182,20 +192,27 @@ class LocalTrainer:
         adaptive = self._optimizer(cfg) if cfg.optimizer != "sgd" else None
         loss_total = torch.zeros((), device=self.device)  # summed on device: no sync per step
         num_classes = data.num_classes
+        noise_gen = None
+        if cfg.dp is not None:   # its own stream: the batches stay those of the seed
+            noise_gen = torch.Generator(device=self.device).manual_seed(seed ^ 0x0D95_6D1A)
         for batch in self.batches(indices, cfg, gen):
             x = accel.input(data.prepare(data.x_train[batch], train=True, generator=self._device_gen))
             y = data.y_train[batch]
             if flip_labels:
                 y = num_classes - 1 - y
             flat.zero_grad()
-            with accel.autocast_context():
-                if hooks.loss_fn is not None:
-                    loss = hooks.loss_fn(flat, x, y)
-                elif cfg.plain_loss:
-                    loss = F.cross_entropy(forward(x), y)
-                else:
-                    loss = self._loss(forward(x), y, cfg)
-            loss.backward()
+            if cfg.dp is not None:
+                batch_loss = self._private_grad(x, y, cfg, hooks, noise_gen)
+            else:
+                with accel.autocast_context():
+                    if hooks.loss_fn is not None:
+                        loss = hooks.loss_fn(flat, x, y)
+                    elif cfg.plain_loss:
+                        loss = F.cross_entropy(forward(x), y)
+                    else:
+                        loss = self._loss(forward(x), y, cfg)
+                loss.backward()
+                batch_loss = loss.detach() * y.numel()
             with torch.no_grad():
                 if hooks.grad_hook is not None:
                     hooks.grad_hook(flat)
@@ -208,7 +225,7 @@ class LocalTrainer:
                                            "step hook records SGD steps; declare optimizers = "
                                            "('sgd',) on it")
                     adaptive.step()
-                    loss_total += loss.detach() * y.numel()
+                    loss_total += batch_loss
                     result.samples += y.numel()
                     result.steps += 1
                     continue
@@ -225,11 +242,32 @@ class LocalTrainer:
                 params.add_(direction, alpha=-cfg.lr)
                 if hooks.step_hook is not None:
                     hooks.step_hook(direction, cfg.lr)
-            loss_total += loss.detach() * y.numel()
+            loss_total += batch_loss
             result.samples += y.numel()
             result.steps += 1
         result.loss_sum = float(loss_total)
         return result
+
+    def _private_grad(self, x: torch.Tensor, y: torch.Tensor, cfg: SGDConfig, hooks: StepHooks,
+                      noise_gen: Optional[torch.Generator]) -> torch.Tensor:
+        """DP-SGD gradient into ``flat.grad``: (Σ_i clip_C(g_i) + N(0, σ²C²)) / B
+        (:mod:`fedmpi.privacy.dpsgd`); returns the batch's summed loss."""
+        dp, flat = cfg.dp, self.flat
+        assert dp is not None and noise_gen is not None
+        if hooks.loss_fn is not None:
+            raise RuntimeError("record-level DP computes the plain cross-entropy per sample; "
+                               "this method replaces the loss (StepHooks.loss_fn)")
+        segments = flat.param_segments
+        loss = torch.zeros((), device=self.device)
+        if y.numel():
+            loss = clipped_grad_sum(flat.model, [s.name for s in segments], x, y, dp.clip,
+                                    [flat.grad[s.slice] for s in segments])
+        with torch.no_grad():
+            if dp.noise_multiplier > 0:
+                flat.grad.add_(torch.randn(flat.grad.shape, generator=noise_gen,
+                                           device=self.device), alpha=dp.noise_multiplier * dp.clip)
+            flat.grad.div_(cfg.batch_size)
+        return loss
 
 
 @torch.no_grad()

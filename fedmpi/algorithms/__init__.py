@@ -15,6 +15,7 @@ from __future__ import annotations
 from .adversary import Adversary
 from .base import Algorithm, ClientTask, RoundInfo, Stat, start
 from .component import Component, Registry
+from .dp_clip import ClientClip
 from .ecgr import EcgrTransform
 from .elastic import Elastic
 from .fedavg import FedAvg
@@ -57,6 +58,8 @@ for _w in (Weighting, Uniform, FedVG, FedVGAvg):
 # Update transforms, applied in this order (ECGR first: an adversary corrupts the real upload).
 register_transform(EcgrTransform)
 register_transform(Adversary)
+# Client-level DP clips (and, distributed, noises) the final upload: always the last built-in.
+register_transform(ClientClip)
 
 
 def algorithm_class(cfg) -> type[Algorithm]:

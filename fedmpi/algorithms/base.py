@@ -34,6 +34,7 @@ import torch
 
 from ..flat import FlatModel
 from ..params import check_params
+from ..privacy.dpsgd import RecordDP
 from ..train import LocalTrainer, SGDConfig, StepHooks, TrainResult, step_decay_lr
 from .component import Component, State
 from .transforms import TransformChain
@@ -76,13 +77,14 @@ class RoundInfo:
 
 
 def sgd_config(cfg) -> SGDConfig:
-    t = cfg.train
+    t, d = cfg.train, cfg.privacy.dp
+    dp = RecordDP(d.clip, d.noise_multiplier) if d.level == "record" else None
     weights = tuple(t.class_weights) if t.class_weights is not None else None
     return SGDConfig(lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay,
                      grad_clip=t.grad_clip, batch_size=t.batch_size,
                      local_epochs=t.local_epochs, local_steps=t.local_steps,
                      optimizer=t.optimizer, betas=(t.betas[0], t.betas[1]), eps=t.eps,
-                     loss=t.loss, class_weights=weights, label_smoothing=t.label_smoothing)
+                     loss=t.loss, class_weights=weights, label_smoothing=t.label_smoothing, dp=dp)
 
 
 class ClientVectors(dict):
@@ -176,6 +178,10 @@ class Algorithm(Component):
     #: the method trains with its own loss (``StepHooks.loss_fn``): ``train.loss``,
     #: ``train.class_weights`` and ``train.label_smoothing`` must stay at their defaults
     own_loss: ClassVar[bool] = False
+    #: the local step is plain SGD on the cross-entropy, and nothing else is computed
+    #: from local data: record-level DP (DP-SGD) may replace its gradient. Opt-in; the
+    #: methods that set it are listed in docs/privacy.md.
+    record_dp: ClassVar[bool] = False
 
     def __init__(self, cfg, layout: FlatModel, num_clients: int) -> None:
         self.cfg = cfg

@@ -10,3 +10,4 @@ from .base import Algorithm
 
 class FedAvg(Algorithm):
     name = "fedavg"
+    record_dp = True   # plain SGD local step (docs/privacy.md)

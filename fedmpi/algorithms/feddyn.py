@@ -55,6 +55,7 @@ class FedDynParams:
 class FedDyn(Algorithm):
     optimizers = ("sgd", "adam")   # alpha_k enters as coupled weight decay, not AdamW's
     name = "feddyn"
+    record_dp = True   # plain SGD local step (docs/privacy.md)
     params = {"feddyn": FedDynParams}
 
     def __init__(self, cfg, layout, num_clients: int) -> None:

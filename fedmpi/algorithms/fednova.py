@@ -59,6 +59,7 @@ class FedNovaParams:
 class FedNova(Algorithm):
     optimizers = ("sgd",)   # a_k normalises SGD steps (with momentum rho)
     name = "fednova"
+    record_dp = True   # plain SGD local step (docs/privacy.md)
     params = {"fednova": FedNovaParams}
 
     def uplink_stats(self) -> list[Stat]:

@@ -26,6 +26,7 @@ class FedProxParams:
 
 class FedProx(Algorithm):
     name = "fedprox"
+    record_dp = True   # plain SGD local step (docs/privacy.md)
     params = {"fedprox": FedProxParams}
 
     def __init__(self, cfg, layout, num_clients: int) -> None:

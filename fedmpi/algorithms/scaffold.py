@@ -58,6 +58,7 @@ class ScaffoldParams:
 class Scaffold(Algorithm):
     optimizers = ("sgd",)   # option II: c_k from the SGD displacement / (K_k lr)
     name = "scaffold"
+    record_dp = True   # plain SGD local step (docs/privacy.md)
     params = {"scaffold": ScaffoldParams}
 
     def __init__(self, cfg, layout, num_clients: int) -> None:

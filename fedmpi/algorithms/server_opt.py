@@ -124,6 +124,8 @@ class ServerOptAlgorithm(Algorithm, abc.ABC):
     Subclasses implement :meth:`make_optimizer`.
     """
 
+    record_dp = True   # FedAvg clients: plain SGD local step (docs/privacy.md)
+
     @abc.abstractmethod
     def make_optimizer(self, size: int, device: torch.device) -> ServerOptimizer:
         """The server optimizer over the ``size`` parameters on ``device``."""

@@ -30,6 +30,7 @@ from ..imports import blame
 from ..usercode import UserCode
 from ..models import build_model, model_spec
 from ..placement import gpu_for_local_rank, threads_per_rank
+from ..privacy.policy import check_build as check_privacy
 from ..provenance import run_info
 from .evaluation import test_state
 
@@ -223,6 +224,7 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
         start(rule, ctx)
     with blame("algorithm.name", algo):
         stats = algo.uplink_stats() + transforms.stats()
+    check_privacy(cfg, algo, stats, flat.model)
     if not any(s.name == "delta" and s.combine == "weighted" for s in stats):
         for key, part in (("aggregation.weighting", weighting), ("aggregation.rule", rule)):
             if part.per_client:

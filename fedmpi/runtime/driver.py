@@ -269,4 +269,7 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Comm, resume: bool,
         raise RunInterrupted(guard.interrupted_message(fed, t, out), log_path=str(out / "log.h5"))
     names = ("test_accuracy", *metrics.extra_names(cfg.eval.metrics))
     final: dict = next((h for h in reversed(fed.history) if not np.isnan(h["test_accuracy"])), {})
-    return {n: float(final.get(n, float("nan"))) for n in names}
+    out = {n: float(final.get(n, float("nan"))) for n in names}
+    if fed.budget is not None:   # ε at privacy.dp.delta after the last round run
+        out["epsilon"] = fed.budget.accountant.epsilon
+    return out

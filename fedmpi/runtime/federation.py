@@ -30,8 +30,10 @@ from .channel import Channel, plan_uplink
 from . import guard
 from .evaluation import Evaluation
 from .record import RoundRecorder
-from .server import EXCLUDED_BECAUSE, STATUS_FAILED, ArrivalSum, is_summed, server_step
+from .server import EXCLUDED_BECAUSE, M_STEPS, STATUS_FAILED, ArrivalSum, is_summed, server_step
 from .worker import Worker
+from ..privacy.budget import Budget
+from ..privacy.dp import ServerNoise
 
 CMD_ROUND, CMD_STOP, CMD_ABORT = 0, 1, 2
 # header[2] flags: checkpoint before acting on the command; the stop is an interruption
@@ -92,6 +94,12 @@ class Federation:
         self.arrival_sum = (ArrivalSum(self.stats, self.weighting.raw, self.sum_bufs)
                             if self.sum_bufs and self.channel.stream_rows else None)
         self.stop_reason: Optional[str] = None   # set by a signal (fedmpi.signals)
+        self.finished_early: Optional[str] = None   # a completed stop before train.rounds (budget)
+        level = cfg.privacy.dp.level
+        # rank 0: the privacy accountant and, at client level, DP-FedAvg's server noise
+        self.budget = (Budget.from_config(cfg, self.num_samples)
+                       if self.is_server and level != "none" else None)
+        self.dp_noise = ServerNoise(cfg) if self.is_server and level == "client" else None
         self.checkpoint_round = 0                 # rounds < this are in the newest checkpoint
         self.failure: Optional[str] = None
         self.rounds_without_update = 0            # runtime.max_rounds_without_update
@@ -131,12 +139,14 @@ class Federation:
 
     def run_state(self) -> checkpoint.RunState:
         """What a checkpoint saves and restores (:class:`fedmpi.checkpoint.RunState`):
-        θ, the named components (method, weighting, transforms, RNG streams) and the
-        per-client states of the hosted clients."""
+        θ, the named components (method, weighting, transforms, privacy accountant, RNG
+        streams) and the per-client states of the hosted clients."""
         parts: dict[str, checkpoint.StateOwner] = {"algorithm": self.algo,
                                                    "weighting": self.weighting}
         parts.update({f"transform/{tr.name}": tr for tr in self.transforms})
         parts["rule"] = self.rule
+        if self.budget is not None:   # the accountant's counts: resume reports the same ε
+            parts["privacy"] = self.budget
         parts["rng"] = checkpoint.RngStreams()
         return checkpoint.RunState(
             cfg=self.cfg, comm=self.comm, num_clients=self.K, host=self.host,
@@ -196,8 +206,15 @@ class Federation:
         if self.failure is not None:
             cmd = CMD_ABORT
         elif (self.stop_reason is not None or self.recorder.stop_request is not None
-              or t >= self.cfg.train.rounds):   # a signal, early stopping/a callback, the end
+              or self.finished_early or t >= self.cfg.train.rounds):   # a signal, early stopping/a callback, the end
             cmd = CMD_STOP
+        elif self.budget is not None:
+            self.finished_early = self.budget.exceeded_by(self.participants(t))
+            if self.finished_early:
+                cmd = CMD_STOP
+                self.recorder.event(t, 0, -1, f"run completed before round {t}: {self.finished_early}")
+                if self.writer is not None:
+                    self.writer.set_attr("", "stop_reason", self.finished_early)
         flags = self._flags(cmd, t)
         self.channel.set_header(cmd, t, flags, self.participants(t) if cmd == CMD_ROUND else None)
         if cmd == CMD_ROUND and self.algo.downlink_size():
@@ -243,7 +260,10 @@ class Federation:
         result = server_step(self.global_state, up, self.algo, self.weighting, self.stats,
                              self.num_samples, self.agg_bufs, self.sum_bufs, rule=self.rule,
                              tamper=None if self.omniscient is None else
-                             lambda c, rows: self._tamper(up, c, rows))
+                             lambda c, rows: self._tamper(up, c, rows),
+                             dp_noise=self.dp_noise)
+        for note in result.events:
+            self.recorder.event(t, 0, -1, note)
         for k in result.excluded:
             self.recorder.event(t, int(self.host[k]), int(k), "update excluded: "
                                 + EXCLUDED_BECAUSE.get(int(up.status[k]), "status " + str(up.status[k])))
@@ -268,6 +288,10 @@ class Federation:
         self.channel.exposed_arrival_seconds = 0.0
         row[1].update(evals)
         row[2].update(self.evals.take_sites())   # /clients/<metric> of a per-site evaluation
+        if self.budget is not None:   # every participant trained, accepted or not: all spent
+            eps, eps_clients = self.budget.record_round(up.mask, up.meta[:, M_STEPS])
+            row[1].update(eps)
+            row[2].update(eps_clients)
         if overlapped:
             self.recorder.pending = row
         else:

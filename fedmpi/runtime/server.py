@@ -28,12 +28,15 @@ This is where a round's weights are computed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 import torch
 
 from ..algorithms import Algorithm, RoundInfo, RuleInfo, ServerRule, Stat, Weighting
+
+if TYPE_CHECKING:
+    from ..privacy.dp import ServerNoise
 
 STATUS_IDLE, STATUS_OK, STATUS_NONFINITE, STATUS_FAILED, STATUS_RANGE = 0, 1, 2, 3, 4
 #: why a participant's update was excluded, by status word (the log's event text)
@@ -166,6 +169,7 @@ class ServerResult:
     excluded: np.ndarray                 # ids of participants left out (non-finite)
     weights: np.ndarray                  # [K]: s_k, 0 for excluded, NaN for non-participants
     client_arrays: dict[str, np.ndarray]  # "client" statistics [K, size] for the log
+    events: list[str] = field(default_factory=list)   # notes for the log (DP noise top-up)
 
 
 def server_step(state: torch.Tensor, up: Uplink, algo: Algorithm, weighting: Weighting,
@@ -173,8 +177,8 @@ def server_step(state: torch.Tensor, up: Uplink, algo: Algorithm, weighting: Wei
                 out: Optional[dict[str, torch.Tensor]] = None,
                 sums: Optional[dict[str, torch.Tensor]] = None,
                 rule: Optional[ServerRule] = None,
-                tamper: Optional[Callable[[np.ndarray, dict[str, torch.Tensor]], None]] = None
-                ) -> ServerResult:
+                tamper: Optional[Callable[[np.ndarray, dict[str, torch.Tensor]], None]] = None,
+                dp_noise: Optional[ServerNoise] = None) -> ServerResult:
     """Exclusion, weights, combination and the method's server rule (module docstring).
 
     ``state`` is θ (parameters and float buffers) and is updated in place; ``rule``
@@ -183,6 +187,8 @@ def server_step(state: torch.Tensor, up: Uplink, algo: Algorithm, weighting: Wei
     clients' rows in place before the weights and the rule see them; it needs rows.
     ``out`` may hold preallocated float32 buffers for the summed statistics and
     ``sums`` float64 ones for :func:`ordered_sum` (no model-sized allocation per round).
+    ``dp_noise`` (client-level DP): the Gaussian noise and fixed denominator of DP-FedAvg
+    on the ``delta`` mean, before the method's server rule (:mod:`fedmpi.privacy.dp`).
     """
     K = up.mask.shape[0]
     status = up.status
@@ -235,9 +241,13 @@ def server_step(state: torch.Tensor, up: Uplink, algo: Algorithm, weighting: Wei
             buf = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         torch.div(v, total_raw if kinds[name].combine == "weighted" else 1.0, out=buf)
         agg[name] = buf
+    events = []
+    if dp_noise is not None:
+        note = dp_noise.apply(agg["delta"], up.round, int(up.mask.sum()), int(accepted.size))
+        events += [note] if note else []
     info = RoundInfo(round=up.round, clients=accepted, weights=s, num_samples=num_samples[accepted],
                      steps=up.meta[accepted, M_STEPS], num_clients=K,
                      num_selected=int(up.mask.sum()))
     algo.server_update(state, agg, info)
     weights[accepted] = s
-    return ServerResult(accepted, excluded, weights, client_arrays)
+    return ServerResult(accepted, excluded, weights, client_arrays, events)
