@@ -38,12 +38,9 @@ from fedmpi.config import load_config  # noqa: E402
 from fedmpi.log import read  # noqa: E402
 from fedmpi.runtime import run  # noqa: E402
 
-BASE = ["runtime.threads=1", "runtime.progress=false", "runtime.round_timeout=600"]
-SETTINGS = {
-    "cnn": (6, ["model.name=cnn"]),
-    "resnet18": (4, ["model.name=resnet18", "data.dataset=synthetic", "train.clients_per_round=4",
-                     "train.local_steps=2", "eval.every=1000", "eval.batch_size=256"]),
-}
+# the same two settings as the exact-reduction bench, so the two tables compare
+from exact_reduction import BASE, SETTINGS  # noqa: E402
+
 COLUMNS = ("wall_seconds", "train_seconds", "aggregate_seconds", "overhead_seconds")
 
 

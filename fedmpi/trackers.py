@@ -64,7 +64,8 @@ class Tracker:
 
     def log(self, t: int, scalars: Mapping[str, float],
             sites: Mapping[str, np.ndarray] = {}) -> None:
-        raise NotImplementedError
+        """Write round ``t``'s scalars and per-site arrays (each tracker defines it)."""
+        raise NotImplementedError(f"{type(self).__name__} must define log()")
 
     def close(self, status: str = "completed") -> None:
         pass

@@ -117,7 +117,8 @@ class CoordinateRule(RobustRule):
     column = "trimmed"
 
     def trim(self, n: int) -> int:
-        raise NotImplementedError
+        """Values dropped on each side per coordinate out of ``n`` (each subclass defines it)."""
+        raise NotImplementedError(f"{type(self).__name__} must define trim(n)")
 
     def aggregate(self, rows: Rows, info: RuleInfo) -> dict[str, torch.Tensor]:
         n = len(info.clients)
