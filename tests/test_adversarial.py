@@ -501,7 +501,10 @@ def test_two_sigints_to_rank_0_end_every_rank_within_seconds(tmp_path):
     if mpiexec_path() is None:
         pytest.skip("mpiexec not found")
     out = tmp_path / "ctrlc"
-    args = ["run", CFG, *FAST, "--set", "train.rounds=500", "--out", str(out)]
+    # rounds of seconds: the graceful stop the first SIGINT asks for must still be under
+    # way when the second one arrives (with 2-epoch rounds it could finish within 0.2 s)
+    args = ["run", CFG, *FAST, "--set", "train.rounds=500", "--set", "train.local_epochs=40",
+            "--out", str(out)]
     proc = subprocess.Popen([mpiexec_path(), "-n", "3", *fedmpi_cmd(*args)], cwd=ROOT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
