@@ -102,6 +102,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="MLflow experiment (default fedmpi)")
     export.add_argument("--csv", default=None, metavar="FILE",
                         help="one row per round: /rounds scalars and per-site metrics")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --csv FILE (without it nothing is replaced)")
 
     part = sub.add_parser("partition", help="partition preview without training: class-count "
                                             "heatmap and client sizes")
@@ -301,7 +303,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     if args.tensorboard is None and args.mlflow is None and args.csv is None:
         raise ConfigError("fedmpi export needs at least one of --tensorboard DIR, --mlflow URI, "
                           "--csv FILE")
-    for line in export(args.log, args.tensorboard, args.mlflow, args.csv, args.experiment):
+    for line in export(args.log, args.tensorboard, args.mlflow, args.csv, args.experiment,
+                       overwrite=args.overwrite):
         print(line)
     return 0
 

@@ -169,10 +169,20 @@ def site_metrics(log: Any) -> list[str]:
 
 
 def export(log_path: str | Path, tensorboard: Optional[str] = None, mlflow: Optional[str] = None,
-           csv: Optional[str] = None, experiment: str = "fedmpi") -> list[str]:
-    """Write the views of a finished (or running) log; returns what was written."""
-    from .log import read
+           csv: Optional[str] = None, experiment: str = "fedmpi",
+           overwrite: bool = False) -> list[str]:
+    """Write the views of a finished (or running) log; returns what was written.
 
+    An existing ``csv`` is replaced only with ``overwrite`` (checked before anything is
+    written; :func:`fedmpi.outputs.claim`); TensorBoard adds new event files and MLflow a
+    new run, so neither replaces anything.
+    """
+    from .log import read
+    from .outputs import claim
+    from .safefile import replacing
+
+    if csv is not None:
+        claim([csv], overwrite, "fedmpi export --csv")
     log = read(log_path)
     rounds = log.rounds
     sites = site_metrics(log)
@@ -199,6 +209,7 @@ def export(log_path: str | Path, tensorboard: Optional[str] = None, mlflow: Opti
             for k in range(log.clients[m].shape[1]):
                 frame[f"clients/{m}/{k}"] = log.clients[m][:, k]
         Path(csv).parent.mkdir(parents=True, exist_ok=True)
-        frame.to_csv(csv, index=False)
+        with replacing(csv, "w") as f:   # never through a planted link; whole or not at all
+            frame.to_csv(f, index=False)
         done.append(f"CSV table {csv}")
     return done

@@ -95,6 +95,19 @@ def test_live_trackers_and_export_show_the_logs_numbers(tmp_path, monkeypatch):
     np.testing.assert_allclose(table["auroc"], log.rounds["auroc"], equal_nan=True)
     np.testing.assert_allclose(table["clients/test_accuracy/1"], site[:, 1], equal_nan=True)
 
+    # a CSV that exists is the user's: refused (exit 2, one line, untouched) without --overwrite
+    mine = tmp_path / "mine.csv"
+    mine.write_text("my own table\n")
+    again = [sys.executable, "-m", "fedmpi", "export", str(result.log_path), "--csv", str(mine)]
+    proc = subprocess.run(again, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--overwrite" in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert mine.read_text() == "my own table\n"
+    proc = subprocess.run([*again, "--overwrite"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert list(pd.read_csv(mine)["round"]) == [0, 1, 2]
+
 
 def test_missing_extra_is_one_line_naming_it(tmp_path, monkeypatch):
     import fedmpi
