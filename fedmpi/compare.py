@@ -230,13 +230,20 @@ def _group_keys(flat_configs: Sequence[Mapping[str, Any]], group_by: Sequence[st
     union = sorted({k for c in flat_configs for k in c})
     methods = len({_fmt_value(c.get("algorithm.name")) for c in flat_configs}) > 1
 
-    def method_param(k: str) -> bool:
-        return methods and k.startswith("algorithm.") and k.count(".") >= 2 and \
-            not all(k in c for c in flat_configs)
+    # Likewise an update transform's parameters (ecgr.beta) label the runs it ran in.
+    from fedmpi.algorithms.transforms import TRANSFORMS
+
+    transform_blocks = {b for cls in TRANSFORMS.values() for b in (getattr(cls, "params", None) or ())}
+
+    def own_param(k: str) -> bool:
+        if all(k in c for c in flat_configs):
+            return False
+        return (methods and k.startswith("algorithm.") and k.count(".") >= 2) or \
+            k.split(".")[0] in transform_blocks
 
     varying = [k for k in union if not _ignored(k)
                and len({_fmt_value(c[k]) for c in flat_configs if k in c}) > 1]
-    return varying + [k for k in union if k not in varying and method_param(k)]
+    return varying + [k for k in union if k not in varying and own_param(k)]
 
 
 # -- per group -------------------------------------------------------------------

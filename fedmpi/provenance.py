@@ -6,9 +6,9 @@ a user method still has every built-in method's parameter block. Two things keep
 the report, ``compare`` and ``partition`` truthful:
 
 * :func:`run_info` — written by rank 0 into the log's root attribute ``run_info``
-  (JSON; docs/hdf5-log.md): the model, data, method, weighting and update transforms
-  as they ran — built-in name or import path (``module:qualname``), the method's own
-  parameters (its ``params`` blocks as instantiated, e.g. ``{"params": {"mu": 0.1}}``
+  (JSON; docs/hdf5-log.md): the model, data, method, weighting, server rule and update
+  transforms as they ran — built-in name or import path (``module:qualname``), each one's
+  own parameters (its ``params`` blocks as instantiated, e.g. ``{"params": {"mu": 0.1}}``
   for a user method), and for silo data every file read with its SHA-256 (each hashed
   on the rank that read it, :mod:`fedmpi.data.silos`).
 * :func:`unused_keys` — the config keys whose values took no part in a run, from the
@@ -67,6 +67,12 @@ def run_info(cfg: Any, algo: Any, weighting: Any, transforms: Sequence[Any],
         return path if path is not None and not path.startswith(("fedmpi.", "builtins")) \
             else fallback
 
+    def transform_name(t: Any) -> str:
+        from .algorithms.transforms import TRANSFORMS
+
+        registered = [k for k, cls in TRANSFORMS.items() if cls is type(t)]
+        return named(type(t), registered[0] if registered else type(t).__name__)
+
     model_name = named(model, str(cfg.model.name)) if model is not None else str(cfg.model.name)
     model_info: dict[str, Any] = {"name": model_name}
     if model_name == "mlp":
@@ -89,7 +95,9 @@ def run_info(cfg: Any, algo: Any, weighting: Any, transforms: Sequence[Any],
         "weighting": named(type(weighting), str(cfg.aggregation.weighting)),
         "rule": ({"name": named(type(rule), str(cfg.aggregation.rule)),
                   "params": method_params(rule)} if rule is not None else None),
-        "transforms": [named(type(t), type(t).__name__) for t in transforms],
+        "weighting_params": method_params(weighting),
+        "transforms": [transform_name(t) for t in transforms],
+        "transform_params": {transform_name(t): method_params(t) for t in transforms},
     }
 
 
@@ -110,7 +118,9 @@ def unused_keys(flat: Mapping[str, Any], info: Optional[Mapping[str, Any]] = Non
     a silo run's pooled-data keys; the silo keys of a pooled run; ``model.*`` but the
     name for a model given by import path, ``model.norm`` for models without it; the
     parameter blocks of methods other than the one that ran (from ``info``'s
-    ``method.params`` where given, else from the built-in method's declaration)."""
+    ``method.params`` where given, else from the built-in method's declaration); the
+    blocks of registered transforms that did not run (``transform_params``) but their
+    ``enabled`` switch."""
     unused: set[str] = set()
     silos = flat.get("data.partition.method") == "silos"
     for key in flat:
@@ -124,6 +134,11 @@ def unused_keys(flat: Mapping[str, Any], info: Optional[Mapping[str, Any]] = Non
             if _is_path(model) or (key == "model.norm" and not model.startswith(_NORMED)) or \
                     (key.startswith("model.mlp.") and model != "mlp"):
                 unused.add(key)
+    blocks, ran = _transform_groups(info)
+    for key in flat:   # an off transform's parameters (its switch, ``<block>.enabled``, counts)
+        parts = key.split(".")
+        if parts[0] in blocks and parts[0] not in ran and parts[-1] != "enabled":
+            unused.add(key)
     groups = _method_groups(flat, info)
     rule_blocks, rule_used = _rule_groups(flat, info)
     for key in flat:
@@ -135,6 +150,18 @@ def unused_keys(flat: Mapping[str, Any], info: Optional[Mapping[str, Any]] = Non
                 parts[1] not in rule_used:
             unused.add(key)
     return unused
+
+
+def _transform_groups(info: Optional[Mapping[str, Any]]) -> tuple[set[str], set[str]]:
+    """(the config blocks of every registered transform, those of the transforms that ran);
+    both empty for logs without ``transform_params`` (nothing can be said from the config)."""
+    ran = info.get("transform_params") if info is not None else None
+    if not isinstance(ran, Mapping):
+        return set(), set()
+    from .algorithms.transforms import TRANSFORMS
+
+    blocks = {b for cls in TRANSFORMS.values() for b in (getattr(cls, "params", None) or ())}
+    return blocks, {b for p in ran.values() if isinstance(p, Mapping) for b in p}
 
 
 def _rule_groups(flat: Mapping[str, Any], info: Optional[Mapping[str, Any]]

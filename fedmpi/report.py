@@ -711,6 +711,14 @@ def summary_markdown(log: RunLog | PathLike, target: float | None = None,
     return "\n".join(out) + "\n"
 
 
+def _params_text(blocks: Any) -> str:
+    """``{block: {field: value}}`` as ``block: field=value, ...; block: ...``."""
+    if not isinstance(blocks, dict):
+        return ""
+    return "; ".join(f"{g}: " + ", ".join(f"{k}={v}" for k, v in fields.items())
+                     for g, fields in blocks.items() if isinstance(fields, dict))
+
+
 def _ran_lines(log: RunLog) -> list[str]:
     """"What ran": the log's ``run_info`` (:mod:`fedmpi.provenance`) — the objects by
     built-in name or import path, the method's parameters, the silo files with SHA-256."""
@@ -729,17 +737,21 @@ def _ran_lines(log: RunLog) -> list[str]:
     out.append(f"| data | {source}, {data.get('num_clients')} clients, partition "
                f"{data.get('partition')} |")
     method = info.get("method", {})
-    params = "; ".join(f"{g}: " + ", ".join(f"{k}={v}" for k, v in fields.items())
-                       for g, fields in (method.get("params") or {}).items())
+    params = _params_text(method.get("params"))
     out.append(f"| method | `{method.get('name')}` (server_lr {method.get('server_lr')}"
                f"{'; ' + params if params else ''}) |")
-    out.append(f"| weighting | `{info.get('weighting')}` |")
+    wparams = _params_text(info.get("weighting_params"))
+    out.append(f"| weighting | `{info.get('weighting')}`{f' ({wparams})' if wparams else ''} |")
     rule = info.get("rule") or {}
     if rule:
-        rparams = "; ".join(f"{g}: " + ", ".join(f"{k}={v}" for k, v in fields.items())
-                            for g, fields in (rule.get("params") or {}).items())
+        rparams = _params_text(rule.get("params"))
         out.append(f"| server rule | `{rule.get('name')}`{f' ({rparams})' if rparams else ''} |")
-    out.append(f"| transforms | {', '.join(f'`{t}`' for t in info.get('transforms', [])) or 'none'} |")
+    tparams = info.get("transform_params") or {}
+    shown = []
+    for t in info.get("transforms", []):
+        text = _params_text(tparams.get(t) if isinstance(tparams, dict) else None)
+        shown.append(f"`{t}`{f' ({text})' if text else ''}")
+    out.append(f"| transforms | {', '.join(shown) or 'none'} |")
     files = data.get("silos", {}).get("files", []) if isinstance(data.get("silos"), dict) else []
     if files:
         out += ["", "| silo file | path | SHA-256 |", "|---|---|---|"]

@@ -25,6 +25,7 @@ import torch
 import yaml
 
 import fedmpi
+import fedmpi.provenance
 from fedmpi.cli import main
 from fedmpi.log import read
 
@@ -189,7 +190,8 @@ def test_dry_run_changes_nothing(hospitals, monkeypatch, capsys):
 # ------------------------------------------------------------ 3 truthful reports
 def test_report_compare_and_partition_show_what_ran(hospitals, capsys):
     fedmpi.run("silos.yaml", ["train.rounds=1", "algorithm.name=hospital_i26:Prox",
-                              "algorithm.params.mu=0.1"], out=str(hospitals / "mine"))
+                              "algorithm.params.mu=0.1", "ecgr.enabled=true", "ecgr.beta=0.35"],
+               out=str(hospitals / "mine"))
     fedmpi.run("silos.yaml", ["train.rounds=1", "algorithm.name=fedprox"],
                out=str(hospitals / "builtin"))
     assert main(["report", str(hospitals / "mine" / "log.h5")]) == 0
@@ -201,12 +203,21 @@ def test_report_compare_and_partition_show_what_ran(hospitals, capsys):
     assert sha in summary and str(hospitals / "hospital_1.csv") in summary
     assert "`hospital_i26:MLP`" in summary and "`hospital_i26:Prox`" in summary
     assert "mu=0.1" in summary
+    # the transforms' own parameters too (and the weighting's, none for samples)
+    info = fedmpi.provenance.read_run_info(read(hospitals / "mine" / "log.h5").attrs)
+    assert info["transforms"] == ["ecgr"]
+    assert info["transform_params"]["ecgr"]["ecgr"]["beta"] == 0.35
+    assert info["weighting"] == "samples" and info["weighting_params"] == {}
+    assert "| transforms | `ecgr` (ecgr: beta=0.35, enabled=True" in summary
     capsys.readouterr()
     assert main(["compare", str(hospitals / "mine" / "log.h5"),
                  str(hospitals / "builtin" / "log.h5")]) == 0
     rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines()
             if "Prox" in line or "fedprox" in line}
-    assert set(rows) == {"algorithm=hospital_i26:Prox, mu=0.1", "algorithm=fedprox, mu=0.01"}, rows
+    # ECGR's beta labels only the run that used it; its switch tells the two apart
+    assert set(rows) == {"algorithm=hospital_i26:Prox, ecgr=True, mu=0.1, beta=0.35, "
+                         "memory_budget=1073741824",
+                         "algorithm=fedprox, ecgr=False, mu=0.01"}, rows
     # partition of a silos config: the hospitals' sizes, not a digits split
     assert main(["partition", "silos.yaml"]) == 0
     out = capsys.readouterr().out
