@@ -66,7 +66,7 @@ def test_metrics_plot_skipped_when_it_would_repeat_accuracy(tmp_path):
 
 
 def test_subtitle_names_the_runs_components():
-    from fedmpi.report import _components
+    from fedmpi.report.derived import run_components
 
     class Log:
         config = {"data": {"dataset": "wine", "num_clients": 4, "partition": {"method": "iid"}},
@@ -75,7 +75,7 @@ def test_subtitle_names_the_runs_components():
                                                                       "lr": 0.01},
                   "eval": {"where": "clients"}}
 
-    text = _components(Log())
+    text = run_components(Log())
     for word in ("wine", "mlp", "fedprox + uniform", "adamw lr 0.01", "iid, 4 clients",
                  "clients' held-out data"):
         assert word in text, word

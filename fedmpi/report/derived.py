@@ -1,0 +1,109 @@
+"""What the report's plots and its summary both show, derived from one log: the run's
+title and components, the submodel level labels, the split of a round's time, byte units.
+
+The time split (:func:`time_split`) uses the log's ``train_seconds`` (slowest
+worker), ``aggregate_seconds``, ``overhead_seconds`` and ``eval_seconds``. The
+runtime logs ``overhead = wall − train − aggregate − (evaluation inside the
+round)``; with ``eval.overlap`` round t is evaluated while the workers train
+round t + 1, outside round t's wall time, so the evaluation inside the round is
+``wall − train − aggregate − overhead`` (0 for an overlapped round) and the rest
+of ``eval_seconds`` is reported apart: the in-round parts add up to 100 % of
+the wall time.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from fedmpi.compare import config_value
+from fedmpi.log import PathLike, RunLog, as_run_log
+
+__all__ = ["OVERLAPPED", "TIME_PARTS", "byte_unit", "level_labels", "run_components",
+           "run_title", "time_split"]
+
+
+def run_title(log: RunLog) -> str:
+    """``name · algorithm[ + weighting] (log directory) [status]``."""
+    name = config_value(log.config, "name", "") or ""
+    algo = config_value(log.config, "algorithm.name")
+    weighting = config_value(log.config, "aggregation.weighting", "samples")
+    parts = [p for p in (name, algo) if p]
+    text = " · ".join(parts) + (f" + {weighting}" if weighting not in (None, "samples") else "")
+    folder = Path(log.path).resolve().parent.name
+    if folder and folder != name:
+        text += f" ({folder})"
+    return text + ("" if log.status == "completed" else f" [{log.status}]")
+
+
+def run_components(log: RunLog) -> str:
+    """What the run is made of, for plot subtitles: data, model, method, optimizer,
+    partition, clients and where it was evaluated."""
+    c = log.config
+    get = lambda key, default=None: config_value(c, key, default)  # noqa: E731
+    method = str(get("algorithm.name", "?"))
+    weighting = get("aggregation.weighting", "samples")
+    part = str(get("data.partition.method", "?"))
+    if part == "dirichlet":
+        part += f" α={get('data.partition.alpha')}"
+    opt = str(get("train.optimizer", "sgd"))
+    where = {"server": "server test set", "clients": "clients' held-out data",
+             "both": "server test set + clients' held-out data"}[str(get("eval.where", "server"))]
+    data = (f"silos {get('data.silos.path') or get('data.silos.loader')}" if part == "silos"
+            else get("data.dataset", "?"))   # a silo run's data.dataset is an unused default
+    return (f"{data} · {get('model.name', '?')} · {method}"
+            f"{f' + {weighting}' if weighting not in (None, 'samples') else ''} · "
+            f"{opt} lr {get('train.lr')} · {part}, {get('data.num_clients')} clients · "
+            f"evaluated on the {where}")
+
+
+def level_labels(log: RunLog, n: int) -> list[str]:
+    """``level i (size 1/4)`` from ``/submodel/levels`` (model-size ratios), else ``level i``."""
+    from fractions import Fraction
+
+    levels = log.arrays.get("submodel/levels")
+    if levels is None or len(levels) != n:
+        return [f"level {i}" for i in range(n)]
+    return [f"level {i} (size {Fraction(float(v)).limit_denominator(4096)})"
+            for i, v in enumerate(np.asarray(levels, dtype=float))]
+
+
+#: The parts of a round's time in the log: ``/rounds`` name, label, plot colour.
+TIME_PARTS = (("train_seconds", "local training (slowest worker)", "C0"),
+              ("overhead_seconds", "communication + other", "C1"),
+              ("aggregate_seconds", "aggregation", "C2"),
+              ("eval_seconds", "evaluation", "C3"))
+OVERLAPPED = "evaluation overlapped with the next round's training (not in the wall time)"
+
+
+def time_split(log: RunLog | PathLike) -> dict[str, np.ndarray]:
+    """Per-round seconds: the :data:`TIME_PARTS` present in the log, with
+    ``eval_seconds`` cut to its part inside the round's wall time, plus
+    ``eval_overlapped`` (the rest) and ``wall_seconds``. NaN counts as 0.
+
+    In-round evaluation = clip(wall − train − aggregate − overhead, 0, eval): the
+    runtime computes overhead as the remainder of the wall time with the in-round
+    evaluation only, so the in-round parts sum to the wall time.
+    """
+    log = as_run_log(log)
+    parts = {name: np.nan_to_num(np.asarray(log.rounds[name], dtype=np.float64))
+             for name, _, _ in TIME_PARTS if name in log.rounds}
+    if "wall_seconds" in log.rounds:
+        wall = np.nan_to_num(np.asarray(log.rounds["wall_seconds"], dtype=np.float64))
+        parts["wall_seconds"] = wall
+        if "eval_seconds" in parts and {"train_seconds", "aggregate_seconds",
+                                        "overhead_seconds"} <= parts.keys():
+            rest = wall - parts["train_seconds"] - parts["aggregate_seconds"] \
+                - parts["overhead_seconds"]
+            inside = np.clip(rest, 0.0, parts["eval_seconds"])
+            parts["eval_overlapped"] = parts["eval_seconds"] - inside
+            parts["eval_seconds"] = inside
+    return parts
+
+
+def byte_unit(x: float) -> tuple[str, float]:
+    """The largest binary unit not above ``x`` bytes, and its size."""
+    for unit, scale in (("GiB", 2.0 ** 30), ("MiB", 2.0 ** 20), ("KiB", 2.0 ** 10)):
+        if x >= scale:
+            return unit, scale
+    return "bytes", 1.0

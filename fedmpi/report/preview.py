@@ -1,0 +1,53 @@
+"""``fedmpi partition``: preview a data split without training — ``partition.png``,
+``partition.csv`` and the per-client lines to print."""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedmpi.safefile import write_text
+
+from . import canvas
+from .heatmaps import plot_partition
+
+__all__ = ["partition_preview"]
+
+
+def partition_preview(partition: Any, out_dir: str | os.PathLike, name: str = "",
+                      overwrite: bool = False) -> list[str]:
+    """``fedmpi partition``: write ``partition.png`` and ``partition.csv`` into
+    ``out_dir`` and return the lines to print (per-client sizes, hold-out, files).
+
+    ``partition`` is a :class:`fedmpi.data.Partition` (from
+    :func:`fedmpi.data.build_partition`, the function a run uses).
+    ``partition.csv`` has one row per client: ``client, size, class_0, ...``.
+    """
+    from fedmpi.outputs import claim
+
+    canvas.mpl()
+    out = Path(out_dir)
+    claim([out / "partition.png", out / "partition.csv"], overwrite, "fedmpi partition")
+    out.mkdir(parents=True, exist_ok=True)
+    counts = np.asarray(partition.class_counts, dtype=np.int64)
+    sizes = counts.sum(axis=1)
+    k, c = counts.shape
+    png = plot_partition(counts, out / "partition.png",
+                         f"{name + ': ' if name else ''}partition of {int(sizes.sum())} samples "
+                         f"into {k} clients ({len(partition.validation_indices)} held out)")
+    csv_path = out / "partition.csv"
+    rows = ["client,size," + ",".join(f"class_{j}" for j in range(c))]
+    rows += [f"{i},{sizes[i]}," + ",".join(map(str, counts[i])) for i in range(k)]
+    write_text(csv_path, "\n".join(rows) + "\n")
+    present = (counts > 0).sum(axis=1)
+    lines = ["client  size  classes  largest class share"]
+    for i in range(k):
+        share = counts[i].max() / sizes[i] if sizes[i] else math.nan
+        lines.append(f"{i:6d}  {sizes[i]:4d}  {present[i]:7d}  {share:.2f}")
+    lines += [f"clients: {k}, samples: {int(sizes.sum())} (min {sizes.min()}, max {sizes.max()}, "
+              f"mean {sizes.mean():.1f}), server hold-out: {len(partition.validation_indices)}",
+              str(png), str(csv_path)]
+    return lines
