@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedmpi.compare import config_value
+from fedmpi.compare.runs import config_value
 from fedmpi.log import PathLike, RunLog, as_run_log
 
 __all__ = ["OVERLAPPED", "TIME_PARTS", "byte_unit", "level_labels", "run_components",

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fedmpi.compare import config_value, is_percent, run_config, run_metrics
+from fedmpi.compare.runs import config_value, is_percent, run_config, run_metrics
 from fedmpi.log import PathLike, RunLog, as_run_log
 
 from .derived import OVERLAPPED, TIME_PARTS, byte_unit, level_labels, time_split
