@@ -50,6 +50,9 @@ not see): ``rule/selected`` (Krum, Multi-Krum: 1 selected, 0 dropped),
 client's value did not enter the aggregate), ``rule/weight`` (geometric median:
 the client's coefficient in the Weiszfeld combination), ``rule/clip`` (norm
 clipping: the factor min(1, τ/‖Δ_k‖)), ``rule/trust`` (FLTrust: TS_k).
+
+Longer than ~350 lines: one job, the robust rules on the per-client rule seam (their
+shared base, logging and fallbacks); their arithmetic is :mod:`~fedmpi.algorithms.robust_math`.
 """
 from __future__ import annotations
 
