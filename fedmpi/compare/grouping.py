@@ -16,7 +16,7 @@ __all__ = ["ALIASES", "IGNORED_KEYS", "UNUSED", "find_baseline", "format_value",
            "mean_std", "short_key"]
 
 #: A grouping key's value in a group whose runs did not use it (e.g. another method's
-#: parameter, :func:`run_config`).
+#: parameter, :func:`~fedmpi.compare.runs.run_config`).
 UNUSED = "—"
 
 #: Short names accepted by ``--group-by``.
