@@ -342,3 +342,55 @@ def test_atomic_save_leaves_old_file_on_failure(tmp_path):
         checkpoint.save_atomic({"x": Boom()}, path)
     assert torch.equal(torch.load(path, weights_only=True)["x"], torch.ones(2))
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]   # no temp file left
+
+
+def test_open_run_takes_the_run_state_and_the_log_header(tmp_path):
+    """guard.open_run needs no Federation: the shared fake RunState and a LogHeader. A
+    fresh run's log holds the header (read back with h5py) and what the build wrote
+    before the file existed; resuming restores θ into the RunState and continues."""
+    import json
+
+    import h5py
+
+    from fedmpi import rundir
+    from fedmpi.context import LogSink
+    from fedmpi.runtime.guard import LogHeader, open_run
+
+    run = fake_run_state(num_clients=3, components={"rng": checkpoint.RngStreams()})
+    theta = run.global_state.clone()
+    sink = LogSink()
+    sink.set_attr("toy", "built", 7)          # written during the build, before the log
+    sink.event(0, -1, "toy: set up")
+    counts = np.array([[2, 1], [0, 3], [4, 0]])
+    header = LogHeader(num_samples=counts.sum(1), class_counts=counts,
+                       run_info={"algorithm": {"name": "toy"}}, sink=sink)
+    out = tmp_path / "run"
+    try:
+        opened = open_run(run, header, out, resume=False, overwrite=False)
+        assert opened.restored is None and opened.history == []
+        sink.event(0, -1, "after opening")    # the sink now writes into the open log
+        checkpoint.save(run, 0, checkpoint.checkpoint_path(out))
+        opened.writer.set_status("interrupted")
+        opened.writer.close()
+    finally:
+        rundir.release()
+    with h5py.File(out / "log.h5", "r") as f:
+        assert f.attrs["world_size"] == 1
+        assert np.array_equal(f["clients/num_samples"][()], [3, 3, 4])
+        assert np.array_equal(f["partition/class_counts"][()], counts)
+        assert json.loads(f.attrs["run_info"]) == {"algorithm": {"name": "toy"}}
+        assert f["toy"].attrs["built"] == 7
+        messages = [m.decode() if isinstance(m, bytes) else m for m in f["events/message"][()]]
+        assert messages == ["toy: set up", "after opening"]
+    assert (out / "config.yaml").read_text() == run.cfg.to_yaml()
+
+    run2 = fake_run_state(num_clients=3, components={"rng": checkpoint.RngStreams()})
+    run2.global_state.zero_()
+    try:
+        opened = open_run(run2, LogHeader(counts.sum(1), counts, {}, LogSink()), out,
+                          resume=True, overwrite=False)
+        assert opened.restored is not None and opened.restored.round == 0
+        assert opened.history == [] and torch.equal(run2.global_state, theta)
+        opened.writer.close()
+    finally:
+        rundir.release()
