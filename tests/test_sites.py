@@ -190,7 +190,7 @@ class _Rank:
 def test_client_test_files_are_read_by_the_host_only_and_indexed(tmp_path):
     """data.silos.client_test: the hosting rank appends each client's test file to its local
     pool; client_test_indices point at exactly those rows; training rows are untouched."""
-    from fedmpi.data import build_local
+    from fedmpi.data import DataNeeds, build_local
     from fedmpi.data.tabular import write_table
 
     rng = np.random.default_rng(0)
@@ -205,7 +205,7 @@ def test_client_test_files_are_read_by_the_host_only_and_indexed(tmp_path):
                                      "silos": {"path": str(tmp_path / "s{client}.csv"),
                                                "client_test": str(tmp_path / "t{client}.csv")}},
                             "eval": {"where": "clients"}})
-    local = build_local(cfg, _Rank(), [0, 2], is_server=False)
+    local = build_local(cfg, _Rank(), [0, 2], is_server=False, needs=DataNeeds())
     x_pool = local.data.x_train.numpy()
     for k, (x, y, xt, yt) in files.items():
         np.testing.assert_allclose(x_pool[local.partition.client_indices[k]], x, rtol=1e-6)

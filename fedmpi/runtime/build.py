@@ -169,7 +169,7 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
     # pooled data partitioned identically on every rank (= `fedmpi partition`), or
     # silo-local: a rank reads only its clients' silos; n_k of all clients arrive as
     # metadata (fedmpi.data.silos)
-    local = build_local(cfg, comm, hosted, rank == 0, code.data)
+    local = build_local(cfg, comm, hosted, rank == 0, code.data, needs=code.data_needs(cfg))
     comm.roll_call("loading its data")   # a slow rank is named (runtime.setup_timeout)
     data, partition = local.data.to(device), local.partition
     num_samples = np.asarray(local.num_samples, dtype=np.int64)
