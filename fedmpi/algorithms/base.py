@@ -319,7 +319,8 @@ class Algorithm(Component):
         The learning rate is :meth:`local_sgd`'s (step decay by round; the
         value used is ``result.lr``). Under ``train.optimizer_state: keep`` the
         local loop continues from the client's own optimizer state
-        (:class:`~fedmpi.optim.KeptStates`, one of its :meth:`client_store`\ s).
+        (:class:`~fedmpi.optim.KeptStates`, in per-client stores of
+        :meth:`client_store`).
         """
         sgd = self.local_sgd(task)
         trainer.flat.load(state)
