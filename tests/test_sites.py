@@ -3,6 +3,7 @@ on its own held-out samples; the log's per-site and combined metrics are scikit-
 those samples, and with `clients` rank 0 reads no data file."""
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -235,3 +236,45 @@ def test_silos_need_no_server_test_file_when_only_clients_evaluate():
     for where in ("server", "both"):
         with pytest.raises(ConfigError, match=r"data\.silos\.test"):
             config_from_dict({"data": silos, "eval": {"where": where, "client_holdout": 0.2}})
+
+
+@pytest.mark.parametrize("where", ["clients", "both"])
+def test_federation_evaluate_runs_the_per_site_evaluation(where):
+    """Federation.evaluate() under clients/both evaluates on the sites' held-out samples
+    (rank 0 holds no test data under clients: it used to return NaN): the combined values
+    are scikit-learn's on the pooled held-out samples, site_metrics each site's."""
+    from torch.nn.utils import vector_to_parameters
+
+    from conftest import build_fed
+
+    base = {"data": {"dataset": "wine", "num_clients": 3, "partition": {"method": "iid"}},
+            "model": {"name": "mlp", "mlp": {"hidden": [8]}},
+            "train": {"rounds": 2, "local_steps": 2, "batch_size": 8},
+            "eval": {"where": where, "client_holdout": 0.25, "metrics": ["accuracy", "macro_f1"]},
+            "runtime": {"device": "cpu", "progress": False, "threads": 1}}
+    fed = build_fed(base)
+    fed.round(0)
+    got = fed.evaluate()
+    model = copy.deepcopy(fed.flat.model).eval()
+    vector_to_parameters(fed.global_state[: fed.flat.num_params].clone(), model.parameters())
+    probs, labels, per_site = [], [], []
+    for k in range(3):
+        idx = torch.as_tensor(fed.partition.client_test_indices[k])
+        with torch.no_grad():
+            p = torch.softmax(model(fed.data.prepare(fed.data.x_train[idx], train=False)), 1)
+        y = fed.data.y_train[idx].numpy()
+        probs.append((p.double() / p.double().sum(1, keepdim=True)).numpy())
+        labels.append(y)
+        per_site.append(accuracy_score(y, p.argmax(1).numpy()))
+    P, Y = np.concatenate(probs), np.concatenate(labels)
+    prefix = "clients_" if where == "both" else ""
+    assert got[f"{prefix}test_accuracy"] == pytest.approx(accuracy_score(Y, P.argmax(1)), abs=1e-12)
+    assert got[f"{prefix}test_loss"] == pytest.approx(log_loss(Y, P, labels=[0, 1, 2]), abs=1e-5)
+    assert got[f"{prefix}macro_f1"] == pytest.approx(
+        f1_score(Y, P.argmax(1), average="macro"), abs=1e-12)
+    np.testing.assert_allclose(fed.site_metrics["test_accuracy"], per_site, atol=1e-12)
+    np.testing.assert_array_equal(fed.site_metrics["test_samples"], [len(y) for y in labels])
+    if where == "both":   # the server's test set as well, under its own names
+        assert np.isfinite(got["test_accuracy"]) and got["test_loss"] != got["clients_test_loss"]
+    else:
+        assert "clients_test_accuracy" not in got
