@@ -97,7 +97,7 @@ class KeptStates:
     and scatters by client id); the entries are ``optimizer/step`` [1] and
     ``optimizer/momentum`` (SGD with momentum) or ``optimizer/exp_avg`` and
     ``optimizer/exp_avg_sq`` (Adam/AdamW), each [P]. SGD without momentum keeps
-    nothing (:attr:`active` is False)."""
+    nothing (:meth:`of` returns None)."""
 
     def __init__(self, optimizer: str, momentum: float, size: int,
                  store: Callable[[str, int], MutableMapping[int, torch.Tensor]]) -> None:
@@ -106,10 +106,6 @@ class KeptStates:
         self.size = size
         self.vectors = {n: store(f"optimizer/{n}", size) for n in names}
         self.steps = store("optimizer/step", 1) if names else None
-
-    @property
-    def active(self) -> bool:
-        return self.steps is not None
 
     def of(self, client: int, device: torch.device) -> Optional[KeptState]:
         """Client ``client``'s state (zeros before its first participation); None when

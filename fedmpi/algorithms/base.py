@@ -33,9 +33,9 @@ import numpy as np
 import torch
 
 from ..flat import FlatModel
+from ..optim import KeptStates
 from ..params import check_params
 from ..privacy.dpsgd import RecordDP
-from ..optim import KeptStates
 from ..train import LocalTrainer, SGDConfig, StepHooks, TrainResult, step_decay_lr
 from .component import Component, State
 from .transforms import TransformChain
