@@ -134,9 +134,14 @@ _FRAMEWORK: dict[str, Field] = {
     "train.lr": Field(float, 0.05, "client learning rate", gt=0),
     "train.momentum": Field(float, 0.0, "client SGD momentum", ge=0, lt=1),
     "train.weight_decay": Field(float, 0.0, "client weight decay", ge=0),
-    "train.optimizer": Field(str, "sgd", "client optimizer (state reset every client-round); "
-                             f"{_sgd_only()} and ECGR assume sgd",
+    "train.optimizer": Field(str, "sgd", "client optimizer (state across rounds: "
+                             f"train.optimizer_state); {_sgd_only()} and ECGR assume sgd",
                              choices=("sgd", "adam", "adamw")),
+    "train.optimizer_state": Field(str, "reset", "client optimizer state (SGD momentum; Adam "
+                                   "m, v, t) across a client's participations: reset = fresh "
+                                   "every client-round; keep = kept on the client's rank and "
+                                   "checkpointed (1-2 P floats per hosted client)",
+                                   choices=("reset", "keep")),
     "train.betas": Field(list[float], [0.9, 0.999], "adam/adamw: (beta1, beta2)", ge=0, lt=1),
     "train.eps": Field(float, 1e-8, "adam/adamw: epsilon of the denominator", gt=0),
     "train.loss": Field(str, "cross_entropy", "client training loss (evaluation's test_loss is "

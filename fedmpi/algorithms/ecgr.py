@@ -326,6 +326,10 @@ class EcgrTransform(UpdateTransform):
             raise ConfigError(f"config keys 'ecgr.enabled' and 'train.optimizer': ECGR rewrites "
                               f"SGD steps (its math assumes sgd), got train.optimizer "
                               f"{cfg.train.optimizer!r}")
+        if cfg.train.optimizer_state == "keep" and cfg.train.momentum:
+            raise ConfigError("config keys 'ecgr.enabled' and 'train.optimizer_state': ECGR "
+                              "records and normalises this round's steps from a zero momentum "
+                              "buffer; set train.optimizer_state: reset or train.momentum: 0")
 
     def setup(self, ctx) -> None:
         self.P = ctx.flat.num_params

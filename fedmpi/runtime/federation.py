@@ -103,6 +103,7 @@ class Federation:
         self.checkpoint_round = 0                 # rounds < this are in the newest checkpoint
         self.failure: Optional[str] = None
         self.rounds_without_update = 0            # runtime.max_rounds_without_update
+        self.site_metrics: dict[str, np.ndarray] = {}   # per-client values of evaluate()
 
     # ----------------------------------------------------------- accessors
     @property
@@ -342,8 +343,24 @@ class Federation:
 
     def evaluate(self) -> dict[str, float]:
         """``test_loss``, ``test_accuracy`` and the other ``eval.metrics`` of the global
-        model now (the method's own evaluation where it has one), on this rank alone."""
-        return self.evals.here(self.global_state, self.ctx, self.algo)
+        model now, where ``eval.where`` says (the names of the log's ``/rounds``).
+
+        * ``server`` — rank 0's test set (the method's own evaluation where it has one),
+          on the calling rank alone: no messages, any rank may call it.
+        * ``clients`` / ``both`` — the per-site evaluation of the run (rank 0 holds no
+          test data under ``clients``): every client evaluates θ on its held-out samples
+          on the rank hosting it and rank 0 combines them (docs/evaluation.md). This is a
+          **collective**: call it on every rank, as :meth:`round` is (a call on rank 0
+          alone waits for the workers). Rank 0 returns the combined values (``both``:
+          the test set's, plus ``clients_<metric>``) and keeps each client's values in
+          :attr:`site_metrics` (``{metric: [K] array}``, ``test_samples`` included, as
+          ``/clients/<metric>``); workers return ``{}``.
+
+        Nothing is written to the log: a round's row holds only that round's evaluation.
+        """
+        scalars = self.evals.now(self.global_state, self.ctx, self.algo, self.channel)
+        self.site_metrics = self.evals.take_sites()
+        return scalars
 
     def finish_pending_row(self) -> None:
         self.recorder.finish_pending(self._evaluate)
