@@ -49,7 +49,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -128,6 +128,7 @@ class Comm:
         self._answer_in_wait = False   # no MPI_THREAD_MULTIPLE: answer pings in _wait
         self._ping_on_timeout = False  # rank 0 inside answering_pings()
         self._pong: Optional[tuple] = None   # the answer in flight (request, buffer)
+        self._pings: Optional[tuple] = None  # rank 0's pings in flight, with their buffers
 
     # ------------------------------------------------------------------ waits
     def _wait(self, requests: list, what: str, patient: bool = True,
@@ -201,28 +202,30 @@ class Comm:
         MPI = self.MPI
         ping = np.ones(1, dtype=np.int64)
         answers = {r: np.zeros(WHERE_BYTES, dtype=np.uint8) for r in range(1, self.size)}
-        pending: dict[int, object] = {}
-        failed: dict[int, str] = {}
+        pending: dict[int, Any] = {}   # rank -> its pong's receive request
+        failed: set[int] = set()   # MPI reported the connection to that rank broken
         sends = []
         for r, buf in answers.items():
             try:
                 pending[r] = self.comm.Irecv(buf, source=r, tag=PONG_TAG)
                 sends.append(self.comm.Isend(ping, dest=r, tag=PING_TAG))
-            except MPI.Exception as exc:   # the connection to that rank is gone
-                failed[r] = exc.Get_error_string()
+            except MPI.Exception:
+                failed.add(r)
         end = time.monotonic() + PING_GRACE
         while pending and time.monotonic() < end:
             for r, req in list(pending.items()):
                 try:
                     if req.Test():
                         del pending[r]
-                except MPI.Exception as exc:
+                except MPI.Exception:
                     del pending[r]
-                    failed[r] = exc.Get_error_string()
+                    failed.add(r)
             time.sleep(0.01)
         for req in pending.values():   # the job ends next; leave no receive posted
             with contextlib.suppress(MPI.Exception):
                 req.Cancel()
+        # MPI may still use these buffers (pings to a hung rank): keep them alive
+        self._pings = (sends, ping, answers, list(pending.values()))
         silent = sorted([*pending, *failed])
         parts = []
         if silent:
@@ -240,7 +243,8 @@ class Comm:
                              f"(busy outside MPI since {step})")
             elif step != what:
                 parts.append(f"{self.rank_name(r)} is alive but {state} {step}")
-        return "; ".join(parts) or f"every rank answered from {what} (an MPI problem?)"
+        return "; ".join(parts) or "every rank answered from inside it (the MPI library did " \
+            "not complete it)"
 
     def _answer_ping(self) -> None:
         """A worker: answer rank 0's ping, if one arrived, with this rank's MPI step."""
