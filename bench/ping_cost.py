@@ -27,7 +27,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -35,18 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mpi4py import MPI  # noqa: E402
 
+from bench.comm import timed  # noqa: E402  (seconds on the slowest rank)
 from fedmpi.comm import PING_POLL, Comm  # noqa: E402
-
-
-def timed(fn: Callable[[], None], world) -> float:
-    """Seconds of ``fn`` on the slowest rank."""
-    world.Barrier()
-    t0 = time.perf_counter()
-    fn()
-    dt = np.array([time.perf_counter() - t0])
-    out = np.zeros(1)
-    world.Allreduce(dt, out, op=MPI.MAX)
-    return float(out[0])
 
 
 def main() -> None:

@@ -445,6 +445,18 @@ def _mpi_run(args: list[str], n: int, env: dict | None = None, timeout: float = 
     return proc, time.monotonic() - t0
 
 
+def _mpi_start(args: list[str], env: dict | None = None) -> subprocess.Popen:
+    """``mpiexec -n 3 fedmpi ARGS`` in the background, stderr piped."""
+    from conftest import mpiexec_path
+
+    mpi = mpiexec_path()
+    if mpi is None:
+        pytest.skip("mpiexec not found")
+    return subprocess.Popen([mpi, "-n", "3", *fedmpi_cmd(*args)], cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                            text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
 def _errors(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("fedmpi: error")]
 
@@ -520,19 +532,13 @@ def test_a_hung_rank_is_named_with_its_host_after_the_round_timeout(tmp_path, th
     "serialized") the live rank answers from its wait instead of a thread."""
     import signal
 
-    from conftest import mpiexec_path
     from fedmpi.log import read
     from test_trust import _wait_rounds
 
-    if mpiexec_path() is None:
-        pytest.skip("mpiexec not found")
     out = tmp_path / "hung"
-    args = ["run", CFG, *FAST, "--set", "train.rounds=500", "--set", "runtime.round_timeout=3",
-            "--out", str(out)]
-    proc = subprocess.Popen([mpiexec_path(), "-n", "3", *fedmpi_cmd(*args)], cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1",
-                                 "MPI4PY_RC_THREAD_LEVEL": threads}, text=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = _mpi_start(["run", CFG, *FAST, "--set", "train.rounds=500", "--set",
+                       "runtime.round_timeout=3", "--out", str(out)],
+                      {"MPI4PY_RC_THREAD_LEVEL": threads})
     stopped = None
     try:
         _wait_rounds(out, 1, proc)
@@ -586,20 +592,14 @@ def test_a_rank_alive_but_slower_than_the_round_timeout_is_named_as_alive(tmp_pa
 def test_two_sigints_to_rank_0_end_every_rank_within_seconds(tmp_path):
     import signal
 
-    from conftest import mpiexec_path
     from fedmpi.log import read
     from test_trust import _wait_rounds
 
-    if mpiexec_path() is None:
-        pytest.skip("mpiexec not found")
     out = tmp_path / "ctrlc"
     # rounds of seconds: the graceful stop the first SIGINT asks for must still be under
     # way when the second one arrives (with 2-epoch rounds it could finish within 0.2 s)
-    args = ["run", CFG, *FAST, "--set", "train.rounds=500", "--set", "train.local_epochs=40",
-            "--out", str(out)]
-    proc = subprocess.Popen([mpiexec_path(), "-n", "3", *fedmpi_cmd(*args)], cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = _mpi_start(["run", CFG, *FAST, "--set", "train.rounds=500", "--set",
+                       "train.local_epochs=40", "--out", str(out)])
     try:
         _wait_rounds(out, 1, proc)
         rank0 = int(read(out / "log.h5").attrs["writer_pid"])
