@@ -147,9 +147,10 @@ def run(config: ConfigSource, overrides: Sequence[str] = (), *,
             (continue with ``resume=True``; :mod:`fedmpi.signals`).
     """
     try:
-        return run_cli(config, overrides, model=model, data=data, algorithm=algorithm,
-                       weighting=weighting, rule=rule, out=out, resume=resume,
-                       overwrite=overwrite, comm=comm, callbacks=callbacks)
+        code = UserCode(model=model, data=data, algorithm=algorithm, weighting=weighting,
+                        rule=rule)
+        return _execute(config, overrides, code, out=out, resume=resume, overwrite=overwrite,
+                        comm=comm, callbacks=callbacks)
     except ConfigError as exc:
         error: ConfigError = type(exc)(api_terms(str(exc)))
         error.__dict__.update(exc.__dict__)
@@ -165,13 +166,18 @@ def run(config: ConfigSource, overrides: Sequence[str] = (), *,
 
 
 def run_cli(config: ConfigSource, overrides: Sequence[str] = (), *,
-            model: Optional[ModelFactory] = None, data: Any = None,
-            algorithm: Optional[type[Algorithm]] = None,
-            weighting: Optional[type[Weighting]] = None, rule: Optional[type[ServerRule]] = None,
             out: Optional[Union[str, "os.PathLike[str]"]] = None, resume: bool = False,
-            overwrite: bool = False, comm: Optional[Comm] = None,
-            callbacks: Sequence[Callback] = ()) -> RunResult:
-    """:func:`run` with the errors in the CLI's terms (``--overwrite``), for ``fedmpi run``."""
+            overwrite: bool = False) -> RunResult:
+    """:func:`run` of a config alone with the errors in the CLI's terms (``--overwrite``),
+    for ``fedmpi run``."""
+    return _execute(config, overrides, UserCode(), out=out, resume=resume, overwrite=overwrite)
+
+
+def _execute(config: ConfigSource, overrides: Sequence[str], code: UserCode, *,
+             out: Optional[Union[str, "os.PathLike[str]"]] = None, resume: bool = False,
+             overwrite: bool = False, comm: Optional[Comm] = None,
+             callbacks: Sequence[Callback] = ()) -> RunResult:
+    """The run behind :func:`run` and :func:`run_cli` (errors in the CLI's terms)."""
     from .runtime import run as run_federation
 
     if comm is None:   # right after MPI init, before the config or the output is touched
@@ -180,11 +186,11 @@ def run_cli(config: ConfigSource, overrides: Sequence[str] = (), *,
 
         check_world(os.environ, world_size(), mpi_library_version())
     cfg = resolve_config(config, overrides)
-    for key, obj in (("model.name", model), ("data.dataset", data if callable(data) else None),
-                     ("algorithm.name", algorithm), ("aggregation.weighting", weighting),
-                     ("aggregation.rule", rule)):
+    for key, obj in (("model.name", code.model),
+                     ("data.dataset", code.data if callable(code.data) else None),
+                     ("algorithm.name", code.algorithm), ("aggregation.weighting", code.weighting),
+                     ("aggregation.rule", code.rule)):
         cfg = _record(cfg, key, obj)
-    code = UserCode(model=model, data=data, algorithm=algorithm, weighting=weighting, rule=rule)
     out_dir = Path(out) if out else Path(cfg.runtime.out_dir) / cfg.name
     if comm is None:
         from .runtime.driver import run_comm

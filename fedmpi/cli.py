@@ -180,14 +180,14 @@ def info_lines(ranks: Optional[int] = None) -> list[str]:
             lines.append(f"GPU {i}: {torch.cuda.get_device_name(i)}")
     else:
         lines.append("GPUs: none (runtime.device auto -> cpu)")
-    from .placement import describe, plan, threads_per_rank
+    from .placement import default_threads, describe, plan, usable_cores
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     ranks = ranks or 1 + max(1, gpus)
     rule = f"node-local rank i -> GPU i mod {gpus}" if gpus else "no GPUs: every rank on the CPU"
     lines.append(f"placement of {ranks} ranks on this node ({rule}; "
-                 f"{threads_per_rank(os.cpu_count() or 1, ranks)} torch threads per rank"
-                 f"{'; oversubscribed' if ranks > (os.cpu_count() or 1) else ''}):")
+                 "{} torch threads per rank from {}".format(*default_threads(ranks)) +
+                 f"{'; oversubscribed' if ranks > usable_cores() else ''}):")
     lines.extend("  " + line for line in describe(plan(ranks, gpus)))
     return lines
 

@@ -267,7 +267,8 @@ _FRAMEWORK: dict[str, Field] = {
                                "client-id order on rank 0 (bit-identical for every world size "
                                "and rank layout at pinned runtime.threads; evaluation not "
                                "sharded)", choices=("default", "exact")),
-    "runtime.threads": Field(int | None, None, "torch threads per rank; null = torch default",
+    "runtime.threads": Field(int | None, None, "torch threads per rank; null = OMP_NUM_THREADS, "
+                             "else SLURM_CPUS_PER_TASK, else usable cores / ranks on the node",
                              ge=1),
     "runtime.autocast": Field(str, "off", "forward pass under torch.autocast (bf16: parameters, "
                               "updates and aggregation stay float32); for GPU runs",

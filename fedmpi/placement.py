@@ -12,8 +12,9 @@ GPU 0 together with the worker of local rank G (if any); every GPU gets
 ⌈(L−1)/G⌉ or ⌊(L−1)/G⌋ workers (L ranks on the node), the aggregator counting
 as the lightest load. Set ``CUDA_VISIBLE_DEVICES`` to restrict the GPUs.
 
-Threads: ranks sharing a node split its cores, ``max(1, cores // L)`` torch
-threads each (``runtime.threads`` overrides); with more ranks than cores the
+Threads (:func:`default_threads`): ``runtime.threads`` if set; else
+``OMP_NUM_THREADS``, else ``SLURM_CPUS_PER_TASK`` when set; else ranks sharing a
+node split its usable cores, ``max(1, cores // L)`` torch threads each; with more ranks than cores the
 MPI launcher must allow oversubscription (Open MPI: ``--oversubscribe``;
 MPICH hydra allows it by default), and fedmpi's sleeping poll keeps waiting
 ranks from spinning.
@@ -25,7 +26,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Optional
 
 
 def gpu_for_local_rank(local_rank: int, num_gpus: int) -> int | None:
@@ -36,8 +39,32 @@ def gpu_for_local_rank(local_rank: int, num_gpus: int) -> int | None:
 
 
 def threads_per_rank(cores: int, ranks_on_node: int) -> int:
-    """Default torch threads per rank: the node's cores split evenly, at least 1."""
+    """The node's cores split evenly between its ranks, at least 1."""
     return max(1, int(cores) // max(1, int(ranks_on_node)))
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity: a cgroup or ``taskset`` limit),
+    else ``os.cpu_count()``."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_threads(ranks_on_node: int, env: Mapping[str, str] = os.environ,
+                    cores: Optional[int] = None) -> tuple[int, str]:
+    """torch threads per rank when ``runtime.threads`` is null, and where the number came
+    from. The ecosystem's settings first: ``OMP_NUM_THREADS`` (what the user or a
+    launcher asked of every OpenMP program), then Slurm's ``SLURM_CPUS_PER_TASK`` (the
+    cores Slurm gave this task); otherwise the usable cores split evenly between the
+    ranks on the node. An unset, empty or non-positive value is skipped."""
+    for var in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK"):
+        text = env.get(var, "").strip().split(",")[0]   # OMP allows a per-level list
+        if text.isdigit() and int(text) > 0:
+            return int(text), var
+    n = threads_per_rank(cores if cores is not None else usable_cores(), ranks_on_node)
+    return n, "cores / ranks on the node"
 
 
 @dataclass(frozen=True)

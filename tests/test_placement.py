@@ -15,6 +15,37 @@ def test_placement_rule():
     assert placement.threads_per_rank(16, 5) == 3 and placement.threads_per_rank(2, 5) == 1
 
 
+def test_default_threads_respect_omp_and_slurm():
+    """The ecosystem's settings win over fedmpi's own split (guide: OMP_NUM_THREADS,
+    SLURM_CPUS_PER_TASK when set)."""
+    d = placement.default_threads
+    assert d(3, {}, cores=16) == (5, "cores / ranks on the node")
+    assert d(3, {"OMP_NUM_THREADS": "1"}, cores=16) == (1, "OMP_NUM_THREADS")
+    assert d(3, {"OMP_NUM_THREADS": "4,2"}, cores=16) == (4, "OMP_NUM_THREADS")
+    assert d(3, {"SLURM_CPUS_PER_TASK": "6"}, cores=16) == (6, "SLURM_CPUS_PER_TASK")
+    assert d(3, {"OMP_NUM_THREADS": "2", "SLURM_CPUS_PER_TASK": "6"}, cores=16)[0] == 2
+    assert d(3, {"OMP_NUM_THREADS": "", "SLURM_CPUS_PER_TASK": "0"}, cores=16)[0] == 5
+
+
+def test_a_run_takes_omp_num_threads(tmp_path):
+    """A run without runtime.threads sets torch's threads from OMP_NUM_THREADS."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    for omp in ("1", "3"):
+        code = ("import torch, fedmpi; fedmpi.run('configs/quickstart.yaml', ['train.rounds=1', "
+                "'data.num_clients=2', 'train.clients_per_round=null', 'runtime.progress=false', "
+                "'model.name=mlp'], out=%r); print('threads', torch.get_num_threads())"
+                % str(tmp_path / f"omp{omp}"))
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": omp})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.strip().splitlines()[-1] == f"threads {omp}", proc.stdout
+
+
 def test_info_shows_placement(capsys):
     assert fedmpi_main(["info", "--ranks", "3"]) == 0
     out = capsys.readouterr().out

@@ -86,6 +86,39 @@ def test_masks_differ_per_round_and_need_every_accepted_pair():
     assert np.mod(s3, MOD).any()                          # a missing survivor: no cancellation
 
 
+def test_mask_is_the_documented_prg_computed_with_cryptography_here():
+    """m_k = Σ_{j≠k} ±PRG(s_kj, t) mod 2^48 with s_kj = HKDF-SHA256(X25519(sk_k, pk_j),
+    info "fedmpi secure aggregation min max") and PRG the AES-256-CTR keystream (nonce: t
+    as 8 little-endian bytes, then 8 zero bytes) read as little-endian uint64 — rebuilt
+    here from the public keys and cryptography's primitives; sizes change between calls
+    (the module reuses a keystream scratch buffer)."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    K = 4
+    aggs = _ranks([[0, 1], [2, 3]], K)
+    public = (sum(a.public_words() for a in aggs)).view(np.uint8).reshape(K, 32)
+    private = {**aggs[0]._private, **aggs[1]._private}
+
+    def prg(k: int, j: int, t: int, size: int) -> np.ndarray:
+        shared = private[k].exchange(X25519PublicKey.from_public_bytes(bytes(public[j])))
+        info = b"fedmpi secure aggregation %d %d" % (min(k, j), max(k, j))
+        key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(shared)
+        enc = Cipher(algorithms.AES(key), modes.CTR(t.to_bytes(8, "little") + bytes(8))).encryptor()
+        raw = np.frombuffer(enc.update(bytes(8 * size)), dtype="<u8")
+        return (raw % np.uint64(MOD)).astype(object)
+
+    for k, t, size, accepted in [(1, 3, 10, [0, 1, 2, 3]), (2, 3, 1001, [0, 2, 3]),
+                                 (0, 9, 10, [0, 1, 3])]:
+        expected = sum((prg(k, j, t, size) if k < j else -prg(k, j, t, size))
+                       for j in accepted if j != k) % MOD
+        owner = aggs[0] if k in (0, 1) else aggs[1]
+        got = owner.mask(k, t, accepted, size)
+        assert got.dtype == np.int64 and list(got) == list(expected), (k, t, size)
+
+
 SMALL = ["--set", "train.rounds=1", "--set", "data.num_clients=6", "--set", "train.clients_per_round=4",
          "--set", "runtime.progress=false", "--set", "runtime.threads=1", "--set", "eval.sharded=false"]
 

@@ -104,6 +104,8 @@ class SecureAggregator:
         self._private = {k: self.x25519.X25519PrivateKey.generate() for k in self.hosted}
         self._public: Optional[np.ndarray] = None     # [K, 32] uint8, every client's key
         self._pair: dict[tuple[int, int], bytes] = {}
+        self._zeros = np.zeros(0, dtype=np.uint8)        # keystream scratch (_stream)
+        self._scratch = np.zeros(0, dtype=np.uint8)
 
     # ------------------------------------------------------------- keys
     def public_words(self) -> np.ndarray:
@@ -133,25 +135,41 @@ class SecureAggregator:
         return self._pair[pair]
 
     def _stream(self, key: bytes, t: int, size: int) -> np.ndarray:
-        """PRG(s, t): ``size`` ring elements of the AES-256-CTR keystream (nonce = t)."""
+        """PRG(s, t): ``size`` ring elements of the AES-256-CTR keystream (nonce = t).
+
+        The keystream is the encryption of zeros, written with ``update_into`` into a
+        scratch buffer kept between calls: no model-sized allocation per pair and round.
+        The returned array is that scratch buffer, valid until the next call."""
+        nbytes = 8 * size
+        if self._zeros.size != nbytes:
+            self._zeros = np.zeros(nbytes, dtype=np.uint8)
+            self._scratch = np.empty(nbytes + 15, dtype=np.uint8)   # update_into: + block - 1
         nonce = int(t).to_bytes(8, "little") + bytes(8)
         enc = self.Cipher(self.algorithms.AES(key), self.modes.CTR(nonce)).encryptor()
-        raw = np.frombuffer(enc.update(bytes(8 * size)) + enc.finalize(), dtype=np.uint64)
-        return (raw & np.uint64(_MASK)).view(np.int64)
+        written = enc.update_into(self._zeros, self._scratch)
+        assert written == nbytes and not enc.finalize()           # CTR: a stream cipher
+        raw = self._scratch[:nbytes].view(np.uint64)
+        np.bitwise_and(raw, np.uint64(_MASK), out=raw)
+        return raw.view(np.int64)
 
-    def mask(self, k: int, t: int, accepted: Sequence[int], size: int) -> np.ndarray:
-        """m_k of client ``k`` in round ``t`` among the ``accepted`` participants (int64
-        in [0, 2^b)); Σ_{k∈accepted} m_k ≡ 0 (mod 2^b)."""
-        out = np.zeros(size, dtype=np.int64)
+    def _add_mask(self, out: np.ndarray, k: int, t: int, accepted: Sequence[int]) -> None:
+        """``out ← out + m_k (mod 2^b)`` in place, m_k = Σ_{j∈accepted, j≠k} ±PRG(s_kj, t)
+        (+ for k < j, − for k > j)."""
         for j in accepted:
             if j == k:
                 continue
-            s = self._stream(self._secret(k, int(j)), t, size)
+            s = self._stream(self._secret(k, int(j)), t, out.size)
             if k < j:
                 out += s
             else:
                 out -= s
             np.bitwise_and(out, _MASK, out=out)
+
+    def mask(self, k: int, t: int, accepted: Sequence[int], size: int) -> np.ndarray:
+        """m_k of client ``k`` in round ``t`` among the ``accepted`` participants (int64
+        in [0, 2^b)); Σ_{k∈accepted} m_k ≡ 0 (mod 2^b)."""
+        out = np.zeros(size, dtype=np.int64)
+        self._add_mask(out, k, t, accepted)
         return out
 
     def seal(self, partial: torch.Tensor, t: int, mine: Sequence[int], accepted: Sequence[int],
@@ -160,8 +178,7 @@ class SecureAggregator:
         ``partial`` is the float64 S_r of this rank's accepted clients ``mine``."""
         out[:] = encode(partial.detach().cpu(), self.scale_bits).numpy()
         for k in mine:
-            out += self.mask(int(k), t, accepted, out.size)
-            np.bitwise_and(out, _MASK, out=out)
+            self._add_mask(out, int(k), t, accepted)
 
     def open(self, total: np.ndarray) -> torch.Tensor:
         """Σ_k w̃_k x_k (float64) from Σ_r E_r."""

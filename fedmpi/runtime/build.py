@@ -29,7 +29,7 @@ from ..flat import FlatModel
 from ..imports import blame
 from ..usercode import UserCode
 from ..models import build_model, model_spec
-from ..placement import gpu_for_local_rank, threads_per_rank
+from ..placement import default_threads, gpu_for_local_rank
 from ..privacy.policy import check_build as check_privacy
 from ..provenance import run_info
 from .evaluation import test_state
@@ -127,7 +127,7 @@ def setup_process(cfg: Config, comm: Comm) -> tuple[torch.device, int, int]:
     """Threads per rank, the rank's device and the determinism switches; returns
     (device, node-local rank, ranks on this node)."""
     local_rank, local_size = comm.node_local()
-    torch.set_num_threads(cfg.runtime.threads or threads_per_rank(os.cpu_count() or 1, local_size))
+    torch.set_num_threads(cfg.runtime.threads or default_threads(local_size)[0])
     device = resolve_device(cfg.runtime.device, local_rank)
     set_deterministic(cfg.runtime.deterministic)
     return device, local_rank, local_size
