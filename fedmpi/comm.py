@@ -23,7 +23,7 @@ and :data:`WORKER_GRACE` on a worker, so that rank 0 reports first, in one line)
 :class:`CommTimeout` (the runtime then aborts the whole job). A collective cannot say
 who is missing, so before raising rank 0 pings every worker (point-to-point, tag
 :data:`PING_TAG`) and waits :data:`PING_GRACE` seconds for the answers: a worker
-answers while it runs rounds (:meth:`Comm.answering_pings`: a thread that checks for
+answers during a run (:meth:`Comm.answering_pings`: a thread that checks for
 a ping every :data:`PING_POLL` seconds, or, where MPI grants no
 ``MPI_THREAD_MULTIPLE``, the worker's own waits), with the MPI step it is in. The
 error names each rank that did not answer, with its host (dead, hung or cut off), and
@@ -39,7 +39,7 @@ combined independently (a broadcast or gather moves bytes; a reduction adds each
 element over ranks in the same order in every chunk), so a chunked transfer gives
 the same bits as one call.
 
-Longer than ~350 lines on purpose: it is the only module that touches MPI, so every collective, wait policy and chunking rule lives here.
+Longer than ~350 lines on purpose: it is the only module that touches MPI, so every collective, wait policy, chunking rule and the timeout's roll call of ranks lives here.
 """
 from __future__ import annotations
 
@@ -259,12 +259,12 @@ class Comm:
 
     @contextlib.contextmanager
     def answering_pings(self) -> Iterator[None]:
-        """Collective in spirit (every rank enters it for the rounds): inside, rank 0
+        """Collective in spirit (every rank enters it for a run): inside, rank 0
         pings the workers when a collective times out (:meth:`_who_is_missing`) and a
         worker answers, also while it computes: a daemon thread checks every
         :data:`PING_POLL` seconds (one ``Iprobe``; needs ``MPI_THREAD_MULTIPLE``, else
-        only the worker's waits answer). Outside (start-up), a timeout names no rank:
-        workers are not answering yet. A no-op on one rank."""
+        only the worker's waits answer). Outside, a timeout names no rank: workers are
+        not answering. A no-op on one rank."""
         if self.size == 1:
             yield
             return
