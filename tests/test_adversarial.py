@@ -528,7 +528,7 @@ def test_a_hung_rank_is_named_with_its_host_after_the_round_timeout(tmp_path, th
     """A rank frozen mid-run (SIGSTOP: under mpiexec a SIGKILLed rank makes MPICH's
     launcher end the whole job at once, before fedmpi can say anything) is named,
     with its host, in rank 0's one error line; the live rank answers the ping and is
-    not named; exit 1. Without MPI_THREAD_MULTIPLE (mpi4py's thread level
+    not named as silent; exit 1. Without MPI_THREAD_MULTIPLE (mpi4py's thread level
     "serialized") the live rank answers from its wait instead of a thread."""
     import signal
 
@@ -537,7 +537,7 @@ def test_a_hung_rank_is_named_with_its_host_after_the_round_timeout(tmp_path, th
 
     out = tmp_path / "hung"
     proc = _mpi_start(["run", CFG, *FAST, "--set", "train.rounds=500", "--set",
-                       "runtime.round_timeout=3", "--out", str(out)],
+                       "runtime.round_timeout=5", "--out", str(out)],
                       {"MPI4PY_RC_THREAD_LEVEL": threads})
     stopped = None
     try:
@@ -558,12 +558,13 @@ def test_a_hung_rank_is_named_with_its_host_after_the_round_timeout(tmp_path, th
     errors = _errors(err)
     host = socket.gethostname()
     assert len(errors) == 1, err[-3000:]
-    assert "did not complete within runtime.round_timeout=3s" in errors[0], errors
     reasons = "hung or unreachable" if threads == "multiple" else \
         "hung, unreachable or busy outside MPI"
-    assert f"rank 2 (host {host}) did not answer within 3s (dead, {reasons})" in errors[0], errors
-    assert "rank 1" not in errors[0], errors   # alive, waiting in the same collective
-    assert took < 3 + 3 + 15, took   # round_timeout + the ping's grace + teardown
+    # rank 2 and only rank 2 is silent (rank 1 answers: not named, or named as alive
+    # when rank 0 is stuck in a collective rank 1 has passed, e.g. the state Bcast)
+    assert f"runtime.round_timeout=5s: rank 2 (host {host}) did not answer within 3s " \
+        f"(dead, {reasons})" in errors[0], errors
+    assert took < 5 + 3 + 15, took   # round_timeout + the ping's grace + teardown
     log = read(out / "log.h5")
     assert log.status == "failed" and any("rank 2 (host" in e for e in log.events["message"])
 
@@ -571,11 +572,11 @@ def test_a_hung_rank_is_named_with_its_host_after_the_round_timeout(tmp_path, th
 @pytest.mark.mpi
 def test_a_rank_alive_but_slower_than_the_round_timeout_is_named_as_alive(tmp_path):
     """Rank 2 trains 30 s longer in round 1 (tests/slow_start.py): rank 0's collective
-    times out after 4 s, and rank 2, still computing, answers the ping from its
+    times out after 5 s, and rank 2, still computing, answers the ping from its
     thread: named as alive, with the collective it has not reached."""
     proc, took = _mpi_run(["run", CFG, *FAST, "--set", "train.rounds=3", "--set",
                            "algorithm.name=slow_start:SlowFedAvg", "--set",
-                           "runtime.round_timeout=4", "--out", str(tmp_path / "slow")], 3,
+                           "runtime.round_timeout=5", "--out", str(tmp_path / "slow")], 3,
                           {"FEDMPI_SLOW_RANK": "2", "FEDMPI_SLOW_ROUND": "1",
                            "FEDMPI_SLOW_SECONDS": "60"})
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
