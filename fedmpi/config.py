@@ -254,7 +254,8 @@ _FRAMEWORK: dict[str, Field] = {
     "runtime.out_dir": Field(str, "runs", "parent directory of run outputs"),
     "runtime.checkpoint_every": Field(int, 0, "checkpoint every N rounds (0 = only at exit)",
                                       ge=0),
-    "runtime.round_timeout": Field(float, 600.0, "abort if a round takes longer (seconds)", gt=0),
+    "runtime.round_timeout": Field(float, 600.0, "abort if a round's collective waits longer "
+                                   "(seconds), naming the ranks and hosts that are missing", gt=0),
     "runtime.setup_timeout": Field(float, 1800.0, "start-up limit (seconds): every rank must have "
                                    "loaded its data and built its model by then, else the job "
                                    "stops naming the slow rank", gt=0),

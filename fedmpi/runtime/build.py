@@ -174,6 +174,8 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
     rank, size = comm.rank, comm.size
     device, local_rank, local_size = setup_process(cfg, comm)
     ranks = rank_table(comm, device, local_rank, local_size)
+    if ranks is not None:   # rank 0 names a missing rank's host (CommTimeout)
+        comm.hosts = [str(h) for h in ranks["host"]]
     K = cfg.data.num_clients
     host = client_hosts(K, size)
     hosted = [k for k in range(K) if host[k] == rank]

@@ -95,7 +95,8 @@ def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
     signals.install()
     try:
         comm = comm or run_comm(cfg)
-        return _run(cfg, out_dir, comm, resume, overwrite, code, callbacks)
+        with comm.answering_pings():   # a timeout names the ranks that do not answer
+            return _run(cfg, out_dir, comm, resume, overwrite, code, callbacks)
     except KeyboardInterrupt:   # a second Ctrl-C: stop now, without a checkpoint
         if comm is None or comm.size == 1:
             raise
