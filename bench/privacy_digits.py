@@ -70,7 +70,10 @@ def run_events(cfg_dict: dict) -> list:
         m = cfg.train.clients_per_round or K
         return [lambda s: dp_accounting.SelfComposedDpEvent(client_round_event(K, m, s), R)]
     from fedmpi.data import build_local   # the silos' sizes n_k decide q_k and τ_k
-    n = np.asarray(build_local(cfg, Comm(), list(range(K)), True, None).num_samples)
+    from fedmpi.usercode import UserCode
+
+    n = np.asarray(build_local(cfg, Comm(), list(range(K)), True, None,
+                               needs=UserCode().data_needs(cfg)).num_samples)
     steps = Budget.from_config(cfg, n).steps_of
     return [lambda s, k=k: dp_accounting.SelfComposedDpEvent(
         record_step_event(poisson_rate(int(n[k]), cfg.train.batch_size), s), R * steps(k))

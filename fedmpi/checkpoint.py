@@ -14,7 +14,8 @@ same point of the run: "rounds 0 … r−1 are done". It holds
   ``privacy.dp.level`` is not ``none`` — and ``rng``, the torch / numpy /
   ``random`` states of rank 0, :class:`RngStreams`),
 * ``clients``: ``{client id: Algorithm.client_state(id)}`` for every client
-  with a non-empty state (SCAFFOLD c_k, FedDyn h_k, FedGPS last Δ_k, …),
+  with a non-empty state (SCAFFOLD c_k, FedDyn h_k, FedGPS last Δ_k, the client
+  optimizer's state under ``train.optimizer_state: keep``, …),
 * identification (``format``, ``version``, ``algorithm``, ``num_clients``,
   ``state_size``, ``world_size``, ``config_yaml``).
 

@@ -263,6 +263,7 @@ def _cmd_partition(args: argparse.Namespace) -> int:
     from .outputs import claim
     from .report import partition_preview
     from .rundir import output_dir
+    from .usercode import UserCode
 
     cfg = load_config(args.config, args.overrides)
     out = output_dir(args.out if args.out is not None else Path(cfg.runtime.out_dir) / cfg.name)
@@ -273,7 +274,8 @@ def _cmd_partition(args: argparse.Namespace) -> int:
             from .data import build_local
 
             # the federation's own silos, read as a run reads them (one rank hosting all)
-            local = build_local(cfg, self_comm(), range(cfg.data.num_clients), True)
+            local = build_local(cfg, self_comm(), range(cfg.data.num_clients), True,
+                                needs=UserCode().data_needs(cfg))
             lines = partition_preview(local.partition, out, cfg.name, args.overwrite)
             print(f"silos: {cfg.data.silos.loader or cfg.data.silos.path} "
                   f"({cfg.data.num_clients} clients; test {cfg.data.silos.test})")
@@ -284,7 +286,7 @@ def _cmd_partition(args: argparse.Namespace) -> int:
               f"{cfg.data.silos.split!r}")
     pooled = pooled_config(cfg)   # silos: the split `--export` writes (data.silos.split)
     data = load_pool(pooled)
-    partition = build_partition(pooled, data)
+    partition = build_partition(pooled, data, UserCode().data_needs(pooled))
     tables = []
     if args.export is not None:   # every target checked before the first file is written
         tables = plan_export(cfg, data, partition, args.export or None, args.overwrite)

@@ -19,9 +19,16 @@ one of two ways:
   to be there: MPI progresses a non-blocking collective only inside ``Test``, so
   a sleeping rank would stall the pipelined algorithms of large Reduce/Bcast.
 A collective that does not complete within ``timeout`` seconds on rank 0 (two timeouts
-and :data:`WORKER_GRACE` on a worker, so that rank 0 — which can name the missing rank —
-reports first, in one line) raises :class:`CommTimeout` (the runtime then aborts the
-whole job).
+and :data:`WORKER_GRACE` on a worker, so that rank 0 reports first, in one line) raises
+:class:`CommTimeout` (the runtime then aborts the whole job). A collective cannot say
+who is missing, so before raising rank 0 pings every worker (point-to-point, tag
+:data:`PING_TAG`) and waits :data:`PING_GRACE` seconds for the answers: a worker
+answers during a run (:meth:`Comm.answering_pings`: a thread that checks for
+a ping every :data:`PING_POLL` seconds, or, where MPI grants no
+``MPI_THREAD_MULTIPLE``, the worker's own waits), with the MPI step it is in. The
+error names each rank that did not answer, with its host (dead, hung or cut off), and
+each live rank that has not reached the collective (still computing, or waiting in
+another one).
 
 Messages of any size: every buffer call is split into pieces of at most
 :meth:`Comm.chunk` elements -- ``CHUNK`` = 2^30 (MPI counts are C ints; APPFL hit
@@ -32,20 +39,30 @@ combined independently (a broadcast or gather moves bytes; a reduction adds each
 element over ranks in the same order in every chunk), so a chunked transfer gives
 the same bits as one call.
 
-Longer than ~350 lines on purpose: it is the only module that touches MPI, so every collective, wait policy and chunking rule lives here.
+Longer than ~350 lines on purpose: it is the only module that touches MPI, so every collective, wait policy, chunking rule and the timeout's roll call of ranks lives here.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
 CHUNK = 1 << 30  # elements per MPI call; below the 2**31 - 1 count limit
 WORKER_GRACE = 5.0  # seconds a worker waits beyond two timeouts (see Comm._wait)
+ROLL_CALL_TAG = 31_031
+PING_TAG = 31_032   # rank 0 → worker after a timeout: "are you there?"
+PONG_TAG = 31_033   # worker → rank 0: the answer, the MPI step the worker is in
+#: seconds between a worker's checks for a ping (10 cheap ``Iprobe`` a second)
+PING_POLL = 0.1
+#: seconds rank 0 waits for the answers after a timeout: 30 polls, room for a loaded node
+PING_GRACE = 3.0
+WHERE_BYTES = 240   # a pong: the worker's step, UTF-8, zero-padded
 
 
 class CommTimeout(RuntimeError):
@@ -103,10 +120,19 @@ class Comm:
         self.traffic = Traffic()
         #: the config key that set ``timeout`` (named in a CommTimeout message)
         self.timeout_key = "runtime.round_timeout"
+        #: on rank 0, every rank's host name (the log's ``ranks/host``), named in a
+        #: CommTimeout message; None until the run's rank table is gathered
+        self.hosts: Optional[list[str]] = None
+        # this rank's MPI step, what a pong reports: ("waiting in" | "past", what)
+        self._where: tuple[str, str] = ("past", "start-up")
+        self._answer_in_wait = False   # no MPI_THREAD_MULTIPLE: answer pings in _wait
+        self._ping_on_timeout = False  # rank 0 inside answering_pings()
+        self._pong: Optional[tuple] = None   # the answer in flight (request, buffer)
+        self._pings: Optional[tuple] = None  # rank 0's pings in flight, with their buffers
 
     # ------------------------------------------------------------------ waits
     def _wait(self, requests: list, what: str, patient: bool = True,
-              on_done: Optional[Callable[[int], None]] = None) -> None:
+              on_done: Optional[Callable[[int], None]] = None, ask: bool = True) -> None:
         """Complete ``requests``: a yielding spin, then (``patient``) a sleeping poll.
 
         MPI libraries progress a non-blocking collective only inside ``Test``,
@@ -118,38 +144,154 @@ class Comm:
 
         ``on_done(i)``, if given, is called as soon as ``requests[i]`` completes
         (``Testsome``), so the caller can work on what arrived while the rest is
-        in flight (FedVG scores a client model on arrival).
+        in flight (FedVG scores a client model on arrival). ``ask``: on a timeout
+        inside :meth:`answering_pings`, rank 0 asks who is missing (the roll call
+        names them itself).
         """
         MPI = self.MPI
         start = time.monotonic()
-        # workers wait longer (2 timeouts + WORKER_GRACE): the aggregator, which knows
-        # which rank is missing, reports a timeout first, in one line
+        # workers wait longer (2 timeouts + WORKER_GRACE): the aggregator, which asks
+        # who is missing (PING_GRACE < WORKER_GRACE), reports a timeout first, in one line
         deadline = start + (self.timeout if self.rank == 0 else 2 * self.timeout + WORKER_GRACE)
         spin_until = start + self.spin if patient else deadline
+        next_poll = start + PING_POLL if self._answer_in_wait else float("inf")
         delay = 1e-5
+        self._where = ("waiting in", what)
         while True:
             if on_done is None:
                 if MPI.Request.Testall(requests):
-                    return
+                    break
             else:
                 done = MPI.Request.Testsome(requests)
                 if done is None:          # every request is complete
-                    return
+                    break
                 for i in done:
                     on_done(i)
                 if done:
                     delay = 1e-5
                     continue
             now = time.monotonic()
+            if now >= next_poll:
+                self._answer_ping()
+                next_poll = now + PING_POLL
             if now < spin_until:
                 os.sched_yield()
                 continue
             if now > deadline:
+                if self._ping_on_timeout and ask:
+                    raise CommTimeout(f"{what} did not complete within {self.timeout_key}="
+                                      f"{self.timeout:g}s: {self._who_is_missing(what)}")
                 raise CommTimeout(
                     f"rank {self.rank}: {what} did not complete within {self.timeout_key}="
                     f"{self.timeout:g}s (a rank died or hangs)")
             time.sleep(delay)
             delay = min(delay * 2.0, self.max_sleep)
+        self._where = ("past", what)
+
+    # ------------------------------------------------------- who is missing
+    def rank_name(self, rank: int) -> str:
+        """``rank r (host h)``, or ``rank r`` where the hosts are not known (yet)."""
+        if self.hosts is not None and rank < len(self.hosts):
+            return f"rank {rank} (host {self.hosts[rank]})"
+        return f"rank {rank}"
+
+    def _who_is_missing(self, what: str) -> str:
+        """Rank 0, after ``what`` timed out: ping every worker, wait :data:`PING_GRACE`
+        for the answers, and say which ranks did not answer (dead, hung or cut off) and
+        which live ones are somewhere other than ``what``."""
+        MPI = self.MPI
+        ping = np.ones(1, dtype=np.int64)
+        answers = {r: np.zeros(WHERE_BYTES, dtype=np.uint8) for r in range(1, self.size)}
+        pending: dict[int, Any] = {}   # rank -> its pong's receive request
+        failed: set[int] = set()   # MPI reported the connection to that rank broken
+        sends = []
+        for r, buf in answers.items():
+            try:
+                pending[r] = self.comm.Irecv(buf, source=r, tag=PONG_TAG)
+                sends.append(self.comm.Isend(ping, dest=r, tag=PING_TAG))
+            except MPI.Exception:
+                failed.add(r)
+        end = time.monotonic() + PING_GRACE
+        while pending and time.monotonic() < end:
+            for r, req in list(pending.items()):
+                try:
+                    if req.Test():
+                        del pending[r]
+                except MPI.Exception:
+                    del pending[r]
+                    failed.add(r)
+            time.sleep(0.01)
+        for req in pending.values():   # the job ends next; leave no receive posted
+            with contextlib.suppress(MPI.Exception):
+                req.Cancel()
+        # MPI may still use these buffers (pings to a hung rank): keep them alive
+        self._pings = (sends, ping, answers, list(pending.values()))
+        silent = sorted([*pending, *failed])
+        parts = []
+        if silent:
+            # without threads a worker answers only from its waits (answering_pings)
+            busy = self.MPI.Query_thread() < self.MPI.THREAD_MULTIPLE
+            names = ", ".join(self.rank_name(r) for r in silent)
+            parts.append(f"{names} did not answer within {PING_GRACE:g}s (dead, hung"
+                         f"{', unreachable or busy outside MPI' if busy else ' or unreachable'})")
+        for r in range(1, self.size):
+            if r in silent:
+                continue
+            state, _, step = bytes(answers[r]).rstrip(b"\0").decode(errors="replace").partition("\t")
+            if state == "past" and step != what:
+                parts.append(f"{self.rank_name(r)} is alive but has not reached {what} "
+                             f"(busy outside MPI since {step})")
+            elif step != what:
+                parts.append(f"{self.rank_name(r)} is alive but {state} {step}")
+        return "; ".join(parts) or "every rank answered from inside it (the MPI library did " \
+            "not complete it)"
+
+    def _answer_ping(self) -> None:
+        """A worker: answer rank 0's ping, if one arrived, with this rank's MPI step."""
+        if not self.comm.Iprobe(source=0, tag=PING_TAG):
+            return
+        ping = np.zeros(1, dtype=np.int64)
+        self.comm.Recv(ping, source=0, tag=PING_TAG)   # arrived: returns at once
+        text = "\t".join(self._where).encode()[: WHERE_BYTES]
+        pong = np.zeros(WHERE_BYTES, dtype=np.uint8)
+        pong[: len(text)] = np.frombuffer(text, dtype=np.uint8)
+        self._pong = (self.comm.Isend(pong, dest=0, tag=PONG_TAG), pong)
+
+    @contextlib.contextmanager
+    def answering_pings(self) -> Iterator[None]:
+        """Collective in spirit (every rank enters it for a run): inside, rank 0
+        pings the workers when a collective times out (:meth:`_who_is_missing`) and a
+        worker answers, also while it computes: a daemon thread checks every
+        :data:`PING_POLL` seconds (one ``Iprobe``; needs ``MPI_THREAD_MULTIPLE``, else
+        only the worker's waits answer). Outside, a timeout names no rank: workers are
+        not answering. A no-op on one rank."""
+        if self.size == 1:
+            yield
+            return
+        if self.rank == 0 or self.MPI.Query_thread() < self.MPI.THREAD_MULTIPLE:
+            flag = "_ping_on_timeout" if self.rank == 0 else "_answer_in_wait"
+            setattr(self, flag, True)
+            try:
+                yield
+            finally:
+                setattr(self, flag, False)
+            return
+        stop = threading.Event()
+
+        def respond() -> None:
+            while not stop.wait(PING_POLL):
+                try:
+                    self._answer_ping()
+                except self.MPI.Exception:   # rank 0 is gone: the job is ending
+                    return
+
+        thread = threading.Thread(target=respond, name="fedmpi-ping", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
 
     def chunk(self, dtype: np.dtype | type) -> int:
         """Elements of ``dtype`` per MPI call: ``CHUNK``, or fewer under
@@ -371,7 +513,7 @@ class Comm:
         workers go on to the next collective."""
         if self.size == 1:
             return
-        tag = 31_031
+        tag = ROLL_CALL_TAG
         if self.rank != 0:
             mine = np.array([self.rank], dtype=np.int64)
             self._wait([self.comm.Isend(mine, dest=0, tag=tag)], what, patient=False)
@@ -380,11 +522,11 @@ class Comm:
         reqs = [self.comm.Irecv(b, source=r + 1, tag=tag) for r, b in enumerate(bufs)]
         arrived: set[int] = set()
         try:
-            self._wait(reqs, what, on_done=lambda i: arrived.add(i + 1))
+            self._wait(reqs, what, on_done=lambda i: arrived.add(i + 1), ask=False)
         except CommTimeout:
             missing = [r for r in range(1, self.size) if r not in arrived]
-            raise CommTimeout(f"start-up: rank{'s' if len(missing) > 1 else ''} "
-                              f"{', '.join(map(str, missing))} did not finish {what} within "
+            raise CommTimeout(f"start-up: {', '.join(map(self.rank_name, missing))} "
+                              f"did not finish {what} within "
                               f"{self.timeout_key}={self.timeout:g}s (raise it for slow data "
                               "sources, or check that rank's data)") from None
 

@@ -32,14 +32,15 @@ from typing import Any, Iterable, Optional
 from . import config_core
 from .algorithms import (ALGORITHMS, RULES, TRANSFORMS, WEIGHTINGS, Algorithm, ServerRule,
                          UpdateTransform, Weighting)
-from .algorithms.component import Registry
+from .algorithms.component import Component, Registry
 from .config_core import Config, Field, Schema, Section, suggest
 from .errors import ConfigError
 from .imports import IMPORT_PATTERN, is_import_path
 from .params import block_fields, check_params
 
 __all__ = ["SCHEMA", "Field", "Section", "Config", "load_config", "config_from_dict",
-           "check_components", "reference_markdown", "renamed_to", "schema"]
+           "check_components", "keyed_components", "local_steps_floor", "reference_markdown",
+           "renamed_to", "schema"]
 
 _DATASETS = ("digits", "mnist", "fashionmnist", "cifar10", "cifar100", "svhn", "stl10",
              "imagefolder", "hdf5", "synthetic")
@@ -133,9 +134,14 @@ _FRAMEWORK: dict[str, Field] = {
     "train.lr": Field(float, 0.05, "client learning rate", gt=0),
     "train.momentum": Field(float, 0.0, "client SGD momentum", ge=0, lt=1),
     "train.weight_decay": Field(float, 0.0, "client weight decay", ge=0),
-    "train.optimizer": Field(str, "sgd", "client optimizer (state reset every client-round); "
-                             f"{_sgd_only()} and ECGR assume sgd",
+    "train.optimizer": Field(str, "sgd", "client optimizer (state across rounds: "
+                             f"train.optimizer_state); {_sgd_only()} and ECGR assume sgd",
                              choices=("sgd", "adam", "adamw")),
+    "train.optimizer_state": Field(str, "reset", "client optimizer state (SGD momentum; Adam "
+                                   "m, v, t) across a client's participations: reset = fresh "
+                                   "every client-round; keep = kept on the client's rank and "
+                                   "checkpointed (1-2 P floats per hosted client)",
+                                   choices=("reset", "keep")),
     "train.betas": Field(list[float], [0.9, 0.999], "adam/adamw: (beta1, beta2)", ge=0, lt=1),
     "train.eps": Field(float, 1e-8, "adam/adamw: epsilon of the denominator", gt=0),
     "train.loss": Field(str, "cross_entropy", "client training loss (evaluation's test_loss is "
@@ -248,7 +254,8 @@ _FRAMEWORK: dict[str, Field] = {
     "runtime.out_dir": Field(str, "runs", "parent directory of run outputs"),
     "runtime.checkpoint_every": Field(int, 0, "checkpoint every N rounds (0 = only at exit)",
                                       ge=0),
-    "runtime.round_timeout": Field(float, 600.0, "abort if a round takes longer (seconds)", gt=0),
+    "runtime.round_timeout": Field(float, 600.0, "abort if a round's collective waits longer "
+                                   "(seconds), naming the ranks and hosts that are missing", gt=0),
     "runtime.setup_timeout": Field(float, 1800.0, "start-up limit (seconds): every rank must have "
                                    "loaded its data and built its model by then, else the job "
                                    "stops naming the slow rank", gt=0),
@@ -493,6 +500,29 @@ def _selected_checks(cfg: Config) -> None:
     check_components(cfg, method, weighting, transforms, rule)
 
 
+def keyed_components(method: Optional[type[Algorithm]] = None,
+                     weighting: Optional[type[Weighting]] = None,
+                     transforms: Iterable[type[UpdateTransform]] = (),
+                     rule: Optional[type[ServerRule]] = None) -> list[tuple[str, type[Component]]]:
+    """The given component classes, each with the config key that selects it (named in
+    the errors of rules derived from what they declare)."""
+    keyed: list[tuple[str, Any]] = [("algorithm.name", method),
+                                    ("aggregation.weighting", weighting),
+                                    *((tr.enable_key, tr) for tr in transforms),
+                                    ("aggregation.rule", rule)]
+    return [(key, cls) for key, cls in keyed if cls is not None]
+
+
+def local_steps_floor(parts: Iterable[tuple[str, type[Component]]]) -> tuple[int, str, str]:
+    """The most local steps a component of ``parts`` (:func:`keyed_components`) declares
+    every client must make (:attr:`~fedmpi.algorithms.Component.min_local_steps`), with
+    that component's key and name; ``(0, "", "")`` when none asks for any."""
+    best = max(parts, key=lambda part: part[1].min_local_steps, default=None)
+    if best is None or best[1].min_local_steps <= 0:
+        return 0, "", ""
+    return int(best[1].min_local_steps), best[0], str(best[1].name)
+
+
 def check_components(cfg: Config, method: Optional[type[Algorithm]] = None,
                      weighting: Optional[type[Weighting]] = None,
                      transforms: Iterable[type[UpdateTransform]] = (),
@@ -504,6 +534,7 @@ def check_components(cfg: Config, method: Optional[type[Algorithm]] = None,
       family);
     * a per-client server rule (``per_client``) needs the method's update as a
       weighted statistic (``weighted_update``; not the submodel family's coverage sums);
+    * ``train.local_steps`` is at least every component's ``min_local_steps`` (ECGR: 2);
     * ``aggregation.params`` belongs to a rule given by import path (checked against
       its ``params["params"]`` dataclass)."""
     transforms = list(transforms)
@@ -519,10 +550,14 @@ def check_components(cfg: Config, method: Optional[type[Algorithm]] = None,
                               f"{cfg.aggregation.rule!r} combines per-client weighted updates; "
                               f"method {cfg.algorithm.name!r} aggregates its update otherwise "
                               "(coverage sums)")
-    parts: list[Any] = [method, weighting, *transforms, rule]
-    for cls in parts:
-        if cls is not None:
-            cls.check(cfg)
+    parts = keyed_components(method, weighting, transforms, rule)
+    for _, cls in parts:
+        cls.check(cfg)
+    steps, key, name = local_steps_floor(parts)
+    if cfg.train.local_steps is not None and cfg.train.local_steps < steps:
+        raise ConfigError(f"config key 'train.local_steps' must be >= {steps} for {key} "
+                          f"({name!r} needs {steps} local steps per client), got "
+                          f"{cfg.train.local_steps}")
     if method is not None and method.owns_evaluation and cfg.eval.where != "server":
         raise ConfigError(f"config key 'eval.where' must be 'server' for algorithm.name "
                           f"{cfg.algorithm.name!r} (the method evaluates its resource levels "

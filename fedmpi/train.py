@@ -10,7 +10,9 @@ with exactly ``torch.optim.SGD``'s semantics (dampening 0)::
     θ ← θ − lr·b
 
 One fused update on a preallocated momentum buffer per worker: no per-step or
-per-round allocation of model-sized tensors. Methods plug in through
+per-round allocation of model-sized tensors. Under ``train.optimizer_state:
+keep`` b is the client's own buffer (:class:`~fedmpi.optim.KeptState`) and
+"first step" means the client's first step ever (:mod:`fedmpi.optim`). Methods plug in through
 :class:`StepHooks` without copying the loop.
 """
 from __future__ import annotations
@@ -26,7 +28,7 @@ from .accel import OFF, Accel
 from .data import Dataset
 from .flat import FlatModel
 from .privacy.dpsgd import RecordDP, clipped_grad_sum, poisson_batch
-from .optim import AdaptiveOptimizer, training_loss
+from .optim import AdaptiveOptimizer, KeptState, training_loss
 
 GradHook = Callable[[FlatModel], None]
 StepHook = Callable[[torch.Tensor, float], None]
@@ -145,11 +147,15 @@ class LocalTrainer:
                     cfg.class_weights, dtype=out.dtype, device=out.device)
         return training_loss(out, y, cfg.loss, w, cfg.label_smoothing)
 
-    def _optimizer(self, cfg: SGDConfig) -> AdaptiveOptimizer:
-        """The Adam/AdamW optimizer of this trainer, reset for a new client-round."""
+    def _optimizer(self, cfg: SGDConfig, kept: Optional[KeptState]) -> AdaptiveOptimizer:
+        """The Adam/AdamW optimizer of this trainer for a new client-round: reset, or
+        continuing from the client's ``kept`` state."""
         if self._adaptive is None or self._adaptive.kind != cfg.optimizer:
             self._adaptive = AdaptiveOptimizer(cfg.optimizer, self.flat.params, self.flat.grad)
-        self._adaptive.reset(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
+        if kept is None:
+            self._adaptive.reset(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
+        else:
+            self._adaptive.carry(kept, cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
         return self._adaptive
 
     def batches(self, indices: torch.Tensor, cfg: SGDConfig, gen: torch.Generator):
@@ -175,11 +181,14 @@ class LocalTrainer:
                     return
 
     def train(self, indices: torch.Tensor, cfg: SGDConfig, seed: int,
-              hooks: StepHooks = StepHooks(), flip_labels: bool = False) -> TrainResult:
+              hooks: StepHooks = StepHooks(), flip_labels: bool = False,
+              kept: Optional[KeptState] = None) -> TrainResult:
         """Run τ_k local SGD steps on the samples ``indices`` of the training pool.
 
         ``seed`` drives the batch order, augmentation and any other randomness,
         so the result depends only on (seed, client, round), not on the rank.
+        ``kept``: the client's optimizer state to continue from and update
+        (``train.optimizer_state: keep``); None = a fresh optimizer.
         """
         flat, data, accel, forward = self.flat, self.data, self.accel, self.forward
         gen = torch.Generator().manual_seed(seed)
@@ -187,9 +196,13 @@ class LocalTrainer:
         torch.manual_seed(seed)
         model = flat.model
         model.train()
-        params, grad, buf = flat.params, flat.grad, self.momentum_buf
+        params, grad = flat.params, flat.grad
+        buf = self.momentum_buf
+        fresh = True   # b ← g at the first step
+        if kept is not None and kept.momentum is not None:
+            buf, fresh = kept.momentum, not bool(kept.step[0] > 0)
         result = TrainResult(lr=cfg.lr)
-        adaptive = self._optimizer(cfg) if cfg.optimizer != "sgd" else None
+        adaptive = self._optimizer(cfg, kept) if cfg.optimizer != "sgd" else None
         loss_total = torch.zeros((), device=self.device)  # summed on device: no sync per step
         num_classes = data.num_classes
         noise_gen = None
@@ -232,7 +245,7 @@ class LocalTrainer:
                 if cfg.weight_decay:
                     grad.add_(params, alpha=cfg.weight_decay)
                 if cfg.momentum:
-                    if result.steps == 0:
+                    if result.steps == 0 and fresh:
                         buf.copy_(grad)
                     else:
                         buf.mul_(cfg.momentum).add_(grad)
@@ -245,6 +258,10 @@ class LocalTrainer:
             loss_total += batch_loss
             result.samples += y.numel()
             result.steps += 1
+        if adaptive is not None and kept is not None:
+            adaptive.put_back(kept)
+        elif kept is not None:
+            kept.step.add_(result.steps)
         result.loss_sum = float(loss_total)
         return result
 

@@ -11,7 +11,8 @@ from typing import Any, Callable, Optional
 
 from .algorithms import (ALGORITHMS, RULES, WEIGHTINGS, Algorithm, ServerRule, Weighting,
                          enabled_transforms)
-from .config import check_components
+from .config import check_components, keyed_components, local_steps_floor
+from .data import DataNeeds
 from .data.custom import dataset_factory
 from .errors import ConfigError
 from .imports import is_import_path, model_factory, silo_loader, subclass
@@ -61,6 +62,21 @@ class UserCode:
     def build_weighting(self, cfg: Any, num_samples: Any) -> Any:
         """The weighting: the class given, else ``aggregation.weighting``'s."""
         return self.weighting_class(cfg)(num_samples)
+
+    def data_needs(self, cfg: Any) -> DataNeeds:
+        """What the selected components ask of the data, derived from their declarations:
+        τ_k ≥ ``min_local_steps`` with ``train.local_epochs`` E is ⌈floor/E⌉ local batches
+        per client (every client has one; with ``train.local_steps`` the config rule of
+        :func:`~fedmpi.config.check_components` holds it instead), and rank 0 reads the
+        silos' validation set when a component ``uses_server_validation``."""
+        parts = keyed_components(self.algorithm_class(cfg), self.weighting_class(cfg),
+                                 enabled_transforms(cfg), self.rule_class(cfg))
+        steps, key, _ = local_steps_floor(parts)
+        t = cfg.train
+        batches = -(-steps // t.local_epochs) if t.local_steps is None else 0
+        return DataNeeds(min_batches=batches if batches > 1 else 0,
+                         min_batches_key=key if batches > 1 else "",
+                         server_validation=any(cls.uses_server_validation(cfg) for _, cls in parts))
 
     def check(self, cfg: Any) -> None:
         """Every selected component's ``check`` and the combination rules, with the

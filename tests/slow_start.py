@@ -1,15 +1,43 @@
-"""A dataset factory (``data.dataset: slow_start:digits``) whose rank FEDMPI_SLOW_RANK
-takes FEDMPI_SLOW_SECONDS to load: a slow silo at start-up (tests/test_adversarial.py)."""
+"""Slow ranks for tests/test_adversarial.py: rank FEDMPI_SLOW_RANK is slow.
+
+* ``data.dataset: slow_start:digits`` -- that rank takes FEDMPI_SLOW_SECONDS to load
+  its data (a slow silo at start-up);
+* ``algorithm.name: slow_start:SlowFedAvg`` -- FedAvg, but that rank's local training
+  in round FEDMPI_SLOW_ROUND takes FEDMPI_SLOW_SECONDS longer (a rank alive but
+  slower than ``runtime.round_timeout``).
+"""
 from __future__ import annotations
 
 import os
 import time
 
+from fedmpi.algorithms.fedavg import FedAvg
+
+
+def _slow_here() -> bool:
+    from fedmpi.cli import launch_rank
+
+    return launch_rank() == int(os.environ.get("FEDMPI_SLOW_RANK", "-1"))
+
+
+def _pause() -> None:
+    time.sleep(float(os.environ.get("FEDMPI_SLOW_SECONDS", "0")))
+
 
 def digits():
-    from fedmpi.cli import launch_rank
     from fedmpi.data.datasets import load_dataset
 
-    if launch_rank() == int(os.environ.get("FEDMPI_SLOW_RANK", "-1")):
-        time.sleep(float(os.environ.get("FEDMPI_SLOW_SECONDS", "0")))
+    if _slow_here():
+        _pause()
     return load_dataset("digits", "data", False)
+
+
+class SlowFedAvg(FedAvg):
+    """FedAvg whose slow rank trains FEDMPI_SLOW_SECONDS longer in FEDMPI_SLOW_ROUND."""
+
+    name = "slow_fedavg"
+
+    def client_update(self, task, trainer, state, extras, out, *args, **kwargs):
+        if task.round == int(os.environ.get("FEDMPI_SLOW_ROUND", "-1")) and _slow_here():
+            _pause()
+        return super().client_update(task, trainer, state, extras, out, *args, **kwargs)

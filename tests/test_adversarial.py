@@ -3,10 +3,12 @@
 30: 1 atomic run lock (+ heartbeat across hosts), 2 planted links, 3 untrusted logs and
 checkpoints, 4 start-up timeout, 6 another user's run, 7 partition inputs (5, disk full
 while the log grows: tests/test_trust.py checks that the log stays readable). 31: 1 double Ctrl-C / SIGTERM at start-up, 2 no success without
-progress, 3 resume across versions.
+progress, 3 resume across versions. 28: 3 a rank that hangs or is slow mid-run is named
+with its host when the round times out.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import socket
@@ -443,6 +445,18 @@ def _mpi_run(args: list[str], n: int, env: dict | None = None, timeout: float = 
     return proc, time.monotonic() - t0
 
 
+def _mpi_start(args: list[str], env: dict | None = None) -> subprocess.Popen:
+    """``mpiexec -n 3 fedmpi ARGS`` in the background, stderr piped."""
+    from conftest import mpiexec_path
+
+    mpi = mpiexec_path()
+    if mpi is None:
+        pytest.skip("mpiexec not found")
+    return subprocess.Popen([mpi, "-n", "3", *fedmpi_cmd(*args)], cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                            text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
 def _errors(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("fedmpi: error")]
 
@@ -459,7 +473,8 @@ def test_a_slow_rank_at_start_up_is_named_in_one_line_after_setup_timeout(tmp_pa
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert took < 50 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = _errors(proc.stderr)
-    assert len(errors) == 1 and "rank 2 did not finish loading its data" in errors[0] \
+    assert len(errors) == 1 and \
+        f"rank 2 (host {socket.gethostname()}) did not finish loading its data" in errors[0] \
         and "runtime.setup_timeout=4" in errors[0], proc.stderr[-3000:]
 
 
@@ -489,25 +504,103 @@ def test_a_tiny_round_timeout_ends_with_one_line_and_no_traceback(tmp_path):
     assert read(out / "log.h5").status == "failed"
 
 
+# ------------------------------------- 28.3 a round timeout names the missing ranks
+def _launched_rank_pid(root: int, rank: int) -> int:
+    """The pid of MPI rank ``rank`` among the descendants of process ``root`` (the
+    launcher sets PMI_RANK in each rank's environment)."""
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:   # gone meanwhile
+            continue
+        if f"PMI_RANK={rank}".encode() in env:
+            return pid
+        todo.extend(int(c) for c in children)
+    raise AssertionError(f"no process of rank {rank} under pid {root}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("threads", ["multiple", "serialized"])
+def test_a_hung_rank_is_named_with_its_host_after_the_round_timeout(tmp_path, threads):
+    """A rank frozen mid-run (SIGSTOP: under mpiexec a SIGKILLed rank makes MPICH's
+    launcher end the whole job at once, before fedmpi can say anything) is named,
+    with its host, in rank 0's one error line; the live rank answers the ping and is
+    not named as silent; exit 1. Without MPI_THREAD_MULTIPLE (mpi4py's thread level
+    "serialized") the live rank answers from its wait instead of a thread."""
+    import signal
+
+    from fedmpi.log import read
+    from test_trust import _wait_rounds
+
+    out = tmp_path / "hung"
+    proc = _mpi_start(["run", CFG, *FAST, "--set", "train.rounds=500", "--set",
+                       "runtime.round_timeout=5", "--out", str(out)],
+                      {"MPI4PY_RC_THREAD_LEVEL": threads})
+    stopped = None
+    try:
+        _wait_rounds(out, 1, proc)
+        stopped = _launched_rank_pid(proc.pid, 2)
+        os.kill(stopped, signal.SIGSTOP)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if stopped is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
+    errors = _errors(err)
+    host = socket.gethostname()
+    assert len(errors) == 1, err[-3000:]
+    reasons = "hung or unreachable" if threads == "multiple" else \
+        "hung, unreachable or busy outside MPI"
+    # rank 2 and only rank 2 is silent (rank 1 answers: not named, or named as alive
+    # when rank 0 is stuck in a collective rank 1 has passed, e.g. the state Bcast)
+    assert f"runtime.round_timeout=5s: rank 2 (host {host}) did not answer within 3s " \
+        f"(dead, {reasons})" in errors[0], errors
+    assert took < 5 + 3 + 15, took   # round_timeout + the ping's grace + teardown
+    log = read(out / "log.h5")
+    assert log.status == "failed" and any("rank 2 (host" in e for e in log.events["message"])
+
+
+@pytest.mark.mpi
+def test_a_rank_alive_but_slower_than_the_round_timeout_is_named_as_alive(tmp_path):
+    """Rank 2 trains 30 s longer in round 1 (tests/slow_start.py): rank 0's collective
+    times out after 5 s, and rank 2, still computing, answers the ping from its
+    thread: named as alive, with the collective it has not reached."""
+    proc, took = _mpi_run(["run", CFG, *FAST, "--set", "train.rounds=3", "--set",
+                           "algorithm.name=slow_start:SlowFedAvg", "--set",
+                           "runtime.round_timeout=5", "--out", str(tmp_path / "slow")], 3,
+                          {"FEDMPI_SLOW_RANK": "2", "FEDMPI_SLOW_ROUND": "1",
+                           "FEDMPI_SLOW_SECONDS": "60"})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert took < 40, took
+    errors = _errors(proc.stderr)
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith("fedmpi: error: round 1 ") and \
+        f"rank 2 (host {socket.gethostname()}) is alive but has not reached round 1 " \
+        in errors[0] and "did not answer" not in errors[0], errors
+
+
 # ------------------------------------------------------- 31.1 signals
 @pytest.mark.mpi
 def test_two_sigints_to_rank_0_end_every_rank_within_seconds(tmp_path):
     import signal
 
-    from conftest import mpiexec_path
     from fedmpi.log import read
     from test_trust import _wait_rounds
 
-    if mpiexec_path() is None:
-        pytest.skip("mpiexec not found")
     out = tmp_path / "ctrlc"
     # rounds of seconds: the graceful stop the first SIGINT asks for must still be under
     # way when the second one arrives (with 2-epoch rounds it could finish within 0.2 s)
-    args = ["run", CFG, *FAST, "--set", "train.rounds=500", "--set", "train.local_epochs=40",
-            "--out", str(out)]
-    proc = subprocess.Popen([mpiexec_path(), "-n", "3", *fedmpi_cmd(*args)], cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = _mpi_start(["run", CFG, *FAST, "--set", "train.rounds=500", "--set",
+                       "train.local_epochs=40", "--out", str(out)])
     try:
         _wait_rounds(out, 1, proc)
         rank0 = int(read(out / "log.h5").attrs["writer_pid"])

@@ -160,6 +160,48 @@ def test_config_core_imports_no_component_and_names_no_method():
         assert not named, f"{path.name} names components {sorted(named)}"
 
 
+def test_data_imports_no_component_and_names_none():
+    """fedmpi/data is below the components (issue 23): it reaches neither fedmpi.algorithms
+    nor the config schema or the runtime, and its code — string literals other than
+    docstrings, attribute names — names no method, weighting, transform, server rule or
+    their config blocks (``cfg.ecgr``, ``"fedvg"``): what the components need from the
+    data comes in as fedmpi.data.DataNeeds."""
+    import re
+
+    from fedmpi.algorithms import ALGORITHMS, RULES, TRANSFORMS, WEIGHTINGS
+
+    g = import_graph()
+    reach, todo = set(), [m for m in g if m == "fedmpi.data" or m.startswith("fedmpi.data.")]
+    while todo:
+        for dep in g[todo.pop()]:
+            if dep not in reach:
+                reach.add(dep)
+                todo.append(dep)
+    above = ("fedmpi.algorithms", "fedmpi.config", "fedmpi.runtime", "fedmpi.usercode")
+    assert not {m for m in reach if m.startswith(above)}, sorted(reach)
+
+    names = {"algorithm", "aggregation", "transforms"}   # the component kinds' config prefixes
+    for registry in (ALGORITHMS, WEIGHTINGS, TRANSFORMS, RULES):
+        for name, cls in registry.items():
+            names |= {name, *cls.blocks()}
+    names -= {"samples", "uniform", "mean", "median", "dp"}   # ordinary words of data code
+    found = []
+    for path in sorted((PKG / "data").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docs = {id(node.body[0].value) for node in ast.walk(tree)
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and node.body and isinstance(node.body[0], ast.Expr)
+                and isinstance(node.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            words: set[str] = set()
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                words = set(re.findall(r"[a-z0-9_]+", node.value.lower()))
+            elif isinstance(node, ast.Attribute):
+                words = {node.attr.lower()}
+            found += [f"{path.name}:{node.lineno} {w}" for w in sorted(words & names)]
+    assert not found, f"fedmpi/data names components: {found}"
+
+
 #: The public names of modules that were split into packages or parts (report, log,
 #: compare: packages; submodel: mask rules moved to algorithms/extraction.py), as users
 #: imported them before the split.

@@ -134,3 +134,116 @@ def test_methods_refuse_what_their_math_does_not_hold_for(over, words):
 def test_optimizer_config_checks(over, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         config_from_dict(over)
+
+
+# ------------------------------------------------- train.optimizer_state
+KEEP = {**BASE, "data": {"num_clients": 3, "partition": {"method": "iid"}},
+        "aggregation": {"weighting": "uniform"},
+        "train": {**BASE["train"], "clients_per_round": 2, "local_steps": 3, "rounds": 4}}
+
+REFERENCES = {
+    "adam": (dict(optimizer="adam", lr=0.01, betas=[0.8, 0.99]),
+             lambda ps: torch.optim.Adam(ps, lr=0.01, betas=(0.8, 0.99))),
+    "adamw": (dict(optimizer="adamw", lr=0.01, weight_decay=0.05),
+              lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.05)),
+    "sgd_momentum": (dict(optimizer="sgd", lr=0.05, momentum=0.9),
+                     lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)),
+}
+
+
+def _federated_reference(fed, make_opt, rounds: int, keep: bool) -> torch.Tensor:
+    """FedAvg (uniform weights) in plain torch: one model and one torch optimizer per
+    client; ``keep`` keeps each client's optimizer alive across its participations (only
+    its parameters are overwritten by the global model), otherwise a new one per round."""
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    from fedmpi.train import stream_seed
+
+    P = fed.flat.num_params
+    theta = fed.global_state[:P].clone()
+    models = [copy.deepcopy(fed.flat.model) for _ in range(fed.K)]
+    opts = [make_opt(m.parameters()) for m in models]
+    for t in range(rounds):
+        chosen = [int(k) for k in fed.participants(t).nonzero()[0]]
+        new = theta.clone()
+        for k in chosen:
+            vector_to_parameters(theta.clone(), models[k].parameters())
+            if not keep:
+                opts[k] = make_opt(models[k].parameters())
+            gen = torch.Generator().manual_seed(stream_seed(fed.cfg.seed, k, t))
+            batches = list(fed.trainer.batches(fed.client_idx[k], fed.algo.sgd, gen))
+            _reference_steps(fed, models[k], opts[k], batches, torch.nn.functional.cross_entropy)
+            new += (parameters_to_vector(models[k].parameters()).detach() - theta) / len(chosen)
+        theta = new
+    return theta
+
+
+@pytest.mark.parametrize("kind", sorted(REFERENCES))
+def test_optimizer_state_keep_and_reset_match_torch_optimizers_kept_alive_or_fresh(kind):
+    """keep = one torch optimizer per client kept alive over its participations (with
+    rounds it sits out); reset = a fresh torch optimizer every client-round; the two differ."""
+    train, make_opt = REFERENCES[kind]
+    finals = {}
+    for mode in ("keep", "reset"):
+        fed = build_fed(KEEP, **{f"train.{k}": v for k, v in train.items()},
+                        **{"train.optimizer_state": mode})
+        ref = _federated_reference(fed, make_opt, 4, keep=mode == "keep")
+        sat_out = [~fed.participants(t) for t in range(4)]
+        assert any(m.any() for m in sat_out)   # some client skips a round between participations
+        for t in range(4):
+            fed.round(t)
+        P = fed.flat.num_params
+        torch.testing.assert_close(fed.global_state[:P], ref, atol=2e-6, rtol=0)
+        finals[mode] = fed.global_state[:P].clone()
+        if mode == "keep":   # the state is the client's own, on its (this) rank
+            kept = fed.algo.client_state(0)
+            assert set(kept) == ({"optimizer/step", "optimizer/momentum"} if kind == "sgd_momentum"
+                                 else {"optimizer/step", "optimizer/exp_avg", "optimizer/exp_avg_sq"})
+            turns = sum(int(fed.participants(t)[0]) for t in range(4))
+            assert float(kept["optimizer/step"]) == 3 * turns
+    assert (finals["keep"] - finals["reset"]).abs().max() > 1e-4
+
+
+def test_optimizer_state_reset_is_the_default_and_keeps_no_client_state():
+    fed = build_fed(KEEP, **{"train.optimizer": "adam"})
+    assert fed.cfg.train.optimizer_state == "reset"
+    fed.round(0)
+    assert all(not fed.algo.client_state(k) for k in range(fed.K))
+
+
+def test_optimizer_state_keep_without_state_is_reset_bit_for_bit():
+    """Plain SGD (momentum 0) has no state: keep gives reset's bits and stores nothing."""
+    a = build_fed(KEEP, **{"train.optimizer_state": "keep"})
+    b = build_fed(KEEP)
+    for t in range(2):
+        a.round(t)
+        b.round(t)
+    assert torch.equal(a.global_state, b.global_state)
+    assert not a.algo.client_state(0)
+
+
+def test_nonfinite_kept_state_is_dropped():
+    fed = build_fed(KEEP, **{"train.optimizer": "adam", "train.optimizer_state": "keep"})
+    fed.round(0)
+    k = int(fed.participants(0).nonzero()[0][0])
+    fed.algo.kept_optimizer.of(k, fed.device).exp_avg_sq[3] = float("inf")
+    assert fed.algo.kept_optimizer.drop_if_nonfinite(k)
+    assert not fed.algo.client_state(k)
+    assert float(fed.algo.kept_optimizer.of(k, fed.device).step) == 0   # fresh again
+
+
+@pytest.mark.parametrize("over", [
+    {"algorithm.name": "scaffold"}, {"algorithm.name": "fednova"},
+    {"algorithm.name": "heterofl", "system.levels": [1, 0.5], "system.allocation": [2, 1]},
+])
+def test_methods_needing_a_fresh_optimizer_refuse_kept_momentum(over):
+    with pytest.raises(ConfigError) as err:
+        build_fed(KEEP, **over, **{"train.optimizer_state": "keep", "train.momentum": 0.9})
+    assert "train.optimizer_state" in str(err.value) and "train.momentum" in str(err.value)
+    build_fed(KEEP, **over, **{"train.optimizer_state": "keep"})   # no momentum: no state
+
+
+def test_ecgr_refuses_kept_momentum():
+    with pytest.raises(ConfigError, match=r"ecgr\.enabled.*train\.optimizer_state"):
+        config_from_dict({"ecgr": {"enabled": True},
+                          "train": {"optimizer_state": "keep", "momentum": 0.9, "local_steps": 4}})

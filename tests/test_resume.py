@@ -197,6 +197,62 @@ def test_resume_of_completed_run_is_a_noop_and_extends(reference, tmp_path, caps
     assert _ckpt(out)["round"] == ROUNDS + 1
 
 
+
+# ------------------------------------------- train.optimizer_state: keep
+# Each client's Adam m, v, t lives on the rank hosting it, is gathered into the checkpoint
+# and scattered to the client's host under the resuming run's layout.
+KEEP_OPS = [*SMALL, "--set", f"train.rounds={ROUNDS}", "--set", "model.name=mlp",
+            "--set", "train.optimizer=adam", "--set", "train.optimizer_state=keep",
+            "--set", "train.momentum=0", "--set", "train.lr=0.003", "--set", "runtime.threads=1",
+            "--set", "runtime.checkpoint_every=1"]
+
+
+@pytest.fixture(scope="module")
+def kept_reference(tmp_path_factory) -> Path:
+    """An uninterrupted run with kept Adam states, in this process."""
+    out = tmp_path_factory.mktemp("keep") / "ref"
+    assert _main("run", CFG, *KEEP_OPS, "--out", str(out)) == 0
+    return out
+
+
+def _assert_kept_states(out: Path, ref: Path, exact: bool) -> None:
+    a, b = _ckpt(out), _ckpt(ref)
+    assert a["round"] == b["round"] == ROUNDS
+    same = torch.equal if exact else (lambda x, y: torch.allclose(x, y, atol=TOL, rtol=0))
+    assert same(a["global_state"], b["global_state"])
+    assert sorted(a["clients"]) == sorted(b["clients"]) and len(b["clients"]) >= 4
+    for k, st in b["clients"].items():
+        assert set(st) == {"optimizer/step", "optimizer/exp_avg", "optimizer/exp_avg_sq"}
+        for name, v in st.items():
+            assert same(a["clients"][k][name], v), f"{name} of client {k}"
+    la, lb = read(out / "log.h5"), read(ref / "log.h5")
+    np.testing.assert_array_equal(la.clients["selected"], lb.clients["selected"])
+    check = np.testing.assert_array_equal if exact else \
+        (lambda x, y: np.testing.assert_allclose(x, y, atol=TOL))
+    check(la.rounds["test_loss"], lb.rounds["test_loss"])
+
+
+def test_resume_with_kept_optimizer_state_is_bit_identical(kept_reference, tmp_path):
+    """Stop after 2 rounds, resume to ROUNDS: the same bits as the uninterrupted run
+    (the kept states went through the checkpoint; without them round 2 would differ)."""
+    out = tmp_path / "part"
+    assert _main("run", CFG, *KEEP_OPS, "--set", "train.rounds=2", "--out", str(out)) == 0
+    steps = {k: float(st["optimizer/step"]) for k, st in _ckpt(out)["clients"].items()}
+    assert steps and all(v > 0 for v in steps.values())
+    assert _main("run", CFG, *KEEP_OPS, "--out", str(out), "--resume") == 0
+    _assert_kept_states(out, kept_reference, exact=True)
+
+
+@pytest.mark.mpi
+def test_kept_optimizer_state_at_n3_then_resumed_alone_matches_n1(kept_reference, tmp_path):
+    """Rounds 0-1 under -n 3 (states on ranks 1 and 2, gathered at the checkpoint), rounds
+    2-3 resumed alone (scattered to rank 0): the same run as -n 1 throughout."""
+    out = tmp_path / "n3"
+    run_fedmpi(["run", CFG, *KEEP_OPS, "--set", "train.rounds=2", "--out", str(out)], n=3)
+    assert _ckpt(out)["world_size"] == 3
+    assert _main("run", CFG, *KEEP_OPS, "--out", str(out), "--resume") == 0
+    _assert_kept_states(out, kept_reference, exact=False)
+
 # ------------------------------------------------------- bad checkpoints
 @pytest.mark.mpi
 def test_truncated_checkpoint_exits_2_naming_the_file(reference, tmp_path):
@@ -342,3 +398,55 @@ def test_atomic_save_leaves_old_file_on_failure(tmp_path):
         checkpoint.save_atomic({"x": Boom()}, path)
     assert torch.equal(torch.load(path, weights_only=True)["x"], torch.ones(2))
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]   # no temp file left
+
+
+def test_open_run_takes_the_run_state_and_the_log_header(tmp_path):
+    """guard.open_run needs no Federation: the shared fake RunState and a LogHeader. A
+    fresh run's log holds the header (read back with h5py) and what the build wrote
+    before the file existed; resuming restores θ into the RunState and continues."""
+    import json
+
+    import h5py
+
+    from fedmpi import rundir
+    from fedmpi.context import LogSink
+    from fedmpi.runtime.guard import LogHeader, open_run
+
+    run = fake_run_state(num_clients=3, components={"rng": checkpoint.RngStreams()})
+    theta = run.global_state.clone()
+    sink = LogSink()
+    sink.set_attr("toy", "built", 7)          # written during the build, before the log
+    sink.event(0, -1, "toy: set up")
+    counts = np.array([[2, 1], [0, 3], [4, 0]])
+    header = LogHeader(num_samples=counts.sum(1), class_counts=counts,
+                       run_info={"algorithm": {"name": "toy"}}, sink=sink)
+    out = tmp_path / "run"
+    try:
+        opened = open_run(run, header, out, resume=False, overwrite=False)
+        assert opened.restored is None and opened.history == []
+        sink.event(0, -1, "after opening")    # the sink now writes into the open log
+        checkpoint.save(run, 0, checkpoint.checkpoint_path(out))
+        opened.writer.set_status("interrupted")
+        opened.writer.close()
+    finally:
+        rundir.release()
+    with h5py.File(out / "log.h5", "r") as f:
+        assert f.attrs["world_size"] == 1
+        assert np.array_equal(f["clients/num_samples"][()], [3, 3, 4])
+        assert np.array_equal(f["partition/class_counts"][()], counts)
+        assert json.loads(f.attrs["run_info"]) == {"algorithm": {"name": "toy"}}
+        assert f["toy"].attrs["built"] == 7
+        messages = [m.decode() if isinstance(m, bytes) else m for m in f["events/message"][()]]
+        assert messages == ["toy: set up", "after opening"]
+    assert (out / "config.yaml").read_text() == run.cfg.to_yaml()
+
+    run2 = fake_run_state(num_clients=3, components={"rng": checkpoint.RngStreams()})
+    run2.global_state.zero_()
+    try:
+        opened = open_run(run2, LogHeader(counts.sum(1), counts, {}, LogSink()), out,
+                          resume=True, overwrite=False)
+        assert opened.restored is not None and opened.restored.round == 0
+        assert opened.history == [] and torch.equal(run2.global_state, theta)
+        opened.writer.close()
+    finally:
+        rundir.release()

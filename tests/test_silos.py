@@ -13,6 +13,7 @@ import torch
 
 from conftest import ROOT, mpiexec_path, run_fedmpi, set_dotted
 from fedmpi.config import config_from_dict
+from fedmpi.data import DataNeeds
 from fedmpi.errors import ConfigError, DataError
 
 # Each silo in its own directory; the server's test and validation sets in another.
@@ -198,7 +199,7 @@ def test_loader_is_called_only_for_hosted_clients(tmp_path, monkeypatch):
     import silo_loader_i16
 
     hosted = [0, 2, 4]
-    local = build_local(cfg, _Rank(1, 3), hosted, is_server=False)
+    local = build_local(cfg, _Rank(1, 3), hosted, is_server=False, needs=DataNeeds())
     assert silo_loader_i16.CALLS == hosted
     expect = np.concatenate([np.random.default_rng(k).normal(size=(10 + k, 4)) for k in hosted])
     assert torch.equal(local.data.x_train, torch.tensor(expect, dtype=torch.float32))
@@ -234,7 +235,44 @@ def test_empty_silo_is_a_data_error(tmp_path):
                                      "silos": {"path": str(tmp_path / "{client}.csv"),
                                                "test": str(tmp_path / "t.csv")}}})
     with pytest.raises(DataError, match="client 1 has no samples"):
-        build_local(cfg, _Rank(0, 1), [0, 1], is_server=True)
+        build_local(cfg, _Rank(0, 1), [0, 1], is_server=True, needs=DataNeeds())
+
+
+def test_silos_get_what_the_components_ask_for(tmp_path):
+    """fedmpi.data names no component; UserCode.data_needs derives from declarations that
+    ECGR's τ_k ≥ 2 (min_local_steps) makes a one-batch silo an error naming ecgr.enabled
+    (two local epochs: one batch is enough), and that rank 0 reads the validation file for
+    FedVG's scores even when only the clients evaluate (not for norm delta)."""
+    from fedmpi.data import build_local
+    from fedmpi.data.tabular import write_table
+    from fedmpi.usercode import UserCode
+
+    rng = np.random.default_rng(1)
+    for name, n in (("0", 40), ("1", 17), ("t", 6), ("v", 5)):   # B = 16: 17 samples, 1 batch
+        write_table(tmp_path / f"{name}.csv", rng.normal(size=(n, 2)), np.arange(n) % 2)
+    base = {"data": {"num_clients": 2, "partition": {"method": "silos"},
+                     "silos": {"path": str(tmp_path / "{client}.csv"),
+                               "test": str(tmp_path / "t.csv"),
+                               "validation": str(tmp_path / "v.csv")}},
+            "train": {"batch_size": 16}}
+
+    def local(**over):
+        cfg = config_from_dict(set_dotted(json.loads(json.dumps(base)), over))
+        return build_local(cfg, _Rank(0, 1), [0, 1], is_server=True,
+                           needs=UserCode().data_needs(cfg))
+
+    assert list(local(**{"train.local_epochs": 1}).num_samples) == [40, 17]   # no ECGR: fine
+    with pytest.raises(DataError, match=r"client 1 has 17 samples, 1 batch.*2 local batches "
+                                        r"are required by ecgr.enabled"):
+        local(**{"ecgr.enabled": True})
+    assert list(local(**{"ecgr.enabled": True, "train.local_epochs": 2}).num_samples) == [40, 17]
+    clients = {"eval.where": "clients", "eval.client_holdout": 0.2}
+    assert local(**clients).partition.validation_indices.size == 0
+    assert local(**clients, **{"aggregation.weighting": "fedvg"}
+                 ).partition.validation_indices.size == 5
+    assert local(**clients, **{"aggregation.weighting": "fedvg",
+                               "aggregation.fedvg.norm": "delta"}
+                 ).partition.validation_indices.size == 0
 
 
 def test_silo_run_resumes_under_another_world_size(tmp_path):

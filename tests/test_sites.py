@@ -3,6 +3,7 @@ on its own held-out samples; the log's per-site and combined metrics are scikit-
 those samples, and with `clients` rank 0 reads no data file."""
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -190,7 +191,7 @@ class _Rank:
 def test_client_test_files_are_read_by_the_host_only_and_indexed(tmp_path):
     """data.silos.client_test: the hosting rank appends each client's test file to its local
     pool; client_test_indices point at exactly those rows; training rows are untouched."""
-    from fedmpi.data import build_local
+    from fedmpi.data import DataNeeds, build_local
     from fedmpi.data.tabular import write_table
 
     rng = np.random.default_rng(0)
@@ -205,7 +206,7 @@ def test_client_test_files_are_read_by_the_host_only_and_indexed(tmp_path):
                                      "silos": {"path": str(tmp_path / "s{client}.csv"),
                                                "client_test": str(tmp_path / "t{client}.csv")}},
                             "eval": {"where": "clients"}})
-    local = build_local(cfg, _Rank(), [0, 2], is_server=False)
+    local = build_local(cfg, _Rank(), [0, 2], is_server=False, needs=DataNeeds())
     x_pool = local.data.x_train.numpy()
     for k, (x, y, xt, yt) in files.items():
         np.testing.assert_allclose(x_pool[local.partition.client_indices[k]], x, rtol=1e-6)
@@ -235,3 +236,86 @@ def test_silos_need_no_server_test_file_when_only_clients_evaluate():
     for where in ("server", "both"):
         with pytest.raises(ConfigError, match=r"data\.silos\.test"):
             config_from_dict({"data": silos, "eval": {"where": where, "client_holdout": 0.2}})
+
+
+WINE_SITES = {"data": {"dataset": "wine", "num_clients": 3, "partition": {"method": "iid"}},
+              "model": {"name": "mlp", "mlp": {"hidden": [8]}},
+              "train": {"rounds": 2, "local_steps": 2, "batch_size": 8},
+              "eval": {"where": "clients", "client_holdout": 0.25,
+                       "metrics": ["accuracy", "macro_f1"]},
+              "runtime": {"device": "cpu", "progress": False, "threads": 1}}
+
+# Every rank builds the Federation, runs round 0 and calls evaluate() (a collective).
+EVALUATE = r'''
+import json, sys
+from mpi4py import MPI
+from fedmpi.comm import Comm
+from fedmpi.config import config_from_dict
+from fedmpi.runtime import Federation
+fed = Federation(config_from_dict(json.loads(sys.argv[1])), Comm())
+fed.round(0)
+got = fed.evaluate()
+sites = {k: v.tolist() for k, v in fed.site_metrics.items()}
+json.dump({"got": got, "sites": sites}, open(f"{sys.argv[2]}/evaluate_{fed.rank}.json", "w"))
+'''
+
+
+def test_federation_evaluate_is_collective_and_the_same_at_n3(tmp_path):
+    """At -n 3 every rank calls evaluate(): rank 0 gets what the same run gets alone (the
+    sites' rows come from ranks 1 and 2), the workers get {}."""
+    from conftest import build_fed
+
+    mpi = mpiexec_path()
+    if mpi is None:
+        pytest.skip("mpiexec not found")
+    proc = subprocess.run([mpi, "-n", "3", sys.executable, "-c", EVALUATE, json.dumps(WINE_SITES),
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = [json.loads((tmp_path / f"evaluate_{r}.json").read_text()) for r in range(3)]
+    assert res[1]["got"] == res[2]["got"] == {} and res[1]["sites"] == {}
+    alone = build_fed(WINE_SITES)
+    alone.round(0)
+    expected = alone.evaluate()
+    assert res[0]["got"].keys() == expected.keys()
+    for name, v in expected.items():
+        assert res[0]["got"][name] == pytest.approx(v, abs=1e-6), name
+    for name, v in alone.site_metrics.items():
+        np.testing.assert_allclose(res[0]["sites"][name], v, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("where", ["clients", "both"])
+def test_federation_evaluate_runs_the_per_site_evaluation(where):
+    """Federation.evaluate() under clients/both evaluates on the sites' held-out samples
+    (rank 0 holds no test data under clients: it used to return NaN): the combined values
+    are scikit-learn's on the pooled held-out samples, site_metrics each site's."""
+    from torch.nn.utils import vector_to_parameters
+
+    from conftest import build_fed
+
+    fed = build_fed(WINE_SITES, **{"eval.where": where})
+    fed.round(0)
+    got = fed.evaluate()
+    model = copy.deepcopy(fed.flat.model).eval()
+    vector_to_parameters(fed.global_state[: fed.flat.num_params].clone(), model.parameters())
+    probs, labels, per_site = [], [], []
+    for k in range(3):
+        idx = torch.as_tensor(fed.partition.client_test_indices[k])
+        with torch.no_grad():
+            p = torch.softmax(model(fed.data.prepare(fed.data.x_train[idx], train=False)), 1)
+        y = fed.data.y_train[idx].numpy()
+        probs.append((p.double() / p.double().sum(1, keepdim=True)).numpy())
+        labels.append(y)
+        per_site.append(accuracy_score(y, p.argmax(1).numpy()))
+    P, Y = np.concatenate(probs), np.concatenate(labels)
+    prefix = "clients_" if where == "both" else ""
+    assert got[f"{prefix}test_accuracy"] == pytest.approx(accuracy_score(Y, P.argmax(1)), abs=1e-12)
+    assert got[f"{prefix}test_loss"] == pytest.approx(log_loss(Y, P, labels=[0, 1, 2]), abs=1e-5)
+    assert got[f"{prefix}macro_f1"] == pytest.approx(
+        f1_score(Y, P.argmax(1), average="macro"), abs=1e-12)
+    np.testing.assert_allclose(fed.site_metrics["test_accuracy"], per_site, atol=1e-12)
+    np.testing.assert_array_equal(fed.site_metrics["test_samples"], [len(y) for y in labels])
+    if where == "both":   # the server's test set as well, under its own names
+        assert np.isfinite(got["test_accuracy"]) and got["test_loss"] != got["clients_test_loss"]
+    else:
+        assert "clients_test_accuracy" not in got

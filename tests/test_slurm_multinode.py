@@ -10,8 +10,8 @@ What is checked, from the outside: the job's ranks run on 3 host names (the log'
 ``local rank mod G`` derived from them; every silo file exists only in its node's
 node-local directory (``DIR/local`` is a different directory on every node) and the
 run completes, so each was read where it lies; MPI bytes crossed the bridge (veth
-counters); a node killed mid-run ends the job and the requeued job resumes with every
-round exactly once.
+counters); a node killed mid-run ends the job, fedmpi naming the rank and host that no
+longer answer, and the requeued job resumes with every round exactly once.
 """
 from __future__ import annotations
 
@@ -163,17 +163,22 @@ def test_killed_node_ends_the_job_and_the_requeued_job_resumes_every_round_once(
     subprocess.run([str(ROOT / "slurm" / "testing" / "local-cluster"), "kill-node", str(CLUSTER),
                     "fedmpi-n3"], check=True, env=_env(FEDMPI_SLURM_PORT=str(PORT)))
     # the run in flight ends within runtime.round_timeout (20 s) of the kill: the
-    # surviving ranks' collective times out, they abort, srun names the lost node
+    # surviving ranks' collective times out, rank 0 pings every rank (3 s) and names
+    # rank 3, which does not answer, with its host; they abort; srun names the lost node
+    timed_out = "did not complete within runtime.round_timeout=20s"
     ended = None
     while time.monotonic() < killed_at + 120:
-        if "Node failure on fedmpi-n3" in _output(tmp_path, job):
+        text = _output(tmp_path, job)
+        if "Node failure on fedmpi-n3" in text and timed_out in text:
             ended = time.monotonic() - killed_at
             break
         time.sleep(0.5)
     text = _output(tmp_path, job)
     assert ended is not None, text
-    assert ended < 20 + 30, (ended, text)    # round_timeout + Slurm's step teardown
-    assert "did not complete within runtime.round_timeout=20s" in text
+    assert ended < 20 + 3 + 30, (ended, text)   # round_timeout + the ping + step teardown
+    ours = [line for line in text.splitlines()
+            if line.startswith("fedmpi: error:") and timed_out in line]
+    assert len(ours) == 1 and "rank 3 (host fedmpi-n3) did not answer" in ours[0], text
     subprocess.run([str(ROOT / "slurm" / "testing" / "local-cluster"), "revive-node", str(CLUSTER),
                     "fedmpi-n3"], check=True, env=_env(FEDMPI_SLURM_PORT=str(PORT)))
     info = _wait_end(job, 400)

@@ -1,6 +1,7 @@
 """User code in the config (import paths), algorithm.params, and the fedmpi.run API."""
 from __future__ import annotations
 
+import copy
 import sys
 import textwrap
 
@@ -212,3 +213,58 @@ def test_import_paths_in_config_run(usermod, tmp_path):
     w = log.clients["weight"][-1]
     assert np.allclose(w, 1 / 3)                      # Equal weighting, not n_k/Σn
     assert np.isfinite(log.rounds["macro_f1"]).all()
+
+
+# ------------------------------------------------- a component's local-step floor
+NEEDY = '''
+from fedmpi.algorithms import UpdateTransform
+
+class Needy(UpdateTransform):
+    """Asks every client for three local steps; changes nothing."""
+    name = "needy"
+    min_local_steps = 3
+'''
+
+
+def _epoch_batches(n: int, batch: int) -> int:
+    """Batches of one local epoch as the trainer forms them: ⌈n/B⌉, a one-sample remainder
+    joining the previous batch."""
+    full = -(-n // batch)
+    return full - 1 if full >= 2 and n - (full - 1) * batch == 1 else full
+
+
+def test_a_components_min_local_steps_floors_the_partition_and_its_preview(tmp_path, monkeypatch,
+                                                                          capsys):
+    """A user transform declaring min_local_steps = 3, by import path: train.local_steps=2 is
+    refused naming both keys; with one local epoch every client of the run gets >= 3 batches
+    (the same config without it has a client with fewer), ``fedmpi partition`` previews
+    exactly the run's partition, and with three local epochs one batch each is enough."""
+    from conftest import build_fed
+    from fedmpi.data import build_partition, load_pool
+    from fedmpi.usercode import UserCode
+
+    (tmp_path / "needy_s23.py").write_text(NEEDY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    over = {"seed": 3, "data.num_clients": 8, "train.local_steps": None, "train.batch_size": 32,
+            "data.partition": {"method": "dirichlet", "alpha": 0.3, "min_size": 1},
+            "model.name": "lenet"}
+    plain = config_from_dict(_small(**over))
+    sizes = build_partition(plain, load_pool(plain), UserCode().data_needs(plain)).sizes
+    assert min(_epoch_batches(int(n), 32) for n in sizes) < 3   # the floor has work to do
+    d = _small(**over, transforms=["needy_s23:Needy"])
+    with pytest.raises(ConfigError, match=r"'train.local_steps' must be >= 3 for transforms "
+                                          r"\('needy' needs 3"):
+        UserCode().check(config_from_dict(set_dotted(copy.deepcopy(d), {"train.local_steps": 2})))
+
+    fed = build_fed(d)
+    assert min(_epoch_batches(int(n), 32) for n in fed.num_samples) >= 3
+    path = tmp_path / "needy.yaml"
+    path.write_text(fed.cfg.to_yaml())
+    assert main(["partition", str(path), "--out", str(tmp_path / "preview")]) == 0
+    rows = (tmp_path / "preview" / "partition.csv").read_text().split()[1:]
+    assert [int(r.split(",")[1]) for r in rows] == [int(n) for n in fed.num_samples]
+    capsys.readouterr()
+    three = config_from_dict(set_dotted(copy.deepcopy(d), {"train.local_epochs": 3}))
+    assert UserCode().data_needs(three).min_batches == 0
+    assert np.array_equal(build_partition(three, load_pool(three),
+                                          UserCode().data_needs(three)).sizes, sizes)

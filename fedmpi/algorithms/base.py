@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..flat import FlatModel
+from ..optim import KeptStates
 from ..params import check_params
 from ..privacy.dpsgd import RecordDP
 from ..train import LocalTrainer, SGDConfig, StepHooks, TrainResult, step_decay_lr
@@ -175,6 +176,11 @@ class Algorithm(Component):
     #: client optimizers (``train.optimizer``) the method's math holds for; a method
     #: whose server or client rule assumes SGD steps lists only ``"sgd"``
     optimizers: ClassVar[tuple[str, ...]] = ("sgd", "adam", "adamw")
+    #: the method's math needs every client-round to start with a fresh optimizer (zero
+    #: momentum): FedNova's a_k and SCAFFOLD's option II divide this round's displacement
+    #: by this round's steps, submodel masks keep pruned entries at 0 only from a zero
+    #: buffer; ``train.optimizer_state: keep`` is refused when it would carry state
+    fresh_optimizer: ClassVar[bool] = False
     #: the method trains with its own loss (``StepHooks.loss_fn``): ``train.loss``,
     #: ``train.class_weights`` and ``train.label_smoothing`` must stay at their defaults
     own_loss: ClassVar[bool] = False
@@ -194,6 +200,10 @@ class Algorithm(Component):
         self.ctx: Optional[Context] = None
         self.device = torch.device("cpu")      # the training device, from the context
         self._client_stores: list[ClientVectors] = []
+        # train.optimizer_state: keep — each hosted client's optimizer state (fedmpi.optim)
+        self.kept_optimizer = (KeptStates(cfg.train.optimizer, cfg.train.momentum,
+                                          self.num_params, self.client_store)
+                               if cfg.train.optimizer_state == "keep" else None)
         # a user method's block algorithm.params, checked against params["params"] now
         self._user_params = check_params(type(self), cfg.algorithm.params)
 
@@ -307,12 +317,18 @@ class Algorithm(Component):
         runs after this returns (:meth:`TransformChain.on_upload`).
 
         The learning rate is :meth:`local_sgd`'s (step decay by round; the
-        value used is ``result.lr``).
+        value used is ``result.lr``). Under ``train.optimizer_state: keep`` the
+        local loop continues from the client's own optimizer state
+        (:class:`~fedmpi.optim.KeptStates`, in per-client stores of
+        :meth:`client_store`).
         """
         sgd = self.local_sgd(task)
         trainer.flat.load(state)
         hooks = transforms.wrap_hooks(self.hooks(task, state, extras), task)
-        result = trainer.train(task.indices, sgd, task.seed, hooks, task.flip_labels)
+        kept = self.kept_optimizer.of(task.client, state.device) if self.kept_optimizer else None
+        result = trainer.train(task.indices, sgd, task.seed, hooks, task.flip_labels, kept)
+        if self.kept_optimizer is not None:
+            self.kept_optimizer.drop_if_nonfinite(task.client)
         torch.sub(trainer.flat.vector, state, out=out["delta"])
         transforms.on_delta(task, out)
         self.finish_client(task, trainer, state, extras, out, result)

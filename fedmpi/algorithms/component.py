@@ -47,11 +47,24 @@ class Component:
     params: ClassVar[dict[str, type]] = {}
     #: the run's config (methods and transforms get it when built, others from ``start``)
     cfg: Any = None
+    #: every client of a run with this component makes at least this many local steps τ_k
+    #: (ECGR: 2). Rules derived from it: ``train.local_steps`` below it is refused naming
+    #: both keys (:func:`fedmpi.config.check_components`); with ``train.local_epochs`` E
+    #: every client needs ⌈floor/E⌉ local batches, which the partitioner draws and silos
+    #: are checked for (:meth:`fedmpi.usercode.UserCode.data_needs`)
+    min_local_steps: ClassVar[int] = 0
 
     @classmethod
     def check(cls, cfg) -> None:
         """Rules that span keys, for a config that selects this component; raise
         :class:`~fedmpi.errors.ConfigError` naming the keys. Default: none."""
+
+    @classmethod
+    def uses_server_validation(cls, cfg) -> bool:
+        """Whether this component, under ``cfg``, works on rank 0's validation set, so
+        rank 0 reads it (silos: ``data.silos.validation``) even when only the clients
+        evaluate (:meth:`fedmpi.usercode.UserCode.data_needs`). Default: no."""
+        return False
 
     @classmethod
     def blocks(cls) -> dict[str, type]:

@@ -71,11 +71,12 @@ Deviations from the paper / official code (all recorded here):
 * The official code's learning-rate schedule halves at the start of rounds
   9, 19, … (``(round+1) % 10 == 0``); ``train.lr_decay_every`` halves at
   rounds 10, 20, … (the paper's "decays by a factor of two every 10 rounds").
-* τ ≥ 2 (paper §4.1, "a minimum data size of two batches"), checked in one
-  place, :func:`check_local_steps`: with ``train.local_steps`` a value < 2 is a
-  ConfigError when the config is built; with epochs the partitioner gives every
-  pooled client ≥ 2 batches (``fedmpi.data.build``) and silo-local clients are
-  checked with their sizes when ECGR is set up.
+* τ ≥ 2 (paper §4.1, "a minimum data size of two batches") is declared once,
+  :attr:`EcgrTransform.min_local_steps`, and enforced by the rules derived from
+  it: ``train.local_steps`` < 2 is a ConfigError when the config is built
+  (:func:`fedmpi.config.check_components`); with one local epoch every pooled
+  client is drawn with ≥ 2 batches and a silo with fewer is a DataError
+  (:meth:`fedmpi.usercode.UserCode.data_needs`).
 """
 from __future__ import annotations
 
@@ -102,30 +103,6 @@ class EcgrParams:
 
 #: τ_k ≥ 2: ECGR selects half of the local steps (paper §4.1)
 MIN_LOCAL_STEPS = 2
-
-
-def check_local_steps(sgd: SGDConfig, num_samples: Optional[np.ndarray] = None) -> list[int]:
-    """ECGR's one rule on the step count: every client makes τ_k ≥ 2 local steps.
-
-    With ``train.local_steps`` the rule is on that key (no sizes needed); with
-    ``num_samples`` every client's τ_k is checked. Returns the τ_k (empty without
-    sizes); ConfigError naming the key otherwise."""
-    if sgd.local_steps is not None and sgd.local_steps < MIN_LOCAL_STEPS:
-        raise ConfigError(f"config key 'train.local_steps' must be >= {MIN_LOCAL_STEPS} when "
-                          f"ecgr.enabled is true (ECGR selects half of the local steps), got "
-                          f"{sgd.local_steps}")
-    if num_samples is None:
-        return []
-    steps = [num_local_steps(int(n), sgd) for n in np.asarray(num_samples)]
-    short = [k for k, s in enumerate(steps) if s < MIN_LOCAL_STEPS]
-    if short:   # pooled partitions guarantee τ_k ≥ 2; silos are as the consortium made them
-        k = short[0]
-        raise ConfigError(f"config key 'ecgr.enabled': client {k} has {int(num_samples[k])} "
-                          f"samples, fewer than {MIN_LOCAL_STEPS} local steps of "
-                          f"train.batch_size {sgd.batch_size} (ECGR selects among the steps; "
-                          f"{len(short)} such clients); lower train.batch_size or set "
-                          "train.local_steps")
-    return steps
 
 STORAGE_MODES = ("fp32", "bf16", "host")
 SELECTED_STAT = "ecgr/selected"
@@ -189,8 +166,9 @@ class ECGR:
         self.beta = float(params.beta)
         self.budget = int(params.memory_budget)
         self.P = int(num_params)
-        steps = check_local_steps(sgd, num_samples)
-        self.tau_max = max(steps) if steps else 0
+        # τ_k ≥ MIN_LOCAL_STEPS: the config and data rules of EcgrTransform.min_local_steps
+        self.tau_max = max((num_local_steps(int(n), sgd) for n in np.asarray(num_samples)),
+                           default=0)
         self.storage: Optional[str] = None      # chosen with the device on first use
         self.device: Optional[torch.device] = None
         self._X: Optional[torch.Tensor] = None    # [τ_max, P] recorded directions b_s
@@ -331,6 +309,7 @@ class EcgrTransform(UpdateTransform):
     params = {"ecgr": EcgrParams}
     enable_key = "ecgr.enabled"
     rewrites_update = True
+    min_local_steps = MIN_LOCAL_STEPS
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
@@ -342,12 +321,15 @@ class EcgrTransform(UpdateTransform):
 
     @classmethod
     def check(cls, cfg) -> None:
-        """τ_k ≥ 2 (:func:`check_local_steps`) and plain SGD steps (the recorded b_s)."""
-        check_local_steps(sgd_config(cfg))
+        """Plain SGD steps (the recorded b_s); τ_k ≥ 2 is :attr:`min_local_steps`."""
         if cfg.train.optimizer != "sgd":
             raise ConfigError(f"config keys 'ecgr.enabled' and 'train.optimizer': ECGR rewrites "
                               f"SGD steps (its math assumes sgd), got train.optimizer "
                               f"{cfg.train.optimizer!r}")
+        if cfg.train.optimizer_state == "keep" and cfg.train.momentum:
+            raise ConfigError("config keys 'ecgr.enabled' and 'train.optimizer_state': ECGR "
+                              "records and normalises this round's steps from a zero momentum "
+                              "buffer; set train.optimizer_state: reset or train.momentum: 0")
 
     def setup(self, ctx) -> None:
         self.P = ctx.flat.num_params

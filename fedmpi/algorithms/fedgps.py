@@ -305,6 +305,10 @@ class FedGPS(Algorithm):
             return
         if self.static:
             data = ctx.data
+            if len(data.input_shape) != 3:
+                raise ConfigError(f"config key 'algorithm.name': fedgps generates image-like "
+                                  f"surrogate data and needs inputs [C, H, W], the data has "
+                                  f"{tuple(data.input_shape)}")
             mean, std = data.mean, data.std
             if self.options["surrogate_normalize"] == "authors":
                 mean, std = (AUTHORS_MEAN,) * len(mean), (AUTHORS_STD,) * len(std)

@@ -58,6 +58,7 @@ class FedNovaParams:
 
 class FedNova(Algorithm):
     optimizers = ("sgd",)   # a_k normalises SGD steps (with momentum rho)
+    fresh_optimizer = True   # a_k assumes the momentum buffer starts at 0 each round
     name = "fednova"
     record_dp = True   # plain SGD local step (docs/privacy.md)
     params = {"fednova": FedNovaParams}

@@ -220,6 +220,11 @@ class FedVG(Weighting):
                 f"{weighting!r} (FedVG scores on a server validation set), or set "
                 "data.validation.source to an external dataset")
 
+    @classmethod
+    def uses_server_validation(cls, cfg) -> bool:
+        """Every norm but ``delta`` scores on the server validation set."""
+        return bool(cfg.aggregation.fedvg.norm != "delta")
+
     def setup(self, ctx) -> None:
         c = self.hparams("fedvg")
         self.norm: str = c.norm

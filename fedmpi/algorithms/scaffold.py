@@ -57,6 +57,7 @@ class ScaffoldParams:
 
 class Scaffold(Algorithm):
     optimizers = ("sgd",)   # option II: c_k from the SGD displacement / (K_k lr)
+    fresh_optimizer = True   # ... of this round's steps only (no carried momentum)
     name = "scaffold"
     record_dp = True   # plain SGD local step (docs/privacy.md)
     params = {"scaffold": ScaffoldParams}

@@ -101,6 +101,7 @@ class SubmodelParams:
 
 class SubmodelMethod(Algorithm):
     optimizers = ("sgd",)   # masks re-applied after every SGD step (step_hook)
+    fresh_optimizer = True   # pruned entries stay 0 only from a zero momentum buffer
     own_loss = True         # masked cross-entropy where the method uses it
     """Clients train level-sized submodels; rank 0 aggregates overlap-aware.
 

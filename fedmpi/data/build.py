@@ -3,13 +3,30 @@
 exactly the partition a run with the same config trains on)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from fedmpi.data.base import Dataset
 from fedmpi.data.partition import Partition, make_partition
 from fedmpi.errors import DataError
 
-__all__ = ["build_partition", "load_pool"]
+__all__ = ["DataNeeds", "build_partition", "load_pool"]
+
+
+@dataclass(frozen=True)
+class DataNeeds:
+    """What the run's components ask of the data. :mod:`fedmpi.data` names no method,
+    weighting or transform: the layer above works this out from what the components
+    declare (:meth:`fedmpi.usercode.UserCode.data_needs`) and passes it in, so a run,
+    ``fedmpi partition`` and ``fedmpi check`` build the same data."""
+
+    #: every client has at least this many local batches of ``train.batch_size``
+    #: (:func:`~fedmpi.data.partition.local_batches`); 0: no floor
+    min_batches: int = 0
+    #: the config key of the component that asks for them (named in the error)
+    min_batches_key: str = ""
+    #: rank 0 reads ``data.silos.validation`` even when only the clients evaluate
+    server_validation: bool = False
 
 
 def load_pool(cfg: Any, data: Optional[Any] = None) -> Dataset:
@@ -40,17 +57,19 @@ def load_pool(cfg: Any, data: Optional[Any] = None) -> Dataset:
                         image_size=d.image_size)
 
 
-def build_partition(cfg: Any, dataset: Dataset) -> Partition:
+def build_partition(cfg: Any, dataset: Dataset, needs: DataNeeds) -> Partition:
     """:func:`~fedmpi.data.partition.make_partition` of ``dataset``'s training pool
     with the ``data.partition.*`` and ``data.validation.fraction`` keys of ``cfg``
-    (``data.partition.seed``, or the top-level ``seed`` when it is null)."""
+    (``data.partition.seed``, or the top-level ``seed`` when it is null) and the
+    components' floor of local batches per client (``needs``)."""
     p = cfg.data.partition
     part = make_partition(
         dataset.y_train.cpu().numpy(), cfg.data.num_clients, p.method,
         seed=cfg.seed if p.seed is None else p.seed, alpha=p.alpha,
         classes_per_client=p.classes_per_client, min_size=p.min_size, file=p.file,
         validation_fraction=cfg.data.validation.fraction, num_classes=dataset.num_classes,
-        min_batches=_ecgr_min_batches(cfg), batch_size=cfg.train.batch_size)
+        min_batches=needs.min_batches, min_batches_key=needs.min_batches_key,
+        batch_size=cfg.train.batch_size)
     _check_batchnorm_sizes(cfg, part)
     return part
 
@@ -72,11 +91,3 @@ def _check_batchnorm_sizes(cfg: Any, part: Partition) -> None:
                 f"sample(s); BatchNorm (model.norm={cfg.model.norm}) needs >= 2 per batch: use "
                 "fewer data.num_clients, data.partition.method=dirichlet with min_size >= 2, "
                 "or model.norm=gn")
-
-
-def _ecgr_min_batches(cfg: Any) -> int:
-    """ECGR needs τ_k ≥ 2 local steps (paper §4.1: "a minimum data size of two
-    batches"): with one local epoch every client gets ≥ 2 batches; with
-    ``train.local_steps`` the config check requires ≥ 2 steps instead."""
-    t = cfg.train
-    return 2 if cfg.ecgr.enabled and t.local_steps is None and t.local_epochs < 2 else 0

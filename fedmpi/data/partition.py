@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -378,6 +379,24 @@ def local_batches(n: int, batch_size: int) -> int:
     return full - 1 if full >= 2 and n - (full - 1) * batch_size == 1 else full
 
 
+def _by(key: str) -> str:
+    return f" by {key}" if key else ""
+
+
+def check_batch_floor(sizes: Sequence[int], min_batches: int, batch_size: int, key: str,
+                      where: str, advice: str) -> None:
+    """DataError naming the first client (and ``where``) whose ``sizes[k]`` samples make
+    fewer than ``min_batches`` local batches of ``batch_size`` (:func:`local_batches`);
+    ``key``: the config key of the component that asks for them."""
+    short = [k for k, n in enumerate(sizes) if local_batches(int(n), batch_size) < min_batches]
+    if min_batches > 0 and short:
+        k, n = short[0], int(sizes[short[0]])
+        raise DataError(
+            f"{where}: client {k} has {n} samples, {local_batches(n, batch_size)} batch(es) of "
+            f"train.batch_size={batch_size}, but {min_batches} local batches are required"
+            f"{_by(key)}; {len(short)} such client(s): {advice}")
+
+
 def make_partition(
     labels: np.ndarray,
     num_clients: int,
@@ -392,6 +411,7 @@ def make_partition(
     num_classes: int | None = None,
     min_batches: int = 0,
     batch_size: int = 1,
+    min_batches_key: str = "",
 ) -> Partition:
     r"""Split the training pool into a stratified server hold-out and ``num_clients`` clients.
 
@@ -419,14 +439,15 @@ def make_partition(
         from the pool indices no client lists.
     num_classes:
         :math:`C` (default ``max(labels) + 1``); sets the width of ``class_counts``.
-    min_batches, batch_size:
+    min_batches, batch_size, min_batches_key:
         When ``min_batches > 0`` every client must have ``min_batches`` local
         batches as the trainer forms them (:func:`local_batches`: a one-sample
         remainder joins the previous batch), i.e. roughly
-        :math:`\lceil n_k / B \rceil \ge` ``min_batches`` (ECGR
-        needs 2). For ``dirichlet`` this joins the resampling criterion as
+        :math:`\lceil n_k / B \rceil \ge` ``min_batches`` (asked for by a
+        component with ``min_local_steps``, under the config key
+        ``min_batches_key``). For ``dirichlet`` this joins the resampling criterion as
         :math:`n_k \ge \max(\text{min\_size}, (\text{min\_batches}-1)B + 2)`;
-        for the other methods a violation is an error.
+        for the other methods a violation is an error (:func:`check_batch_floor`).
 
     Raises
     ------
@@ -454,7 +475,8 @@ def make_partition(
             first = (min_batches - 1) * batch_size + (2 if min_batches > 1 else 1)
             if min_batches > 0 and first > need:   # smallest n with min_batches batches
                 need = first
-                reason = f"{min_batches} batches of train.batch_size={batch_size}"
+                reason = (f"{min_batches} batches of train.batch_size={batch_size} required"
+                          f"{_by(min_batches_key)}")
             clients = _split_dirichlet(y, pool, num_clients, split_rng, alpha, need, reason)
         else:
             clients = _split_shards(y, pool, num_clients, split_rng, classes_per_client, num_classes)
@@ -468,13 +490,9 @@ def make_partition(
                 f"({sum(sizes)} samples for {num_clients} clients); every client needs >= 1, "
                 f"use fewer data.num_clients or a smaller data.validation.fraction"
             )
-        if min_batches > 0 and local_batches(size, batch_size) < min_batches:
-            raise DataError(
-                f"data.partition.method={method}: client {k} has {size} samples, "
-                f"{local_batches(size, batch_size)} batch(es) of train.batch_size={batch_size}, "
-                f"but {min_batches} local batches are required (ECGR needs >= 2); "
-                f"use fewer data.num_clients or a smaller train.batch_size"
-            )
+    check_batch_floor(sizes, min_batches, batch_size, min_batches_key,
+                      f"data.partition.method={method}", "use fewer data.num_clients or a smaller "
+                      "train.batch_size")
     class_counts = np.stack([np.bincount(y[ix], minlength=num_classes) for ix in clients])
     return Partition(
         client_indices=clients,

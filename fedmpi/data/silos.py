@@ -8,9 +8,10 @@ from ``data.silos.path`` with ``{client}`` replaced by ``k`` (a CSV, Parquet or
 HDF5 table, :mod:`fedmpi.data.tabular`) or from ``fn(k)`` for
 ``data.silos.loader: "pkg.module:fn"`` returning ``(x [n_k, ...], y [n_k])``.
 Rank 0 alone reads the test set (``data.silos.test``) and the server validation
-set (``data.silos.validation``, FedVG). A rank's :class:`Dataset` then holds its
-hosted clients' samples back to back (rank 0: then the validation samples), and
-its :class:`Partition` indexes into that local pool.
+set (``data.silos.validation``, also when only the clients evaluate if a component
+scores on it: :class:`~fedmpi.data.build.DataNeeds`). A rank's :class:`Dataset`
+then holds its hosted clients' samples back to back (rank 0: then the validation
+samples), and its :class:`Partition` indexes into that local pool.
 
 What every rank must know travels as metadata in two small collectives through
 :mod:`fedmpi.comm` (no sample leaves its silo):
@@ -41,9 +42,9 @@ import numpy as np
 import torch
 
 from fedmpi.data.base import Dataset, channel_sums, check_class_ids, stats_from_sums
-from fedmpi.data.build import build_partition, load_pool
+from fedmpi.data.build import DataNeeds, build_partition, load_pool
 from fedmpi.data.heldout import holdout_positions, holdout_seed, split_partition
-from fedmpi.data.partition import Partition
+from fedmpi.data.partition import Partition, check_batch_floor
 from fedmpi.data.tabular import read_table
 from fedmpi.errors import ConfigError, DataError, UserError
 
@@ -66,16 +67,18 @@ class LocalData:
 
 
 def build_local(cfg: Any, comm: Any, hosted: Sequence[int], is_server: bool,
-                data: Optional[Any] = None) -> LocalData:
+                data: Optional[Any] = None, *, needs: DataNeeds) -> LocalData:
     """This rank's :class:`LocalData` (see the module docstring).
 
     ``hosted``: the clients this rank trains; ``is_server``: rank 0 (reads the
     test and validation sets); ``data``: a user dataset for the pooled mode
-    (:func:`fedmpi.run`'s ``data=``). Collective in silo mode.
+    (:func:`fedmpi.run`'s ``data=``); ``needs``: what the run's components ask of
+    the data (a floor of local batches per client, rank 0's validation set).
+    Collective in silo mode.
     """
     if cfg.data.partition.method != "silos":
         pool = load_pool(cfg, data)
-        partition = build_partition(cfg, pool)
+        partition = build_partition(cfg, pool, needs)
         if clients_evaluate(cfg):
             partition = split_partition(partition, pool.y_train.cpu().numpy(),
                                         cfg.eval.client_holdout, holdout_seed(cfg),
@@ -84,7 +87,7 @@ def build_local(cfg: Any, comm: Any, hosted: Sequence[int], is_server: bool,
     if data is not None:
         raise ConfigError("a dataset object was given, but data.partition.method is 'silos' "
                           "(silo data comes from data.silos.path or data.silos.loader)")
-    return _silos(cfg, comm, list(hosted), is_server)
+    return _silos(cfg, comm, list(hosted), is_server, needs)
 
 
 def clients_evaluate(cfg: Any) -> bool:
@@ -92,12 +95,12 @@ def clients_evaluate(cfg: Any) -> bool:
     return cfg.eval.where != "server"
 
 
-def _server_reads_validation(cfg: Any) -> bool:
+def _server_reads_validation(cfg: Any, needs: DataNeeds) -> bool:
     """Rank 0 reads ``data.silos.validation`` unless only the clients evaluate and no
-    FedVG weighting scores on it (then rank 0 reads no data file at all)."""
-    agg = cfg.aggregation
-    fedvg = agg.weighting in ("fedvg", "fedvg_avg") and agg.fedvg.norm != "delta"
-    return cfg.data.silos.validation is not None and (cfg.eval.where != "clients" or fedvg)
+    component works on it (``needs.server_validation``; then rank 0 reads no data file
+    at all)."""
+    return cfg.data.silos.validation is not None and (cfg.eval.where != "clients"
+                                                      or needs.server_validation)
 
 
 def _held_out(cfg: Any, client: int, x: np.ndarray, y: np.ndarray
@@ -153,7 +156,8 @@ def _agree_on_errors(comm: Any, error: Optional[UserError]) -> None:
             raise DataError(bytes(row).rstrip(b"\0").decode(errors="replace"))
 
 
-def _silos(cfg: Any, comm: Any, hosted: list[int], is_server: bool) -> LocalData:
+def _silos(cfg: Any, comm: Any, hosted: list[int], is_server: bool,
+           needs: DataNeeds) -> LocalData:
     from fedmpi import imports
 
     s, K = cfg.data.silos, cfg.data.num_clients
@@ -169,7 +173,7 @@ def _silos(cfg: Any, comm: Any, hosted: list[int], is_server: bool) -> LocalData
                 parts[k], held[k] = _held_out(cfg, k, *parts[k])
         if is_server and cfg.eval.where != "clients":
             test = read_table(s.test, cfg.data.tabular.label)
-        if is_server and _server_reads_validation(cfg):
+        if is_server and _server_reads_validation(cfg, needs):
             val = read_table(s.validation, cfg.data.tabular.label)
         arrays = [*parts.values(), *held.values(), *(a for a in (test, val) if a is not None)]
         shapes = {x.shape[1:] for x, _ in arrays}
@@ -215,6 +219,9 @@ def _silos(cfg: Any, comm: Any, hosted: list[int], is_server: bool) -> LocalData
     if empty.size:
         raise DataError(f"silo of client {int(empty[0])} has no samples "
                         f"({s.path or s.loader})")
+    check_batch_floor(num_samples, needs.min_batches, cfg.train.batch_size, needs.min_batches_key,
+                      "data.partition.method=silos", "lower train.batch_size, raise "
+                      "train.local_epochs or set train.local_steps")
     tot = summed.sum(0)   # same rows in the same order on every rank
     mean, std = stats_from_sums(torch.from_numpy(tot[C:C + F]), torch.from_numpy(tot[C + F:C + 2 * F]),
                                 float(tot[-1]))
@@ -252,7 +259,7 @@ def _silos(cfg: Any, comm: Any, hosted: list[int], is_server: bool) -> LocalData
                    torch.from_numpy(x_test), torch.from_numpy(y_test), num_classes=C,
                    mean=mean, std=std, scale=1.0)
     return LocalData(data, Partition(client_indices, validation, class_counts, client_test),
-                     num_samples, _digests(cfg, comm, hosted, is_server))
+                     num_samples, _digests(cfg, comm, hosted, is_server, needs))
 
 
 def sha256_file(path: str) -> str:
@@ -266,7 +273,8 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def _digests(cfg: Any, comm: Any, hosted: list[int], is_server: bool) -> list[tuple[str, str, str]]:
+def _digests(cfg: Any, comm: Any, hosted: list[int], is_server: bool,
+             needs: DataNeeds) -> list[tuple[str, str, str]]:
     """Collective: ``(role, path, SHA-256)`` of every silo file — client ``k``'s hashed on
     the rank that read it, the test and validation files on rank 0 — gathered as one
     ``Allreduce(SUM)`` of 32-byte rows, each non-zero on one rank only (the file's bytes
@@ -274,9 +282,9 @@ def _digests(cfg: Any, comm: Any, hosted: list[int], is_server: bool) -> list[tu
     s, K = cfg.data.silos, cfg.data.num_clients
     if s.path is None:
         return []
-    # the test and validation files only where rank 0 reads them (eval.where, FedVG)
+    # the test and validation files only where rank 0 reads them (eval.where, DataNeeds)
     test = s.test if cfg.eval.where != "clients" else None
-    validation = s.validation if _server_reads_validation(cfg) else None
+    validation = s.validation if _server_reads_validation(cfg, needs) else None
     paths = [s.path.format(client=k) for k in range(K)] + [test, validation]
     rows = np.zeros((K + 2, 32), dtype=np.int64)
     mine = hosted + [r for r in (K, K + 1) if paths[r] is not None] if is_server else hosted

@@ -36,8 +36,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedmpi.errors import ConfigError
-
 __all__ = ["SurrogateData", "make_surrogate", "LATENT_SHAPE"]
 
 LATENT_SHAPE = (3, 8, 8)
@@ -75,11 +73,11 @@ def make_surrogate(seed: int, num_classes: int, input_shape: tuple[int, int, int
         noise_std: σ of the class Gaussians in the latent.
     """
     if len(input_shape) != 3:
-        raise ConfigError(f"config key 'algorithm.name': fedgps generates image-like surrogate "
-                          f"data and needs inputs [C, H, W], the data has {tuple(input_shape)}")
+        raise ValueError(f"surrogate data is image-like: it needs inputs [C, H, W], got "
+                         f"{tuple(input_shape)}")
     c_in, h, w = (int(v) for v in input_shape)
     if c_in not in (1, 3):
-        raise ValueError(f"FedGPS surrogate data supports 1- or 3-channel inputs, got {c_in}")
+        raise ValueError(f"surrogate data supports 1- or 3-channel inputs, got {c_in}")
     if num_classes < 1 or per_class < 1:
         raise ValueError("num_classes and per_class must be >= 1")
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), _TAG])))

@@ -233,7 +233,7 @@ def build_validation(cfg, data: Dataset, validation_indices: np.ndarray, device:
         sel = torch.as_tensor(keep, device=x.device)
         x, y, labels = x[sel], y[sel], labels[keep]
     if len(labels) == 0:
-        raise DataError(f"the FedVG validation set (data.validation.source={source!r}) is empty; "
+        raise DataError(f"the server validation set (data.validation.source={source!r}) is empty; "
                         "raise data.validation.fraction / size_fraction or choose another source")
     counts = np.bincount(labels, minlength=data.num_classes).astype(np.int64)
     return ValidationSet(x.contiguous(), y.contiguous(), source, counts)

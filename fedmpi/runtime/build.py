@@ -66,6 +66,12 @@ def participants(seed: int, num_clients: int, m: int, t: int) -> np.ndarray:
     return mask
 
 
+def carries_state(train) -> bool:
+    """Whether the client optimizer of the ``train`` block has state a round could carry
+    over (``train.optimizer_state: keep``): Adam/AdamW always, SGD with momentum."""
+    return train.optimizer != "sgd" or bool(train.momentum)
+
+
 def check_training_keys(cfg: Config, algo_class: type[Algorithm], num_classes: int) -> None:
     """``train.optimizer`` among the method's ``optimizers``, ``train.loss`` and its
     options only for methods without their own loss, one class weight per class."""
@@ -74,6 +80,11 @@ def check_training_keys(cfg: Config, algo_class: type[Algorithm], num_classes: i
         raise ConfigError(f"config keys 'train.optimizer' and 'algorithm.name': {name!r} "
                           f"assumes {' or '.join(algo_class.optimizers)} steps in its math, got "
                           f"train.optimizer {t.optimizer!r}")
+    if algo_class.fresh_optimizer and t.optimizer_state == "keep" and carries_state(t):
+        raise ConfigError(f"config keys 'train.optimizer_state' and 'train.momentum': {name!r} "
+                          "needs a fresh optimizer every client-round (its math uses this "
+                          "round's steps from a zero momentum buffer); set "
+                          "train.optimizer_state: reset or train.momentum: 0")
     plain = t.loss == "cross_entropy" and t.class_weights is None and t.label_smoothing == 0
     if algo_class.own_loss and not plain:
         raise ConfigError(f"config keys 'train.loss' and 'algorithm.name': {name!r} trains with "
@@ -163,13 +174,15 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
     rank, size = comm.rank, comm.size
     device, local_rank, local_size = setup_process(cfg, comm)
     ranks = rank_table(comm, device, local_rank, local_size)
+    if ranks is not None:   # rank 0 names a missing rank's host (CommTimeout)
+        comm.hosts = [str(h) for h in ranks["host"]]
     K = cfg.data.num_clients
     host = client_hosts(K, size)
     hosted = [k for k in range(K) if host[k] == rank]
     # pooled data partitioned identically on every rank (= `fedmpi partition`), or
     # silo-local: a rank reads only its clients' silos; n_k of all clients arrive as
     # metadata (fedmpi.data.silos)
-    local = build_local(cfg, comm, hosted, rank == 0, code.data)
+    local = build_local(cfg, comm, hosted, rank == 0, code.data, needs=code.data_needs(cfg))
     comm.roll_call("loading its data")   # a slow rank is named (runtime.setup_timeout)
     data, partition = local.data.to(device), local.partition
     num_samples = np.asarray(local.num_samples, dtype=np.int64)

@@ -52,6 +52,11 @@ def _finish_pending_quietly(fed: Federation) -> None:
             fed.writer.event(t, fed.rank, -1, message)
 
 
+def _writer(fed: Optional[Federation]):
+    """The log of ``fed`` (None before the build or rank 0's log)."""
+    return fed.writer if fed is not None else None
+
+
 def _close_quietly(after: Optional[AfterRound], status: str) -> None:
     """After a failure: end the trackers' runs; an error there is reported, not raised."""
     try:
@@ -90,7 +95,8 @@ def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
     signals.install()
     try:
         comm = comm or run_comm(cfg)
-        return _run(cfg, out_dir, comm, resume, overwrite, code, callbacks)
+        with comm.answering_pings():   # a timeout names the ranks that do not answer
+            return _run(cfg, out_dir, comm, resume, overwrite, code, callbacks)
     except KeyboardInterrupt:   # a second Ctrl-C: stop now, without a checkpoint
         if comm is None or comm.size == 1:
             raise
@@ -123,7 +129,7 @@ def set_up(cfg, comm: Comm, out: Optional[Path] = None, code: Optional[UserCode]
     except (UserError, OutputError) as exc:
         error = exc
     except CommTimeout as exc:   # a rank slower than runtime.setup_timeout: one line
-        guard.setup_timed_out(comm, exc, fed)
+        guard.setup_timed_out(comm, exc, _writer(fed))
     except Exception as exc:  # noqa: BLE001 - any setup failure must stop every rank
         error = exc
         if comm.rank != 0 or show_traceback():   # rank 0 raises it: its traceback is printed
@@ -131,7 +137,7 @@ def set_up(cfg, comm: Comm, out: Optional[Path] = None, code: Optional[UserCode]
     try:
         guard.agree_on_setup(comm, error)   # the error line once, every rank stops
     except CommTimeout as exc:
-        guard.setup_timed_out(comm, exc, fed)
+        guard.setup_timed_out(comm, exc, _writer(fed))
     assert fed is not None
     return fed, restored
 
@@ -164,7 +170,8 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Comm, resume: bool,
         trackers and the after-round hooks (best model, early stopping, callbacks)."""
         nonlocal after
         check_trackers(cfg)   # a missing extra is bad input before anything is written
-        restored = guard.open_run(fed, out, resume, overwrite)
+        opened = guard.open_run(fed.run_state(), fed.log_header(), out, resume, overwrite)
+        fed.use_log(opened)
         try:
             trackers = open_trackers(cfg)
         except Exception:
@@ -172,13 +179,13 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Comm, resume: bool,
             fed.writer.close()
             raise
         fed.recorder.after = after = AfterRound(cfg, fed.save_best, trackers, callbacks)
-        return restored
+        return opened.restored
 
     fed, restored = set_up(cfg, comm, out, code, open_dir, dry=not resume)
     try:
         start = checkpoint.resume(fed.run_state(), restored) if resume else 0
     except CommTimeout as exc:
-        guard.setup_timed_out(comm, exc, fed)
+        guard.setup_timed_out(comm, exc, fed.writer)
     fed.checkpoint_round = start
     if comm.timeout_key == "runtime.setup_timeout":
         comm.timeout, comm.timeout_key = cfg.runtime.round_timeout, "runtime.round_timeout"
@@ -212,7 +219,7 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Comm, resume: bool,
         elif fed.stop_reason is not None and t < cfg.train.rounds:
             status = "interrupted"
     except OutputError as exc:   # disk full: one line naming the file, exit 1
-        guard.write_failed(fed, comm, exc, t)
+        guard.write_failed(fed.writer, comm, exc, t)
     except CommTimeout as exc:
         print(f"fedmpi: error: {exc}", file=sys.stderr, flush=True)
         _finish_pending_quietly(fed)
@@ -266,7 +273,9 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Comm, resume: bool,
         kept = guard.discard_unstarted(out, logged, resume)
         raise RunFailed(str(fed.failure), log_path=str(out / "log.h5") if kept else None)
     if status == "interrupted":
-        raise RunInterrupted(guard.interrupted_message(fed, t, out), log_path=str(out / "log.h5"))
+        raise RunInterrupted(guard.interrupted_message(fed.stop_reason, t, cfg.train.rounds,
+                                                       fed.checkpoint_round, out),
+                             log_path=str(out / "log.h5"))
     names = ("test_accuracy", *metrics.extra_names(cfg.eval.metrics))
     final: dict = next((h for h in reversed(fed.history) if not np.isnan(h["test_accuracy"])), {})
     out = {n: float(final.get(n, float("nan"))) for n in names}

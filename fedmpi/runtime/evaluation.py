@@ -140,10 +140,18 @@ class Evaluation:
             return self.none()
         if self.shards(t):
             return self.sharded(state, ctx, channel)
+        return self.now(state, ctx, algo, channel)
+
+    def now(self, state: torch.Tensor, ctx, algo, channel: Channel) -> Scalars:
+        """The scalars of ``state`` where ``eval.where`` says: ``server`` — rank 0's test
+        set, on this rank alone (:meth:`here`, no messages); ``clients`` / ``both`` — the
+        per-site evaluation, a collective every rank joins (:meth:`clients`): the
+        combined values (``both``: the test set's plus ``clients_<metric>``) on rank 0,
+        ``{}`` on workers, the per-client arrays in :attr:`sites` on rank 0."""
         if self.where == "server":
             return self.here(state, ctx, algo)
         sites = self.clients(state, ctx, algo, channel)
-        if self.where == "clients":
+        if self.where == "clients" or self.rank != 0:
             return sites
         return {**self.here(state, ctx, algo), **{f"clients_{k}": v for k, v in sites.items()}}
 

@@ -103,6 +103,7 @@ class Federation:
         self.checkpoint_round = 0                 # rounds < this are in the newest checkpoint
         self.failure: Optional[str] = None
         self.rounds_without_update = 0            # runtime.max_rounds_without_update
+        self.site_metrics: dict[str, np.ndarray] = {}   # per-client values of evaluate()
 
     # ----------------------------------------------------------- accessors
     @property
@@ -114,18 +115,22 @@ class Federation:
     def history(self) -> list[dict]:
         return self.recorder.history
 
-    @history.setter
-    def history(self, rows: list[dict]) -> None:
-        self.recorder.history = rows
-
     @property
     def writer(self):
         return self.recorder.writer
 
-    @writer.setter
-    def writer(self, writer) -> None:
-        self.recorder.writer = writer
-        self.ctx.log.attach(writer)
+    def log_header(self) -> guard.LogHeader:
+        """What the log records about this run besides :meth:`run_state`
+        (:func:`~fedmpi.runtime.guard.open_run`)."""
+        b = self.built
+        return guard.LogHeader(num_samples=self.num_samples,
+                               class_counts=self.partition.class_counts, run_info=b.run_info,
+                               sink=b.log)
+
+    def use_log(self, opened: guard.OpenedRun) -> None:
+        """Rank 0: record rounds into the log :func:`~fedmpi.runtime.guard.open_run`
+        opened, after the rounds it has logged already (resume)."""
+        self.recorder.writer, self.recorder.history = opened.writer, opened.history
 
     @property
     def stream_rows(self) -> bool:
@@ -233,6 +238,14 @@ class Federation:
             flags |= FLAG_CHECKPOINT
         return flags
 
+    def _checkpoint_file(self) -> Optional[Path]:
+        return checkpoint.checkpoint_path(self.out_dir) if self.out_dir is not None else None
+
+    def _fail(self, t: int, line: str) -> None:
+        """Rank 0: the run fails with ``line`` (logged); the next header aborts every rank."""
+        self.failure = line
+        self.recorder.event(t, 0, -1, line)
+
     def save_checkpoint(self, t: int) -> None:
         """Collective: checkpoint "rounds < t are done" (:mod:`fedmpi.checkpoint`)."""
         assert self.out_dir is not None, "checkpoints are flagged only with an output directory"
@@ -270,8 +283,14 @@ class Federation:
         if result.accepted.size == 0:
             self.recorder.event(t, 0, -1, "no update accepted; global model unchanged")
         self.rounds_without_update = 0 if result.accepted.size else self.rounds_without_update + 1
-        guard.no_progress(self, t)   # too many such rounds in a row: the next header aborts
-        if result.accepted.size and not guard.global_model_finite(self, t):   # keep the last checkpoint
+        stalled = guard.no_progress(self.cfg.runtime.max_rounds_without_update,
+                                    self.rounds_without_update, t)
+        if stalled is not None:   # too many such rounds in a row: the next header aborts
+            self._fail(t, stalled)
+        broken = guard.diverged(self.global_state, t, self._checkpoint_file(),
+                                self.checkpoint_round) if result.accepted.size else None
+        if broken is not None:   # keep the last checkpoint: none is written after a failure
+            self._fail(t, broken)
             self.evals.join(t, self.global_state, self.ctx, self.algo, self.channel)  # workers wait
             return
         overlapped = self.evals.overlaps(t)
@@ -324,8 +343,24 @@ class Federation:
 
     def evaluate(self) -> dict[str, float]:
         """``test_loss``, ``test_accuracy`` and the other ``eval.metrics`` of the global
-        model now (the method's own evaluation where it has one), on this rank alone."""
-        return self.evals.here(self.global_state, self.ctx, self.algo)
+        model now, where ``eval.where`` says (the names of the log's ``/rounds``).
+
+        * ``server`` — rank 0's test set (the method's own evaluation where it has one),
+          on the calling rank alone: no messages, any rank may call it.
+        * ``clients`` / ``both`` — the per-site evaluation of the run (rank 0 holds no
+          test data under ``clients``): every client evaluates θ on its held-out samples
+          on the rank hosting it and rank 0 combines them (docs/evaluation.md). This is a
+          **collective**: call it on every rank, as :meth:`round` is (a call on rank 0
+          alone waits for the workers). Rank 0 returns the combined values (``both``:
+          the test set's, plus ``clients_<metric>``) and keeps each client's values in
+          :attr:`site_metrics` (``{metric: [K] array}``, ``test_samples`` included, as
+          ``/clients/<metric>``); workers return ``{}``.
+
+        Nothing is written to the log: a round's row holds only that round's evaluation.
+        """
+        scalars = self.evals.now(self.global_state, self.ctx, self.algo, self.channel)
+        self.site_metrics = self.evals.take_sites()
+        return scalars
 
     def finish_pending_row(self) -> None:
         self.recorder.finish_pending(self._evaluate)

@@ -8,7 +8,7 @@ Kept out of :mod:`fedmpi.runtime` so the driver only has one-line call sites:
 * :func:`agree_on_setup` — every rank learns whether any rank failed to set up; the
   error line is printed once (by rank 0, or by a worker whose problem rank 0 does not
   share), the others exit quietly with the same status.
-* :func:`global_model_finite` — after aggregation: a non-finite θ stops the run (exit 1,
+* :func:`diverged` — after aggregation: a non-finite θ stops the run (exit 1,
   status ``failed``); no checkpoint is written after it, so the last one is the last
   good state, and no ``model.pt`` is written.
 * :func:`no_progress` — ``runtime.max_rounds_without_update`` rounds in a row without an
@@ -20,13 +20,19 @@ Kept out of :mod:`fedmpi.runtime` so the driver only has one-line call sites:
 * :func:`discard_unstarted` — a fresh run that failed in its first round leaves nothing
   that blocks its rerun.
 * :func:`interrupted_message` — what the stop message says about the checkpoint.
+
+Each takes what it needs (the checkpoint's :class:`~fedmpi.checkpoint.RunState`, the
+log's :class:`LogHeader`, a writer, numbers), never the whole
+:class:`~fedmpi.runtime.Federation`; the two round checks return the failure line and
+the federation records it.
 """
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import TYPE_CHECKING, NoReturn, Optional
 
 import numpy as np
 import torch
@@ -35,36 +41,68 @@ from .. import checkpoint, rundir
 from .._version import __version__
 from ..errors import ReportedElsewhere, RunFailed, UserError
 from ..outputs import OutputError, quiet_h5py_errors
+from ..context import LogSink
 from ..safefile import write_text
 
-
-def open_run(fed, out: Path, resume: bool, overwrite: bool) -> Optional[checkpoint.Restored]:
-    """Rank 0: own ``out``, restore the checkpoint on ``resume``, open the log."""
+if TYPE_CHECKING:  # annotations only: the log (h5py) is imported when rank 0 opens it
     from ..log import LogWriter
 
-    owned = rundir.prepare(out, fed.cfg, resume, overwrite)
+
+@dataclass(frozen=True)
+class LogHeader:
+    """What rank 0's log records about the run before its first round, besides what
+    the :class:`~fedmpi.checkpoint.RunState` holds (config, world size, K): the
+    :class:`~fedmpi.log.LogWriter`'s header, the run information, and ``sink``, the
+    writes the build made for the log before the file existed (the rank table, the
+    components' attributes and events), replayed into it when it opens."""
+
+    num_samples: np.ndarray       # n_k of every client
+    class_counts: np.ndarray      # [K, C] training samples per client and class
+    run_info: dict                # what ran (fedmpi.provenance)
+    sink: LogSink
+
+
+@dataclass(frozen=True)
+class OpenedRun:
+    """What :func:`open_run` hands the driver: the open log, the rounds a resumed run
+    has logged already (``[]`` for a fresh run) and the restored checkpoint (None)."""
+
+    writer: LogWriter
+    history: list[dict]
+    restored: Optional[checkpoint.Restored]
+
+
+def open_run(run: checkpoint.RunState, header: LogHeader, out: Path, resume: bool,
+             overwrite: bool) -> OpenedRun:
+    """Rank 0: own ``out``, restore the checkpoint into ``run`` on ``resume``, open the
+    log (new, or continued after the checkpoint's round) and write ``config.yaml``."""
+    from ..log import LogWriter
+
+    cfg = run.cfg
+    owned = rundir.prepare(out, cfg, resume, overwrite)
     restored = None
+    history: list[dict] = []
     if resume:
-        restored = checkpoint.load_server_side(fed.run_state(), checkpoint.checkpoint_path(out))
-        fed.history = rundir.resume_history(out / "log.h5", restored.path, restored.round,
-                                            fed.cfg)
-    fed.writer = LogWriter(out / "log.h5", config_yaml=fed.cfg.to_yaml(), world_size=fed.size,
-                           num_clients=fed.K, num_samples=fed.num_samples,
-                           class_counts=fed.partition.class_counts, fedmpi_version=__version__,
-                           resume=restored is not None,
-                           resume_rounds=restored.round if restored else None,
-                           fingerprint=owned.fingerprint)
-    fed.writer.set_run_info(json.dumps(fed.built.run_info, sort_keys=True))
+        restored = checkpoint.load_server_side(run, checkpoint.checkpoint_path(out))
+        history = rundir.resume_history(out / "log.h5", restored.path, restored.round, cfg)
+    writer = LogWriter(out / "log.h5", config_yaml=cfg.to_yaml(), world_size=run.size,
+                       num_clients=run.num_clients, num_samples=header.num_samples,
+                       class_counts=header.class_counts, fedmpi_version=__version__,
+                       resume=restored is not None,
+                       resume_rounds=restored.round if restored else None,
+                       fingerprint=owned.fingerprint)
+    header.sink.attach(writer)
+    writer.set_run_info(json.dumps(header.run_info, sort_keys=True))
     if owned.stale_lock:
-        fed.writer.event(restored.round if restored else 0, 0, -1,
-                         f"took over the stale lock of a run that is gone ({owned.stale_lock})")
+        writer.event(restored.round if restored else 0, 0, -1,
+                     f"took over the stale lock of a run that is gone ({owned.stale_lock})")
     try:
-        write_text(out / "config.yaml", fed.cfg.to_yaml())
+        write_text(out / "config.yaml", cfg.to_yaml())
     except OSError as exc:
         from ..outputs import write_failed
 
         raise write_failed(out / "config.yaml", exc) from None
-    return restored
+    return OpenedRun(writer, history, restored)
 
 
 def agree_on_setup(comm, error: Optional[BaseException]) -> None:
@@ -90,18 +128,17 @@ def agree_on_setup(comm, error: Optional[BaseException]) -> None:
     raise RunFailed("the run's set-up failed on another rank (its error says why)", quiet=True)
 
 
-def setup_timed_out(comm, exc: BaseException, fed=None) -> NoReturn:
+def setup_timed_out(comm, exc: BaseException, writer: Optional[LogWriter] = None) -> NoReturn:
     """A collective of the start-up did not complete within ``runtime.setup_timeout``:
-    one line (naming the slow rank where the roll call knows it), the log (if rank 0
-    opened it already) says ``failed``, every rank stops (exit 1)."""
-    end_job(fed, comm, exc, 0)
+    one line (naming the slow rank where the roll call knows it), the log (``writer``,
+    if rank 0 opened it already) says ``failed``, every rank stops (exit 1)."""
+    end_job(writer, comm, exc, 0)
 
 
-def end_job(fed, comm, exc: BaseException, t: int) -> NoReturn:
+def end_job(writer: Optional[LogWriter], comm, exc: BaseException, t: int) -> NoReturn:
     """Report ``exc`` in one line, record it in the log (status ``failed``) while the log
     still takes writes, release the lock, and end every rank with exit 1."""
     print(f"fedmpi: error: {exc}", file=sys.stderr, flush=True)
-    writer = getattr(fed, "writer", None)
     if writer is not None and writer.broken is None:
         try:
             writer.event(t, comm.rank, -1, str(exc))
@@ -114,38 +151,37 @@ def end_job(fed, comm, exc: BaseException, t: int) -> NoReturn:
     raise SystemExit(1)   # not reached: abort ends the process
 
 
-def global_model_finite(fed, t: int) -> bool:
-    """Rank 0 after aggregation: whether θ is finite; if not, record the failure."""
-    if bool(torch.isfinite(fed.global_state.sum(dtype=torch.float64))):
-        return True
-    path = checkpoint.checkpoint_path(fed.out_dir) if fed.out_dir is not None else None
-    kept = (f"the last good state is the checkpoint {path} (rounds < {fed.checkpoint_round})"
-            if path is not None and path.exists() else "no checkpoint was written before it")
-    fed.failure = (f"round {t}: the global model has non-finite values after aggregation "
-                   f"(diverged: lower train.lr or algorithm.server_lr); {kept}")
-    fed.recorder.event(t, 0, -1, fed.failure)
-    return False
+def diverged(state: torch.Tensor, t: int, checkpoint_file: Optional[Path],
+             checkpoint_round: int) -> Optional[str]:
+    """Rank 0 after aggregation: None while θ (``state``) is finite, else the failure
+    line of round ``t``, saying whether ``checkpoint_file`` (rounds <
+    ``checkpoint_round``) holds the last good state."""
+    if bool(torch.isfinite(state.sum(dtype=torch.float64))):
+        return None
+    kept = (f"the last good state is the checkpoint {checkpoint_file} (rounds < "
+            f"{checkpoint_round})" if checkpoint_file is not None and checkpoint_file.exists()
+            else "no checkpoint was written before it")
+    return (f"round {t}: the global model has non-finite values after aggregation "
+            f"(diverged: lower train.lr or algorithm.server_lr); {kept}")
 
 
-def no_progress(fed, t: int) -> bool:
-    """Rank 0 after aggregation: whether ``runtime.max_rounds_without_update``
-    consecutive rounds (this one the last) accepted no client update; if so, record the
-    failure (the run ends ``failed``, exit 1: a run that cannot move is not a success)."""
-    limit = fed.cfg.runtime.max_rounds_without_update
-    if not limit or fed.rounds_without_update < limit:
-        return False
-    fed.failure = (f"rounds {t - limit + 1}..{t}: no client update was accepted in {limit} "
-                   f"consecutive rounds (runtime.max_rounds_without_update={limit}); the global "
-                   "model has not changed since: the log's events say why each update was "
-                   "excluded")
-    fed.recorder.event(t, 0, -1, fed.failure)
-    return True
+def no_progress(limit: Optional[int], rounds_without_update: int, t: int) -> Optional[str]:
+    """Rank 0 after aggregation: the failure line when ``limit``
+    (``runtime.max_rounds_without_update``) consecutive rounds, round ``t`` the last,
+    accepted no client update; else None. The run then ends ``failed`` (exit 1): a run
+    that cannot move is not a success."""
+    if not limit or rounds_without_update < limit:
+        return None
+    return (f"rounds {t - limit + 1}..{t}: no client update was accepted in {limit} "
+            f"consecutive rounds (runtime.max_rounds_without_update={limit}); the global "
+            "model has not changed since: the log's events say why each update was "
+            "excluded")
 
 
-def write_failed(fed, comm, exc: OutputError, t: int) -> None:
+def write_failed(writer: Optional[LogWriter], comm, exc: OutputError, t: int) -> None:
     """A refused write on this rank: report it in one line and end the job (exit 1)."""
     quiet_h5py_errors()
-    end_job(fed, comm, exc, t)
+    end_job(writer, comm, exc, t)
 
 
 def discard_unstarted(out: Path, logged: int, resume: bool) -> bool:
@@ -160,12 +196,14 @@ def discard_unstarted(out: Path, logged: int, resume: bool) -> bool:
     return False
 
 
-def interrupted_message(fed, t: int, out: Path) -> str:
-    """The stop line: which rounds the checkpoint holds, or that there is none."""
+def interrupted_message(stop_reason: Optional[str], t: int, rounds: int, checkpoint_round: int,
+                        out: Path) -> str:
+    """The stop line of a run stopped (``stop_reason``) at round ``t`` of ``rounds``:
+    which rounds the checkpoint in ``out`` holds (< ``checkpoint_round``), or that there
+    is none."""
     path = checkpoint.checkpoint_path(out)
-    if fed.checkpoint_round > 0 and path.exists():
-        return (f"fedmpi: interrupted ({fed.stop_reason}) after {t} of {fed.cfg.train.rounds} "
-                f"rounds; checkpoint {path} (rounds < {fed.checkpoint_round}); continue with: "
-                "fedmpi run ... --resume")
-    return (f"fedmpi: interrupted ({fed.stop_reason}) before round {t}; no checkpoint was "
+    if checkpoint_round > 0 and path.exists():
+        return (f"fedmpi: interrupted ({stop_reason}) after {t} of {rounds} rounds; checkpoint "
+                f"{path} (rounds < {checkpoint_round}); continue with: fedmpi run ... --resume")
+    return (f"fedmpi: interrupted ({stop_reason}) before round {t}; no checkpoint was "
             f"written, nothing to resume: start again with: fedmpi run ... --overwrite")

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 
 from .server import M_LOSS, M_SEEN, M_STEPS, M_TIME, ServerResult, Uplink
+
+if TYPE_CHECKING:  # annotations only: h5py is imported when rank 0 opens the log
+    from ..log import LogWriter
 
 Row = tuple[int, dict, dict, dict]
 
@@ -29,7 +32,7 @@ class RoundRecorder:
 
     def __init__(self, host: np.ndarray, world_size: int) -> None:
         self.host, self.size = host, world_size
-        self.writer = None                         # the LogWriter, opened by the driver
+        self.writer: Optional[LogWriter] = None    # opened by the driver (rank 0)
         self.history: list[dict] = []
         self.pending: Optional[Row] = None
         #: rank 0's listeners (fedmpi.callbacks.AfterRound): (round, scalars, per-client)
