@@ -617,6 +617,9 @@ def test_two_sigints_to_rank_0_end_every_rank_within_seconds(tmp_path):
     assert took < 20, took
     assert proc.returncode != 0 and "Traceback" not in err, err[-3000:]
     assert any("interrupted twice" in line for line in _errors(err)), err[-3000:]
+    log = read(out / "log.h5")      # not left "running": failed, and the event says why
+    assert log.status == "failed"
+    assert any("interrupted twice" in str(e) for e in log.events["message"]), log.events
 
 
 def test_sigterm_during_start_up_exits_75(tmp_path):

@@ -220,6 +220,16 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Comm, resume: bool,
             status = "interrupted"
     except OutputError as exc:   # disk full: one line naming the file, exit 1
         guard.write_failed(fed.writer, comm, exc, t)
+    except KeyboardInterrupt:   # a second Ctrl-C: the log must not stay "running"
+        if fed.writer is not None:
+            try:
+                fed.writer.event(t, comm.rank, -1, "interrupted twice (SIGINT): stopped in "
+                                 f"round {t} without a checkpoint of it")
+                fed.writer.set_status("failed")
+                fed.writer.close()
+            except Exception:  # noqa: BLE001 - the stop itself must not be delayed
+                pass
+        raise   # run() aborts every rank
     except CommTimeout as exc:
         print(f"fedmpi: error: {exc}", file=sys.stderr, flush=True)
         _finish_pending_quietly(fed)
