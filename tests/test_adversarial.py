@@ -567,6 +567,7 @@ def test_a_hung_rank_is_named_with_its_host_after_the_round_timeout(tmp_path, th
     assert took < 5 + 3 + 15, took   # round_timeout + the ping's grace + teardown
     log = read(out / "log.h5")
     assert log.status == "failed" and any("rank 2 (host" in e for e in log.events["message"])
+    assert not (out / rundir.LOCK_NAME).exists()    # released before the abort
 
 
 @pytest.mark.mpi

@@ -230,15 +230,10 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Comm, resume: bool,
             except Exception:  # noqa: BLE001 - the stop itself must not be delayed
                 pass
         raise   # run() aborts every rank
-    except CommTimeout as exc:
-        print(f"fedmpi: error: {exc}", file=sys.stderr, flush=True)
+    except CommTimeout as exc:   # one line naming the missing ranks; lock released
         _finish_pending_quietly(fed)
-        if fed.writer is not None:
-            fed.writer.event(t, comm.rank, -1, str(exc))
-            fed.writer.set_status("failed")
-            fed.writer.close()
         _close_quietly(after, "failed")
-        comm.abort(1)
+        guard.end_job(fed.writer, comm, exc, t)
     except Exception as exc:  # noqa: BLE001 - a rank outside local training failed
         line, user = runtime_error_line(exc, run_objects(fed.algo, fed.flat.model, fed.weighting,
                                                          fed.transforms, fed.built.rule))
@@ -260,6 +255,7 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Comm, resume: bool,
             # rank 0 the time to report it and end the job, so the line appears once
             time.sleep(ABORT_GRACE_SECONDS)
         print(f"fedmpi: error: {line}", file=sys.stderr, flush=True)
+        rundir.release()   # abort skips run()'s finally
         comm.abort(1)
     finally:
         if progress is not None:
