@@ -13,7 +13,7 @@ from fedmpi.compare.runs import config_value
 from fedmpi.log import PathLike, RunLog, as_run_log
 
 from . import canvas
-from .derived import level_labels, run_components, run_title
+from .derived import level_labels, logged_array, run_components, run_title
 
 __all__ = ["plot_accuracy", "plot_level_accuracy", "plot_metrics"]
 
@@ -142,10 +142,10 @@ def plot_metrics(log: RunLog | PathLike, path: Path) -> Path | None:
 def plot_level_accuracy(log: RunLog | PathLike, path: Path) -> Path | None:
     """Test accuracy of each submodel level vs round (FedLAGC)."""
     log = as_run_log(log)
-    la = log.arrays.get("submodel/level_accuracy")
-    r = log.rounds.get("round")
-    if la is None or r is None or la.ndim != 2 or not np.isfinite(la).any():
+    found = logged_array(log, "submodel/level_accuracy", 2)
+    if found is None:
         return None
+    la, r = found
     labels = level_labels(log, la.shape[1])
     fig = canvas.figure(7, 4.5)
     ax = fig.subplots()

@@ -19,8 +19,18 @@ import numpy as np
 from fedmpi.compare.runs import config_value
 from fedmpi.log import PathLike, RunLog, as_run_log
 
-__all__ = ["OVERLAPPED", "TIME_PARTS", "byte_unit", "level_labels", "run_components",
-           "run_title", "time_split"]
+__all__ = ["OVERLAPPED", "TIME_PARTS", "byte_unit", "level_labels", "logged_array",
+           "run_components", "run_title", "time_split"]
+
+
+def logged_array(log: RunLog, name: str, ndim: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(log.arrays[name], /rounds/round)`` when the array has ``ndim`` axes and a finite
+    entry; None when there is nothing to plot."""
+    arr = log.arrays.get(name)
+    rounds = log.rounds.get("round")
+    if arr is None or rounds is None or arr.ndim != ndim or not np.isfinite(arr).any():
+        return None
+    return arr, rounds
 
 
 def run_title(log: RunLog) -> str:

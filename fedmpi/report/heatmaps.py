@@ -14,7 +14,7 @@ from fedmpi.compare.runs import config_value
 from fedmpi.log import PathLike, RunLog, as_run_log
 
 from . import canvas
-from .derived import run_title
+from .derived import logged_array, run_title
 
 __all__ = ["plot_client_weights", "plot_grad_norm", "plot_partition"]
 
@@ -53,10 +53,10 @@ def _weighting(log: RunLog) -> str:
 def plot_grad_norm(log: RunLog | PathLike, path: Path) -> Path | None:
     """Per-client, per-layer validation-gradient norms at two rounds (FedVG Fig. A.1)."""
     log = as_run_log(log)
-    g = log.arrays.get("fedvg/grad_norm")
-    r = log.rounds.get("round")
-    if g is None or r is None or g.ndim != 3 or not np.isfinite(g).any():
+    found = logged_array(log, "fedvg/grad_norm", 3)
+    if found is None:
         return None
+    g, r = found
     n_layers = g.shape[2]
     stored = log.arrays.get("fedvg/layer_names")
     names = ([str(s) for s in stored] if stored is not None and len(stored) == n_layers
