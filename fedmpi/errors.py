@@ -29,6 +29,10 @@ class LogFormatError(UserError):
     """A file is not a readable fedmpi HDF5 log."""
 
 
+class RunDirError(UserError):
+    """The output directory cannot be used (locked, holds another run, not writable)."""
+
+
 EXIT_USAGE = 2
 
 

@@ -203,8 +203,8 @@ def test_data_imports_no_component_and_names_none():
 
 
 #: The public names of modules that were split into packages or parts (report, log,
-#: compare: packages; submodel: mask rules moved to algorithms/extraction.py), as users
-#: imported them before the split.
+#: compare: packages; submodel: mask rules moved to algorithms/extraction.py; round two:
+#: rundir, ...), as users imported them before the split.
 SPLIT_MODULES: dict[str, tuple[str, ...]] = {
     "fedmpi.report": ("DIGEST_KEYS", "PLOTS", "PLOT_HINT", "RULE_COLUMNS", "have_matplotlib",
                       "partition_preview", "plot_accuracy", "plot_bytes", "plot_client_weights",
@@ -221,6 +221,12 @@ SPLIT_MODULES: dict[str, tuple[str, ...]] = {
                                    "SubmodelMethod", "SubmodelParams", "client_levels",
                                    "integer_counts", "keep_ratios", "layer_importance",
                                    "ste_factor"),
+    # round two: the lock moved to runlock.py, RunDirError to errors.py
+    "fedmpi.rundir": ("LOCK_NAME", "LOCK_STALE_FACTOR", "MAY_CHANGE_ON_RESUME", "RUN_FILES",
+                      "WRITTEN", "LockHolder", "RunDir", "RunDirError", "acquire",
+                      "check_same_run", "fingerprint", "heartbeat", "lock_holder",
+                      "may_change_on_resume", "output_dir", "parse_lock", "prepare", "release",
+                      "resume_history", "run_defining"),
 }
 
 
