@@ -204,7 +204,7 @@ def test_data_imports_no_component_and_names_none():
 
 #: The public names of modules that were split into packages or parts (report, log,
 #: compare: packages; submodel: mask rules moved to algorithms/extraction.py; round two:
-#: rundir, ...), as users imported them before the split.
+#: rundir, checkpoint, ...), as users imported them before the split.
 SPLIT_MODULES: dict[str, tuple[str, ...]] = {
     "fedmpi.report": ("DIGEST_KEYS", "PLOTS", "PLOT_HINT", "RULE_COLUMNS", "have_matplotlib",
                       "partition_preview", "plot_accuracy", "plot_bytes", "plot_client_weights",
@@ -227,6 +227,12 @@ SPLIT_MODULES: dict[str, tuple[str, ...]] = {
                       "check_same_run", "fingerprint", "heartbeat", "lock_holder",
                       "may_change_on_resume", "output_dir", "parse_lock", "prepare", "release",
                       "resume_history", "run_defining"),
+    # the file format in checkpoint_file.py, moving client states in client_states.py
+    "fedmpi.checkpoint": ("CHECKPOINT_NAME", "FORMAT", "VERSION", "CheckpointError",
+                          "ClientStates", "Restored", "RngStreams", "RunState", "StateOwner",
+                          "checkpoint_path", "decode_state", "digest", "encode_state",
+                          "gather_client_states", "load_server_side", "read_checkpoint",
+                          "resume", "save", "save_atomic", "scatter_client_states"),
 }
 
 
