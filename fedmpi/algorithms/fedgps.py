@@ -1,8 +1,9 @@
 r"""FedGPS (Yang et al., NeurIPS 2025): Federated Goal-Path Synergy.
 
-Over ~350 lines because the two halves of FedGPS share one local step (a single
-``loss_fn`` evaluates the surrogate objective at the perturbed point), so the
-client rule, its server side and its state live together.
+One method in one module, over ~350 lines: the two halves of FedGPS (Eq. 6 and
+Eq. 7–8) share one local step (a single ``loss_fn`` evaluates the surrogate
+objective at the perturbed point) and the method's state, so the client rule, its
+server side, its state and its presets live together; each part cites its equation.
 
 Seed paper ``shared/seeds/001_72a4fc989af9ce31.txt`` (Algorithm 1, Eq. 6–8,
 Definition 4.5, Table 5, Table 7); rules in ``shared/ALGORITHMS.md`` "FedGPS".
@@ -140,8 +141,6 @@ Table 7 says 0.2).
   and broadcasts it after a resume (:meth:`FedGPS.after_resume`), so the first
   round after a resume is rectified like any other (the stored Δ_k are
   per-client state and are checkpointed too).
-
-Longer than ~350 lines: FedGPS's two mechanisms (Eq. 6 and Eq. 7–8) and its presets share the method's state; each part cites its equation.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 r"""FedVG: validation-gradient aggregation weights, computed on rank 0.
 
 (Over ~350 lines mostly because this docstring states every option and its
-source; the code is scoring, grouping and combining — one weighting.)
+source; the code is scoring, layer/block grouping and their log output — one
+weighting, kept in one file so FedVG's equations are not spread over files.)
 
 FedVG (CVPR 2026, arXiv 2602.21399; seeds ``004_…`` and ``000_…``) scores each
 participating client model :math:`\theta_k = \theta + \Delta_k` by the layer-wise
@@ -100,8 +101,6 @@ Deviations from the paper / authors' code:
 * ``delta`` uses the l1 norm per layer (the paper does not name the norm).
 * A client whose validation gradient is not finite gets weight 0; if no client
   has a finite score, the weights of that layer/block fall back to uniform.
-
-Longer than ~350 lines: scoring, layer/block grouping and their log output are one weighting; splitting them would spread FedVG's equations over files.
 """
 from __future__ import annotations
 
