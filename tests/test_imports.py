@@ -205,7 +205,8 @@ def test_data_imports_no_component_and_names_none():
 
 #: The public names of modules that were split into packages or parts (report, log,
 #: compare: packages; submodel: mask rules moved to algorithms/extraction.py; round two:
-#: rundir, checkpoint, config_core, config), as users imported them before the split.
+#: rundir, checkpoint, config_core, config, data.partition), as users imported them before
+#: the split.
 SPLIT_MODULES: dict[str, tuple[str, ...]] = {
     "fedmpi.report": ("DIGEST_KEYS", "PLOTS", "PLOT_HINT", "RULE_COLUMNS", "have_matplotlib",
                       "partition_preview", "plot_accuracy", "plot_bytes", "plot_client_weights",
@@ -242,6 +243,10 @@ SPLIT_MODULES: dict[str, tuple[str, ...]] = {
     "fedmpi.config": ("Config", "Field", "METRIC_NAMES", "SCHEMA", "Section", "check_components",
                       "config_from_dict", "keyed_components", "load_config", "local_steps_floor",
                       "reference_markdown", "renamed_to", "schema"),
+    # the iid / dirichlet / shards splits in data/client_splits.py
+    "fedmpi.data.partition": ("DIRICHLET_MAX_TRIES", "PARTITION_METHODS", "Partition",
+                              "check_batch_floor", "local_batches", "make_partition",
+                              "stratified_holdout"),
 }
 
 
