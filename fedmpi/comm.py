@@ -39,7 +39,8 @@ combined independently (a broadcast or gather moves bytes; a reduction adds each
 element over ranks in the same order in every chunk), so a chunked transfer gives
 the same bits as one call.
 
-Longer than ~350 lines on purpose: it is the only module that touches MPI, so every collective, wait policy, chunking rule and the timeout's roll call of ranks lives here.
+Longer than ~350 lines on purpose: it is the only module that touches MPI, so every
+collective, wait policy, chunking rule and the timeout's roll call of ranks lives here.
 """
 from __future__ import annotations
 
