@@ -25,7 +25,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Iterable
 
-from .config_core import Field, check_value, suggest
+from .config_fields import Field, check_value, suggest
 from .errors import ConfigError
 
 __all__ = ["param", "group_fields", "block_key", "block_fields", "load_group", "check_params"]
