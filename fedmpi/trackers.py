@@ -23,6 +23,8 @@ point (NaN is not logged). ``fedmpi export LOG.h5 --tensorboard DIR |
 """
 from __future__ import annotations
 
+import abc
+
 import math
 import time
 from collections.abc import Mapping
@@ -59,13 +61,13 @@ def _points(scalars: Mapping[str, float], sites: Mapping[str, np.ndarray]) -> di
     return out
 
 
-class Tracker:
+class Tracker(abc.ABC):
     """A view of the log rows in some tool: :meth:`log` per round, :meth:`close` at the end."""
 
+    @abc.abstractmethod
     def log(self, t: int, scalars: Mapping[str, float],
             sites: Mapping[str, np.ndarray] = {}) -> None:
-        """Write round ``t``'s scalars and per-site arrays (each tracker defines it)."""
-        raise NotImplementedError(f"{type(self).__name__} must define log()")
+        """Write round ``t``'s scalars and per-site arrays."""
 
     def close(self, status: str = "completed") -> None:
         pass

@@ -56,6 +56,8 @@ shared base, logging and fallbacks); their arithmetic is :mod:`~fedmpi.algorithm
 """
 from __future__ import annotations
 
+import abc
+
 import copy
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Mapping, Optional
@@ -114,14 +116,14 @@ class RobustRule(ServerRule):
 
 
 # --------------------------------------------------------------- coordinate-wise
-class CoordinateRule(RobustRule):
+class CoordinateRule(RobustRule, abc.ABC):
     """Median and trimmed mean: each statistic on its own, one sort pass per statistic."""
 
     column = "trimmed"
 
+    @abc.abstractmethod
     def trim(self, n: int) -> int:
-        """Values dropped on each side per coordinate out of ``n`` (each subclass defines it)."""
-        raise NotImplementedError(f"{type(self).__name__} must define trim(n)")
+        """Values dropped on each side per coordinate out of ``n``."""
 
     def aggregate(self, rows: Rows, info: RuleInfo) -> dict[str, torch.Tensor]:
         n = len(info.clients)
