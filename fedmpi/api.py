@@ -152,7 +152,9 @@ def run(config: ConfigSource, overrides: Sequence[str] = (), *,
         return _execute(config, overrides, code, out=out, resume=resume, overwrite=overwrite,
                         comm=comm, callbacks=callbacks)
     except ConfigError as exc:
-        error: ConfigError = type(exc)(api_terms(str(exc)))
+        # the same class and attributes (``trace`` of a UserCodeError), the message in API
+        # terms; __new__ because subclasses' __init__ take other arguments
+        error: ConfigError = type(exc).__new__(type(exc), api_terms(str(exc)))
         error.__dict__.update(exc.__dict__)
         raise error from exc
     except UserError as exc:

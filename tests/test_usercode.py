@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import set_dotted
+from conftest import ROOT, set_dotted
 from fedmpi.cli import main
 from fedmpi.config import config_from_dict
 from fedmpi.errors import ConfigError
@@ -268,3 +268,22 @@ def test_a_components_min_local_steps_floors_the_partition_and_its_preview(tmp_p
     assert UserCode().data_needs(three).min_batches == 0
     assert np.array_equal(build_partition(three, load_pool(three),
                                           UserCode().data_needs(three)).sizes, sizes)
+
+
+def test_user_code_raising_at_build_is_a_config_error_through_the_api(tmp_path):
+    """fedmpi.run with a model factory that raises: a fedmpi.ConfigError (a
+    UserCodeError) naming the object and the error, its traceback kept; no TypeError
+    from re-wording the message in API terms."""
+    import fedmpi
+    from fedmpi.errors import UserCodeError
+
+    def bad(input_shape, num_classes):
+        raise ValueError("ward table missing")
+
+    with pytest.raises(fedmpi.ConfigError) as info:
+        fedmpi.run(str(ROOT / "configs" / "quickstart.yaml"), ["train.rounds=1", "runtime.progress=false"], model=bad,
+                   out=tmp_path / "run")
+    assert isinstance(info.value, UserCodeError)
+    assert "ValueError: ward table missing" in str(info.value)
+    assert "ward table missing" in info.value.trace
+    assert not (tmp_path / "run" / "log.h5").exists()
