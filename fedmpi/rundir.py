@@ -46,9 +46,10 @@ __all__ = ["LOCK_NAME", "LOCK_STALE_FACTOR", "MAY_CHANGE_ON_RESUME", "RUN_FILES"
 
 #: Files whose presence means "a previous run lives here".
 RUN_FILES = ("log.h5", "checkpoint.pt", "model.pt")
-#: Also removed by ``--overwrite`` (glob patterns).
-_SIDE_FILES = ("config.yaml", ".checkpoint.pt.tmp-*", ".model.pt.tmp-*", ".log.h5.tmp-*",
-               ".config.yaml.tmp-*")
+#: Also removed by ``--overwrite`` (glob patterns): the side files and the temporary
+#: names of every file (:func:`fedmpi.safefile.temp_name`: ``.<name>.tmp-*``).
+_SIDE_FILES = ("config.yaml", "best.pt",
+               *(f".{name}.tmp-*" for name in (*RUN_FILES, "config.yaml", "best.pt")))
 #: Every name fedmpi writes in a run directory: none of them may be a symbolic link.
 WRITTEN = (LOCK_NAME, *RUN_FILES, *_SIDE_FILES, "report")
 

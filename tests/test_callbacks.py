@@ -56,6 +56,9 @@ def test_early_stopped_run_writes_best_pt_of_the_best_round(tmp_path):
                            data.y_test)
     assert float(loss) == pytest.approx(log.rounds["test_loss"][best], abs=1e-5)
     assert (tmp_path / "model.pt").exists()
+    # --overwrite by a run without keep_best: the old run's best.pt goes with it
+    fedmpi.run(BASE, ["train.rounds=1"], out=tmp_path, overwrite=True)
+    assert not (tmp_path / "best.pt").exists()
 
 
 def test_callback_sees_each_row_and_stops_cleanly(tmp_path):
