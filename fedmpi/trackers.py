@@ -128,16 +128,9 @@ class MLflowTracker(Tracker):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 
     def close(self, status: str = "completed") -> None:
-        self.client.set_terminated(self.run_id, _MLFLOW_STATUS.get(status, "FINISHED"))
-
-
-def _flat_config(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, Mapping):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        out.update(_flat_config(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
+        if status == "running":   # `fedmpi export` of a live log: the run is not over
+            return
+        self.client.set_terminated(self.run_id, _MLFLOW_STATUS[status])
 
 
 def check_trackers(cfg: Any) -> None:
@@ -150,13 +143,21 @@ def check_trackers(cfg: Any) -> None:
 
 def open_trackers(cfg: Any, run_name: Optional[str] = None) -> list[Tracker]:
     """The trackers ``logging.*`` of ``cfg`` asks for (rank 0; empty list when none)."""
+    from .compare.runs import flatten_config
+
     out: list[Tracker] = []
-    if cfg.logging.tensorboard is not None:
-        out.append(TensorBoardTracker(cfg.logging.tensorboard))
-    ml = cfg.logging.mlflow
-    if ml.tracking_uri is not None:
-        out.append(MLflowTracker(ml.tracking_uri, ml.experiment, run_name or cfg.name,
-                                 _flat_config(cfg.to_dict()), key="logging.mlflow.tracking_uri"))
+    try:
+        if cfg.logging.tensorboard is not None:
+            out.append(TensorBoardTracker(cfg.logging.tensorboard))
+        ml = cfg.logging.mlflow
+        if ml.tracking_uri is not None:
+            out.append(MLflowTracker(ml.tracking_uri, ml.experiment, run_name or cfg.name,
+                                     flatten_config(cfg.to_dict()),
+                                     key="logging.mlflow.tracking_uri"))
+    except BaseException:
+        for tracker in out:   # the ones already open (an event file) are closed, not leaked
+            tracker.close("failed")
+        raise
     return out
 
 
@@ -179,6 +180,7 @@ def export(log_path: str | Path, tensorboard: Optional[str] = None, mlflow: Opti
     written; :func:`fedmpi.outputs.claim`); TensorBoard adds new event files and MLflow a
     new run, so neither replaces anything.
     """
+    from .compare.runs import flatten_config
     from .log import read
     from .outputs import claim
     from .safefile import replacing
@@ -194,7 +196,8 @@ def export(log_path: str | Path, tensorboard: Optional[str] = None, mlflow: Opti
         trackers.append((f"TensorBoard events in {tensorboard}",
                          TensorBoardTracker(tensorboard, key="--tensorboard")))
     if mlflow is not None:
-        ml = MLflowTracker(mlflow, experiment, name, _flat_config(log.config or {}), key="--mlflow")
+        ml = MLflowTracker(mlflow, experiment, name, flatten_config(log.config or {}),
+                           key="--mlflow")
         trackers.append((f"MLflow run {ml.run_id} at {mlflow}", ml))
     for i, t in enumerate(rounds.get("round", [])):
         scalars = {k: float(v[i]) for k, v in rounds.items() if k != "round"}

@@ -123,3 +123,21 @@ def test_export_needs_a_target(capsys):
 
     assert main(["export", "nothing.h5"]) == 2
     assert "--tensorboard" in capsys.readouterr().err
+
+
+def test_mlflow_run_of_a_live_log_stays_running_and_statuses_map(tmp_path, monkeypatch):
+    """`fedmpi export` of a log still `running` must not mark the MLflow run FINISHED;
+    failed and interrupted runs are FAILED and KILLED."""
+    from mlflow.tracking import MlflowClient
+
+    from fedmpi.trackers import MLflowTracker
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = (tmp_path / "mlruns").as_uri()
+    seen = {}
+    for status in ("running", "completed", "failed", "interrupted"):
+        tracker = MLflowTracker(uri, "statuses", status, {}, key="--mlflow")
+        tracker.close(status)
+        seen[status] = MlflowClient(tracking_uri=uri).get_run(tracker.run_id).info.status
+    assert seen == {"running": "RUNNING", "completed": "FINISHED", "failed": "FAILED",
+                    "interrupted": "KILLED"}
