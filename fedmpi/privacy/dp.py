@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-import numpy as np
 import torch
 
 
@@ -41,8 +40,9 @@ CENTRAL_TAG, SHARE_TAG = 0xD9_0001, 0xD9_0002
 
 def noise_generator(device: torch.device, *keys: int) -> torch.Generator:
     """A generator on ``device`` seeded from integer ``keys`` (seed, round, ...)."""
-    seed = int(np.random.SeedSequence([int(k) for k in keys]).generate_state(1, np.uint64)[0] >> 1)
-    return torch.Generator(device=device).manual_seed(seed)
+    from ..train import stream_seed   # the one seed rule of every RNG stream
+
+    return torch.Generator(device=device).manual_seed(stream_seed(*keys))
 
 
 def clip_(vector: torch.Tensor, clip: float) -> float:
