@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from .accel import OFF, Accel
 from .data import Dataset
 from .flat import FlatModel
-from .privacy.dpsgd import RecordDP, clipped_grad_sum, poisson_batch
+from .privacy.dpsgd import RecordDP, clipped_grad_sum, poisson_batch, poisson_rate
 from .optim import AdaptiveOptimizer, KeptState, training_loss
 
 GradHook = Callable[[FlatModel], None]
@@ -165,7 +165,7 @@ class LocalTrainer:
         n = indices.numel()
         steps = num_local_steps(n, cfg)
         if cfg.dp is not None:
-            q = min(1.0, cfg.batch_size / max(1, n))
+            q = poisson_rate(n, cfg.batch_size)
             for _ in range(steps):
                 yield poisson_batch(indices, q, gen)
             return

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
+from .dpsgd import poisson_rate   # the sampler's own rate: accounted = sampled
 
 EXTRA_HINT = "pip install 'fedmpi[privacy]'"
 
@@ -71,11 +72,6 @@ def record_step_event(sampling_probability: float, noise_multiplier: float) -> A
     """One DP-SGD step of a silo: Poisson sampling with probability q, Gaussian noise σ."""
     dpa = dp_accounting()
     return dpa.PoissonSampledDpEvent(sampling_probability, dpa.GaussianDpEvent(noise_multiplier))
-
-
-def poisson_rate(num_samples: int, batch_size: int) -> float:
-    """q_k = min(1, B / n_k): the expected batch is B samples."""
-    return min(1.0, batch_size / max(1, num_samples))
 
 
 class Accountant:

@@ -42,6 +42,13 @@ def check_model(model: nn.Module) -> None:
                           f"gradients, which BatchNorm ({bn[0]}) does not have; use model.norm gn")
 
 
+def poisson_rate(num_samples: int, batch_size: int) -> float:
+    """q_k = min(1, B / n_k): the expected batch is B samples. The one definition of the
+    rate, used by the sampler (:func:`poisson_batch` in local training) and by the
+    accountant, so what is accounted is what is sampled."""
+    return min(1.0, batch_size / max(1, num_samples))
+
+
 def poisson_batch(indices: torch.Tensor, q: float, gen: torch.Generator) -> torch.Tensor:
     """The samples of ``indices`` that join this step: each independently with prob. q."""
     keep = torch.rand(indices.numel(), generator=gen) < q
