@@ -348,9 +348,10 @@ class Comm:
                 if rows is None:
                     rows = self._gather_scratch[key] = np.empty((self.size, key[0]), send.dtype)
             for s in self._chunks(send.size, send.dtype):
-                block = rows[:, : s.stop - s.start] if rows is not None else None
-                if block is not None and not block.flags.c_contiguous:
-                    block = np.empty_like(block)
+                # a shorter last piece: a contiguous [size, m] view of the same scratch
+                m = s.stop - s.start
+                block = rows.reshape(-1)[: self.size * m].reshape(self.size, m) \
+                    if rows is not None else None
                 self._wait([self.comm.Igather(send[s], block, root=root)], what, patient)
                 if block is not None:
                     np.sum(block, axis=0, out=recv[s])
