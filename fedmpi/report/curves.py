@@ -81,7 +81,7 @@ def plot_metrics(log: RunLog | PathLike, path: Path) -> Path | None:
     the clients evaluated (``/clients/<metric>`` [R, K]); written when there is more to show
     than ``accuracy.png`` (another metric, or per-site values)."""
     log = as_run_log(log)
-    from fedmpi.metrics import is_user_metric
+    from fedmpi.metrics import metric_name, score_metrics
 
     r = log.rounds.get("round")
     names = [n for n in _metric_names(log) if n in log.rounds and np.isfinite(log.rounds[n]).any()
@@ -92,8 +92,7 @@ def plot_metrics(log: RunLog | PathLike, path: Path) -> Path | None:
         return None
     where = str(config_value(log.config, "eval.where", "server"))
     scored = {n for n in names if n == "auroc" or n not in _METRIC_LABELS} | {
-        m.rsplit(":", 1)[-1] for m in (config_value(log.config, "eval.metrics", None) or [])
-        if is_user_metric(m)}
+        metric_name(m) for m in score_metrics(config_value(log.config, "eval.metrics", None) or [])}
     cols = min(len(names), 3)
     rows = math.ceil(len(names) / cols)
     fig = canvas.figure(4.2 * cols + 0.5, 3.4 * rows + 0.9)
