@@ -1,7 +1,7 @@
 """Cost of checkpoints and of a graceful stop (operations, issue 5). Prints JSON.
 
 1. In process (world size 1): size of ``checkpoint.pt`` and seconds per
-   :func:`fedmpi.checkpoint.save` and per resume (:func:`load_server_side` +
+   :func:`fedmpi.job.checkpoint.save` and per resume (:func:`load_server_side` +
    :func:`resume`), after ``--warm`` rounds of each method, next to the mean
    round time.
 2. Under ``mpiexec -n N`` (``--stop-runs``): seconds from SIGTERM to the
@@ -29,10 +29,11 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from fedmpi import checkpoint  # noqa: E402
+from fedmpi.job import checkpoint  # noqa: E402
 from fedmpi.comm import Comm  # noqa: E402
-from fedmpi.config import load_config  # noqa: E402
-from fedmpi.runtime import CMD_ROUND, Federation  # noqa: E402
+from fedmpi.config.schema import load_config  # noqa: E402
+from fedmpi.runtime.federation import CMD_ROUND, Federation  # noqa: E402
+from fedmpi.job.checkpoint_file import checkpoint_path
 
 CFG = str(ROOT / "configs" / "quickstart.yaml")
 
@@ -51,7 +52,7 @@ def in_process(method: str, warm: int, repeats: int, overrides: list[str]) -> di
         for t in range(warm):
             assert fed.round(t) == CMD_ROUND
         round_s = (time.perf_counter() - t0) / warm
-        path = checkpoint.checkpoint_path(Path(tmp))
+        path = checkpoint_path(Path(tmp))
         saves, loads = [], []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -81,7 +82,7 @@ def stop_latency(n: int, runs: int, overrides: list[str]) -> dict:
                                     stderr=subprocess.DEVNULL,
                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
             log = Path(tmp) / "log.h5"
-            from fedmpi.log import read
+            from fedmpi.log.reader import read
 
             while proc.poll() is None:
                 try:

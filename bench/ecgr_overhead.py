@@ -28,12 +28,13 @@ import time
 import numpy as np
 import torch
 
-from fedmpi.algorithms import ClientTask
-from fedmpi.algorithms.ecgr import SELECTED_STAT
+from fedmpi.component import ClientTask
+from fedmpi.transforms.ecgr import SELECTED_STAT
 from fedmpi.comm import Comm
-from fedmpi.config import config_from_dict
-from fedmpi.runtime import Federation, stream_seed
-from fedmpi.train import StepHooks
+from fedmpi.config.schema import config_from_dict
+from fedmpi.runtime.federation import Federation
+from fedmpi.training.loop import stream_seed
+from fedmpi.training.loop import StepHooks
 
 
 def make_fed(args, ecgr: bool) -> Federation:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedmpi.log import read
+from fedmpi.log.reader import read
 
 SEEDS = (0, 1, 42, 999, 2025)
 ROOT = Path(__file__).resolve().parents[1]

@@ -51,12 +51,12 @@ sys.path.insert(0, str(ROOT))
 from mpi4py import MPI  # noqa: E402
 
 from fedmpi.comm import Comm  # noqa: E402
-from fedmpi.config import load_config  # noqa: E402
-from fedmpi.data import load_dataset  # noqa: E402
-from fedmpi.flat import FlatModel  # noqa: E402
-from fedmpi.log import read  # noqa: E402
+from fedmpi.config.schema import load_config  # noqa: E402
+from fedmpi.data.datasets import load_dataset  # noqa: E402
+from fedmpi.training.flat import FlatModel  # noqa: E402
+from fedmpi.log.reader import read  # noqa: E402
 from fedmpi.models import build_model  # noqa: E402
-from fedmpi.runtime import run  # noqa: E402
+from fedmpi.runtime.driver import run  # noqa: E402
 
 BASE = ["runtime.threads=1", "runtime.progress=false", "runtime.round_timeout=600"]
 SETTINGS = {

@@ -31,7 +31,7 @@ METHODS = {
 
 
 def run(out: Path, sets: list[str]) -> np.ndarray:
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
 
     if not (out / "log.h5").exists() or read(out / "log.h5").attrs["status"] != "completed":
         cmd = [sys.executable, "-m", "fedmpi", "run", str(CFG), "--out", str(out), "--overwrite"]

@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--summary-only", action="store_true")
     args = ap.parse_args()
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
 
     out = Path(args.out)
     if not args.summary_only:

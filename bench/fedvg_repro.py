@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from fedmpi.comm import Comm
-from fedmpi.config import load_config
-from fedmpi.log import read
-from fedmpi.runtime import run
+from fedmpi.config.schema import load_config
+from fedmpi.log.reader import read
+from fedmpi.runtime.driver import run
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = {"FedAvg": "samples", "FedVG": "fedvg"}

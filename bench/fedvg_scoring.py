@@ -7,7 +7,7 @@ Measured, per client model, for the validation set of the config:
 
 * ``plain``:   one forward+backward pass over D_val with a plain PyTorch model
                (the reference the issue's target is stated against: ≤ 1.2×);
-* ``fedmpi``:  :meth:`fedmpi.algorithms.fedvg.FedVG.score` (load θ_k into the
+* ``fedmpi``:  :meth:`fedmpi.aggregation.fedvg.FedVG.score` (load θ_k into the
                scratch FlatModel, accumulate ∇ mean-CE over D_val, l1 norms);
 * ``vmap``:    torch.func.vmap over the clients of grad(functional_call) with
                stacked parameters (BN switched to batch statistics by
@@ -27,10 +27,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from fedmpi.accel import Accel
+from fedmpi.training.accel import Accel
 from fedmpi.comm import Comm
-from fedmpi.config import config_from_dict
-from fedmpi.runtime import Federation
+from fedmpi.config.schema import config_from_dict
+from fedmpi.runtime.federation import Federation
 
 
 def timed(fn, repeats: int, sync) -> float:

@@ -27,10 +27,11 @@ import dp_accounting  # noqa: E402
 from dp_accounting import rdp  # noqa: E402
 
 from fedmpi.comm import Comm  # noqa: E402
-from fedmpi.config import config_from_dict  # noqa: E402
-from fedmpi.privacy.accountant import client_round_event, poisson_rate, record_step_event  # noqa: E402
+from fedmpi.config.schema import config_from_dict  # noqa: E402
+from fedmpi.privacy.accountant import client_round_event, record_step_event  # noqa: E402
+from fedmpi.privacy.dpsgd import poisson_rate
 from fedmpi.privacy.budget import Budget  # noqa: E402
-from fedmpi.runtime import run  # noqa: E402
+from fedmpi.runtime.driver import run  # noqa: E402
 
 DELTA = 1e-5
 #: shared settings: an MLP (no BatchNorm, so DP-SGD applies), iid digits
@@ -69,7 +70,7 @@ def run_events(cfg_dict: dict) -> list:
     if cfg.privacy.dp.level == "client":
         m = cfg.train.clients_per_round or K
         return [lambda s: dp_accounting.SelfComposedDpEvent(client_round_event(K, m, s), R)]
-    from fedmpi.data import build_local   # the silos' sizes n_k decide q_k and τ_k
+    from fedmpi.data.silos import build_local   # the silos' sizes n_k decide q_k and τ_k
     from fedmpi.usercode import UserCode
 
     n = np.asarray(build_local(cfg, Comm(), list(range(K)), True, None,

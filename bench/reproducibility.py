@@ -38,7 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedmpi.log import read  # noqa: E402
+from fedmpi.log.reader import read  # noqa: E402
 
 
 def mpiexec() -> str:

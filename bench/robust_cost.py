@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedmpi.algorithms import build_rule
-from fedmpi.algorithms.rules import RuleInfo
-from fedmpi.config import config_from_dict
+from fedmpi.aggregation.rules import build_rule
+from fedmpi.aggregation.rules import RuleInfo
+from fedmpi.config.schema import config_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ["mean", "median", "trimmed_mean", "krum", "multi_krum", "geometric_median",

@@ -29,7 +29,7 @@ Usage::
 
 ``--set`` overrides go to every fedmpi run; the ``runtime.autocast``,
 ``runtime.channels_last`` and ``runtime.compile*`` ones are applied to the plain
-loop too (same :class:`fedmpi.accel.Accel`), so the ratio compares like with like.
+loop too (same :class:`fedmpi.training.accel.Accel`), so the ratio compares like with like.
 On CUDA both sides synchronise before reading the clock.
 
 The last stdout line is one JSON object: ``{"settings": {name: {...}}, "machine": ...}``.
@@ -54,12 +54,12 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedmpi.accel import Accel  # noqa: E402
-from fedmpi.config import load_config  # noqa: E402
-from fedmpi.data import load_dataset  # noqa: E402
-from fedmpi.log import read  # noqa: E402
+from fedmpi.training.accel import Accel  # noqa: E402
+from fedmpi.config.schema import load_config  # noqa: E402
+from fedmpi.data.datasets import load_dataset  # noqa: E402
+from fedmpi.log.reader import read  # noqa: E402
 from fedmpi.models import build_model  # noqa: E402
-from fedmpi.train import epoch_bounds  # noqa: E402
+from fedmpi.training.loop import epoch_bounds  # noqa: E402
 
 SETTINGS = {
     # name: (model, dataset, extra overrides). ResNet-18 on 32×32 is ~0.3 s a step on one
@@ -186,7 +186,7 @@ def co_scheduled_plain(model: str, dataset: str, batch: int, threads: int, copie
     """Mean seconds per step of ``copies`` plain loops run as simultaneous processes."""
     code = ("import sys; sys.path.insert(0, %r); sys.argv = ['x']; import torch; "
             "from bench.round_overhead import plain_loop_seconds_per_step as f; "
-            "from fedmpi.accel import Accel; "
+            "from fedmpi.training.accel import Accel; "
             "print(f(%r, %r, %d, %d, torch.device('cpu'), Accel()))"
             % (str(ROOT), model, dataset, batch, threads))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}

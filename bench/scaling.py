@@ -55,7 +55,7 @@ def median(xs: list[float]) -> float:
 
 
 def round_seconds(log: Path, skip: int = 1, column: str = "wall_seconds") -> list[float]:
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
 
     return [float(x) for x in read(log).rounds[column][skip:]]
 
@@ -94,7 +94,7 @@ def one_point(k: int, d: float, rounds: int, tmp: Path) -> dict:
 
 def cluster_point(nodes: int, rounds: int, tmp: Path) -> dict:
     """The quickstart as a 3-task job on ``nodes`` nodes of the test cluster."""
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
 
     out = tmp / f"nodes{nodes}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}

@@ -34,9 +34,9 @@ sys.path.insert(0, str(ROOT))
 from mpi4py import MPI  # noqa: E402
 
 from fedmpi.comm import Comm  # noqa: E402
-from fedmpi.config import load_config  # noqa: E402
-from fedmpi.log import read  # noqa: E402
-from fedmpi.runtime import run  # noqa: E402
+from fedmpi.config.schema import load_config  # noqa: E402
+from fedmpi.log.reader import read  # noqa: E402
+from fedmpi.runtime.driver import run  # noqa: E402
 
 # the same two settings as the exact-reduction bench, so the two tables compare
 from exact_reduction import BASE, SETTINGS  # noqa: E402

@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--ranks", type=int, default=3)
     args = ap.parse_args()
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
 
     tmp = Path(tempfile.mkdtemp(prefix="site_eval_"))
     cfg = yaml.safe_load((ROOT / "configs" / "tabular_silos.yaml").read_text())

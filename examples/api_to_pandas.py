@@ -5,7 +5,7 @@
 from pathlib import Path
 
 import fedmpi
-from fedmpi.log import read
+from fedmpi.log.reader import read
 
 config = Path(__file__).resolve().parents[1] / "configs" / "tabular_silos.yaml"
 result = fedmpi.run(config,

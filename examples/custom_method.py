@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import fedmpi
-from fedmpi.algorithms import Algorithm
+from fedmpi.methods.base import Algorithm
 
 
 class Net(nn.Module):

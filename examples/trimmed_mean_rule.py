@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedmpi.algorithms import ServerRule
+from fedmpi.aggregation.rules import ServerRule
 
 
 @dataclass(frozen=True)

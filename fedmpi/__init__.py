@@ -6,16 +6,16 @@
 """
 from __future__ import annotations
 
-from ._version import __version__
+from fedmpi._version import __version__
 
 
-from .errors import ConfigError, RunFailed, RunInterrupted, UserError  # noqa: E402 - light
+from fedmpi.errors import ConfigError, RunFailed, RunInterrupted, UserError  # noqa: E402 - light
 
 
 def __getattr__(name: str):
     # Lazy: `import fedmpi` (and `fedmpi check`) stay light; fedmpi.run pulls in torch.
     if name in ("run", "RunResult"):
-        from . import api
+        from fedmpi import api
 
         return getattr(api, name)
     raise AttributeError(f"module 'fedmpi' has no attribute {name!r}")

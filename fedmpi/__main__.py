@@ -1,4 +1,4 @@
 """``python -m fedmpi`` = the ``fedmpi`` console script."""
-from .cli import entry
+from fedmpi.cli import entry
 
 entry()

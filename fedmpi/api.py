@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
-from .callbacks import Callback
-from .config import Config, config_from_dict, load_config
-from .errors import ConfigError, RunFailed, RunInterrupted, UserError
-from .imports import path_of
-from .usercode import UserCode
+from fedmpi.runtime.callbacks import Callback
+from fedmpi.config.core import Config
+from fedmpi.config.schema import config_from_dict, load_config
+from fedmpi.errors import ConfigError, RunFailed, RunInterrupted, UserError
+from fedmpi.imports import path_of
+from fedmpi.usercode import UserCode
 
 __all__ = ["RunResult", "run"]
 
@@ -47,8 +48,10 @@ def api_terms(message: str) -> str:
 if TYPE_CHECKING:
     from torch import nn
 
-    from .algorithms import Algorithm, ServerRule, Weighting
-    from .comm import Comm
+    from fedmpi.methods.base import Algorithm
+    from fedmpi.aggregation.rules import ServerRule
+    from fedmpi.aggregation.weighting import Weighting
+    from fedmpi.comm import Comm
 
 ConfigSource = Union[str, "os.PathLike[str]", Mapping[str, Any], Config]
 #: ``factory(input_shape, num_classes) -> nn.Module`` (an ``nn.Module`` class qualifies).
@@ -106,28 +109,28 @@ def run(config: ConfigSource, overrides: Sequence[str] = (), *,
 
     Args:
         config: a YAML file, a nested mapping (``{"train": {"rounds": 5}}``) or a
-            :class:`~fedmpi.config.Config`.
+            :class:`~fedmpi.config.schema.Config`.
         overrides: ``"KEY=VALUE"`` items, as ``--set`` (``"train.lr=0.1"``).
         model: a factory ``(input_shape, num_classes) -> nn.Module`` or an
             ``nn.Module`` class; replaces ``model.name``.
         data: a :class:`~fedmpi.data.Dataset`, a ``(train, test)`` pair of map-style
             datasets, or a zero-argument callable returning one; replaces
             ``data.dataset`` (pooled data, split by ``data.partition.*``).
-        algorithm: a subclass of :class:`fedmpi.algorithms.Algorithm`; replaces
+        algorithm: a subclass of :class:`fedmpi.methods.base.Algorithm`; replaces
             ``algorithm.name`` (its parameters come from ``algorithm.params``).
-        weighting: a subclass of :class:`fedmpi.algorithms.Weighting`; replaces
+        weighting: a subclass of :class:`fedmpi.aggregation.weighting.Weighting`; replaces
             ``aggregation.weighting``.
-        rule: a subclass of :class:`fedmpi.algorithms.ServerRule`; replaces
+        rule: a subclass of :class:`fedmpi.aggregation.rules.ServerRule`; replaces
             ``aggregation.rule`` (its parameters come from ``aggregation.params``).
         out: output directory (default ``runtime.out_dir/<name>``).
         resume: continue from ``<out>/checkpoint.pt`` and the log.
         overwrite: replace a previous run in ``out`` (without it a directory holding a
-            run is refused; see :mod:`fedmpi.rundir`).
+            run is refused; see :mod:`fedmpi.job.rundir`).
         comm: a :class:`fedmpi.comm.Comm` (default: ``MPI.COMM_WORLD``).
         callbacks: ``cb(round, metrics)`` called on rank 0 after each logged round with
             that round's ``/rounds`` scalars; returning ``True`` or a reason string stops
             the run cleanly after that round (status ``completed``;
-            :mod:`fedmpi.callbacks`). Other ranks may pass them too; only rank 0 calls them.
+            :mod:`fedmpi.runtime.callbacks`). Other ranks may pass them too; only rank 0 calls them.
 
     Objects that can be imported by ``module:qualname`` are recorded under
     their key in the logged config; every rank must pass the same objects.
@@ -144,7 +147,7 @@ def run(config: ConfigSource, overrides: Sequence[str] = (), *,
         fedmpi.RunFailed: the run started and failed (a client or the server raised,
             ``exit_code`` 1); on ranks other than 0 its ``quiet`` is True.
         fedmpi.RunInterrupted: a stop signal ended the run after a checkpoint
-            (continue with ``resume=True``; :mod:`fedmpi.signals`).
+            (continue with ``resume=True``; :mod:`fedmpi.job.signals`).
     """
     try:
         code = UserCode(model=model, data=data, algorithm=algorithm, weighting=weighting,
@@ -180,11 +183,11 @@ def _execute(config: ConfigSource, overrides: Sequence[str], code: UserCode, *,
              overwrite: bool = False, comm: Optional[Comm] = None,
              callbacks: Sequence[Callback] = ()) -> RunResult:
     """The run behind :func:`run` and :func:`run_cli` (errors in the CLI's terms)."""
-    from .runtime import run as run_federation
+    from fedmpi.runtime.driver import run as run_federation
 
     if comm is None:   # right after MPI init, before the config or the output is touched
-        from .comm import mpi_library_version, world_size
-        from .launcher import check_world
+        from fedmpi.comm import mpi_library_version, world_size
+        from fedmpi.job.launcher import check_world
 
         check_world(os.environ, world_size(), mpi_library_version())
     cfg = resolve_config(config, overrides)
@@ -195,7 +198,7 @@ def _execute(config: ConfigSource, overrides: Sequence[str], code: UserCode, *,
         cfg = _record(cfg, key, obj)
     out_dir = Path(out) if out else Path(cfg.runtime.out_dir) / cfg.name
     if comm is None:
-        from .runtime.driver import run_comm
+        from fedmpi.runtime.driver import run_comm
 
         comm = run_comm(cfg)
     metrics = run_federation(cfg, out_dir, comm=comm, resume=resume, overwrite=overwrite,

@@ -7,7 +7,7 @@ code that raises prints ``fedmpi: error: <object> (<import path>) raised <Type>:
 <message> at <file>:<line>``, once per job: exit 2 while the run is built
 (:class:`~fedmpi.errors.UserCodeError`), 1 once it runs
 (:class:`~fedmpi.errors.RunFailed`); ``--traceback`` (or ``FEDMPI_TRACEBACK=1``)
-adds the full traceback. A refused write (:class:`~fedmpi.outputs.OutputError`,
+adds the full traceback. A refused write (:class:`~fedmpi.job.outputs.OutputError`,
 e.g. disk full) prints one line naming the file and exits with status 1.
 """
 from __future__ import annotations
@@ -19,12 +19,13 @@ import signal
 import sys
 from typing import Optional, Sequence
 
-from . import __version__, signals
+from fedmpi._version import __version__
+from fedmpi.job import signals
 
 signals.install_early()   # before the heavy imports: a SIGTERM at start-up exits 75
-from .errors import (EXIT_USAGE, RunFailed, RunInterrupted, UserCodeError, UserError,  # noqa: E402
-                     show_traceback)
-from .outputs import EXIT_WRITE_FAILED, OutputError, quiet_h5py_errors
+from fedmpi.errors import (EXIT_USAGE, RunFailed, RunInterrupted, UserCodeError, UserError,
+    show_traceback)
+from fedmpi.job.outputs import EXIT_WRITE_FAILED, OutputError, quiet_h5py_errors
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -125,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .api import run_cli as run
+    from fedmpi.api import run_cli as run
 
     result = run(args.config, args.overrides, out=args.out, resume=args.resume,
                  overwrite=args.overwrite)
@@ -135,8 +136,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from .config import load_config
-    from .usercode import check_config_paths
+    from fedmpi.config.schema import load_config
+    from fedmpi.usercode import check_config_paths
 
     cfg = load_config(args.config, args.overrides)
     for old, new in cfg.renamed:
@@ -145,7 +146,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if not args.dry_run:
         sys.stdout.write(cfg.to_yaml())
         return 0
-    from .runtime.driver import check
+    from fedmpi.runtime.driver import check
 
     line = check(cfg)
     if launch_rank() == 0:
@@ -156,11 +157,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 def info_lines(ranks: Optional[int] = None) -> list[str]:
     """What ``fedmpi info`` prints (also used in bench JSON); ``ranks``: ranks on
-    this node for the placement lines (:mod:`fedmpi.placement`)."""
+    this node for the placement lines (:mod:`fedmpi.job.placement`)."""
     import numpy
     import torch
 
-    from .comm import cuda_aware_mpi, mpi_library_version
+    from fedmpi.comm import cuda_aware_mpi, mpi_library_version
 
     lines = [f"fedmpi {__version__}", f"python {platform.python_version()}",
              f"torch {torch.__version__}", f"numpy {numpy.__version__}"]
@@ -180,7 +181,7 @@ def info_lines(ranks: Optional[int] = None) -> list[str]:
             lines.append(f"GPU {i}: {torch.cuda.get_device_name(i)}")
     else:
         lines.append("GPUs: none (runtime.device auto -> cpu)")
-    from .placement import default_threads, describe, plan, usable_cores
+    from fedmpi.job.placement import default_threads, describe, plan, usable_cores
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     ranks = ranks or 1 + max(1, gpus)
@@ -194,11 +195,11 @@ def info_lines(ranks: Optional[int] = None) -> list[str]:
 
 def launcher_choice() -> tuple[str, str]:
     """(launcher words for a Slurm job step, shell-quoted; why), for ``fedmpi info
-    --launcher`` (:func:`fedmpi.launcher.choose_launcher`)."""
+    --launcher`` (:func:`fedmpi.job.launcher.choose_launcher`)."""
     import shlex
 
-    from .comm import mpi_library_version
-    from .launcher import choose_launcher, find_mpirun, srun_mpi_plugins
+    from fedmpi.comm import mpi_library_version
+    from fedmpi.job.launcher import choose_launcher, find_mpirun, srun_mpi_plugins
 
     version = mpi_library_version(initialize=False)
     try:
@@ -222,7 +223,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from .report import PLOT_HINT, have_matplotlib, write_report
+    from fedmpi.report.canvas import PLOT_HINT, have_matplotlib
+    from fedmpi.report import write_report
 
     for path in write_report(args.log, args.out, args.target_accuracy, overwrite=args.overwrite):
         print(path)
@@ -232,9 +234,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from .compare import compare
-    from .outputs import claim
-    from .rundir import output_dir
+    from fedmpi.compare import compare
+    from fedmpi.job.outputs import claim
+    from fedmpi.job.rundir import output_dir
 
     out = output_dir(args.out) if args.out is not None else None
     table = compare(args.logs, target=args.target_accuracy, group_by=args.group_by,
@@ -242,7 +244,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     md = table.markdown()
     sys.stdout.write(md)
     if out is not None:
-        from .safefile import refuse_links, write_text
+        from fedmpi.job.safefile import refuse_links, write_text
 
         refuse_links(out, ("compare.md", "compare.csv", "runs.csv"), "an output directory")
         claim([out / n for n in ("compare.md", "compare.csv", "runs.csv")], args.overwrite,
@@ -256,22 +258,22 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 def _cmd_partition(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .config import load_config
-    from .data import build_partition, load_pool
-    from .data.export import plan_export, pooled_config, silo_files
-    from .data.tabular import write_table
-    from .outputs import claim
-    from .report import partition_preview
-    from .rundir import output_dir
-    from .usercode import UserCode
+    from fedmpi.config.schema import load_config
+    from fedmpi.data.build import build_partition, load_pool
+    from fedmpi.data.export import plan_export, pooled_config, silo_files
+    from fedmpi.data.tabular import write_table
+    from fedmpi.job.outputs import claim
+    from fedmpi.report.preview import partition_preview
+    from fedmpi.job.rundir import output_dir
+    from fedmpi.usercode import UserCode
 
     cfg = load_config(args.config, args.overrides)
     out = output_dir(args.out if args.out is not None else Path(cfg.runtime.out_dir) / cfg.name)
     if cfg.data.partition.method == "silos" and args.export is None:
         files = silo_files(cfg)
         if cfg.data.silos.loader is not None or all(Path(f).exists() for f in files):
-            from .comm import self_comm
-            from .data import build_local
+            from fedmpi.comm import self_comm
+            from fedmpi.data.silos import build_local
 
             # the federation's own silos, read as a run reads them (one rank hosting all)
             local = build_local(cfg, self_comm(), range(cfg.data.num_clients), True,
@@ -299,8 +301,8 @@ def _cmd_partition(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from .errors import ConfigError
-    from .trackers import export
+    from fedmpi.errors import ConfigError
+    from fedmpi.log.trackers import export
 
     if args.tensorboard is None and args.mlflow is None and args.csv is None:
         raise ConfigError("fedmpi export needs at least one of --tensorboard DIR, --mlflow URI, "
@@ -377,8 +379,8 @@ def _main(args: argparse.Namespace) -> int:
 def entry() -> None:
     """The ``fedmpi`` process: :func:`main`, and once a stop signal was acted on,
     later ones are ignored until the process has exited with status 75
-    (:func:`fedmpi.signals.hold_after_stop`)."""
-    from . import signals
+    (:func:`fedmpi.job.signals.hold_after_stop`)."""
+    from fedmpi.job import signals
 
     signals.hold_after_stop()
     sys.exit(main())

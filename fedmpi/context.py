@@ -1,7 +1,7 @@
 """What a method, a weighting or an update transform may see of the run.
 
 The runtime builds one frozen :class:`Context` per rank and hands it to
-``setup(ctx)`` of the method (:class:`~fedmpi.algorithms.Algorithm`), the
+``setup(ctx)`` of the method (:class:`~fedmpi.methods.base.Algorithm`), the
 weighting and every update transform, and to the few later calls that need
 the run (a method's own evaluation, ``after_resume``). Nothing else of the
 runtime is visible to them: no communicator, no buffers, no round driver.
@@ -18,11 +18,12 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:  # imported for annotations only: no import cycle at run time
-    from .accel import Accel
-    from .config import Config
-    from .data import Dataset, Partition
-    from .flat import FlatModel
-    from .log import LogWriter
+    from fedmpi.training.accel import Accel
+    from fedmpi.config.core import Config
+    from fedmpi.data.base import Dataset
+    from fedmpi.data.partition import Partition
+    from fedmpi.training.flat import FlatModel
+    from fedmpi.log.writer import LogWriter
 
 
 class LogSink:
@@ -86,7 +87,7 @@ class Context:
         rank, world_size: this rank and the number of ranks.
         num_samples: n_k of every client (read-only), known on every rank.
         hosted: the clients this rank trains (fixed for the run).
-        flat: the rank's model as one flat vector (:class:`~fedmpi.flat.FlatModel`).
+        flat: the rank's model as one flat vector (:class:`~fedmpi.training.flat.FlatModel`).
         forward: the model's forward (compiled when ``runtime.compile``).
         accel: the autocast/channels-last switches of the forward.
         data, partition: the rank's data and the client partition.

@@ -37,7 +37,7 @@ EXIT_USAGE = 2
 
 
 EXIT_FAILED = 1
-EXIT_INTERRUPTED = 75   # EX_TEMPFAIL (fedmpi.signals)
+EXIT_INTERRUPTED = 75   # EX_TEMPFAIL (fedmpi.job.signals)
 
 
 class RunFailed(Exception):

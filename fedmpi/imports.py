@@ -7,14 +7,14 @@ Four config keys accept an import path instead of a built-in name:
                             ``nn.Module`` class taking those two arguments
 ``data.dataset``            a callable ``() ->`` :class:`fedmpi.data.Dataset`, or ``->``
                             ``(train, test)`` map-style datasets of ``(x, label)`` items
-``algorithm.name``          a subclass of :class:`fedmpi.algorithms.Algorithm`; its
+``algorithm.name``          a subclass of :class:`fedmpi.methods.base.Algorithm`; its
                             parameters come from ``algorithm.params``, checked against the
                             class's ``params["params"]`` dataclass
-                            (:func:`fedmpi.params.check_params`)
-``aggregation.weighting``   a subclass of :class:`fedmpi.algorithms.Weighting`
-``aggregation.rule``        a subclass of :class:`fedmpi.algorithms.ServerRule`; its
+                            (:func:`fedmpi.config.params.check_params`)
+``aggregation.weighting``   a subclass of :class:`fedmpi.aggregation.weighting.Weighting`
+``aggregation.rule``        a subclass of :class:`fedmpi.aggregation.rules.ServerRule`; its
                             parameters come from ``aggregation.params``
-``transforms``              subclasses of :class:`fedmpi.algorithms.UpdateTransform`
+``transforms``              subclasses of :class:`fedmpi.transforms.base.UpdateTransform`
 ``data.silos.loader``       a callable ``(client) -> (x, y)`` (:mod:`fedmpi.data.silos`)
 ``eval.metrics`` items      a function ``(labels, probabilities) -> float``
                             (:mod:`fedmpi.metrics`)
@@ -47,7 +47,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
-from .errors import OBJECTS, ConfigError, UserCodeError, UserError, code_error_line, user_frame
+from fedmpi.errors import (OBJECTS, ConfigError, UserCodeError, UserError, code_error_line,
+    user_frame)
 
 __all__ = ["IMPORT_PATTERN", "is_import_path", "resolve", "model_factory", "silo_loader",
            "subclass", "path_of"]
@@ -222,8 +223,8 @@ def silo_loader(obj: Any, key: str = "data.silos.loader") -> Callable[[int], Any
 # -------------------------------------------------------------- components
 def subclass(obj: Any, base: type, key: str) -> type:
     """A subclass of ``base`` (a component base class such as
-    :class:`fedmpi.algorithms.Algorithm`), given as such or as ``pkg.module:Class``."""
-    expected = f"a subclass of fedmpi.algorithms.{base.__name__}"
+    :class:`fedmpi.methods.base.Algorithm`), given as such or as ``pkg.module:Class``."""
+    expected = f"a subclass of {base.__module__}.{base.__qualname__}"
     if isinstance(obj, str):
         obj = resolve(obj, key, expected)
     if not (isinstance(obj, type) and issubclass(obj, base)):

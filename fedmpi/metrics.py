@@ -72,8 +72,8 @@ def score_metrics(metrics: Sequence[str]) -> list[str]:
 @functools.lru_cache(maxsize=None)
 def user_metric(path: str) -> Callable[[np.ndarray, np.ndarray], float]:
     """The function an ``eval.metrics`` import path names (ConfigError naming the key)."""
-    from .errors import ConfigError
-    from .imports import accepts, resolve
+    from fedmpi.errors import ConfigError
+    from fedmpi.imports import accepts, resolve
 
     fn = resolve(path, "eval.metrics", "a function (labels, probabilities) -> float")
     if not callable(fn) or not accepts(fn, 2):
@@ -106,7 +106,7 @@ def nan_scalars(metrics: Sequence[str]) -> dict[str, float]:
 class Collector:
     """Accumulates, batch by batch, the confusion matrix and (for AUROC) the
     probabilities of the first C outputs; pass as ``collect`` to
-    :func:`fedmpi.train.evaluate`."""
+    :func:`fedmpi.training.loop.evaluate`."""
 
     def __init__(self, num_classes: int, metrics: Sequence[str], device: torch.device) -> None:
         self.C = int(num_classes)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from fedmpi.errors import ConfigError
 
 NormFactory = Callable[[int], nn.Module]
 
@@ -239,7 +239,7 @@ def model_spec(cfg, model: Optional[Callable] = None) -> ModelSpec:
     """What :func:`build_model` builds for ``cfg``: a factory given to :func:`fedmpi.run`
     (``model``), an import path's factory (:mod:`fedmpi.imports`), the MLP with
     ``model.mlp.hidden``, or a built-in name."""
-    from . import imports
+    from fedmpi import imports
 
     if model is not None:
         return imports.model_factory(model)

@@ -1,6 +1,6 @@
 """User code handed to :func:`fedmpi.run` or named in the config, resolved for a run.
 
-Sits above :mod:`fedmpi.algorithms` and :mod:`fedmpi.data`: :mod:`fedmpi.imports`
+Sits above the components (:mod:`fedmpi.methods`, :mod:`fedmpi.aggregation`, :mod:`fedmpi.transforms`) and :mod:`fedmpi.data`: :mod:`fedmpi.imports`
 only resolves a path and checks the kind of object; here the component classes
 are looked up in their registries and checked as a whole (``fedmpi check``).
 """
@@ -9,15 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .algorithms import (ALGORITHMS, RULES, WEIGHTINGS, Algorithm, ServerRule, Weighting,
-                         enabled_transforms)
-from .config import check_components, keyed_components, local_steps_floor
-from .data import DataNeeds
-from .data.custom import dataset_factory
-from .errors import ConfigError
-from .imports import is_import_path, model_factory, silo_loader, subclass
-from .metrics import is_user_metric, user_metric
-from .params import check_params
+from fedmpi.methods import ALGORITHMS
+from fedmpi.aggregation.rules import RULES, ServerRule
+from fedmpi.aggregation.weighting import WEIGHTINGS, Weighting
+from fedmpi.methods.base import Algorithm
+from fedmpi.transforms.base import enabled_transforms
+from fedmpi.config.schema import check_components, keyed_components, local_steps_floor
+from fedmpi.data.build import DataNeeds
+from fedmpi.data.custom import dataset_factory
+from fedmpi.errors import ConfigError
+from fedmpi.imports import is_import_path, model_factory, silo_loader, subclass
+from fedmpi.metrics import is_user_metric, user_metric
+from fedmpi.config.params import check_params
 
 __all__ = ["UserCode", "check_config_paths"]
 
@@ -29,9 +32,9 @@ class UserCode:
     ``model``: a factory ``(input_shape, num_classes) -> nn.Module`` (or an
     ``nn.Module`` class); ``data``: a :class:`~fedmpi.data.Dataset`, a
     ``(train, test)`` pair or a zero-argument callable returning either;
-    ``algorithm``: an :class:`~fedmpi.algorithms.Algorithm` subclass;
-    ``weighting``: a :class:`~fedmpi.algorithms.Weighting` subclass; ``rule``: a
-    :class:`~fedmpi.algorithms.ServerRule` subclass. None: the config's name.
+    ``algorithm``: an :class:`~fedmpi.methods.base.Algorithm` subclass;
+    ``weighting``: a :class:`~fedmpi.aggregation.weighting.Weighting` subclass; ``rule``: a
+    :class:`~fedmpi.aggregation.rules.ServerRule` subclass. None: the config's name.
     Every rank must be given the same objects.
     """
 
@@ -67,7 +70,7 @@ class UserCode:
         """What the selected components ask of the data, derived from their declarations:
         τ_k ≥ ``min_local_steps`` with ``train.local_epochs`` E is ⌈floor/E⌉ local batches
         per client (every client has one; with ``train.local_steps`` the config rule of
-        :func:`~fedmpi.config.check_components` holds it instead), and rank 0 reads the
+        :func:`~fedmpi.config.schema.check_components` holds it instead), and rank 0 reads the
         silos' validation set when a component ``uses_server_validation``."""
         parts = keyed_components(self.algorithm_class(cfg), self.weighting_class(cfg),
                                  enabled_transforms(cfg), self.rule_class(cfg))
@@ -99,7 +102,7 @@ def check_config_paths(cfg: Any) -> None:
             user_metric(metric)
     code = UserCode()
     if cfg.privacy.secure_aggregation:
-        from .privacy.secagg import refuse_per_client
+        from fedmpi.privacy.secagg import refuse_per_client
 
         refuse_per_client(cfg, bool(code.weighting_class(cfg).per_client),
                           bool(code.rule_class(cfg).per_client), [])

@@ -16,7 +16,7 @@ BIN = Path(sys.executable).parent
 # runtime.device=auto, which picks the GPU by itself).
 TEST_DEVICE = os.environ.get("FEDMPI_TEST_DEVICE", "cpu")
 if TEST_DEVICE.startswith("cuda"):
-    from fedmpi.accel import set_deterministic
+    from fedmpi.training.accel import set_deterministic
 
     set_deterministic(True)   # in-process equality checks: no TF32, deterministic kernels
 
@@ -26,7 +26,7 @@ def _no_stop_request_leaks():
     """A stop request recorded by one test (signal tests, interrupted runs in this
     process) must not stop the rounds of the next one."""
     yield
-    from fedmpi import signals
+    from fedmpi.job import signals
 
     signals.clear()
 
@@ -111,7 +111,7 @@ def run_at_world_sizes(args: list[str], tmp_path, sizes=(1, 3)) -> tuple[dict, d
     """
     import torch
 
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
 
     logs, models = {}, {}
     for n in sizes:
@@ -136,8 +136,8 @@ def build_fed(base: dict, **over):
     import copy
 
     from fedmpi.comm import Comm
-    from fedmpi.config import config_from_dict
-    from fedmpi.runtime import Federation
+    from fedmpi.config.schema import config_from_dict
+    from fedmpi.runtime.federation import Federation
 
     return Federation(config_from_dict(set_dotted(copy.deepcopy(base), over)), Comm())
 
@@ -148,7 +148,7 @@ def bare_context(cfg, flat, num_samples, role: str = "server", hosted: tuple = (
     import numpy as np
     import torch
 
-    from fedmpi.accel import Accel
+    from fedmpi.training.accel import Accel
     from fedmpi.context import Context
 
     ns = np.asarray(num_samples, dtype=np.int64)
@@ -205,13 +205,13 @@ class DictClients:
 
 def fake_run_state(cfg=None, num_clients: int = 4, size: int = 8, components=None, clients=None,
                    out_dir=None):
-    """The one fake of what fedmpi.checkpoint saves and restores (a RunState at world size 1):
+    """The one fake of what fedmpi.job.checkpoint saves and restores (a RunState at world size 1):
     θ = arange(size)/7, the given named components, per-client states in a dict."""
     import numpy as np
     import torch
 
-    from fedmpi.checkpoint import RunState
-    from fedmpi.config import config_from_dict
+    from fedmpi.job.checkpoint import RunState
+    from fedmpi.config.schema import config_from_dict
 
     cfg = cfg if cfg is not None else config_from_dict({"data": {"num_clients": num_clients}})
     return RunState(cfg=cfg, comm=Comm1(), num_clients=num_clients,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 
-from fedmpi.algorithms.fedavg import FedAvg
+from fedmpi.methods.fedavg import FedAvg
 
 
 def _slow_here() -> bool:

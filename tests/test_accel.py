@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from conftest import SMALL, TEST_DEVICE, build_fed, run_fedmpi
 from torch import nn
 
-from fedmpi.accel import OFF, Accel
-from fedmpi.flat import FlatModel
-from fedmpi.log import read
-from fedmpi.runtime import Federation
-from fedmpi.train import LocalTrainer, SGDConfig, evaluate
+from fedmpi.training.accel import OFF, Accel
+from fedmpi.training.flat import FlatModel
+from fedmpi.log.reader import read
+from fedmpi.runtime.federation import Federation
+from fedmpi.training.loop import LocalTrainer, SGDConfig, evaluate
 
 
 BASE = {"name": "accel", "seed": 4, "runtime": {"progress": False, "device": TEST_DEVICE, "threads": 1},
@@ -132,7 +132,7 @@ def test_deterministic_switch_sets_torch_flags():
     the flags are process-global)."""
     import subprocess
     import sys
-    code = ("import torch; from fedmpi.accel import set_deterministic; set_deterministic(True); "
+    code = ("import torch; from fedmpi.training.accel import set_deterministic; set_deterministic(True); "
             "import os; print(torch.are_deterministic_algorithms_enabled(), "
             "torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, "
             "torch.backends.cudnn.benchmark, os.environ['CUBLAS_WORKSPACE_CONFIG'])")

@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, fedmpi_cmd
-from fedmpi import rundir
 from fedmpi.cli import main as fedmpi_main
+from fedmpi.config.fields import Field
+from fedmpi.errors import EXIT_INTERRUPTED, RunDirError
+from fedmpi.job.lock import LOCK_NAME, acquire, heartbeat, lock_holder, release
 
 CFG = str(ROOT / "configs" / "quickstart.yaml")
 FAST = ["--set", "train.rounds=2", "--set", "data.num_clients=4", "--set",
@@ -46,12 +48,12 @@ def _race(out: Path, contenders: int) -> bytes:
             try:
                 os.read(go_r, 1)
                 try:
-                    rundir.acquire(out)
+                    acquire(out)
                     os.write(res_w, b"H")
-                except rundir.RunDirError:
+                except RunDirError:
                     os.write(res_w, b"R")
                 os.read(done_r, 1)
-                rundir.release()
+                release()
             except BaseException:  # noqa: BLE001 - reported as a missing result
                 code = 1
             os._exit(code)
@@ -78,46 +80,48 @@ def test_exactly_one_of_many_racing_processes_holds_the_lock(tmp_path, stale):
         out = tmp_path / f"t{trial}"
         out.mkdir()
         if stale:   # a lock left by a killed run on this host
-            (out / rundir.LOCK_NAME).write_text(f"{socket.gethostname()} {_dead_pid()} - 0\n")
+            (out / LOCK_NAME).write_text(f"{socket.gethostname()} {_dead_pid()} - 0\n")
         got = _race(out, 6)
         assert got.count(b"H") == 1 and got.count(b"R") == 5, (trial, got)
-        left = (out / rundir.LOCK_NAME).read_text() if (out / rundir.LOCK_NAME).exists() else ""
+        left = (out / LOCK_NAME).read_text() if (out / LOCK_NAME).exists() else ""
         assert not left, (left, os.getpid())    # the holder released it
 
 
 def test_a_live_lock_on_another_host_is_respected_and_a_silent_one_taken_over(tmp_path):
     out = tmp_path / "x"
     out.mkdir()
-    lock = out / rundir.LOCK_NAME
+    lock = out / LOCK_NAME
     lock.write_text("other-node 4242 - 1700000000 30\n")   # round_timeout 30 s there
     now = time.time()
     os.utime(lock, (now - 60, now - 60))                     # heartbeat 60 s ago < 3 x 30
-    with pytest.raises(rundir.RunDirError) as err:
-        rundir.acquire(out)
+    with pytest.raises(RunDirError) as err:
+        acquire(out)
     msg = str(err.value)
     assert "pid 4242 on host other-node" in msg and "90 s after its last heartbeat" in msg
     assert "\n" not in msg
-    holder = rundir.lock_holder(out)
+    holder = lock_holder(out)
     assert holder is not None and holder.host == "other-node" and not holder.stale(now)
     assert holder.stale(now + 31)                             # 91 s without a heartbeat
     os.utime(lock, (now - 91, now - 91))
-    assert "other-node 4242" in rundir.acquire(out)          # taken over
+    assert "other-node 4242" in acquire(out)          # taken over
     try:
         before = lock.stat().st_mtime
         time.sleep(0.05)
-        rundir.heartbeat()
+        heartbeat()
         assert lock.stat().st_mtime > before
-        mine = rundir.lock_holder(out)
+        mine = lock_holder(out)
         assert (mine.host, mine.pid) == (socket.gethostname(), os.getpid())
         assert not mine.stale()
     finally:
-        rundir.release()
+        release()
     assert not lock.exists()
 
 
 def test_the_run_refreshes_the_lock_every_round(tmp_path, monkeypatch):
     beats = []
-    monkeypatch.setattr(rundir, "heartbeat", lambda: beats.append(time.time()))
+    from fedmpi.runtime import driver
+
+    monkeypatch.setattr(driver, "heartbeat", lambda: beats.append(time.time()))
     assert fedmpi_main(["run", CFG, *FAST, "--set", "train.rounds=3",
                         "--out", str(tmp_path / "r")]) == 0
     assert len(beats) >= 3
@@ -125,7 +129,7 @@ def test_the_run_refreshes_the_lock_every_round(tmp_path, monkeypatch):
 
 # --------------------------------------------------------- 30.2 planted links
 @pytest.mark.parametrize("name", ["config.yaml", ".checkpoint.pt.tmp-4242", "log.h5",
-                                  rundir.LOCK_NAME])
+                                  LOCK_NAME])
 def test_a_planted_link_in_the_run_directory_is_refused_and_never_followed(tmp_path, capsys,
                                                                            name):
     victim = tmp_path / "victim.txt"
@@ -144,8 +148,8 @@ def test_a_planted_link_in_the_run_directory_is_refused_and_never_followed(tmp_p
 def test_atomic_writes_replace_a_link_at_the_target_instead_of_writing_through_it(tmp_path):
     import torch
 
-    from fedmpi.outputs import save_atomic
-    from fedmpi.safefile import write_text
+    from fedmpi.job.outputs import save_atomic
+    from fedmpi.job.safefile import write_text
 
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
@@ -215,7 +219,7 @@ def test_a_crafted_log_is_refused_in_one_line_naming_the_dataset(finished, tmp_p
             f.create_dataset("extra/huge", shape=(200_000, 1000), dtype="f8", chunks=(1000, 100),
                              fillvalue=1.0)
     path = _crafted_log(finished, tmp_path, add)
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
     from fedmpi.errors import LogFormatError
 
     name = {"external": "/extra/leak", "virtual": "/extra/virt", "huge-fill": "/extra/huge"}[kind]
@@ -230,8 +234,8 @@ def test_a_crafted_log_is_refused_in_one_line_naming_the_dataset(finished, tmp_p
 # ------------------------------------------- 31.2 no success without progress
 def test_a_run_that_accepts_no_update_for_n_rounds_fails_with_exit_1(tmp_path, monkeypatch,
                                                                       capsys):
-    from fedmpi.algorithms import ALGORITHMS
-    from fedmpi.log import read
+    from fedmpi.methods import ALGORITHMS
+    from fedmpi.log.reader import read
 
     cls = ALGORITHMS["fedavg"]
     original = cls.finish_client
@@ -267,7 +271,7 @@ def _tamper(run: Path, tmp_path: Path, change) -> Path:
 
     import torch
 
-    from fedmpi.checkpoint import digest
+    from fedmpi.job.checkpoint_file import digest
 
     out = tmp_path / "run"
     shutil.copytree(run, out)
@@ -354,9 +358,9 @@ def previous_release(finished, tmp_path) -> Path:
 @pytest.fixture
 def new_key(monkeypatch):
     """This release adds a run-defining key whose default keeps the old behaviour."""
-    from fedmpi import config
+    from fedmpi.config import schema as config
 
-    monkeypatch.setitem(config.SCHEMA, "train.new_knob", config.Field(float, 0.0, "a new key"))
+    monkeypatch.setitem(config.SCHEMA, "train.new_knob", Field(float, 0.0, "a new key"))
     return "train.new_knob"
 
 
@@ -364,7 +368,7 @@ def test_a_checkpoint_of_the_previous_schema_resumes_after_a_key_was_added(previ
                                                                            new_key):
     import torch
 
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
 
     assert fedmpi_main(["run", CFG, *FAST, "--set", "train.rounds=3", "--out",
                         str(previous_release), "--resume"]) == 0
@@ -417,7 +421,7 @@ def test_a_partition_npz_with_a_duplicate_member_is_refused(tmp_path, capsys):
 def test_a_silo_label_of_2_to_the_40_is_refused_before_allocating(tmp_path):
     import numpy as np
 
-    from fedmpi.config import config_from_dict
+    from fedmpi.config.schema import config_from_dict
     from fedmpi.data.silos import read_silo
     from fedmpi.data.tabular import write_table
     from fedmpi.errors import DataError
@@ -480,7 +484,7 @@ def test_a_slow_rank_at_start_up_is_named_in_one_line_after_setup_timeout(tmp_pa
 
 @pytest.mark.mpi
 def test_a_slow_rank_within_setup_timeout_starts_even_with_a_short_round_timeout(tmp_path):
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
 
     out = tmp_path / "slowok"
     proc, _ = _mpi_run(["run", CFG, *FAST, *SLOW, "--set", "runtime.round_timeout=10",
@@ -492,7 +496,7 @@ def test_a_slow_rank_within_setup_timeout_starts_even_with_a_short_round_timeout
 
 @pytest.mark.mpi
 def test_a_tiny_round_timeout_ends_with_one_line_and_no_traceback(tmp_path):
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
 
     out = tmp_path / "tiny"
     proc, _ = _mpi_run(["run", CFG, *FAST, "--set", "runtime.round_timeout=0.01",
@@ -532,7 +536,7 @@ def test_a_hung_rank_is_named_with_its_host_after_the_round_timeout(tmp_path, th
     "serialized") the live rank answers from its wait instead of a thread."""
     import signal
 
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
     from test_trust import _wait_rounds
 
     out = tmp_path / "hung"
@@ -567,7 +571,7 @@ def test_a_hung_rank_is_named_with_its_host_after_the_round_timeout(tmp_path, th
     assert took < 5 + 3 + 15, took   # round_timeout + the ping's grace + teardown
     log = read(out / "log.h5")
     assert log.status == "failed" and any("rank 2 (host" in e for e in log.events["message"])
-    assert not (out / rundir.LOCK_NAME).exists()    # released before the abort
+    assert not (out / LOCK_NAME).exists()    # released before the abort
 
 
 @pytest.mark.mpi
@@ -594,7 +598,7 @@ def test_a_rank_alive_but_slower_than_the_round_timeout_is_named_as_alive(tmp_pa
 def test_two_sigints_to_rank_0_end_every_rank_within_seconds(tmp_path):
     import signal
 
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
     from test_trust import _wait_rounds
 
     out = tmp_path / "ctrlc"
@@ -626,7 +630,6 @@ def test_two_sigints_to_rank_0_end_every_rank_within_seconds(tmp_path):
 def test_sigterm_during_start_up_exits_75(tmp_path):
     import signal
 
-    from fedmpi import signals
 
     proc = subprocess.Popen(fedmpi_cmd("run", CFG, *FAST, "--out", str(tmp_path / "early")),
                             cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -634,7 +637,7 @@ def test_sigterm_during_start_up_exits_75(tmp_path):
     time.sleep(0.5)                        # importing torch, reading the config
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == signals.EXIT_INTERRUPTED, err[-2000:]
+    assert proc.returncode == EXIT_INTERRUPTED, err[-2000:]
     assert "Traceback" not in err
 
 
@@ -696,10 +699,10 @@ def test_a_second_user_over_another_users_run_is_told_whose_files_in_one_line(st
 
 
 def test_a_killed_run_of_another_user_leaves_a_lock_named_as_theirs(sticky):
-    (sticky / rundir.LOCK_NAME).write_text(f"{socket.gethostname()} {_dead_pid()} - 0 600\n")
+    (sticky / LOCK_NAME).write_text(f"{socket.gethostname()} {_dead_pid()} - 0 600\n")
     code, err = _as_nobody(["run", CFG, *FAST, "--set", "train.rounds=3", "--out", str(sticky),
                             "--resume"])
     assert code == 2, err[-3000:]
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and rundir.LOCK_NAME in lines[0] and "user root (uid 0)" in lines[0] \
+    assert len(lines) == 1 and LOCK_NAME in lines[0] and "user root (uid 0)" in lines[0] \
         and "that is gone" in lines[0], lines

@@ -23,9 +23,9 @@ import torch
 import yaml
 
 from conftest import ROOT, run_fedmpi
-from fedmpi import checkpoint
 from fedmpi.cli import main as fedmpi_main
-from fedmpi.config import SCHEMA
+from fedmpi.config.schema import SCHEMA
+from fedmpi.job.checkpoint_file import digest
 
 CFG = str(ROOT / "configs" / "quickstart.yaml")
 FAST = ["--set", "train.rounds=2", "--set", "data.num_clients=4", "--set",
@@ -364,7 +364,7 @@ def _resave(fn: Callable[[dict], None], rehash: bool = False) -> Callable[[Path]
         fn(ckpt)
         if rehash:
             ckpt.pop("checksum")
-            ckpt["checksum"] = checkpoint.digest(ckpt)
+            ckpt["checksum"] = digest(ckpt)
         torch.save(ckpt, out / "checkpoint.pt")
     return edit
 
@@ -413,7 +413,7 @@ def _out_case(cmd: str, where: str) -> Case:
 USER_CODE = """
 import math
 from torch import nn
-from fedmpi.algorithms import Algorithm
+from fedmpi.methods.base import Algorithm
 
 class Net(nn.Module):
     def __init__(self, input_shape, num_classes):
@@ -578,7 +578,7 @@ def test_silo_missing_on_one_rank_only_is_one_line(tmp_path):
 
 
 RUNTIME_CODE = """
-from fedmpi.algorithms import Algorithm
+from fedmpi.methods.base import Algorithm
 
 class ClientFails(Algorithm):
     def client_update(self, task, trainer, state, extras, out, transforms):

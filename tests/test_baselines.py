@@ -14,14 +14,19 @@ from torch import nn
 
 import fedmpi.runtime.build as runtime_build
 from conftest import SMALL, TEST_DEVICE, bare_context, build_fed, run_fedmpi, set_dotted
-from fedmpi.algorithms import ALGORITHMS, ClientTask, RoundInfo, start
-from fedmpi.algorithms.elastic import Elastic
+from fedmpi.methods import ALGORITHMS
+from fedmpi.methods.base import start
+from fedmpi.component import ClientTask, RoundInfo
+from fedmpi.methods.elastic import Elastic
 from fedmpi.comm import Comm
-from fedmpi.config import config_from_dict
+from fedmpi.config.schema import config_from_dict
 from fedmpi.errors import ConfigError
-from fedmpi.flat import FlatModel
-from fedmpi.log import read
-from fedmpi.runtime import Federation, plan_uplink, run, stream_seed
+from fedmpi.training.flat import FlatModel
+from fedmpi.log.reader import read
+from fedmpi.runtime.federation import Federation
+from fedmpi.runtime.channel import plan_uplink
+from fedmpi.runtime.driver import run
+from fedmpi.training.loop import stream_seed
 
 BASELINES = ("fedavgm", "fedadam", "fedyogi", "fedprox", "scaffold", "feddyn", "fednova", "elastic")
 
@@ -391,7 +396,7 @@ def test_world_size_invariance_per_method(tmp_path, name, weighting, exact):
     if exact:
         args += ["--set", "runtime.reduction=exact"]
     cfg_path = "configs/quickstart.yaml"
-    from fedmpi.config import load_config
+    from fedmpi.config.schema import load_config
     overrides = [a for a in args if a != "--set"]
     run(load_config(cfg_path, overrides), tmp_path / "n1", Comm())
     run_fedmpi(["run", cfg_path, *args, "--out", str(tmp_path / "n3")], n=3)
@@ -415,7 +420,7 @@ def test_world_size_invariance_per_method(tmp_path, name, weighting, exact):
 def test_resume_restores_client_and_server_state(tmp_path, name):
     """A run checkpointed after round 2 and resumed to round 4 equals the uninterrupted run:
     c_k/c, h_k/H, Adam moments and Elastic sensitivities travel through the checkpoint."""
-    from fedmpi.config import load_config
+    from fedmpi.config.schema import load_config
     base = [a for a in SMALL if a != "--set"] + [
         "runtime.threads=1", f"algorithm.name={name}", "train.local_steps=2", "model.name=lenet",
         "data.num_clients=4", "train.clients_per_round=3"]

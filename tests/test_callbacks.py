@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import TEST_DEVICE, run_fedmpi
-from fedmpi.callbacks import EarlyStopping
+from fedmpi.runtime.callbacks import EarlyStopping
 
 BASE = {"name": "cb", "seed": 2, "runtime": {"progress": False, "device": TEST_DEVICE,
                                              "threads": 1},
@@ -33,7 +33,7 @@ def test_early_stopping_rule_by_hand():
 
 def test_early_stopped_run_writes_best_pt_of_the_best_round(tmp_path):
     import fedmpi
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
 
     over = ["train.early_stopping.metric=test_accuracy", "train.early_stopping.patience=2",
             "train.early_stopping.min_delta=0.5", "checkpoint.keep_best.metric=test_loss",
@@ -47,7 +47,7 @@ def test_early_stopped_run_writes_best_pt_of_the_best_round(tmp_path):
     assert log.attrs["best_round"] == best and log.attrs["best_metric"] == "test_loss"
     assert log.attrs["best_value"] == pytest.approx(log.rounds["test_loss"][best])
     # best.pt's test loss, recomputed in plain torch, is the logged one of that round
-    from fedmpi.data import load_dataset
+    from fedmpi.data.datasets import load_dataset
     data = load_dataset("digits", "./data")
     state = torch.load(tmp_path / "best.pt", weights_only=True)   # the MLP 64 -> 16 -> 10
     x = data.prepare(data.x_test, train=False).flatten(1)
@@ -63,7 +63,7 @@ def test_early_stopped_run_writes_best_pt_of_the_best_round(tmp_path):
 
 def test_callback_sees_each_row_and_stops_cleanly(tmp_path):
     import fedmpi
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
 
     seen = []
 
@@ -90,7 +90,7 @@ def test_early_stopping_under_mpi_exits_zero_on_every_rank(tmp_path):
                        "train.early_stopping.metric=test_accuracy", "--set",
                        "train.early_stopping.patience=1", "--set",
                        "train.early_stopping.min_delta=0.9"], n=3)
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
     log = read(tmp_path / "out" / "log.h5")
     assert proc.returncode == 0 and log.status == "completed"
     assert 2 <= log.num_rounds <= 3 < BASE["train"]["rounds"]
@@ -99,8 +99,8 @@ def test_early_stopping_under_mpi_exits_zero_on_every_rank(tmp_path):
 def test_resume_rebuilds_best_and_patience_without_writing():
     """AfterRound.replay (--resume): the best value and the patience count come back from the
     log's rows; best.pt is not rewritten and no callback is called for old rounds."""
-    from fedmpi.callbacks import AfterRound
-    from fedmpi.config import config_from_dict
+    from fedmpi.runtime.callbacks import AfterRound
+    from fedmpi.config.schema import config_from_dict
 
     cfg = config_from_dict({"train": {"early_stopping": {"metric": "test_loss", "mode": "min",
                                                          "patience": 3}},

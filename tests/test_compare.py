@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from conftest import run_fedmpi
-from fedmpi.compare import compare, compare_logs, rounds_to_target, run_metrics
+from fedmpi.compare import compare, compare_logs
+from fedmpi.compare.runs import rounds_to_target, run_metrics
 from fedmpi.errors import UserError
-from fedmpi.log import LogWriter, read
+from fedmpi.log.writer import LogWriter
+from fedmpi.log.reader import read
 
 NAN = math.nan
 K = 3

@@ -9,18 +9,18 @@ combinations must be refused at build time with exit-2 errors naming the key.
 from __future__ import annotations
 
 import h5py
-import numpy as np
 import pytest
 import torch
 
 import fedmpi.runtime.driver as driver
 from conftest import TEST_DEVICE, set_dotted
-from fedmpi.algorithms import ALGORITHMS, WEIGHTINGS
-from fedmpi.algorithms.submodel import SubmodelMethod
+from fedmpi.methods import ALGORITHMS
+from fedmpi.aggregation.weighting import WEIGHTINGS
+from fedmpi.methods.submodel import SubmodelMethod
 from fedmpi.comm import Comm
-from fedmpi.config import config_from_dict
+from fedmpi.config.schema import config_from_dict
 from fedmpi.errors import ConfigError
-from fedmpi.runtime import Federation
+from fedmpi.runtime.federation import Federation
 
 BASE = {"name": "combo", "seed": 1,
         "runtime": {"progress": False, "device": TEST_DEVICE, "threads": 1},
@@ -36,7 +36,7 @@ def recording(monkeypatch) -> list:
     """Make the driver build a Federation that is remembered; returns the list it lands in."""
     built: list = []
 
-    class Recording(driver.Federation):
+    class Recording(Federation):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             built.append(self)
@@ -88,7 +88,9 @@ TOY = '''
 """A toy method: FedAvg with a half server step and its own log array."""
 import numpy as np
 
-from fedmpi.algorithms import Algorithm, register_method
+from fedmpi.methods.base import Algorithm
+
+from fedmpi.methods import register_method
 
 
 class HalfStep(Algorithm):
@@ -137,7 +139,7 @@ CLIP = '''
 """A toy update transform: the parameter update is clipped to norm 1e-3."""
 import torch
 
-from fedmpi.algorithms import UpdateTransform
+from fedmpi.transforms.base import UpdateTransform
 
 
 class ClipUpdate(UpdateTransform):
@@ -174,7 +176,7 @@ def test_a_user_transform_by_import_path_wraps_any_method(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("value, needle", [(["nosuch_module:X"], "transforms[0]"),
-                                           (["fedmpi.algorithms:Algorithm"], "UpdateTransform"),
+                                           (["fedmpi.methods.base:Algorithm"], "UpdateTransform"),
                                            (["not a path"], "transforms")])
 def test_bad_transform_paths_exit_2_naming_the_key(tmp_path, capsys, value, needle):
     from fedmpi.cli import main

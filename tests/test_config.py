@@ -1,4 +1,4 @@
-"""Tests for fedmpi.config: defaults, sources and precedence, validation messages."""
+"""Tests for fedmpi.config.schema: defaults, sources and precedence, validation messages."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedmpi.config import SCHEMA, Config, Field, config_from_dict, load_config
+from fedmpi.config.schema import SCHEMA, config_from_dict, load_config
+from fedmpi.config.core import Config
+from fedmpi.config.fields import Field
 from fedmpi.errors import ConfigError, UserError
 
 
@@ -291,8 +293,8 @@ def test_a_component_brings_its_keys_and_rules(monkeypatch):
     aggregation.<block>.* (typed, bounded, defaulted) and its check() runs when selected."""
     from dataclasses import dataclass
 
-    from fedmpi.algorithms import WEIGHTINGS, Weighting
-    from fedmpi.params import param
+    from fedmpi.aggregation.weighting import WEIGHTINGS, Weighting
+    from fedmpi.config.params import param
 
     @dataclass(frozen=True)
     class ToyParams:

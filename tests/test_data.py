@@ -8,7 +8,8 @@ import pytest
 import torch
 from sklearn.datasets import load_digits as sk_load_digits
 
-from fedmpi.data import Dataset, load_dataset, synthetic_dataset
+from fedmpi.data.base import Dataset
+from fedmpi.data.datasets import load_dataset, synthetic_dataset
 from fedmpi.data.augment import random_crop_flip
 from fedmpi.data.base import channel_stats
 from fedmpi.errors import DataError, UserError

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 
 from conftest import ROOT
-from fedmpi.config import SCHEMA, reference_markdown
+from fedmpi.config.schema import SCHEMA, reference_markdown
 
 
 def _readme() -> str:
@@ -21,7 +21,7 @@ def test_config_reference_in_docs_matches_schema():
     assert block, "docs/configuration.md lacks the config reference markers"
     assert block.group(1) == reference_markdown(), (
         "docs/configuration.md config reference is stale: regenerate it with "
-        "python -c \"from fedmpi.config import reference_markdown as r; print(r())\"")
+        "python -c \"from fedmpi.config.schema import reference_markdown as r; print(r())\"")
     for key in SCHEMA:
         assert f"`{key}`" in text
 

@@ -1,4 +1,4 @@
-"""ECGR (fedmpi/algorithms/ecgr.py) against math that can be checked by hand.
+"""ECGR (fedmpi/transforms/ecgr.py) against math that can be checked by hand.
 
 In-process tests use world size 1; the MPI test checks world-size invariance
 and the ``/ecgr/selected`` log.
@@ -11,15 +11,18 @@ import pytest
 import torch
 
 from conftest import SMALL, TEST_DEVICE, build_fed, run_at_world_sizes, run_fedmpi
-from fedmpi.algorithms import ALGORITHMS, ClientTask
-from fedmpi.algorithms import ecgr as ecgr_mod
-from fedmpi.algorithms.base import sgd_config
-from fedmpi.algorithms.ecgr import ECGR, SELECTED_STAT, EcgrParams, choose_storage, herding, num_selected
-from fedmpi.config import config_from_dict
+from fedmpi.methods import ALGORITHMS
+from fedmpi.component import ClientTask
+from fedmpi.transforms import ecgr as ecgr_mod
+from fedmpi.training.loop import sgd_config
+from fedmpi.transforms.ecgr import (ECGR, SELECTED_STAT, EcgrParams, choose_storage, herding,
+    num_selected)
+from fedmpi.config.schema import config_from_dict
 from fedmpi.errors import ConfigError, DataError
-from fedmpi.runtime import Federation, stream_seed
+from fedmpi.runtime.federation import Federation
+from fedmpi.training.loop import stream_seed
 from fedmpi.data.partition import local_batches
-from fedmpi.train import StepHooks, epoch_bounds, num_local_steps, step_decay_lr
+from fedmpi.training.loop import StepHooks, epoch_bounds, num_local_steps, step_decay_lr
 
 
 # --------------------------------------------------------------------------- helpers

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from conftest import SMALL, run_fedmpi
-from fedmpi.algorithms import Stat, build_weighting
-from fedmpi.log import read
-from fedmpi.runtime import plan_uplink
+from fedmpi.component import Stat
+from fedmpi.aggregation.weighting import build_weighting
+from fedmpi.log.reader import read
+from fedmpi.runtime.channel import plan_uplink
 from fedmpi.runtime.server import STATUS_NONFINITE, STATUS_OK, ArrivalSum, Uplink, ordered_sum
 
 QUICK = ["--set", "runtime.threads=1", "--set", "runtime.progress=false",
@@ -171,9 +172,10 @@ def _fedavg_server(n_k: np.ndarray):
     from conftest import bare_context
     from torch import nn
 
-    from fedmpi.algorithms import ALGORITHMS, start
-    from fedmpi.config import config_from_dict
-    from fedmpi.flat import FlatModel
+    from fedmpi.methods import ALGORITHMS
+    from fedmpi.methods.base import start
+    from fedmpi.config.schema import config_from_dict
+    from fedmpi.training.flat import FlatModel
 
     K = len(n_k)
     cfg = config_from_dict({"data": {"num_clients": K}})

@@ -30,7 +30,7 @@ def test_custom_method_example_under_mpiexec(tmp_path):
     metrics = ast.literal_eval(line[0].split("final ", 1)[1].split(" log:")[0])
     assert set(metrics) == {"test_accuracy", "balanced_accuracy", "macro_f1"}
     assert metrics["test_accuracy"] > 0.8                 # wine is easy; chance is 0.4
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
 
     log = read(tmp_path / "runs" / "custom_method" / "log.h5")
     assert log.config["algorithm"]["name"] == "__main__:ClippedFedAvg"

@@ -1,7 +1,7 @@
 """A new method of the submodel family is one file (issue 23, item 5).
 
 The toy below is written to a temporary module and never touches fedmpi: a
-:class:`~fedmpi.algorithms.submodel.SubmodelMethod` subclass naming a mask
+:class:`~fedmpi.methods.submodel.SubmodelMethod` subclass naming a mask
 rule, with its own parameter block, registered by one line. Everything the
 family needs comes with the base class: the config keys of its block, the
 family's rules (resource levels required; ECGR and per-client server rules
@@ -19,16 +19,16 @@ import torch
 
 from conftest import ROOT, TEST_DEVICE, set_dotted
 from fedmpi.comm import Comm
-from fedmpi.config import config_from_dict
+from fedmpi.config.schema import config_from_dict
 from fedmpi.errors import ConfigError
-from fedmpi.runtime import Federation
+from fedmpi.runtime.federation import Federation
 
 TOY = '''
 from dataclasses import dataclass
 
-from fedmpi.algorithms import register_method
-from fedmpi.algorithms.submodel import SubmodelMethod
-from fedmpi.params import param
+from fedmpi.methods import register_method
+from fedmpi.methods.submodel import SubmodelMethod
+from fedmpi.config.params import param
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def toy(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))
     import importlib
 
-    from fedmpi.algorithms import ALGORITHMS
+    from fedmpi.methods import ALGORITHMS
 
     monkeypatch.setitem(ALGORITHMS, "coarse_toy", None)   # unregistered again after the test
     monkeypatch.setattr(ALGORITHMS, "version", ALGORITHMS.version)

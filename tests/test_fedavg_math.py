@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from conftest import TEST_DEVICE, build_fed
 
-from fedmpi.runtime import Federation
-from fedmpi.train import LocalTrainer, SGDConfig
+from fedmpi.runtime.federation import Federation
+from fedmpi.training.loop import LocalTrainer, SGDConfig
 
 
 BASE = {"name": "math", "seed": 3, "runtime": {"progress": False, "device": TEST_DEVICE},
@@ -48,8 +48,8 @@ def test_uniform_weighting_averages_client_models_equally():
     theta0 = fed.global_state.clone()
     deltas = []
     for k in range(fed.K):  # train each client by hand from θ0 with the same seed stream
-        from fedmpi.algorithms import ClientTask
-        from fedmpi.runtime import stream_seed
+        from fedmpi.component import ClientTask
+        from fedmpi.training.loop import stream_seed
         task = ClientTask(k, 0, fed.client_idx[k], stream_seed(fed.cfg.seed, k, 0))
         out = {"delta": torch.zeros(fed.D, device=fed.device)}
         fed.algo.client_update(task, fed.trainer, theta0, theta0[:0], out)
@@ -90,7 +90,7 @@ def test_participants_deterministic_and_sized():
 
 
 def test_epoch_bounds_never_leave_a_batch_of_one():
-    from fedmpi.train import epoch_bounds
+    from fedmpi.training.loop import epoch_bounds
     assert epoch_bounds(10, 4) == [0, 4, 8, 10]
     assert epoch_bounds(9, 4) == [0, 4, 9]          # remainder 1 joins the previous batch
     assert epoch_bounds(1, 4) == [0, 1]

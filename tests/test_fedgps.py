@@ -13,11 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from conftest import ROOT, TEST_DEVICE, build_fed, mpiexec_path, run_at_world_sizes, run_fedmpi
-from fedmpi.algorithms.fedgps import FedGPS, supcon_loss
+from fedmpi.methods.fedgps import FedGPS, supcon_loss
 from fedmpi.data.surrogate import make_surrogate
 from fedmpi.errors import ConfigError
-from fedmpi.runtime import Federation, stream_seed
-from fedmpi.train import LocalTrainer, SGDConfig
+from fedmpi.runtime.federation import Federation
+from fedmpi.training.loop import stream_seed
+from fedmpi.training.loop import LocalTrainer, SGDConfig
 
 CFG = "configs/fedgps_digits.yaml"
 
@@ -323,7 +324,7 @@ def test_resume_restores_previous_global_so_first_round_is_rectified(tmp_path):
     """Stop after 2 rounds at -n 3, resume to 4 rounds at -n 2: the same final model as
     4 uninterrupted rounds (1e-5). Round 2 needs Δ̄² = θ² − θ¹, so θ¹ must come back
     from the checkpoint (it lives in memory otherwise)."""
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
 
     base = ["run", CFG, "--set", "data.num_clients=6", "--set", "train.clients_per_round=4",
             "--set", "runtime.threads=1", "--set", "runtime.progress=false",

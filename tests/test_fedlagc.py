@@ -15,17 +15,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import TEST_DEVICE, run_at_world_sizes, run_fedmpi, set_dotted
-from fedmpi.algorithms import ClientTask, RoundInfo
-from fedmpi.algorithms.fedlagc import FedLAGC
-from fedmpi.algorithms.heterofl import HeteroFL
-from fedmpi.algorithms.submodel import (Extractor, Submodel, integer_counts, keep_ratios,
-                                        layer_importance, ste_factor)
+from fedmpi.component import ClientTask, RoundInfo
+from fedmpi.methods.fedlagc import FedLAGC
+from fedmpi.methods.heterofl import HeteroFL
+from fedmpi.methods.extraction import (Extractor, Submodel, integer_counts, keep_ratios,
+    layer_importance, ste_factor)
 from fedmpi.comm import Comm
-from fedmpi.config import config_from_dict
+from fedmpi.config.schema import config_from_dict
 from fedmpi.errors import ConfigError
-from fedmpi.flat import FlatModel
+from fedmpi.training.flat import FlatModel
 from fedmpi.models import build_model
-from fedmpi.runtime import Federation, stream_seed
+from fedmpi.runtime.federation import Federation
+from fedmpi.training.loop import stream_seed
 
 LEVELS = [1.0, 0.25, 0.0625]
 
@@ -84,7 +85,7 @@ def test_keep_ratios_clip_and_redistribute_by_hand():
 def test_layer_importance_log_normalisation():
     theta = torch.tensor([1.0, -1.0, 3.0, -3.0, 3.0])
     flat = FlatModel(nn.Linear(1, 1))  # only for Segment objects
-    from fedmpi.flat import Segment
+    from fedmpi.training.flat import Segment
     segs = [Segment("a", 0, 2, (2,), True), Segment("b", 2, 3, (3,), True)]
     s = layer_importance(theta, segs)
     np.testing.assert_allclose(s, [math.log(2) / (math.log(2) + math.log(4)),

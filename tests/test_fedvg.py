@@ -9,14 +9,14 @@ import torch
 import torch.nn.functional as F
 
 from conftest import SMALL, TEST_DEVICE, build_fed, run_at_world_sizes, run_fedmpi, set_dotted
-from fedmpi.algorithms import ALGORITHMS
-from fedmpi.algorithms.fedvg import block_of, fedvg_scores, layer_norms
-from fedmpi.config import config_from_dict
-from fedmpi.data import synthetic_dataset
+from fedmpi.methods import ALGORITHMS
+from fedmpi.aggregation.fedvg import block_of, fedvg_scores, layer_norms
+from fedmpi.config.schema import config_from_dict
+from fedmpi.data.datasets import synthetic_dataset
 from fedmpi.data.validation import (CIFAR100_CLASSES, CLASS_MAPS, build_validation,
-                                    imbalanced_counts)
+    imbalanced_counts)
 from fedmpi.errors import ConfigError, DataError
-from fedmpi.runtime import Federation
+from fedmpi.runtime.federation import Federation
 
 
 def cfg_dict(**over) -> dict:
@@ -191,7 +191,7 @@ def test_delta_norm_needs_no_validation_pass(monkeypatch):
 
 
 def test_l2_and_spectral_norms():
-    from fedmpi.flat import Segment
+    from fedmpi.training.flat import Segment
 
     v = torch.tensor([3.0, 4.0, 1.0, 0.0, 0.0, 2.0, -1.0])
     segs = (Segment("a", 0, 2, (2,), True), Segment("b", 2, 4, (2, 2), True),
@@ -547,7 +547,7 @@ import numpy as np, torch
 from fedmpi.comm import Comm
 from fedmpi.config import config_from_dict
 from fedmpi.runtime import Federation
-from fedmpi.algorithms.fedvg import FedVG
+from fedmpi.aggregation.fedvg import FedVG
 calls = []
 orig = FedVG.score
 def score(self, theta, deltas, *args):

@@ -12,9 +12,11 @@ import pytest
 
 from conftest import SMALL, run_fedmpi
 from fedmpi.cli import main
-from fedmpi.config import config_from_dict
-from fedmpi.log import LogWriter, read
-from fedmpi.report import summary_markdown, write_report
+from fedmpi.config.schema import config_from_dict
+from fedmpi.log.writer import LogWriter
+from fedmpi.log.reader import read
+from fedmpi.report.summary import summary_markdown
+from fedmpi.report import write_report
 
 K = 3
 

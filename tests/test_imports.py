@@ -5,7 +5,7 @@ The graph is built from the source with :mod:`ast`, independently of the
 package: an edge A → B for every module B that executing A's imports would
 import — the named module, each submodule named in ``from pkg import sub``, and
 every parent package of the named module below ``fedmpi`` (importing
-``fedmpi.algorithms.base`` runs ``fedmpi/algorithms/__init__.py``). Cycles are
+``fedmpi.methods.base`` runs ``fedmpi/methods/__init__.py``). Cycles are
 the strongly connected components with more than one module.
 """
 from __future__ import annotations
@@ -16,6 +16,8 @@ from pathlib import Path
 from conftest import ROOT
 
 PKG = ROOT / "fedmpi"
+#: the packages of the pluggable components (methods, weightings and rules, transforms)
+COMPONENT_PACKAGES = ("fedmpi.methods", "fedmpi.aggregation", "fedmpi.transforms")
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -127,9 +129,9 @@ def test_graph_sees_function_local_imports_and_ignores_type_checking():
     # fedmpi.__init__ imports api only inside __getattr__: still an edge
     assert "fedmpi.api" in g["fedmpi"]
     # base.py imports fedmpi.context only under TYPE_CHECKING
-    assert "fedmpi.context" not in g["fedmpi.algorithms.base"]
-    # importing fedmpi.algorithms.base runs fedmpi/algorithms/__init__.py
-    assert "fedmpi.algorithms" in g["fedmpi.config"]
+    assert "fedmpi.context" not in g["fedmpi.methods.base"]
+    # importing fedmpi.methods.base runs fedmpi/methods/__init__.py
+    assert "fedmpi.methods" in g["fedmpi.config.schema"]
 
 
 def test_fedmpi_has_no_import_cycle():
@@ -138,20 +140,22 @@ def test_fedmpi_has_no_import_cycle():
 
 
 def test_config_core_imports_no_component_and_names_no_method():
-    """The config core is below the components: it imports neither fedmpi.algorithms nor
+    """The config core is below the components: it imports no component package nor
     anything that does, and no method, weighting or transform name appears in it."""
     g = import_graph()
-    reach, todo = set(), ["fedmpi.config_core"]
+    reach, todo = set(), ["fedmpi.config.core"]
     while todo:
         for dep in g[todo.pop()]:
             if dep not in reach:
                 reach.add(dep)
                 todo.append(dep)
-    assert not {m for m in reach if m.startswith("fedmpi.algorithms")}, reach
-    from fedmpi.algorithms import ALGORITHMS, RULES, TRANSFORMS, WEIGHTINGS
+    assert not {m for m in reach if m.startswith(COMPONENT_PACKAGES)}, reach
+    from fedmpi.methods import ALGORITHMS
+    from fedmpi.aggregation.rules import RULES
+    from fedmpi.transforms.base import TRANSFORMS
+    from fedmpi.aggregation.weighting import WEIGHTINGS
 
-    for path in (PKG / "config_core.py", PKG / "config_fields.py", PKG / "config_yaml.py",
-                 PKG / "config_framework.py", PKG / "config.py"):
+    for path in sorted((PKG / "config").glob("*.py")):
         code = ast.unparse(ast.parse(path.read_text(encoding="utf-8")))   # no comments
         strings = {n.value for n in ast.walk(ast.parse(code))
                    if isinstance(n, ast.Constant) and isinstance(n.value, str)}
@@ -162,14 +166,17 @@ def test_config_core_imports_no_component_and_names_no_method():
 
 
 def test_data_imports_no_component_and_names_none():
-    """fedmpi/data is below the components (issue 23): it reaches neither fedmpi.algorithms
+    """fedmpi/data is below the components (issue 23): it reaches no component package
     nor the config schema or the runtime, and its code — string literals other than
     docstrings, attribute names — names no method, weighting, transform, server rule or
     their config blocks (``cfg.ecgr``, ``"fedvg"``): what the components need from the
     data comes in as fedmpi.data.DataNeeds."""
     import re
 
-    from fedmpi.algorithms import ALGORITHMS, RULES, TRANSFORMS, WEIGHTINGS
+    from fedmpi.methods import ALGORITHMS
+    from fedmpi.aggregation.rules import RULES
+    from fedmpi.transforms.base import TRANSFORMS
+    from fedmpi.aggregation.weighting import WEIGHTINGS
 
     g = import_graph()
     reach, todo = set(), [m for m in g if m == "fedmpi.data" or m.startswith("fedmpi.data.")]
@@ -178,7 +185,7 @@ def test_data_imports_no_component_and_names_none():
             if dep not in reach:
                 reach.add(dep)
                 todo.append(dep)
-    above = ("fedmpi.algorithms", "fedmpi.config", "fedmpi.runtime", "fedmpi.usercode")
+    above = (*COMPONENT_PACKAGES, "fedmpi.config.schema", "fedmpi.runtime", "fedmpi.usercode")
     assert not {m for m in reach if m.startswith(above)}, sorted(reach)
 
     names = {"algorithm", "aggregation", "transforms"}   # the component kinds' config prefixes
@@ -203,60 +210,60 @@ def test_data_imports_no_component_and_names_none():
     assert not found, f"fedmpi/data names components: {found}"
 
 
-#: The public names of modules that were split into packages or parts (report, log,
-#: compare: packages; submodel: mask rules moved to algorithms/extraction.py; round two:
-#: rundir, checkpoint, config_core, config, data.partition), as users imported them before
-#: the split.
-SPLIT_MODULES: dict[str, tuple[str, ...]] = {
-    "fedmpi.report": ("DIGEST_KEYS", "PLOTS", "PLOT_HINT", "RULE_COLUMNS", "have_matplotlib",
-                      "partition_preview", "plot_accuracy", "plot_bytes", "plot_client_weights",
-                      "plot_grad_norm", "plot_level_accuracy", "plot_metrics", "plot_partition",
-                      "plot_time", "relevant_keys", "summary_markdown", "time_split",
-                      "write_report"),
-    "fedmpi.log": ("LogWriter", "PathLike", "RunLog", "SCHEMA_VERSION", "STATUSES", "as_run_log",
-                   "ended_without_status", "pid_alive", "read"),
-    "fedmpi.compare": ("ALIASES", "EXTRA_METRICS", "GroupRow", "IGNORED_KEYS", "RunMetrics",
-                       "Table", "UNUSED", "compare", "compare_logs", "config_value",
-                       "flatten_config", "is_percent", "logged_metrics", "rounds_to_target",
-                       "run_config", "run_metrics"),
-    "fedmpi.algorithms.submodel": ("Extractor", "FedLAGCParams", "RULES", "Scaler", "Submodel",
-                                   "SubmodelMethod", "SubmodelParams", "client_levels",
-                                   "integer_counts", "keep_ratios", "layer_importance",
-                                   "ste_factor"),
-    # round two: the lock moved to runlock.py, RunDirError to errors.py
-    "fedmpi.rundir": ("LOCK_NAME", "LOCK_STALE_FACTOR", "MAY_CHANGE_ON_RESUME", "RUN_FILES",
-                      "WRITTEN", "LockHolder", "RunDir", "RunDirError", "acquire",
-                      "check_same_run", "fingerprint", "heartbeat", "lock_holder",
-                      "may_change_on_resume", "output_dir", "parse_lock", "prepare", "release",
-                      "resume_history", "run_defining"),
-    # the file format in checkpoint_file.py, moving client states in client_states.py
-    "fedmpi.checkpoint": ("CHECKPOINT_NAME", "FORMAT", "VERSION", "CheckpointError",
-                          "ClientStates", "Restored", "RngStreams", "RunState", "StateOwner",
-                          "checkpoint_path", "decode_state", "digest", "encode_state",
-                          "gather_client_states", "load_server_side", "read_checkpoint",
-                          "resume", "save", "save_atomic", "scatter_client_states"),
-    # one key and one value in config_fields.py, the YAML dialect in config_yaml.py
-    "fedmpi.config_core": ("Config", "Field", "Schema", "Section", "build_config", "check_value",
-                           "config_from_dict", "load_config", "read_yaml", "reference_markdown",
-                           "suggest"),
-    # the framework's own keys and rules in config_framework.py
-    "fedmpi.config": ("Config", "Field", "METRIC_NAMES", "SCHEMA", "Section", "check_components",
-                      "config_from_dict", "keyed_components", "load_config", "local_steps_floor",
-                      "reference_markdown", "renamed_to", "schema"),
-    # the iid / dirichlet / shards splits in data/client_splits.py
-    "fedmpi.data.partition": ("DIRICHLET_MAX_TRIES", "PARTITION_METHODS", "Partition",
-                              "check_batch_floor", "local_batches", "make_partition",
-                              "stratified_holdout"),
-}
+def _definitions() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """Per module: the names it defines (def, class, assignment) and those it imports
+    from another fedmpi module at the top level."""
+    defined: dict[str, set[str]] = {}
+    imported: dict[str, set[str]] = {}
+    for name, (path, _) in _modules().items():
+        d, i = set(), set()
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                d.add(node.name)
+            elif isinstance(node, ast.Assign):
+                d |= {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                d.add(node.target.id)
+            elif isinstance(node, ast.ImportFrom) and (node.level or
+                                                       (node.module or "").startswith("fedmpi")):
+                i |= {a.asname or a.name for a in node.names}
+        defined[name], imported[name] = d, i
+    return defined, imported
 
 
-def test_split_modules_keep_their_public_names():
-    """A module split into parts still offers every public name it had, and lists it in
-    ``__all__`` (so ``from fedmpi.log import *`` and the API docs see it)."""
-    import importlib
+def test_every_name_has_one_home():
+    """No re-export shims (issue 34): a module's ``__all__`` lists only what it defines, and
+    no module is imported for a name it merely imports from another fedmpi module. The
+    top-level ``fedmpi`` package (``fedmpi.run``, the exceptions) is the one public
+    exception."""
+    defined, imported = _definitions()
+    bad = []
+    for name, (path, _) in _modules().items():
+        if name == "fedmpi":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__"
+                                                    for t in node.targets):
+                listed = {e.value for e in node.value.elts}   # type: ignore[attr-defined]
+                bad += [f"{name}.__all__ lists {n}" for n in sorted(listed - defined[name])]
+    mods = _modules()
+    for path in [*PKG.rglob("*.py"), *(ROOT / "tests").glob("*.py"), *(ROOT / "bench").glob("*.py"),
+                 *(ROOT / "examples").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and not node.level and \
+                    (node.module or "") in mods and node.module != "fedmpi":
+                for a in node.names:
+                    sub = f"{node.module}.{a.name}"
+                    if sub not in mods and a.name not in defined[node.module] \
+                            and a.name in imported[node.module]:
+                        bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {a.name} "
+                                   f"from {node.module}, which only re-exports it")
+    assert not bad, "\n".join(bad)
 
-    for module, names in SPLIT_MODULES.items():
-        mod = importlib.import_module(module)
-        missing = [n for n in names if not hasattr(mod, n)]
-        unlisted = [n for n in names if n not in getattr(mod, "__all__", ())]
-        assert not missing and not unlisted, (module, missing, unlisted)
+
+def test_at_most_15_modules_at_the_top_of_the_package():
+    """A layout by job (issue 34): the top of ``fedmpi/`` holds at most 15 modules; the
+    rest lives in packages named for their job."""
+    top = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(top) <= 15, top

@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from fedmpi.errors import LogFormatError
-from fedmpi.log import SCHEMA_VERSION, LogWriter, read
+from fedmpi.log.schema import SCHEMA_VERSION
+from fedmpi.log.writer import LogWriter
+from fedmpi.log.reader import read
 
 K, C, L = 4, 3, 2
 CONFIG = "name: test\nseed: 1\ndata:\n  num_clients: 4\n"
@@ -214,7 +216,7 @@ def test_killed_writer_leaves_readable_log(tmp_path):
 
 def test_read_while_writer_open(tmp_path):
     path = tmp_path / "log.h5"
-    script = f"from fedmpi.log import read; print(read({str(path)!r}).num_rounds)"
+    script = f"from fedmpi.log.reader import read; print(read({str(path)!r}).num_rounds)"
     with make_writer(path) as log:
         assert read(path).num_rounds == 0
         write_rounds(log, range(2))

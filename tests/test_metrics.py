@@ -53,7 +53,7 @@ def test_auroc_single_class_is_nan_and_absent_class_renormalised():
 
 
 def _digits_predictions(model_path) -> tuple[np.ndarray, np.ndarray]:
-    from fedmpi.data import load_dataset
+    from fedmpi.data.datasets import load_dataset
     from fedmpi.models import build_model
 
     data = load_dataset("digits")
@@ -72,7 +72,7 @@ def test_sharded_metrics_logged_per_round_and_shown(tmp_path):
     proc = run_fedmpi(["run", "configs/quickstart.yaml", *SMALL, "--set", "eval.sharded=true",
                        "--set", "eval.every=2", "--set",
                        "eval.metrics=[accuracy,balanced_accuracy,macro_f1]", "--out", str(out)], n=3)
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
 
     log = read(out / "log.h5")
     for name in ("test_accuracy", "balanced_accuracy", "macro_f1"):
@@ -88,7 +88,7 @@ def test_sharded_metrics_logged_per_round_and_shown(tmp_path):
                     f"macro_f1={log.rounds['macro_f1'][-1]:.6f}")
 
     from fedmpi.compare import compare
-    from fedmpi.report import summary_markdown
+    from fedmpi.report.summary import summary_markdown
 
     summary = summary_markdown(log)
     assert f"| final macro_f1 | {100 * log.rounds['macro_f1'][-1]:.2f}% |" in summary

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import ROOT, SMALL, fedmpi_cmd, run_fedmpi
-from fedmpi.log import read
+from fedmpi.log.reader import read
 
 pytestmark = pytest.mark.mpi
 CFG = "configs/quickstart.yaml"

@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import TEST_DEVICE, build_fed
 
-from fedmpi.config import config_from_dict
+from fedmpi.config.schema import config_from_dict
 from fedmpi.errors import ConfigError
-from fedmpi.train import LocalTrainer, SGDConfig
+from fedmpi.training.loop import LocalTrainer, SGDConfig
 
 BASE = {"name": "optim", "seed": 3, "runtime": {"progress": False, "device": TEST_DEVICE},
         "data": {"num_clients": 4, "partition": {"method": "iid"}},
@@ -107,7 +107,7 @@ def test_adamw_run_learns(tmp_path):
 
     r = fedmpi.run(BASE, ["train.optimizer=adamw", "train.lr=0.005", "train.rounds=4",
                           "train.local_steps=10", "train.weight_decay=0.01"], out=tmp_path)
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
 
     log = read(r.log_path)
     assert log.config["train"]["optimizer"] == "adamw"
@@ -157,7 +157,7 @@ def _federated_reference(fed, make_opt, rounds: int, keep: bool) -> torch.Tensor
     its parameters are overwritten by the global model), otherwise a new one per round."""
     from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-    from fedmpi.train import stream_seed
+    from fedmpi.training.loop import stream_seed
 
     P = fed.flat.num_params
     theta = fed.global_state[:P].clone()

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from fedmpi.data import Partition, make_partition
+from fedmpi.data.partition import Partition, make_partition
 from fedmpi.data.partition import stratified_holdout
 from fedmpi.errors import ConfigError, DataError, UserError
 
@@ -274,7 +274,7 @@ def test_min_batches_violation_is_an_error(labels, method, kw):
     message = str(info.value)
     assert "client " in message and "batch_size=128" in message and "2 local batches" in message
     # At the boundary: 100 = 98 + 2 is 2 batches; 100 = 99 + 1 is one (the trainer merges a
-    # one-sample remainder into the previous batch, fedmpi.train.epoch_bounds).
+    # one-sample remainder into the previous batch, fedmpi.training.loop.epoch_bounds).
     make_partition(labels, 20, "iid", seed=0, min_batches=2, batch_size=98)
     with pytest.raises(DataError, match="1 batch"):
         make_partition(labels, 20, "iid", seed=0, min_batches=2, batch_size=99)

@@ -1,7 +1,7 @@
-"""Placement of ranks on GPUs and CPU threads (fedmpi.placement) and `fedmpi info`."""
+"""Placement of ranks on GPUs and CPU threads (fedmpi.job.placement) and `fedmpi info`."""
 from __future__ import annotations
 
-from fedmpi import placement
+from fedmpi.job import placement
 from fedmpi.cli import main as fedmpi_main
 
 

@@ -17,9 +17,9 @@ from dp_accounting import pld, rdp  # noqa: E402
 from conftest import TEST_DEVICE, set_dotted  # noqa: E402
 import fedmpi  # noqa: E402
 from fedmpi.cli import main as fedmpi_main  # noqa: E402
-from fedmpi.config import config_from_dict  # noqa: E402
+from fedmpi.config.schema import config_from_dict  # noqa: E402
 from fedmpi.errors import ConfigError  # noqa: E402
-from fedmpi.log import read  # noqa: E402
+from fedmpi.log.reader import read  # noqa: E402
 
 REL = dp_accounting.NeighboringRelation
 DELTA = 1e-5
@@ -59,7 +59,7 @@ def test_client_level_epsilon_is_dp_accountings_fixed_size_sampling(tmp_path):
     assert np.all(np.diff(eps) > 0)
     # shown by report and compare
     from fedmpi.compare import compare
-    from fedmpi.report import summary_markdown
+    from fedmpi.report.summary import summary_markdown
 
     assert f"| {eps[-1]:.4g} after round 2" in summary_markdown(read(tmp_path / "c" / "log.h5"))
     table = compare([tmp_path / "c" / "log.h5"]).markdown()
@@ -122,7 +122,7 @@ def test_abadi_moments_accountant_example():
 def test_clip_bounds_the_norm_and_keeps_the_direction():
     from types import SimpleNamespace
 
-    from fedmpi.algorithms.dp_clip import ClientClip
+    from fedmpi.transforms.dp_clip import ClientClip
 
     cfg = config_from_dict(small(**{"privacy.dp.noise_multiplier": 0.0}))
     tr = ClientClip(cfg)
@@ -138,7 +138,7 @@ def test_clip_bounds_the_norm_and_keeps_the_direction():
 
 RECORDER = '''
 import torch
-from fedmpi.algorithms import UpdateTransform
+from fedmpi.transforms.base import UpdateTransform
 
 UPLOADS = []
 
@@ -205,7 +205,7 @@ def test_central_noise_has_std_sigma_c_on_the_sum():
 def test_distributed_noise_shares_sum_to_sigma_c_and_rank0_tops_up_an_excluded_share():
     from types import SimpleNamespace
 
-    from fedmpi.algorithms.dp_clip import ClientClip
+    from fedmpi.transforms.dp_clip import ClientClip
     from fedmpi.privacy.dp import ServerNoise
 
     cfg = config_from_dict(small(**{"privacy.dp.noise_multiplier": 2.0,

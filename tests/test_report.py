@@ -11,8 +11,10 @@ import pytest
 from conftest import SMALL, run_fedmpi
 from fedmpi.cli import main
 from fedmpi.compare import compare
-from fedmpi.log import LogWriter, read
-from fedmpi.report import PLOTS, summary_markdown, write_report
+from fedmpi.log.writer import LogWriter
+from fedmpi.log.reader import read
+from fedmpi.report import PLOTS, write_report
+from fedmpi.report.summary import summary_markdown
 
 pytest.importorskip("matplotlib")
 

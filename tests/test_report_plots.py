@@ -46,7 +46,7 @@ def test_uplink_and_downlink_are_both_visible(report):
 
 
 def test_every_chosen_metric_and_the_site_spread_are_drawn(report):
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
 
     png = report["metrics.png"]
     assert _share(png, "#d62728") > 0.002          # the sites' curve (C3)

@@ -22,9 +22,15 @@ import torch
 
 from conftest import (ROOT, SMALL, TEST_DEVICE, DictClients, fake_run_state, fedmpi_cmd,
                       mpiexec_path, run_fedmpi)
-from fedmpi import checkpoint, signals
+from fedmpi.job import checkpoint
 from fedmpi.cli import main as fedmpi_main
-from fedmpi.log import read
+from fedmpi.log.reader import read
+from fedmpi.errors import EXIT_INTERRUPTED
+from fedmpi.job.checkpoint_file import FORMAT, VERSION, checkpoint_path, digest, read_checkpoint
+from fedmpi.job.client_states import decode_state, encode_state, gather_client_states, scatter_client_states
+from fedmpi.job.lock import release
+from fedmpi.job.outputs import save_atomic
+from fedmpi.job.state_check import CheckpointError
 
 CFG = "configs/quickstart.yaml"
 ROUNDS = 4
@@ -132,7 +138,7 @@ def test_sigterm_on_worker_checkpoints_and_resume_under_other_n_matches(referenc
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == signals.EXIT_INTERRUPTED, err[-3000:]
+    assert proc.returncode == EXIT_INTERRUPTED, err[-3000:]
     log = read(out / "log.h5")
     assert log.attrs["status"] == "interrupted"
     r = _ckpt(out)["round"]
@@ -172,7 +178,7 @@ def test_sigkill_of_a_worker_fails_fast_and_resume_completes(reference, tmp_path
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode not in (0, signals.EXIT_INTERRUPTED)
+    assert proc.returncode not in (0, EXIT_INTERRUPTED)
     assert elapsed < timeout + 10, f"job took {elapsed:.1f}s to end after SIGKILL"
     log = read(out / "log.h5")                                  # readable after the kill
     assert list(log.rounds["round"]) == list(range(log.num_rounds))
@@ -281,13 +287,13 @@ def test_foreign_missing_and_mismatched_checkpoints_exit_2(reference, tmp_path, 
     assert _main("run", CFG, *OPS, "--out", str(out), "--resume") == 2
     assert f"{out / 'checkpoint.pt'}: no checkpoint" in capsys.readouterr().err
     torch.save({"format": "something else"}, out / "checkpoint.pt")
-    with pytest.raises(checkpoint.CheckpointError, match="not a fedmpi checkpoint"):
-        checkpoint.read_checkpoint(out / "checkpoint.pt")
+    with pytest.raises(CheckpointError, match="not a fedmpi checkpoint"):
+        read_checkpoint(out / "checkpoint.pt")
     # weights_only: a pickle that would run code is refused, not executed
     from types import SimpleNamespace   # any class: its unpickling would run code
-    torch.save({"format": checkpoint.FORMAT, "evil": SimpleNamespace(a=1)}, out / "checkpoint.pt")
-    with pytest.raises(checkpoint.CheckpointError, match="truncated or corrupt"):
-        checkpoint.read_checkpoint(out / "checkpoint.pt")
+    torch.save({"format": FORMAT, "evil": SimpleNamespace(a=1)}, out / "checkpoint.pt")
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        read_checkpoint(out / "checkpoint.pt")
 
 
 # ------------------------------------------------- in-process unit tests
@@ -297,17 +303,17 @@ def test_state_bytes_round_trip_all_dtypes():
              "lam": torch.tensor(0.125, dtype=torch.bfloat16),
              "count": torch.tensor([3], dtype=torch.int64),
              "mask": torch.tensor([True, False, True]), "empty": torch.zeros(0, 4)}
-    blob = checkpoint.encode_state(state)
+    blob = encode_state(state)
     assert blob.dtype == np.uint8
     header_len = int(blob[:8].view("<u8")[0])
     data_bytes = 24 + 16 + 2 + 8 + 3 + 0
     assert blob.size == 8 + header_len + data_bytes
-    back = checkpoint.decode_state(blob)
+    back = decode_state(blob)
     assert back.keys() == state.keys()
     for k, v in state.items():
         assert back[k].dtype == v.dtype and back[k].shape == v.shape
         assert torch.equal(back[k], v), k
-    assert checkpoint.decode_state(checkpoint.encode_state({})) == {}
+    assert decode_state(encode_state({})) == {}
 
 
 def test_client_states_travel_in_blocks(monkeypatch):
@@ -318,13 +324,13 @@ def test_client_states_travel_in_blocks(monkeypatch):
     K = 4
     states = {0: {"c": torch.randn(5)}, 2: {"c": torch.randn(3), "n": torch.tensor([2])}}
     run = fake_run_state(num_clients=K, clients=DictClients(states))
-    got = checkpoint.gather_client_states(run)
+    got = gather_client_states(run)
     assert sorted(got) == [0, 2]                       # clients 1 and 3 have no state
     for k in got:
         for n, v in states[k].items():
             assert torch.equal(got[k][n], v)
     run.clients = DictClients()
-    assert checkpoint.scatter_client_states(run, got) == 2
+    assert scatter_client_states(run, got) == 2
     assert torch.equal(run.clients.states[2]["n"], torch.tensor([2]))
     assert torch.equal(run.clients.states[0]["c"], states[0]["c"])
 
@@ -363,10 +369,10 @@ def test_named_components_and_global_state_round_trip(tmp_path):
     assert fresh.steps == 5 and torch.equal(fresh.total, torch.tensor([1.0, -2.0, 0.5]))
     assert torch.equal(torch.rand(4), expected_draw)
     stored = torch.load(path, weights_only=True)
-    assert stored["version"] == checkpoint.VERSION and set(stored["components"]) == {"algorithm", "rng"}
+    assert stored["version"] == VERSION and set(stored["components"]) == {"algorithm", "rng"}
     # a component this run does not have is refused, naming it
     run3 = fake_run_state(components={"rng": checkpoint.RngStreams()})
-    with pytest.raises(checkpoint.CheckpointError, match="algorithm"):
+    with pytest.raises(CheckpointError, match="algorithm"):
         checkpoint.load_server_side(run3, path)
 
 
@@ -378,7 +384,7 @@ def test_checkpoint_of_an_older_format_is_refused_in_one_line(tmp_path, capsys):
     ckpt["version"] = 2
     ckpt["server_state"] = ckpt.pop("components")["algorithm"]
     ckpt.pop("checksum")
-    ckpt["checksum"] = checkpoint.digest(ckpt)
+    ckpt["checksum"] = digest(ckpt)
     torch.save(ckpt, out / "checkpoint.pt")
     capsys.readouterr()
     assert _main("run", CFG, *SMALL, "--set", "train.rounds=3", "--out", str(out), "--resume") == 2
@@ -388,14 +394,14 @@ def test_checkpoint_of_an_older_format_is_refused_in_one_line(tmp_path, capsys):
 
 def test_atomic_save_leaves_old_file_on_failure(tmp_path):
     path = tmp_path / "checkpoint.pt"
-    checkpoint.save_atomic({"x": torch.ones(2)}, path)
+    save_atomic({"x": torch.ones(2)}, path)
 
     class Boom:
         def __reduce__(self):
             raise RuntimeError("boom")
 
     with pytest.raises(Exception):
-        checkpoint.save_atomic({"x": Boom()}, path)
+        save_atomic({"x": Boom()}, path)
     assert torch.equal(torch.load(path, weights_only=True)["x"], torch.ones(2))
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]   # no temp file left
 
@@ -408,7 +414,6 @@ def test_open_run_takes_the_run_state_and_the_log_header(tmp_path):
 
     import h5py
 
-    from fedmpi import rundir
     from fedmpi.context import LogSink
     from fedmpi.runtime.guard import LogHeader, open_run
 
@@ -425,11 +430,11 @@ def test_open_run_takes_the_run_state_and_the_log_header(tmp_path):
         opened = open_run(run, header, out, resume=False, overwrite=False)
         assert opened.restored is None and opened.history == []
         sink.event(0, -1, "after opening")    # the sink now writes into the open log
-        checkpoint.save(run, 0, checkpoint.checkpoint_path(out))
+        checkpoint.save(run, 0, checkpoint_path(out))
         opened.writer.set_status("interrupted")
         opened.writer.close()
     finally:
-        rundir.release()
+        release()
     with h5py.File(out / "log.h5", "r") as f:
         assert f.attrs["world_size"] == 1
         assert np.array_equal(f["clients/num_samples"][()], [3, 3, 4])
@@ -449,4 +454,4 @@ def test_open_run_takes_the_run_state_and_the_log_header(tmp_path):
         assert opened.history == [] and torch.equal(run2.global_state, theta)
         opened.writer.close()
     finally:
-        rundir.release()
+        release()

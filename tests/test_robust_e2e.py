@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import fedmpi
-from fedmpi.algorithms.adversary import Adversary, alie_z
-from fedmpi.log import read
-from fedmpi.report import summary_markdown
+from fedmpi.transforms.adversary import Adversary, alie_z
+from fedmpi.log.reader import read
+from fedmpi.report.summary import summary_markdown
 
 BASE = ["train.rounds=8", "train.clients_per_round=null", "model.name=mlp", "train.lr=0.1",
         "data.partition.alpha=100", "runtime.threads=1", "runtime.progress=false"]
@@ -142,7 +142,7 @@ def test_rule_composes_and_logs_its_column(rule, method, weighting, tmp_path):
 
 
 def test_alie_refused_under_secure_aggregation():
-    from fedmpi.config import config_from_dict
+    from fedmpi.config.schema import config_from_dict
     from fedmpi.errors import ConfigError
     from fedmpi.privacy.secagg import check_config
 

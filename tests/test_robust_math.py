@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedmpi.algorithms import robust_math as rm
+from fedmpi.aggregation import robust_math as rm
 
 
 def rows(n: int, d: int = 37, seed: int = 0) -> np.ndarray:

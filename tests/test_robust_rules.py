@@ -1,4 +1,4 @@
-"""The robust server rules (fedmpi.algorithms.robust) end to end on small rows.
+"""The robust server rules (fedmpi.aggregation.robust) end to end on small rows.
 
 Every expectation is computed here in numpy from the paper's definition on
 explicit vectors; the rules are built from config keys as a run builds them.
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedmpi.algorithms import build_rule
-from fedmpi.algorithms.rules import RuleInfo
-from fedmpi.config import config_from_dict
+from fedmpi.aggregation.rules import build_rule
+from fedmpi.aggregation.rules import RuleInfo
+from fedmpi.config.schema import config_from_dict
 from fedmpi.errors import ConfigError
 
 K = 12
@@ -137,7 +137,7 @@ def test_multi_krum_m_and_f_at_the_limit():
 
 
 def test_krum_check_names_keys():
-    """The rule's check() runs when a config selecting it is built (fedmpi.config)."""
+    """The rule's check() runs when a config selecting it is built (fedmpi.config.schema)."""
     for rule, extra in (("krum", {}), ("multi_krum", {})):
         with pytest.raises(ConfigError, match=rf"aggregation\.{rule}\.f.*train\.clients_per_round"):
             config_from_dict({"data": {"num_clients": 10}, "train": {"clients_per_round": 6},

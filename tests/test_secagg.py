@@ -137,7 +137,7 @@ def test_secure_run_equals_plaintext_within_the_quantisation_bound(tmp_path, n):
         outs[name] = tmp_path / name
         run_fedmpi(["run", "configs/quickstart.yaml", *SMALL, *extra, "--out", str(outs[name])], n=n)
     a, b = _state(outs["plain"]), _state(outs["secure"])
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
 
     log = read(outs["secure"] / "log.h5")
     w = log.clients.get("weight")
@@ -155,7 +155,7 @@ def test_out_of_range_update_is_refused_not_wrapped(tmp_path):
     run_fedmpi(["run", "configs/quickstart.yaml", *SMALL, "--set", "privacy.secure_aggregation=true",
                 "--set", "adversary.clients=[0,1,2,3,4,5]", "--set", "adversary.kind=scale",
                 "--set", "adversary.factor=1e9", "--out", str(out)], n=0)
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
 
     log = read(out / "log.h5")
     texts = [str(m) for m in log.events["message"]]

@@ -18,9 +18,12 @@ import torch
 from torch import nn
 
 from conftest import ROOT, bare_context
-from fedmpi.algorithms import ALGORITHMS, Stat, build_weighting, start
-from fedmpi.config import config_from_dict
-from fedmpi.flat import FlatModel
+from fedmpi.methods import ALGORITHMS
+from fedmpi.methods.base import start
+from fedmpi.component import Stat
+from fedmpi.aggregation.weighting import build_weighting
+from fedmpi.config.schema import config_from_dict
+from fedmpi.training.flat import FlatModel
 from fedmpi.runtime.server import STATUS_NONFINITE, STATUS_OK, Uplink, server_step
 
 K = 5

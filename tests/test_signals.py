@@ -1,4 +1,4 @@
-"""Signal handling (fedmpi.signals): a stop request is recorded, handlers are restored,
+"""Signal handling (fedmpi.job.signals): a stop request is recorded, handlers are restored,
 a second SIGINT interrupts at once."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from fedmpi import signals
+from fedmpi.job import signals
 
 
 def test_signal_handlers_record_and_restore():

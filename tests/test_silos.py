@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import ROOT, mpiexec_path, run_fedmpi, set_dotted
-from fedmpi.config import config_from_dict
-from fedmpi.data import DataNeeds
+from fedmpi.config.schema import config_from_dict
+from fedmpi.data.build import DataNeeds
 from fedmpi.errors import ConfigError, DataError
 
 # Each silo in its own directory; the server's test and validation sets in another.
@@ -126,7 +126,7 @@ def test_silo_run_reads_only_hosted_silos_and_equals_pooled(tmp_path):
         got = _model(tmp_path / f"n{n}")
         assert all(torch.equal(got[k], ref[k]) for k in ref), n
 
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
     pooled, silos = read(tmp_path / "pooled" / "log.h5"), read(tmp_path / "n3" / "log.h5")
     assert np.array_equal(pooled.clients["num_samples"], silos.clients["num_samples"])
     assert np.array_equal(pooled.arrays["partition/class_counts"],
@@ -182,7 +182,7 @@ class _Rank:
 def test_loader_is_called_only_for_hosted_clients(tmp_path, monkeypatch):
     """data.silos.loader: fn(client) runs on the hosting rank only; rank 1 of 3 hosts
     clients 0, 2, 4 and its local pool is exactly their samples, in client order."""
-    from fedmpi.data import build_local
+    from fedmpi.data.silos import build_local
 
     mod = tmp_path / "silo_loader_i16.py"
     mod.write_text("import numpy as np\nCALLS = []\n"
@@ -225,7 +225,7 @@ def test_silo_config_rules():
 
 
 def test_empty_silo_is_a_data_error(tmp_path):
-    from fedmpi.data import build_local
+    from fedmpi.data.silos import build_local
     from fedmpi.data.tabular import write_table
 
     for k, n in enumerate((4, 0)):
@@ -243,7 +243,7 @@ def test_silos_get_what_the_components_ask_for(tmp_path):
     ECGR's τ_k ≥ 2 (min_local_steps) makes a one-batch silo an error naming ecgr.enabled
     (two local epochs: one batch is enough), and that rank 0 reads the validation file for
     FedVG's scores even when only the clients evaluate (not for norm delta)."""
-    from fedmpi.data import build_local
+    from fedmpi.data.silos import build_local
     from fedmpi.data.tabular import write_table
     from fedmpi.usercode import UserCode
 
@@ -287,7 +287,7 @@ def test_silo_run_resumes_under_another_world_size(tmp_path):
     run_fedmpi(["run", str(config), "--out", str(ref)], n=1)
     a, b = _model(out), _model(ref)
     assert all(torch.equal(a[k], b[k]) for k in b)
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
     log = read(out / "log.h5")
     assert list(log.attrs["resumed_world_sizes"]) == [2] and list(log.rounds["round"]) == [0, 1, 2]
     assert any("resumed at round 2 with world_size=2 (was 3)" in m for m in log.events["message"])

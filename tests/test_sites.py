@@ -7,7 +7,6 @@ import copy
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -18,7 +17,7 @@ from sklearn.metrics import (accuracy_score, balanced_accuracy_score, f1_score, 
                              roc_auc_score)
 
 from conftest import ROOT, mpiexec_path
-from fedmpi.config import config_from_dict
+from fedmpi.config.schema import config_from_dict
 from fedmpi.errors import ConfigError
 
 K, HOLDOUT, SEED = 6, 0.2, 0
@@ -101,7 +100,7 @@ def test_tabular_silos_clients_evaluate_at_n3_and_match_sklearn(tmp_path):
     probs = [mlp_probs(state, t.drop(columns="label").to_numpy(), mean, std) for t in test]
     labels = [t["label"].to_numpy() for t in test]
 
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
     log = read(out / "log.h5")
     last = log.num_rounds - 1
     n = np.array([len(y) for y in labels])
@@ -159,7 +158,7 @@ def test_both_keeps_server_metrics_and_adds_clients_ones(tmp_path):
             "train": {"rounds": 2, "local_steps": 2, "batch_size": 8},
             "eval": {"client_holdout": 0.25, "metrics": ["accuracy", "macro_f1"]},
             "runtime": {"device": "cpu", "progress": False, "threads": 1}}
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
     both = fedmpi.run(base, ["eval.where=both"], out=tmp_path / "both")
     clients = fedmpi.run(base, ["eval.where=clients"], out=tmp_path / "clients")
     lb, lc = read(both.log_path), read(clients.log_path)
@@ -191,7 +190,8 @@ class _Rank:
 def test_client_test_files_are_read_by_the_host_only_and_indexed(tmp_path):
     """data.silos.client_test: the hosting rank appends each client's test file to its local
     pool; client_test_indices point at exactly those rows; training rows are untouched."""
-    from fedmpi.data import DataNeeds, build_local
+    from fedmpi.data.build import DataNeeds
+    from fedmpi.data.silos import build_local
     from fedmpi.data.tabular import write_table
 
     rng = np.random.default_rng(0)

@@ -2,7 +2,7 @@
 
 The scripts run with fake ``sbatch``/``srun``/``scontrol``/``mpirun`` binaries that
 append their command lines to a log (the same scripts on a real Slurm:
-tests/test_slurm_real.py). The launch rules (:mod:`fedmpi.launcher`) are checked
+tests/test_slurm_real.py). The launch rules (:mod:`fedmpi.job.launcher`) are checked
 against tables written here, and ``fedmpi run`` against a simulated
 ``srun`` step of 2 one-rank copies.
 """
@@ -20,7 +20,7 @@ import pytest
 
 from conftest import BIN, ROOT
 from fedmpi.errors import UserError
-from fedmpi.launcher import choose_launcher, find_mpirun, independent_copies
+from fedmpi.job.launcher import choose_launcher, find_mpirun, independent_copies
 
 CFG = "configs/quickstart.yaml"
 PY = sys.executable

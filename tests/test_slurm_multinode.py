@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, set_dotted
-from fedmpi.log import read
+from fedmpi.log.reader import read
 from test_slurm_real import (_job, _output, _rounds_once, _wait_end, _wait_rounds,
                              cluster_problem)
 

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from fedmpi.log import read
+from fedmpi.log.reader import read
 
 CFG = "configs/quickstart.yaml"
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from fedmpi.comm import Comm
-from fedmpi.config import config_from_dict
+from fedmpi.config.schema import config_from_dict
 from fedmpi.data.tabular import load_embedded, read_table, write_table
 from fedmpi.errors import ConfigError, DataError
-from fedmpi.runtime import Federation
+from fedmpi.runtime.federation import Federation
 
 
 @pytest.mark.parametrize("suffix", [".csv", ".parquet", ".h5"])
@@ -67,7 +67,7 @@ def test_tabular_dataset_from_files(tmp_path):
     cfg = config_from_dict({"data": {"dataset": "tabular",
                                      "tabular": {"train": str(tmp_path / "train.h5"),
                                                  "test": str(tmp_path / "test.h5")}}})
-    from fedmpi.data import load_pool
+    from fedmpi.data.build import load_pool
 
     ds = load_pool(cfg)
     assert ds.input_shape == (2, 2) and ds.num_train == 6     # any tensor shape [N, ...]

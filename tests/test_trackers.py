@@ -51,7 +51,7 @@ def _expected(log, name):
 
 def test_live_trackers_and_export_show_the_logs_numbers(tmp_path, monkeypatch):
     import fedmpi
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
     from mlflow.tracking import MlflowClient
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
@@ -130,7 +130,7 @@ def test_mlflow_run_of_a_live_log_stays_running_and_statuses_map(tmp_path, monke
     failed and interrupted runs are FAILED and KILLED."""
     from mlflow.tracking import MlflowClient
 
-    from fedmpi.trackers import MLflowTracker
+    from fedmpi.log.trackers import MLflowTracker
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     uri = (tmp_path / "mlruns").as_uri()

@@ -24,10 +24,12 @@ import torch
 import yaml
 
 from conftest import ROOT, fedmpi_cmd, mpiexec_path, run_fedmpi
-from fedmpi import signals
-from fedmpi.algorithms import ALGORITHMS
+from fedmpi.job import signals
+from fedmpi.methods import ALGORITHMS
 from fedmpi.cli import main as fedmpi_main
-from fedmpi.log import read
+from fedmpi.log.reader import read
+from fedmpi.errors import EXIT_INTERRUPTED
+from fedmpi.runtime.federation import Federation
 
 CFG = str(ROOT / "configs" / "quickstart.yaml")
 FAST = ["--set", "train.rounds=2", "--set", "data.num_clients=4", "--set",
@@ -41,7 +43,7 @@ MAY_CHANGE_PREFIXES = ("eval.", "runtime.")
 def _expected_fingerprint(config_yaml: str) -> str:
     """SHA-256 of the sorted compact JSON of the run-defining keys that differ from their
     schema default (issue 31: keys a later release adds leave it unchanged), computed here."""
-    from fedmpi.config import SCHEMA
+    from fedmpi.config.schema import SCHEMA
 
     def flat(tree, prefix=""):
         out = {}
@@ -309,7 +311,7 @@ def test_second_sigterm_during_the_exit_keeps_status_75(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == signals.EXIT_INTERRUPTED
+    assert proc.returncode == EXIT_INTERRUPTED
     assert read(out / "log.h5").status == "interrupted"
 
 
@@ -336,17 +338,16 @@ def test_stop_signals_stay_ignored_after_a_stop_in_the_fedmpi_process():
 
 
 def test_sigterm_during_start_up_reports_no_checkpoint(tmp_path, monkeypatch, capsys):
-    import fedmpi.runtime as runtime
 
-    real = runtime.Federation.__init__
+    real = Federation.__init__
 
     def slow_start(self, *args, **kwargs):
         real(self, *args, **kwargs)
         signals.request("SIGTERM")              # arrives before round 0
 
-    monkeypatch.setattr(runtime.Federation, "__init__", slow_start)
+    monkeypatch.setattr(Federation, "__init__", slow_start)
     out = tmp_path / "early"
-    assert fedmpi_main(["run", CFG, *FAST, "--out", str(out)]) == signals.EXIT_INTERRUPTED
+    assert fedmpi_main(["run", CFG, *FAST, "--out", str(out)]) == EXIT_INTERRUPTED
     err = capsys.readouterr().err
     assert not (out / "checkpoint.pt").exists()
     assert "round -1" not in err and str(out / "checkpoint.pt") not in err

@@ -34,7 +34,7 @@ def test_user_metrics_are_logged_like_builtins(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     import fedmpi
     from fedmpi.data.tabular import load_embedded
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
     from sklearn.metrics import average_precision_score
     from sklearn.preprocessing import label_binarize
 
@@ -54,7 +54,7 @@ def test_user_metrics_are_logged_like_builtins(tmp_path, monkeypatch):
     assert result.metrics["brier"] == log.rounds["brier"][-1]
     # reported like the built-ins: summary.md, fedmpi compare (on their own scale, not in %)
     from fedmpi.compare import compare
-    from fedmpi.report import summary_markdown
+    from fedmpi.report.summary import summary_markdown
     assert f"| final brier | {brier:.6g} |" in summary_markdown(log)
     assert "| final auprc | final brier |" in compare([result.log_path]).markdown()
 

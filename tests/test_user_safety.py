@@ -25,15 +25,15 @@ import torch
 import yaml
 
 import fedmpi
-import fedmpi.provenance
+import fedmpi.job.provenance
 from fedmpi.cli import main
-from fedmpi.log import read
+from fedmpi.log.reader import read
 
 HOSPITAL = '''
 from dataclasses import dataclass
 import torch
 from torch import nn
-from fedmpi.algorithms import Algorithm
+from fedmpi.methods.base import Algorithm
 
 class MLP(nn.Module):
     """BatchNorm and dropout: the dry run must restore buffers and RNG streams."""
@@ -204,7 +204,7 @@ def test_report_compare_and_partition_show_what_ran(hospitals, capsys):
     assert "`hospital_i26:MLP`" in summary and "`hospital_i26:Prox`" in summary
     assert "mu=0.1" in summary
     # the transforms' own parameters too (and the weighting's, none for samples)
-    info = fedmpi.provenance.read_run_info(read(hospitals / "mine" / "log.h5").attrs)
+    info = fedmpi.job.provenance.read_run_info(read(hospitals / "mine" / "log.h5").attrs)
     assert info["transforms"] == ["ecgr"]
     assert info["transform_params"]["ecgr"]["ecgr"]["beta"] == 0.35
     assert info["weighting"] == "samples" and info["weighting_params"] == {}
@@ -257,8 +257,10 @@ def test_api_raises_ordinary_exceptions_and_a_failed_start_blocks_nothing(hospit
 
 # ------------------------------------------------------------ 5 signatures
 def test_analysis_functions_accept_a_path_or_a_run_log(hospitals):
-    from fedmpi.compare import compare_logs, run_metrics
-    from fedmpi.report import summary_markdown, time_split
+    from fedmpi.compare import compare_logs
+    from fedmpi.compare.runs import run_metrics
+    from fedmpi.report.summary import summary_markdown
+    from fedmpi.report.derived import time_split
 
     fedmpi.run("silos.yaml", ["train.rounds=1"])
     path = hospitals / "runs" / "hosp" / "log.h5"

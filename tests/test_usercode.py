@@ -12,14 +12,15 @@ from torch import nn
 
 from conftest import ROOT, set_dotted
 from fedmpi.cli import main
-from fedmpi.config import config_from_dict
+from fedmpi.config.schema import config_from_dict
 from fedmpi.errors import ConfigError
 
 USER_MODULE = '''
 from dataclasses import dataclass, field
 import torch
 from torch import nn
-from fedmpi.algorithms import Algorithm, Weighting
+from fedmpi.methods.base import Algorithm
+from fedmpi.aggregation.weighting import Weighting
 
 class Net(nn.Module):
     def __init__(self, input_shape, num_classes):
@@ -86,9 +87,9 @@ def check(*sets: str, capsys) -> tuple[int, str]:
     ("model.name=usermod_i16:three_args", "model.name", "(input_shape, num_classes)"),
     ("model.name=usermod_i16:NOT_A_CLASS", "model.name", "nn.Module"),
     ("data.dataset=usermod_i16:Net", "data.dataset", "without arguments"),
-    ("algorithm.name=usermod_i16:Net", "algorithm.name", "subclass of fedmpi.algorithms.Algorithm"),
+    ("algorithm.name=usermod_i16:Net", "algorithm.name", "subclass of fedmpi.methods.base.Algorithm"),
     ("aggregation.weighting=usermod_i16:Damped", "aggregation.weighting",
-     "subclass of fedmpi.algorithms.Weighting"),
+     "subclass of fedmpi.aggregation.weighting.Weighting"),
     ("algorithm.name=usermod_i16:Damped", "algorithm.params.scale", "required"),
     ("algorithm.name=usermod_i16:NoParams", None, None),
     ("model.name=not a path", "model.name", "pkg.module:attr"),
@@ -122,8 +123,8 @@ def test_method_params_checked_field_by_field(usermod, capsys, params, key, word
 
 
 def test_method_params_typing_rules(usermod):
-    from fedmpi.algorithms import ALGORITHMS
-    from fedmpi.params import check_params as method_params
+    from fedmpi.methods import ALGORITHMS
+    from fedmpi.config.params import check_params as method_params
 
     algorithm_class = ALGORITHMS.lookup
     cls = algorithm_class("usermod_i16:Damped")
@@ -171,7 +172,7 @@ def test_run_api_uses_the_objects_given(usermod, tmp_path):
     class are the ones trained: with scale 0 the final model is the factory's initial
     model; with scale 1 (= FedAvg) it is the built-in fedavg's result."""
     import fedmpi
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
 
     mod = __import__(usermod)
     data = mod.wine_pair()
@@ -208,7 +209,7 @@ def test_import_paths_in_config_run(usermod, tmp_path):
                      out=tmp_path / "paths")
     state = torch.load(tmp_path / "paths" / "model.pt", weights_only=True)
     assert set(state) == {"lin.weight", "lin.bias"} and state["lin.weight"].shape == (3, 13)
-    from fedmpi.log import read
+    from fedmpi.log.reader import read
     log = read(res.log_path)
     w = log.clients["weight"][-1]
     assert np.allclose(w, 1 / 3)                      # Equal weighting, not n_k/Σn
@@ -217,7 +218,7 @@ def test_import_paths_in_config_run(usermod, tmp_path):
 
 # ------------------------------------------------- a component's local-step floor
 NEEDY = '''
-from fedmpi.algorithms import UpdateTransform
+from fedmpi.transforms.base import UpdateTransform
 
 class Needy(UpdateTransform):
     """Asks every client for three local steps; changes nothing."""
@@ -240,7 +241,7 @@ def test_a_components_min_local_steps_floors_the_partition_and_its_preview(tmp_p
     (the same config without it has a client with fewer), ``fedmpi partition`` previews
     exactly the run's partition, and with three local epochs one batch each is enough."""
     from conftest import build_fed
-    from fedmpi.data import build_partition, load_pool
+    from fedmpi.data.build import build_partition, load_pool
     from fedmpi.usercode import UserCode
 
     (tmp_path / "needy_s23.py").write_text(NEEDY)

@@ -52,17 +52,13 @@ import os
 from collections.abc import Sequence
 
 from fedmpi.errors import UserError
-from fedmpi.log import PathLike, RunLog, as_run_log, read
+from fedmpi.log.schema import PathLike
+from fedmpi.log.reader import RunLog, as_run_log, read
 
-from .grouping import (ALIASES, IGNORED_KEYS, UNUSED, find_baseline, format_value, group_keys,
-                       mean_std, short_key)
-from .runs import (EXTRA_METRICS, RunMetrics, config_value, flatten_config, is_percent,
-                   logged_metrics, rounds_to_target, run_config, run_metrics)
-from .table import GroupRow, Table
+from fedmpi.compare.grouping import (UNUSED, find_baseline, format_value, group_keys, mean_std, short_key)
+from fedmpi.compare.runs import RunMetrics, run_config, run_metrics
+from fedmpi.compare.table import GroupRow, Table
 
-__all__ = ["ALIASES", "EXTRA_METRICS", "IGNORED_KEYS", "UNUSED", "GroupRow", "RunMetrics",
-           "Table", "compare", "compare_logs", "config_value", "flatten_config", "is_percent",
-           "logged_metrics", "rounds_to_target", "run_config", "run_metrics"]
 
 
 def compare_logs(logs: Sequence[RunLog | PathLike], *, target: float | None = None,

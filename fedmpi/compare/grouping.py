@@ -66,7 +66,7 @@ def group_keys(flat_configs: Sequence[Mapping[str, Any]], group_by: Sequence[str
     methods = len({format_value(c.get("algorithm.name")) for c in flat_configs}) > 1
 
     # Likewise an update transform's parameters (ecgr.beta) label the runs it ran in.
-    from fedmpi.algorithms.transforms import TRANSFORMS
+    from fedmpi.transforms.base import TRANSFORMS
 
     transform_blocks = {b for cls in TRANSFORMS.values() for b in (getattr(cls, "params", None) or ())}
 

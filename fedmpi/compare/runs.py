@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from fedmpi.config import METRIC_NAMES
-from fedmpi.log import PathLike, RunLog, as_run_log, ended_without_status
+from fedmpi.config.framework import METRIC_NAMES
+from fedmpi.log.schema import PathLike
+from fedmpi.log.reader import RunLog, as_run_log, ended_without_status
 
 __all__ = ["EXTRA_METRICS", "RunMetrics", "config_value", "flatten_config", "is_percent",
            "logged_metrics", "rounds_to_target", "run_config", "run_metrics"]
@@ -110,10 +111,10 @@ def run_config(log: RunLog | PathLike) -> dict[str, Any]:
     """The flat config of what ``log``'s run used: :func:`flatten_config` of its config,
     the method's own parameters as it ran them (``run_info``, e.g.
     ``algorithm.params.mu`` of a user method, also where the config left the default),
-    less the keys that took no part (:func:`fedmpi.provenance.unused_keys`: no
+    less the keys that took no part (:func:`fedmpi.job.provenance.unused_keys`: no
     ``data.dataset`` for a silo run, no ``model.norm`` for a user model)."""
     log = as_run_log(log)
-    from fedmpi.provenance import read_run_info, unused_keys
+    from fedmpi.job.provenance import read_run_info, unused_keys
 
     flat = flatten_config(log.config)
     info = read_run_info(log.attrs)

@@ -8,7 +8,7 @@ import io
 import math
 from dataclasses import dataclass, field
 
-from .runs import EXTRA_METRICS, RunMetrics, is_percent
+from fedmpi.compare.runs import EXTRA_METRICS, RunMetrics, is_percent
 
 __all__ = ["GroupRow", "Table"]
 

@@ -7,16 +7,11 @@ import numpy as np
 import torch
 
 from fedmpi.data.base import Dataset, channel_stats
-from fedmpi.data.sources import (
-    TORCHVISION_DATASETS,
-    load_digits,
-    load_imagefolder,
-    load_medmnist,
-    load_torchvision,
-)
+from fedmpi.data.sources import (TORCHVISION_DATASETS, load_digits, load_imagefolder,
+    load_medmnist, load_torchvision)
 from fedmpi.errors import DataError
 
-__all__ = ["DATASET_NAMES", "Dataset", "load_dataset", "synthetic_dataset"]
+__all__ = ["DATASET_NAMES", "load_dataset", "synthetic_dataset"]
 
 #: Names accepted by :func:`load_dataset` (``medmnist:<flag>`` takes any flag).
 DATASET_NAMES: tuple[str, ...] = (

@@ -61,9 +61,9 @@ def plan_export(cfg: Any, data: Dataset, partition: Partition,
     Nothing is written unless every file can be: the targets are checked first
     (a missing ``data.silos.validation`` for a non-empty hold-out, files that exist
     already — they may be a federation's real data — without ``overwrite``), so a
-    refusal leaves every file as it was (:func:`fedmpi.outputs.claim`).
+    refusal leaves every file as it was (:func:`fedmpi.job.outputs.claim`).
     """
-    from fedmpi.outputs import ExistingFiles, claim
+    from fedmpi.job.outputs import ExistingFiles, claim
 
     s = cfg.data.silos
     val: Optional[Path]

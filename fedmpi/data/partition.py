@@ -25,19 +25,12 @@ from typing import Sequence
 
 import numpy as np
 
-from fedmpi.data.client_splits import DIRICHLET_MAX_TRIES, split_dirichlet, split_iid, split_shards
+from fedmpi.data.client_splits import split_dirichlet, split_iid, split_shards
 from fedmpi.data.partition_file import check_partition, read_partition_file, write_partition_file
 from fedmpi.errors import ConfigError, DataError
 
-__all__ = [
-    "DIRICHLET_MAX_TRIES",
-    "PARTITION_METHODS",
-    "Partition",
-    "check_batch_floor",
-    "local_batches",
-    "make_partition",
-    "stratified_holdout",
-]
+__all__ = ["PARTITION_METHODS", "Partition", "check_batch_floor", "local_batches",
+           "make_partition", "stratified_holdout"]
 
 PARTITION_METHODS: tuple[str, ...] = ("iid", "dirichlet", "shards", "file")
 
@@ -236,7 +229,7 @@ def _file_split(
 
 
 def local_batches(n: int, batch_size: int) -> int:
-    """Batches of one local epoch over ``n`` samples, as :func:`fedmpi.train.epoch_bounds`
+    """Batches of one local epoch over ``n`` samples, as :func:`fedmpi.training.loop.epoch_bounds`
     forms them: ⌈n/B⌉, less one when a one-sample remainder joins the previous batch."""
     full = math.ceil(n / batch_size)
     return full - 1 if full >= 2 and n - (full - 1) * batch_size == 1 else full

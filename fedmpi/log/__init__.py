@@ -7,11 +7,11 @@ Layout, ``schema_version`` "1" (R rounds, K clients; DESIGN.md section 5)::
                              resumed_world_sizes (only after a resume),
                              stop_reason (only for a run completed before train.rounds:
                              privacy.target_epsilon),
-                             fingerprint (run-defining config hash, fedmpi.rundir),
+                             fingerprint (run-defining config hash, fedmpi.job.rundir),
                              writer_host, writer_pid, flushed_at (Unix time of the
                              last flush; issue 18), run_info (JSON: the model, data
                              and silo files with SHA-256, method and its parameters,
-                             weighting, transforms as they ran; fedmpi.provenance)
+                             weighting, transforms as they ran; fedmpi.job.provenance)
     /rounds/round            [R]        int64
     /rounds/<name>           [R]        int64 for ``bytes_*``, float64 otherwise
     /clients/num_samples     [K]        int64
@@ -32,7 +32,7 @@ killed run leaves a log that is readable up to its last flushed round. Each
 flush records its time (``flushed_at``), so a log still ``running`` whose
 writer is gone is recognisable (:func:`ended_without_status`). A write that
 the file system refuses (disk full) raises
-:class:`~fedmpi.outputs.OutputError` naming the file; the writer then refuses
+:class:`~fedmpi.job.outputs.OutputError` naming the file; the writer then refuses
 further writes (HDF5's state after a failed flush is not trustworthy).
 
 One module per side: :mod:`~fedmpi.log.writer` (:class:`LogWriter`),
@@ -40,11 +40,3 @@ One module per side: :mod:`~fedmpi.log.writer` (:class:`LogWriter`),
 logs) and :mod:`~fedmpi.log.schema` (version, statuses and the HDF5 walks both share,
 so the two sides cannot drift apart). Every name is importable from ``fedmpi.log``.
 """
-from __future__ import annotations
-
-from .reader import RunLog, as_run_log, ended_without_status, pid_alive, read
-from .schema import SCHEMA_VERSION, STATUSES, PathLike
-from .writer import LogWriter
-
-__all__ = ["SCHEMA_VERSION", "STATUSES", "LogWriter", "PathLike", "RunLog", "as_run_log",
-           "ended_without_status", "pid_alive", "read"]

@@ -22,8 +22,8 @@ import yaml
 
 from fedmpi.errors import LogFormatError
 
-from .schema import (EVENT_DTYPES, PathLike, all_datasets, check_schema, load_dataset,
-                     read_events, round_series, to_python)
+from fedmpi.log.schema import (EVENT_DTYPES, PathLike, all_datasets, check_schema, load_dataset,
+    read_events, round_series, to_python)
 
 if TYPE_CHECKING:
     import pandas

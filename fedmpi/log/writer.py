@@ -2,7 +2,7 @@
 
 One row per round in every round-axis dataset, one flush per round (and on events and
 status changes); a write the file system refuses becomes
-:class:`~fedmpi.outputs.OutputError` and every later write is refused. The layout is
+:class:`~fedmpi.job.outputs.OutputError` and every later write is refused. The layout is
 documented in :mod:`fedmpi.log`.
 
 Longer than ~350 lines: one class, the writer of the schema (create, resume, append,
@@ -21,11 +21,11 @@ import h5py
 import numpy as np
 
 from fedmpi.errors import LogFormatError
-from fedmpi.outputs import OutputError, quiet_h5py_errors, write_failed
-from fedmpi.safefile import create_temp
+from fedmpi.job.outputs import OutputError, quiet_h5py_errors, write_failed
+from fedmpi.job.safefile import create_temp
 
-from .schema import (EVENT_DTYPES, SCHEMA_VERSION, STATUSES, PathLike, check_schema,
-                     read_events, round_series, to_python)
+from fedmpi.log.schema import (EVENT_DTYPES, SCHEMA_VERSION, STATUSES, PathLike, check_schema,
+    read_events, round_series, to_python)
 
 __all__ = ["LogWriter"]
 
@@ -150,7 +150,7 @@ class LogWriter:
         # without the v3 superblock, whose "open for write" flag would make a
         # log of a killed run unreadable until `h5clear`.
         # created under an exclusive temporary name, renamed over the log once it is
-        # one (fedmpi.safefile: a planted link at the log's name is never followed)
+        # one (fedmpi.job.safefile: a planted link at the log's name is never followed)
         fd, tmp = create_temp(self.path)
         os.close(fd)
         try:
@@ -371,7 +371,7 @@ class LogWriter:
 
     @_writes
     def set_run_info(self, text: str) -> None:
-        """Set the root attribute ``run_info`` (JSON: what ran, :mod:`fedmpi.provenance`)
+        """Set the root attribute ``run_info`` (JSON: what ran, :mod:`fedmpi.job.provenance`)
         and flush."""
         f = self._writable()
         f.attrs["run_info"] = text

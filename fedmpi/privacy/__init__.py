@@ -11,5 +11,5 @@
 
 Submodules are imported where used. None imports :mod:`fedmpi.algorithms`: the
 client clip transform built on :mod:`~fedmpi.privacy.dp` is
-:class:`fedmpi.algorithms.dp_clip.ClientClip`.
+:class:`fedmpi.transforms.dp_clip.ClientClip`.
 """

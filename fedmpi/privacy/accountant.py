@@ -42,8 +42,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..errors import ConfigError
-from .dpsgd import poisson_rate   # the sampler's own rate: accounted = sampled
+from fedmpi.errors import ConfigError
+from fedmpi.privacy.dpsgd import poisson_rate   # the sampler's own rate: accounted = sampled
 
 EXTRA_HINT = "pip install 'fedmpi[privacy]'"
 

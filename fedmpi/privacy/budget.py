@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from .accountant import Accountant
+from fedmpi.privacy.accountant import Accountant
 
 
 class Budget:
@@ -34,8 +34,8 @@ class Budget:
 
     @classmethod
     def from_config(cls, cfg, num_samples: np.ndarray) -> "Budget":
-        from ..algorithms.base import sgd_config
-        from ..train import num_local_steps
+        from fedmpi.training.loop import sgd_config
+        from fedmpi.training.loop import num_local_steps
 
         sgd = sgd_config(cfg)
         return cls(Accountant.from_config(cfg, num_samples), cfg.privacy.target_epsilon,

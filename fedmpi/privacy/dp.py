@@ -2,7 +2,7 @@ r"""Client-level differential privacy: DP-FedAvg (McMahan, Ramage, Talwar, Zhang
 
 Per round t with the m sampled clients S_t (fixed size, without replacement):
 
-1. **clip on the client** (:class:`fedmpi.algorithms.dp_clip.ClientClip`, an
+1. **clip on the client** (:class:`fedmpi.transforms.dp_clip.ClientClip`, an
    update transform, the last
    one to touch the upload): Δ̄_k = Δ_k · min(1, C / ‖Δ_k‖₂) over the whole
    uploaded state (parameters and float buffers; Alg. 1 ``ClipFn``);
@@ -40,7 +40,7 @@ CENTRAL_TAG, SHARE_TAG = 0xD9_0001, 0xD9_0002
 
 def noise_generator(device: torch.device, *keys: int) -> torch.Generator:
     """A generator on ``device`` seeded from integer ``keys`` (seed, round, ...)."""
-    from ..train import stream_seed   # the one seed rule of every RNG stream
+    from fedmpi.training.loop import stream_seed   # the one seed rule of every RNG stream
 
     return torch.Generator(device=device).manual_seed(stream_seed(*keys))
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ConfigError
+from fedmpi.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from typing import Sequence
 
 from torch import nn
 
-from ..errors import ConfigError
-from .dpsgd import check_model
+from fedmpi.errors import ConfigError
+from fedmpi.privacy.dpsgd import check_model
 
 
 def check_build(cfg, algo, stats: Sequence, model: nn.Module) -> None:

@@ -44,7 +44,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from fedmpi.errors import ConfigError
 
 RING_BITS = 48
 MOD = 1 << RING_BITS

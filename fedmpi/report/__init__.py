@@ -47,21 +47,17 @@ import os
 from pathlib import Path
 
 from fedmpi.errors import UserError
-from fedmpi.log import PathLike, RunLog, as_run_log
-from fedmpi.safefile import refuse_links, write_text
+from fedmpi.log.schema import PathLike
+from fedmpi.log.reader import RunLog, as_run_log
+from fedmpi.job.safefile import refuse_links, write_text
 
-from .canvas import PLOT_HINT, have_matplotlib
-from .costs import plot_bytes, plot_time
-from .curves import plot_accuracy, plot_level_accuracy, plot_metrics
-from .derived import run_title, time_split
-from .heatmaps import plot_client_weights, plot_grad_norm, plot_partition
-from .preview import partition_preview
-from .summary import DIGEST_KEYS, RULE_COLUMNS, relevant_keys, summary_markdown
+from fedmpi.report.canvas import PLOT_HINT, have_matplotlib
+from fedmpi.report.costs import plot_bytes, plot_time
+from fedmpi.report.curves import plot_accuracy, plot_level_accuracy, plot_metrics
+from fedmpi.report.derived import run_title
+from fedmpi.report.heatmaps import plot_client_weights, plot_grad_norm, plot_partition
+from fedmpi.report.summary import summary_markdown
 
-__all__ = ["DIGEST_KEYS", "PLOTS", "PLOT_HINT", "RULE_COLUMNS", "have_matplotlib",
-           "partition_preview", "plot_accuracy", "plot_bytes", "plot_client_weights",
-           "plot_grad_norm", "plot_level_accuracy", "plot_metrics", "plot_partition",
-           "plot_time", "relevant_keys", "summary_markdown", "time_split", "write_report"]
 
 #: File names of the plots, in the order the summary lists them.
 PLOTS: tuple[str, ...] = ("accuracy.png", "metrics.png", "client_weights.png", "fedvg_grad_norm.png",
@@ -79,7 +75,7 @@ def write_report(log: RunLog | PathLike, out_dir: str | os.PathLike | None = Non
     Without matplotlib only ``summary.md`` is written, saying how to get the
     plots (:data:`PLOT_HINT`; ``fedmpi report`` prints it too). Files of an
     earlier report in ``out_dir`` are replaced only with ``overwrite``
-    (:func:`fedmpi.outputs.claim`).
+    (:func:`fedmpi.job.outputs.claim`).
 
     Raises
     ------
@@ -92,11 +88,11 @@ def write_report(log: RunLog | PathLike, out_dir: str | os.PathLike | None = Non
     if target is not None and not 0.0 < target <= 1.0:
         raise UserError(f"--target-accuracy {target}: expected a fraction in (0, 1], "
                         "e.g. 0.8 for 80%")
-    from fedmpi.rundir import output_dir
+    from fedmpi.job.rundir import output_dir
 
     out = output_dir(Path(out_dir) if out_dir is not None
                      else Path(log.path).resolve().parent / "report")
-    from fedmpi.outputs import claim
+    from fedmpi.job.outputs import claim
 
     refuse_links(out, (*PLOTS, "summary.md"), "a report directory")
     claim([out / name for name in (*PLOTS, "summary.md")], overwrite, "fedmpi report")

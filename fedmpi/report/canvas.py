@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from fedmpi.errors import UserError
-from fedmpi.safefile import replacing
+from fedmpi.job.safefile import replacing
 
 __all__ = ["PLOT_HINT", "have_matplotlib"]
 
@@ -51,7 +51,7 @@ def figure(w: float, h: float):
 
 
 def save(fig, path: Path) -> Path:
-    with replacing(path) as f:   # fedmpi.safefile: never through a planted link
+    with replacing(path) as f:   # fedmpi.job.safefile: never through a planted link
         fig.savefig(f, format=path.suffix.lstrip(".") or "png")   # the Agg canvas, no pyplot
     return path
 

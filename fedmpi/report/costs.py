@@ -8,10 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
-from fedmpi.log import PathLike, RunLog, as_run_log
+from fedmpi.log.schema import PathLike
+from fedmpi.log.reader import RunLog, as_run_log
 
-from . import canvas
-from .derived import OVERLAPPED, TIME_PARTS, byte_unit, run_components, run_title, time_split
+from fedmpi.report import canvas
+from fedmpi.report.derived import (OVERLAPPED, TIME_PARTS, byte_unit, run_components, run_title,
+    time_split)
 
 __all__ = ["plot_bytes", "plot_time"]
 

@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 
 from fedmpi.compare.runs import config_value
-from fedmpi.log import PathLike, RunLog, as_run_log
+from fedmpi.log.schema import PathLike
+from fedmpi.log.reader import RunLog, as_run_log
 
-from . import canvas
-from .derived import level_labels, logged_array, run_components, run_title
+from fedmpi.report import canvas
+from fedmpi.report.derived import level_labels, logged_array, run_components, run_title
 
 __all__ = ["plot_accuracy", "plot_level_accuracy", "plot_metrics"]
 

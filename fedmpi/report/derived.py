@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from fedmpi.compare.runs import config_value
-from fedmpi.log import PathLike, RunLog, as_run_log
+from fedmpi.log.schema import PathLike
+from fedmpi.log.reader import RunLog, as_run_log
 
 __all__ = ["OVERLAPPED", "TIME_PARTS", "byte_unit", "level_labels", "logged_array",
            "run_components", "run_title", "time_split"]

@@ -11,10 +11,11 @@ from typing import Sequence
 import numpy as np
 
 from fedmpi.compare.runs import config_value
-from fedmpi.log import PathLike, RunLog, as_run_log
+from fedmpi.log.schema import PathLike
+from fedmpi.log.reader import RunLog, as_run_log
 
-from . import canvas
-from .derived import logged_array, run_title
+from fedmpi.report import canvas
+from fedmpi.report.derived import logged_array, run_title
 
 __all__ = ["plot_client_weights", "plot_grad_norm", "plot_partition"]
 

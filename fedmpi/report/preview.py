@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from fedmpi.safefile import write_text
+from fedmpi.job.safefile import write_text
 
-from . import canvas
-from .heatmaps import plot_partition
+from fedmpi.report import canvas
+from fedmpi.report.heatmaps import plot_partition
 
 __all__ = ["partition_preview"]
 
@@ -26,7 +26,7 @@ def partition_preview(partition: Any, out_dir: str | os.PathLike, name: str = ""
     :func:`fedmpi.data.build_partition`, the function a run uses).
     ``partition.csv`` has one row per client: ``client, size, class_0, ...``.
     """
-    from fedmpi.outputs import claim
+    from fedmpi.job.outputs import claim
 
     canvas.mpl()
     out = Path(out_dir)

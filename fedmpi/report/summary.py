@@ -17,9 +17,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from fedmpi.compare.runs import config_value, is_percent, run_config, run_metrics
-from fedmpi.log import PathLike, RunLog, as_run_log
+from fedmpi.log.schema import PathLike
+from fedmpi.log.reader import RunLog, as_run_log
 
-from .derived import OVERLAPPED, TIME_PARTS, byte_unit, level_labels, time_split
+from fedmpi.report.derived import OVERLAPPED, TIME_PARTS, byte_unit, level_labels, time_split
 
 __all__ = ["DIGEST_KEYS", "RULE_COLUMNS", "relevant_keys", "summary_markdown"]
 
@@ -45,8 +46,8 @@ def relevant_keys(flat: dict[str, Any]) -> list[str]:
     then FedVG's keys with FedVG weighting, ECGR's when
     enabled, the lr schedule when it decays, the adversary when there is one. Unset
     (None) values and partition parameters of other partition methods are left out."""
-    from fedmpi.algorithms import ALGORITHMS
-    from fedmpi.config import renamed_to
+    from fedmpi.methods import ALGORITHMS
+    from fedmpi.config.schema import renamed_to
 
     def under(*prefixes: str) -> list[str]:
         return [k for k in flat if any(k == p or (p.endswith(".") and k.startswith(p))
@@ -174,9 +175,9 @@ def _params_text(blocks: Any) -> str:
 
 
 def _ran_lines(log: RunLog) -> list[str]:
-    """"What ran": the log's ``run_info`` (:mod:`fedmpi.provenance`) — the objects by
+    """"What ran": the log's ``run_info`` (:mod:`fedmpi.job.provenance`) — the objects by
     built-in name or import path, the method's parameters, the silo files with SHA-256."""
-    from fedmpi.provenance import read_run_info
+    from fedmpi.job.provenance import read_run_info
 
     info = read_run_info(log.attrs)
     if info is None:
@@ -259,7 +260,7 @@ def _client_lines(log: RunLog) -> list[str]:
     return lines
 
 
-#: Per-client columns a server rule logs (fedmpi.algorithms.robust): what the value is, and
+#: Per-client columns a server rule logs (fedmpi.aggregation.robust): what the value is, and
 #: the name of a value of 0 when that means the client's update was left out.
 RULE_COLUMNS: dict[str, tuple[str, str | None]] = {
     "rule/selected": ("selected (share of rounds)", "dropped"),

@@ -9,7 +9,6 @@ weighting, transforms, server rule; then the uplink statistics are planned.
 """
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass, field
 from typing import Callable
@@ -17,22 +16,27 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..accel import Accel, set_deterministic
-from ..algorithms import (Algorithm, ServerRule, Stat, TransformChain, Weighting, build_rule,
-                          build_transforms, start)
-from ..comm import Comm
-from ..config import Config
-from ..context import Context, LogSink
-from ..data import Dataset, Partition, build_local
-from ..errors import ConfigError
-from ..flat import FlatModel
-from ..imports import blame
-from ..usercode import UserCode
-from ..models import build_model, model_spec
-from ..placement import default_threads, gpu_for_local_rank
-from ..privacy.policy import check_build as check_privacy
-from ..provenance import run_info
-from .evaluation import test_state
+from fedmpi.training.accel import Accel, set_deterministic
+from fedmpi.methods.base import Algorithm, start
+from fedmpi.component import Stat
+from fedmpi.aggregation.rules import ServerRule, build_rule
+from fedmpi.transforms.base import TransformChain, build_transforms
+from fedmpi.aggregation.weighting import Weighting
+from fedmpi.comm import Comm
+from fedmpi.config.core import Config
+from fedmpi.context import Context, LogSink
+from fedmpi.data.base import Dataset
+from fedmpi.data.partition import Partition
+from fedmpi.data.silos import build_local
+from fedmpi.errors import ConfigError
+from fedmpi.training.flat import FlatModel
+from fedmpi.imports import blame
+from fedmpi.usercode import UserCode
+from fedmpi.models import build_model, model_spec
+from fedmpi.job.placement import default_threads, gpu_for_local_rank
+from fedmpi.privacy.policy import check_build as check_privacy
+from fedmpi.job.provenance import run_info
+from fedmpi.runtime.evaluation import test_state
 
 
 def resolve_device(spec: str, local_rank: int) -> torch.device:
@@ -119,7 +123,7 @@ class Built:
     log: LogSink
     stats: list[Stat]            # the method's uplink statistics, then the transforms'
     num_outputs: int = 0         # the model's output width the method needs (C; FedGPS: 2C)
-    run_info: dict = field(default_factory=dict)   # what ran (fedmpi.provenance), for the log
+    run_info: dict = field(default_factory=dict)   # what ran (fedmpi.job.provenance), for the log
 
     @property
     def rows_needed(self) -> bool:
@@ -244,7 +248,7 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
                 raise ConfigError(f"config key {key!r}: {part.name!r} needs the 'delta' uplink of "
                                   f"algorithm {cfg.algorithm.name!r} as a weighted statistic")
     if cfg.privacy.secure_aggregation:
-        from ..privacy.secagg import refuse_per_client
+        from fedmpi.privacy.secagg import refuse_per_client
 
         refuse_per_client(cfg, weighting.per_client, rule.per_client,
                           [s.name for s in stats if s.combine == "client"])

@@ -33,13 +33,13 @@ from typing import TYPE_CHECKING, Callable, Optional
 import numpy as np
 import torch
 
-from ..algorithms import Stat
-from ..comm import Comm
-from .server import (META_FIELDS, M_STATUS, STATUS_FAILED, STATUS_OK, STATUS_RANGE, Uplink,
-                     is_summed)
+from fedmpi.component import Stat
+from fedmpi.comm import Comm
+from fedmpi.runtime.server import (META_FIELDS, M_STATUS, STATUS_FAILED, STATUS_OK, STATUS_RANGE,
+    Uplink, is_summed)
 
 if TYPE_CHECKING:
-    from ..privacy.secagg import SecureAggregator
+    from fedmpi.privacy.secagg import SecureAggregator
 
 HEADER = 4
 ERR_BYTES = 1024
@@ -198,7 +198,7 @@ class Channel:
 
     def begin_uplink(self, participants: int = 1) -> None:
         if self.secagg is not None:
-            from ..privacy.secagg import limit
+            from fedmpi.privacy.secagg import limit
 
             self.range_limit = limit(self.secagg.scale_bits, participants)
         self.up_send.fill(0.0)

@@ -19,17 +19,19 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .. import checkpoint, metrics, rundir, signals
-from ..callbacks import AfterRound, Callback
-from ..trackers import check_trackers, open_trackers
-from ..comm import Comm, CommTimeout
-from ..errors import RunFailed, RunInterrupted, UserError, show_traceback
-from ..imports import run_objects, runtime_error_line
-from ..usercode import UserCode
-from ..outputs import OutputError, write_model
-from . import guard
-from .federation import CMD_ABORT, CMD_ROUND, Federation
-from .probe import dry_run
+from fedmpi.job import checkpoint, signals
+from fedmpi import metrics
+from fedmpi.runtime.callbacks import AfterRound, Callback
+from fedmpi.log.trackers import check_trackers, open_trackers
+from fedmpi.comm import Comm, CommTimeout
+from fedmpi.errors import RunFailed, RunInterrupted, UserError, show_traceback
+from fedmpi.imports import run_objects, runtime_error_line
+from fedmpi.usercode import UserCode
+from fedmpi.job.outputs import OutputError, write_model
+from fedmpi.runtime import guard
+from fedmpi.runtime.federation import CMD_ABORT, CMD_ROUND, Federation
+from fedmpi.runtime.probe import dry_run
+from fedmpi.job.lock import heartbeat, release
 
 
 #: How long a worker whose round raised waits before it reports and aborts the job
@@ -85,12 +87,12 @@ def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
 
     Raises :class:`UserError` (same on every rank) for bad input, and exits the
     whole job non-zero when a rank fails or a collective times out. ``resume``
-    continues from ``<out>/checkpoint.pt`` and the log (:mod:`fedmpi.checkpoint`).
+    continues from ``<out>/checkpoint.pt`` and the log (:mod:`fedmpi.job.checkpoint`).
     SIGTERM/SIGUSR1/SIGINT on any rank: checkpoint after the current round,
     log status ``interrupted``, every rank exits with
-    :data:`fedmpi.signals.EXIT_INTERRUPTED` (75). ``overwrite`` replaces a previous
-    run in the output directory (:mod:`fedmpi.rundir`: lock, fingerprint, conventions).
-    ``callbacks``: called on rank 0 after each logged round (:mod:`fedmpi.callbacks`).
+    :data:`fedmpi.job.signals.EXIT_INTERRUPTED` (75). ``overwrite`` replaces a previous
+    run in the output directory (:mod:`fedmpi.job.rundir`: lock, fingerprint, conventions).
+    ``callbacks``: called on rank 0 after each logged round (:mod:`fedmpi.runtime.callbacks`).
     """
     signals.install()
     try:
@@ -102,12 +104,12 @@ def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
             raise
         print(f"fedmpi: error: rank {comm.rank}: interrupted twice (SIGINT); stopping every "
               "rank now, without a checkpoint", file=sys.stderr, flush=True)
-        rundir.release()
+        release()
         comm.abort(130)   # the other ranks would otherwise wait in a collective
         raise
     finally:
         signals.restore()
-        rundir.release()
+        release()
 
 
 def set_up(cfg, comm: Comm, out: Optional[Path] = None, code: Optional[UserCode] = None,
@@ -203,7 +205,7 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Comm, resume: bool,
         t = start
         while True:
             if comm.rank == 0:
-                rundir.heartbeat()   # the lock says this run is alive (other hosts too)
+                heartbeat()   # the lock says this run is alive (other hosts too)
             cmd = fed.round(t)
             if cmd != CMD_ROUND:
                 break
@@ -255,7 +257,7 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Comm, resume: bool,
             # rank 0 the time to report it and end the job, so the line appears once
             time.sleep(ABORT_GRACE_SECONDS)
         print(f"fedmpi: error: {line}", file=sys.stderr, flush=True)
-        rundir.release()   # abort skips run()'s finally
+        release()   # abort skips run()'s finally
         comm.abort(1)
     finally:
         if progress is not None:

@@ -44,15 +44,15 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
-from .. import metrics
-from ..train import evaluate
+from fedmpi import metrics
+from fedmpi.training.loop import evaluate
 
 if TYPE_CHECKING:
-    from ..accel import Accel
-    from ..config import Config
-    from ..data import Dataset
-    from ..flat import FlatModel
-    from .channel import Channel
+    from fedmpi.training.accel import Accel
+    from fedmpi.config.core import Config
+    from fedmpi.data.base import Dataset
+    from fedmpi.training.flat import FlatModel
+    from fedmpi.runtime.channel import Channel
 
 Scalars = dict[str, float]
 

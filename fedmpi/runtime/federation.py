@@ -19,21 +19,23 @@ from typing import Optional, cast
 import numpy as np
 import torch
 
-from .. import checkpoint, signals
-from ..algorithms.adversary import Adversary
-from ..comm import Comm
-from ..outputs import write_model
-from ..usercode import UserCode
-from ..train import LocalTrainer
-from .build import build, participants
-from .channel import Channel, plan_uplink
-from . import guard
-from .evaluation import Evaluation
-from .record import RoundRecorder
-from .server import EXCLUDED_BECAUSE, M_STEPS, STATUS_FAILED, ArrivalSum, is_summed, server_step
-from .worker import Worker
-from ..privacy.budget import Budget
-from ..privacy.dp import ServerNoise
+from fedmpi.job import checkpoint, signals
+from fedmpi.transforms.adversary import Adversary
+from fedmpi.comm import Comm
+from fedmpi.job.outputs import write_model
+from fedmpi.usercode import UserCode
+from fedmpi.training.loop import LocalTrainer
+from fedmpi.runtime.build import build, participants
+from fedmpi.runtime.channel import Channel, plan_uplink
+from fedmpi.runtime import guard
+from fedmpi.runtime.evaluation import Evaluation
+from fedmpi.runtime.record import RoundRecorder
+from fedmpi.runtime.server import (EXCLUDED_BECAUSE, M_STEPS, STATUS_FAILED, ArrivalSum,
+    is_summed, server_step)
+from fedmpi.runtime.worker import Worker
+from fedmpi.privacy.budget import Budget
+from fedmpi.privacy.dp import ServerNoise
+from fedmpi.job.checkpoint_file import checkpoint_path
 
 CMD_ROUND, CMD_STOP, CMD_ABORT = 0, 1, 2
 # header[2] flags: checkpoint before acting on the command; the stop is an interruption
@@ -64,7 +66,7 @@ class Federation:
         self.uplink_plan = plan_uplink(self.stats, b.rows_needed, exact)
         secagg = None
         if cfg.privacy.secure_aggregation:
-            from ..privacy.secagg import SecureAggregator
+            from fedmpi.privacy.secagg import SecureAggregator
 
             secagg = SecureAggregator(self.my_clients, self.K, cfg.privacy.secagg.scale_bits)
         self.channel = Channel(comm, self.uplink_plan, self.D, self.algo.downlink_size(), self.K,
@@ -93,7 +95,7 @@ class Federation:
         # runtime.reduction: exact — rank 0 adds the rows in client-id order as they arrive
         self.arrival_sum = (ArrivalSum(self.stats, self.weighting.raw, self.sum_bufs)
                             if self.sum_bufs and self.channel.stream_rows else None)
-        self.stop_reason: Optional[str] = None   # set by a signal (fedmpi.signals)
+        self.stop_reason: Optional[str] = None   # set by a signal (fedmpi.job.signals)
         self.finished_early: Optional[str] = None   # a completed stop before train.rounds (budget)
         level = cfg.privacy.dp.level
         # rank 0: the privacy accountant and, at client level, DP-FedAvg's server noise
@@ -143,7 +145,7 @@ class Federation:
         return tr.engine if tr is not None else None
 
     def run_state(self) -> checkpoint.RunState:
-        """What a checkpoint saves and restores (:class:`fedmpi.checkpoint.RunState`):
+        """What a checkpoint saves and restores (:class:`fedmpi.job.checkpoint.RunState`):
         θ, the named components (method, weighting, transforms, privacy accountant, RNG
         streams) and the per-client states of the hosted clients."""
         parts: dict[str, checkpoint.StateOwner] = {"algorithm": self.algo,
@@ -239,7 +241,7 @@ class Federation:
         return flags
 
     def _checkpoint_file(self) -> Optional[Path]:
-        return checkpoint.checkpoint_path(self.out_dir) if self.out_dir is not None else None
+        return checkpoint_path(self.out_dir) if self.out_dir is not None else None
 
     def _fail(self, t: int, line: str) -> None:
         """Rank 0: the run fails with ``line`` (logged); the next header aborts every rank."""
@@ -247,9 +249,9 @@ class Federation:
         self.recorder.event(t, 0, -1, line)
 
     def save_checkpoint(self, t: int) -> None:
-        """Collective: checkpoint "rounds < t are done" (:mod:`fedmpi.checkpoint`)."""
+        """Collective: checkpoint "rounds < t are done" (:mod:`fedmpi.job.checkpoint`)."""
         assert self.out_dir is not None, "checkpoints are flagged only with an output directory"
-        path = checkpoint.save(self.run_state(), t, checkpoint.checkpoint_path(self.out_dir))
+        path = checkpoint.save(self.run_state(), t, checkpoint_path(self.out_dir))
         self.checkpoint_round = t
         if path is not None and self.stop_reason is not None:
             self.recorder.event(t, 0, -1, f"checkpoint of rounds < {t} written to {path}")
@@ -330,7 +332,7 @@ class Federation:
 
     def save_best(self, t: int, value: float) -> None:
         """Rank 0: the global model of round ``t`` (best in ``checkpoint.keep_best``) to
-        ``best.pt``, its round in the log's root attributes (:mod:`fedmpi.callbacks`)."""
+        ``best.pt``, its round in the log's root attributes (:mod:`fedmpi.runtime.callbacks`)."""
         assert self.out_dir is not None and self.writer is not None, "rank 0 of a run with a log"
         metric = self.cfg.checkpoint.keep_best.metric
         self.flat.load(self.global_state)

@@ -3,7 +3,7 @@
 Kept out of :mod:`fedmpi.runtime` so the driver only has one-line call sites:
 
 * :func:`open_run` — rank 0's setup of the output directory: lock and checks
-  (:mod:`fedmpi.rundir`), checkpoint restore, the log (new, or continued after the
+  (:mod:`fedmpi.job.rundir`), checkpoint restore, the log (new, or continued after the
   checkpoint's round), ``config.yaml``.
 * :func:`agree_on_setup` — every rank learns whether any rank failed to set up; the
   error line is printed once (by rank 0, or by a worker whose problem rank 0 does not
@@ -21,7 +21,7 @@ Kept out of :mod:`fedmpi.runtime` so the driver only has one-line call sites:
   that blocks its rerun.
 * :func:`interrupted_message` — what the stop message says about the checkpoint.
 
-Each takes what it needs (the checkpoint's :class:`~fedmpi.checkpoint.RunState`, the
+Each takes what it needs (the checkpoint's :class:`~fedmpi.job.checkpoint.RunState`, the
 log's :class:`LogHeader`, a writer, numbers), never the whole
 :class:`~fedmpi.runtime.Federation`; the two round checks return the failure line and
 the federation records it.
@@ -37,28 +37,30 @@ from typing import TYPE_CHECKING, NoReturn, Optional
 import numpy as np
 import torch
 
-from .. import checkpoint, rundir
-from .._version import __version__
-from ..errors import ReportedElsewhere, RunFailed, UserError
-from ..outputs import OutputError, quiet_h5py_errors
-from ..context import LogSink
-from ..safefile import write_text
+from fedmpi.job import checkpoint, rundir
+from fedmpi._version import __version__
+from fedmpi.errors import ReportedElsewhere, RunFailed, UserError
+from fedmpi.job.outputs import OutputError, quiet_h5py_errors
+from fedmpi.context import LogSink
+from fedmpi.job.safefile import write_text
+from fedmpi.job.checkpoint_file import checkpoint_path
+from fedmpi.job.lock import release
 
 if TYPE_CHECKING:  # annotations only: the log (h5py) is imported when rank 0 opens it
-    from ..log import LogWriter
+    from fedmpi.log.writer import LogWriter
 
 
 @dataclass(frozen=True)
 class LogHeader:
     """What rank 0's log records about the run before its first round, besides what
-    the :class:`~fedmpi.checkpoint.RunState` holds (config, world size, K): the
+    the :class:`~fedmpi.job.checkpoint.RunState` holds (config, world size, K): the
     :class:`~fedmpi.log.LogWriter`'s header, the run information, and ``sink``, the
     writes the build made for the log before the file existed (the rank table, the
     components' attributes and events), replayed into it when it opens."""
 
     num_samples: np.ndarray       # n_k of every client
     class_counts: np.ndarray      # [K, C] training samples per client and class
-    run_info: dict                # what ran (fedmpi.provenance)
+    run_info: dict                # what ran (fedmpi.job.provenance)
     sink: LogSink
 
 
@@ -76,14 +78,14 @@ def open_run(run: checkpoint.RunState, header: LogHeader, out: Path, resume: boo
              overwrite: bool) -> OpenedRun:
     """Rank 0: own ``out``, restore the checkpoint into ``run`` on ``resume``, open the
     log (new, or continued after the checkpoint's round) and write ``config.yaml``."""
-    from ..log import LogWriter
+    from fedmpi.log.writer import LogWriter
 
     cfg = run.cfg
     owned = rundir.prepare(out, cfg, resume, overwrite)
     restored = None
     history: list[dict] = []
     if resume:
-        restored = checkpoint.load_server_side(run, checkpoint.checkpoint_path(out))
+        restored = checkpoint.load_server_side(run, checkpoint_path(out))
         history = rundir.resume_history(out / "log.h5", restored.path, restored.round, cfg)
     writer = LogWriter(out / "log.h5", config_yaml=cfg.to_yaml(), world_size=run.size,
                        num_clients=run.num_clients, num_samples=header.num_samples,
@@ -99,7 +101,7 @@ def open_run(run: checkpoint.RunState, header: LogHeader, out: Path, resume: boo
     try:
         write_text(out / "config.yaml", cfg.to_yaml())
     except OSError as exc:
-        from ..outputs import write_failed
+        from fedmpi.job.outputs import write_failed
 
         raise write_failed(out / "config.yaml", exc) from None
     return OpenedRun(writer, history, restored)
@@ -146,7 +148,7 @@ def end_job(writer: Optional[LogWriter], comm, exc: BaseException, t: int) -> No
             writer.close()
         except OutputError:
             pass
-    rundir.release()
+    release()
     comm.abort(1)
     raise SystemExit(1)   # not reached: abort ends the process
 
@@ -189,7 +191,7 @@ def discard_unstarted(out: Path, logged: int, resume: bool) -> bool:
     failed in its first round (no round logged, no checkpoint) removes the ``log.h5``
     and ``config.yaml`` it created, so nothing blocks the corrected rerun (issue 26).
     Returns whether the log is kept."""
-    if resume or logged > 0 or checkpoint.checkpoint_path(out).exists():
+    if resume or logged > 0 or checkpoint_path(out).exists():
         return True
     for name in ("log.h5", "config.yaml"):   # the directory stays: it may be the user's
         (out / name).unlink(missing_ok=True)
@@ -201,7 +203,7 @@ def interrupted_message(stop_reason: Optional[str], t: int, rounds: int, checkpo
     """The stop line of a run stopped (``stop_reason``) at round ``t`` of ``rounds``:
     which rounds the checkpoint in ``out`` holds (< ``checkpoint_round``), or that there
     is none."""
-    path = checkpoint.checkpoint_path(out)
+    path = checkpoint_path(out)
     if checkpoint_round > 0 and path.exists():
         return (f"fedmpi: interrupted ({stop_reason}) after {t} of {rounds} rounds; checkpoint "
                 f"{path} (rounds < {checkpoint_round}); continue with: fedmpi run ... --resume")

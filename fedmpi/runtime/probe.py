@@ -20,11 +20,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from ..errors import ConfigError
-from ..imports import blame, code_path
-from .build import Built
+from fedmpi.errors import ConfigError
+from fedmpi.imports import blame, code_path
+from fedmpi.runtime.build import Built
 
 __all__ = ["check_outputs", "dry_run", "probe_loss"]
 
@@ -33,7 +32,7 @@ def check_outputs(out: object, batch: int, want: int, num_classes: int, model: s
     """The model's output for a batch of ``batch`` samples must be ``[batch, want]``
     logits (``want``: the method's width for ``num_classes`` classes, e.g. C, or 2C for
     FedGPS), whatever ``train.loss``: ``cross_entropy`` is a softmax over one logit per
-    class, ``bce_logits`` one sigmoid per class (:mod:`fedmpi.optim`), and the accuracy,
+    class, ``bce_logits`` one sigmoid per class (:mod:`fedmpi.training.optim`), and the accuracy,
     balanced accuracy, macro-F1 and AUROC of the log read the same C columns. A wider
     output would silently train on classes that do not exist; one logit for a binary
     task (the sigmoid habit) is refused too, naming ``model.name``."""
@@ -58,8 +57,8 @@ def check_outputs(out: object, batch: int, want: int, num_classes: int, model: s
 
 def probe_loss(out: torch.Tensor, y: torch.Tensor, cfg) -> torch.Tensor:
     """The training loss of the dry run's batch: ``train.loss`` as local training computes
-    it (:func:`fedmpi.optim.training_loss`, without class weights)."""
-    from ..optim import training_loss
+    it (:func:`fedmpi.training.optim.training_loss`, without class weights)."""
+    from fedmpi.training.optim import training_loss
 
     return training_loss(out.float(), y, str(cfg.train.loss), None,
                          float(cfg.train.label_smoothing))

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 
-from .server import M_LOSS, M_SEEN, M_STEPS, M_TIME, ServerResult, Uplink
+from fedmpi.runtime.server import M_LOSS, M_SEEN, M_STEPS, M_TIME, ServerResult, Uplink
 
 if TYPE_CHECKING:  # annotations only: h5py is imported when rank 0 opens the log
-    from ..log import LogWriter
+    from fedmpi.log.writer import LogWriter
 
 Row = tuple[int, dict, dict, dict]
 
@@ -35,7 +35,7 @@ class RoundRecorder:
         self.writer: Optional[LogWriter] = None    # opened by the driver (rank 0)
         self.history: list[dict] = []
         self.pending: Optional[Row] = None
-        #: rank 0's listeners (fedmpi.callbacks.AfterRound): (round, scalars, per-client)
+        #: rank 0's listeners (fedmpi.runtime.callbacks.AfterRound): (round, scalars, per-client)
         #: -> a stop request or None
         self.after: Optional[Callable[[int, dict, dict], Optional[str]]] = None
         self.stop_request: Optional[str] = None

@@ -10,7 +10,7 @@ No MPI and no dataset here: :func:`server_step` takes the round's
    workers sent, s_k = w̃_k / Σ_{j accepted} w̃_j; per-client weightings (FedVG)
    from the clients' rows;
 3. **combines** every statistic: weighted ones by the server rule
-   (``aggregation.rule``, :mod:`fedmpi.algorithms.rules`): a per-client rule
+   (``aggregation.rule``, :mod:`fedmpi.aggregation.rules`): a per-client rule
    (robust aggregation) gets the accepted clients' rows and s_k and returns the
    aggregate; the default ``mean`` is Σ_k s_k x_k — for reducible weightings the
    float64 Σ_k w̃_k x_k divided by Σ w̃_k, for per-client ones
@@ -33,10 +33,13 @@ from typing import TYPE_CHECKING, Callable, Optional
 import numpy as np
 import torch
 
-from ..algorithms import Algorithm, RoundInfo, RuleInfo, ServerRule, Stat, Weighting
+from fedmpi.methods.base import Algorithm
+from fedmpi.component import RoundInfo, Stat
+from fedmpi.aggregation.rules import RuleInfo, ServerRule
+from fedmpi.aggregation.weighting import Weighting
 
 if TYPE_CHECKING:
-    from ..privacy.dp import ServerNoise
+    from fedmpi.privacy.dp import ServerNoise
 
 STATUS_IDLE, STATUS_OK, STATUS_NONFINITE, STATUS_FAILED, STATUS_RANGE = 0, 1, 2, 3, 4
 #: why a participant's update was excluded, by status word (the log's event text)

@@ -13,12 +13,15 @@ import traceback
 import numpy as np
 import torch
 
-from ..algorithms import Algorithm, ClientTask, TransformChain, Weighting
-from ..errors import show_traceback
-from ..imports import run_objects, runtime_error_line
-from ..train import LocalTrainer, TrainResult, stream_seed
-from .channel import Channel
-from .server import M_TIME, STATUS_NONFINITE, STATUS_OK
+from fedmpi.methods.base import Algorithm
+from fedmpi.component import ClientTask
+from fedmpi.transforms.base import TransformChain
+from fedmpi.aggregation.weighting import Weighting
+from fedmpi.errors import show_traceback
+from fedmpi.imports import run_objects, runtime_error_line
+from fedmpi.training.loop import LocalTrainer, TrainResult, stream_seed
+from fedmpi.runtime.channel import Channel
+from fedmpi.runtime.server import M_TIME, STATUS_NONFINITE, STATUS_OK
 
 
 class Worker:

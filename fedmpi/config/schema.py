@@ -1,0 +1,227 @@
+"""The run configuration: the framework's keys plus the blocks and rules of the components.
+
+:mod:`fedmpi.config.core` knows how keys are typed, loaded, overridden and
+validated, and knows no key. This module assembles the run's
+:class:`~fedmpi.config.core.Schema`, layered above the components (:mod:`fedmpi.methods`, :mod:`fedmpi.aggregation`, :mod:`fedmpi.transforms`):
+
+* the framework's own keys and their cross-key rules
+  (:data:`~fedmpi.config.framework.FRAMEWORK`,
+  :func:`~fedmpi.config.framework.framework_checks`: run name and seed, ``data.*``,
+  ``model.*``, ``train.*``, the component selectors ``algorithm.name``,
+  ``aggregation.weighting``, ``transforms``, ``system.*``, ``eval.*``,
+  ``runtime.*``; in :mod:`fedmpi.config.framework`);
+* the parameter blocks every registered component declares
+  (:class:`~fedmpi.component.Component.params`): methods'
+  ``algorithm.<block>.*`` after ``algorithm.server_lr``, weightings'
+  ``aggregation.<block>.*`` after ``aggregation.weighting``, transforms'
+  ``<name>.*`` after ``transforms``;
+* the rules of the selected components (their ``check``) and the combination
+  rules derived from what they declare (:func:`check_components`).
+
+No component is named here: a new method, weighting or transform brings its
+keys and rules with its registration (a class registered after this module was
+imported gets its blocks on the next config built). Sources are applied as
+``defaults < YAML file < --set KEY=VALUE``; every problem is a
+:class:`~fedmpi.errors.ConfigError` naming the key.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Iterable, Optional
+
+from fedmpi.config import core as config_core
+from fedmpi.methods import ALGORITHMS
+from fedmpi.aggregation.rules import RULES, ServerRule
+from fedmpi.transforms.base import TRANSFORMS, UpdateTransform
+from fedmpi.aggregation.weighting import WEIGHTINGS, Weighting
+from fedmpi.methods.base import Algorithm
+from fedmpi.component import Component, Registry
+from fedmpi.config.core import Config, Schema
+from fedmpi.config.fields import Field
+from fedmpi.config.framework import FRAMEWORK, framework_checks
+from fedmpi.errors import ConfigError
+from fedmpi.imports import is_import_path
+from fedmpi.config.params import block_fields, check_params
+
+__all__ = ["SCHEMA", "load_config", "config_from_dict", "check_components", "keyed_components",
+           "local_steps_floor", "reference_markdown", "renamed_to", "schema"]
+
+#: Each component kind: its registry and the key its blocks follow.
+_KINDS: tuple[tuple[Registry, str], ...] = (
+    (ALGORITHMS, "algorithm.server_lr"), (RULES, "aggregation.params"),
+    (WEIGHTINGS, "aggregation.params"), (TRANSFORMS, "transforms"))
+
+
+def _assemble() -> Schema:
+    """The schema of the framework keys and every registered component's blocks."""
+    renamed: dict[str, list[str]] = {}
+    after: dict[str, dict[str, Field]] = {}
+    for registry, anchor in _KINDS:
+        blocks = after.setdefault(anchor, {})
+        for cls in registry.values():
+            for block, params_cls in cls.blocks().items():
+                for key, f in block_fields(cls.prefix, block, params_cls, renamed).items():
+                    blocks.setdefault(key, f)   # a block shared by several classes: once
+    for targets in renamed.values():
+        targets[:] = list(dict.fromkeys(targets))
+    fields: dict[str, Field] = {}
+    for key, f in FRAMEWORK.items():
+        fields[key] = f
+        fields.update(after.get(key, {}))
+    return Schema(fields, checks=(framework_checks, _selected_checks), renamed=renamed,
+                  rename_target=_rename_target)
+
+
+def _rename_target(given: Mapping[str, Any], old: str, targets: list[str]) -> str:
+    """An old flat key moves to the block of the chosen method when it has one
+    (``algorithm.<key>`` → ``algorithm.<method>.<key>`` for the chosen method)."""
+    method = given.get("algorithm.name", FRAMEWORK["algorithm.name"].default)
+    return next((t for t in targets if t.split(".")[1] == method), targets[0])
+
+
+def _versions() -> tuple[int, ...]:
+    return tuple(registry.version for registry, _ in _KINDS)
+
+
+def schema() -> Schema:
+    """The run's schema; reassembled when a component was registered since."""
+    if _current[0] != _versions():
+        _current[:] = [_versions(), _assemble()]
+    return _current[1]
+
+
+def renamed_to(old_key: str) -> list[str]:
+    """The nested keys a flat key of earlier versions became (e.g. ``algorithm.mu`` →
+    ``["algorithm.fedprox.mu"]``); empty for a current key. For reading old logs."""
+    return list(schema().renamed.get(old_key, ()))
+
+
+# --------------------------------------------------------------------------- #
+# Component rules
+# --------------------------------------------------------------------------- #
+def _selected_checks(cfg: Config) -> None:
+    """The ``check`` rules of the components ``cfg`` selects by registered name (those
+    given by import path are checked when the run builds them, :func:`check_components`)."""
+    method = None if is_import_path(cfg.algorithm.name) else ALGORITHMS.lookup(cfg.algorithm.name)
+    weighting = (None if is_import_path(cfg.aggregation.weighting)
+                 else WEIGHTINGS.lookup(cfg.aggregation.weighting))
+    transforms = [cls for cls in TRANSFORMS.values() if cls.enabled(cfg)]
+    rule = None if is_import_path(cfg.aggregation.rule) else RULES.lookup(cfg.aggregation.rule)
+    check_components(cfg, method, weighting, transforms, rule)
+
+
+def keyed_components(method: Optional[type[Algorithm]] = None,
+                     weighting: Optional[type[Weighting]] = None,
+                     transforms: Iterable[type[UpdateTransform]] = (),
+                     rule: Optional[type[ServerRule]] = None) -> list[tuple[str, type[Component]]]:
+    """The given component classes, each with the config key that selects it (named in
+    the errors of rules derived from what they declare)."""
+    keyed: list[tuple[str, Any]] = [("algorithm.name", method),
+                                    ("aggregation.weighting", weighting),
+                                    *((tr.enable_key, tr) for tr in transforms),
+                                    ("aggregation.rule", rule)]
+    return [(key, cls) for key, cls in keyed if cls is not None]
+
+
+def local_steps_floor(parts: Iterable[tuple[str, type[Component]]]) -> tuple[int, str, str]:
+    """The most local steps a component of ``parts`` (:func:`keyed_components`) declares
+    every client must make (:attr:`~fedmpi.component.Component.min_local_steps`), with
+    that component's key and name; ``(0, "", "")`` when none asks for any."""
+    best = max(parts, key=lambda part: part[1].min_local_steps, default=None)
+    if best is None or best[1].min_local_steps <= 0:
+        return 0, "", ""
+    return int(best[1].min_local_steps), best[0], str(best[1].name)
+
+
+def check_components(cfg: Config, method: Optional[type[Algorithm]] = None,
+                     weighting: Optional[type[Weighting]] = None,
+                     transforms: Iterable[type[UpdateTransform]] = (),
+                     rule: Optional[type[ServerRule]] = None) -> None:
+    """Each component's own ``check(cfg)``, then the rules derived from declarations:
+
+    * a transform that rewrites the whole update (``rewrites_update``, ECGR) does not
+      compose with a method whose uploads are masked (``masked_upload``, the submodel
+      family);
+    * a per-client server rule (``per_client``) needs the method's update as a
+      weighted statistic (``weighted_update``; not the submodel family's coverage sums);
+    * ``train.local_steps`` is at least every component's ``min_local_steps`` (ECGR: 2);
+    * ``aggregation.params`` belongs to a rule given by import path (checked against
+      its ``params["params"]`` dataclass)."""
+    transforms = list(transforms)
+    if rule is not None:
+        if is_import_path(cfg.aggregation.rule):
+            check_params(rule, cfg.aggregation.params, "aggregation.params")
+        elif cfg.aggregation.params:
+            raise ConfigError("config key 'aggregation.params' is for a rule given by import "
+                              f"path; {cfg.aggregation.rule!r} takes its parameters from its own "
+                              "keys")
+        if method is not None and rule.per_client and not getattr(method, "weighted_update", True):
+            raise ConfigError(f"config keys 'aggregation.rule' and 'algorithm.name': rule "
+                              f"{cfg.aggregation.rule!r} combines per-client weighted updates; "
+                              f"method {cfg.algorithm.name!r} aggregates its update otherwise "
+                              "(coverage sums)")
+    parts = keyed_components(method, weighting, transforms, rule)
+    for _, cls in parts:
+        cls.check(cfg)
+    steps, key, name = local_steps_floor(parts)
+    if cfg.train.local_steps is not None and cfg.train.local_steps < steps:
+        raise ConfigError(f"config key 'train.local_steps' must be >= {steps} for {key} "
+                          f"({name!r} needs {steps} local steps per client), got "
+                          f"{cfg.train.local_steps}")
+    if method is not None and method.owns_evaluation and cfg.eval.where != "server":
+        raise ConfigError(f"config key 'eval.where' must be 'server' for algorithm.name "
+                          f"{cfg.algorithm.name!r} (the method evaluates its resource levels "
+                          "itself)")
+    if method is not None and getattr(method, "masked_upload", False):
+        for tr in transforms:
+            if getattr(tr, "rewrites_update", False):
+                raise ConfigError(
+                    f"config key {tr.enable_key!r}: transform {tr.name!r} rewrites the whole "
+                    f"update and does not compose with algorithm.name={cfg.algorithm.name!r} "
+                    "(submodel uploads are masked)")
+
+
+# --------------------------------------------------------------------------- #
+# Public entry points
+# --------------------------------------------------------------------------- #
+def config_from_dict(d: Mapping[str, Any] | None, overrides: Sequence[str] = (),
+                     base_dir: str | os.PathLike | None = None) -> Config:
+    """Build a :class:`Config` from a nested dict plus ``KEY=VALUE`` overrides.
+
+    Args:
+        d: nested mapping as read from YAML (``{"train": {"lr": 0.1}}``);
+            None or ``{}`` gives all defaults.
+        overrides: ``"train.lr=0.1"``-style items, applied after ``d``.
+        base_dir: directory against which relative file paths are tried first.
+    """
+    return config_core.config_from_dict(schema(), d, overrides, base_dir)
+
+
+def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (),
+                base_dir: str | os.PathLike | None = None) -> Config:
+    """Load a YAML config file, apply ``--set`` overrides and validate.
+
+    Args:
+        path: YAML file, or None for all defaults.
+        overrides: ``"KEY=VALUE"`` items; VALUE is parsed as YAML
+            (``"adversary.clients=[1,2]"``, ``"train.clients_per_round=null"``).
+        base_dir: where relative file paths in the config are looked up first;
+            defaults to the config file's directory.
+    """
+    return config_core.load_config(schema(), path, overrides, base_dir)
+
+
+def reference_markdown() -> str:
+    """The config reference table of docs/configuration.md (the built-in components' keys).
+
+    Regenerate that section with
+    ``python -c "from fedmpi.config.schema import reference_markdown as r; print(r())"``.
+    """
+    return config_core.reference_markdown(_BUILTIN)
+
+
+_BUILTIN = _assemble()
+_current: list = [_versions(), _BUILTIN]
+#: Every config key of the built-in components (dotted key → :class:`Field`), in order.
+SCHEMA: dict[str, Field] = _BUILTIN.fields

@@ -1,0 +1,334 @@
+"""Local training and evaluation on flat models.
+
+The optimizer is SGD written on the flat vectors of :class:`~fedmpi.training.flat.FlatModel`
+with exactly ``torch.optim.SGD``'s semantics (dampening 0)::
+
+    g ← ∇ℓ(θ) (+ method hook, e.g. FedProx μ(θ − θ_g))   then clip, then
+    g ← g + wd·θ
+    b ← g                      (first step of the round)
+    b ← m·b + g                (later steps)
+    θ ← θ − lr·b
+
+One fused update on a preallocated momentum buffer per worker: no per-step or
+per-round allocation of model-sized tensors. Under ``train.optimizer_state:
+keep`` b is the client's own buffer (:class:`~fedmpi.training.optim.KeptState`) and
+"first step" means the client's first step ever (:mod:`fedmpi.training.optim`). Methods plug in through
+:class:`StepHooks` without copying the loop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedmpi.training.accel import OFF, Accel
+from fedmpi.data.base import Dataset
+from fedmpi.training.flat import FlatModel
+from fedmpi.privacy.dpsgd import RecordDP, clipped_grad_sum, poisson_batch, poisson_rate
+from fedmpi.training.optim import AdaptiveOptimizer, KeptState, training_loss
+
+GradHook = Callable[[FlatModel], None]
+StepHook = Callable[[torch.Tensor, float], None]
+LossFn = Callable[[FlatModel, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class StepHooks:
+    """Extension points of the local loop.
+
+    grad_hook(flat):           edit ``flat.grad`` in place after backward
+                               (FedProx, SCAFFOLD, FedDyn, FedLAGC).
+    step_hook(update, lr):     called after each step with the momentum-smoothed
+                               direction ``b`` (the step was ``θ ← θ − lr·b``); ECGR
+                               records ``lr·b``. SGD only: a method with one declares
+                               ``optimizers = ("sgd",)``.
+    loss_fn(flat, x, y):       replaces cross-entropy (FedGPS).
+    """
+
+    grad_hook: Optional[GradHook] = None
+    step_hook: Optional[StepHook] = None
+    loss_fn: Optional[LossFn] = None
+
+
+@dataclass
+class TrainResult:
+    loss_sum: float = 0.0      # Σ over steps of (batch mean loss × batch size)
+    samples: int = 0           # samples seen (with repetition over epochs)
+    steps: int = 0             # τ_k, number of optimizer steps
+    lr: float = 0.0            # learning rate of this client-round (after train.lr_decay)
+
+
+@dataclass(frozen=True)
+class SGDConfig:
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    grad_clip: Optional[float] = None
+    batch_size: int = 32
+    local_epochs: int = 1
+    local_steps: Optional[int] = None
+    optimizer: str = "sgd"                        # sgd | adam | adamw (fedmpi.training.optim)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    loss: str = "cross_entropy"                   # cross_entropy | bce_logits (fedmpi.training.optim)
+    class_weights: Optional[tuple[float, ...]] = None
+    label_smoothing: float = 0.0
+
+    @property
+    def plain_loss(self) -> bool:
+        """Unweighted, unsmoothed cross-entropy (the loss the methods' papers use)."""
+        return (self.loss == "cross_entropy" and self.class_weights is None
+                and self.label_smoothing == 0.0)
+    #: record-level DP (``privacy.dp.level: record``): DP-SGD steps on Poisson batches
+    dp: Optional[RecordDP] = None
+
+
+def epoch_bounds(n: int, batch_size: int) -> list[int]:
+    """Batch boundaries of one epoch over ``n`` samples.
+
+    Batches of ``batch_size``; the last one is partial (no sample is dropped),
+    except that a remainder of exactly one sample joins the previous batch:
+    BatchNorm cannot normalise a batch of one (at 1×1 spatial size it raises).
+    """
+    bounds = list(range(0, n, batch_size)) + [n]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+        del bounds[-2]
+    return bounds
+
+
+def step_decay_lr(lr: float, round: int, decay: float, every: int) -> float:
+    """Learning rate of round ``round`` under step decay (``train.lr_decay``,
+    ``train.lr_decay_every``): lr·decay^⌊round/every⌋; ``every`` = 0 keeps lr.
+
+    ECGR paper §4.1: lr 0.001 halved every 10 rounds (decay 0.5, every 10).
+    """
+    if every <= 0 or decay == 1.0:
+        return lr
+    return lr * decay ** (round // every)
+
+
+def num_local_steps(n: int, cfg: SGDConfig) -> int:
+    """τ_k: ``local_steps`` if set, else ``local_epochs`` × batches per epoch."""
+    if cfg.local_steps is not None:
+        return cfg.local_steps
+    return cfg.local_epochs * (len(epoch_bounds(n, cfg.batch_size)) - 1)
+
+
+class LocalTrainer:
+    """Trains clients one after another on one reusable :class:`FlatModel`.
+
+    ``accel`` holds the opt-in ``runtime.*`` speed switches (:mod:`fedmpi.training.accel`);
+    ``forward`` is the callable that runs the model (``torch.compile``'d under
+    ``runtime.compile``), shared with evaluation so it is compiled once.
+    """
+
+    def __init__(self, flat: FlatModel, data: Dataset, accel: Accel = OFF,
+                 forward: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
+        self.flat = flat
+        self.data = data
+        self.accel = accel
+        self.forward = forward if forward is not None else accel.wrap(flat.model)
+        self.momentum_buf = torch.zeros_like(flat.grad)
+        self.device = flat.device
+        self._device_gen = torch.Generator(device=self.device)
+        self._adaptive: Optional[AdaptiveOptimizer] = None     # train.optimizer adam/adamw
+        self._class_weights: dict[tuple[float, ...], torch.Tensor] = {}
+
+    def _loss(self, out: torch.Tensor, y: torch.Tensor, cfg: SGDConfig) -> torch.Tensor:
+        """``train.loss`` with its class weights and label smoothing (:mod:`fedmpi.training.optim`)."""
+        w = None
+        if cfg.class_weights is not None:
+            w = self._class_weights.get(cfg.class_weights)
+            if w is None:
+                w = self._class_weights[cfg.class_weights] = torch.tensor(
+                    cfg.class_weights, dtype=out.dtype, device=out.device)
+        return training_loss(out, y, cfg.loss, w, cfg.label_smoothing)
+
+    def _optimizer(self, cfg: SGDConfig, kept: Optional[KeptState]) -> AdaptiveOptimizer:
+        """The Adam/AdamW optimizer of this trainer for a new client-round: reset, or
+        continuing from the client's ``kept`` state."""
+        if self._adaptive is None or self._adaptive.kind != cfg.optimizer:
+            self._adaptive = AdaptiveOptimizer(cfg.optimizer, self.flat.params, self.flat.grad)
+        if kept is None:
+            self._adaptive.reset(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
+        else:
+            self._adaptive.carry(kept, cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
+        return self._adaptive
+
+    def batches(self, indices: torch.Tensor, cfg: SGDConfig, gen: torch.Generator):
+        """Yield index batches: fresh permutation per epoch, last batch partial; under
+        record-level DP τ_k Poisson batches of expected size B instead
+        (:func:`~fedmpi.privacy.dpsgd.poisson_batch`, the sampling its accountant assumes)."""
+        n = indices.numel()
+        steps = num_local_steps(n, cfg)
+        if cfg.dp is not None:
+            q = poisson_rate(n, cfg.batch_size)
+            for _ in range(steps):
+                yield poisson_batch(indices, q, gen)
+            return
+        bounds = epoch_bounds(n, cfg.batch_size)
+        done = 0
+        while done < steps:
+            perm = torch.randperm(n, generator=gen).to(self.device, non_blocking=True)
+            order = indices[perm]
+            for start, stop in zip(bounds[:-1], bounds[1:]):
+                yield order[start:stop]
+                done += 1
+                if done == steps:
+                    return
+
+    def train(self, indices: torch.Tensor, cfg: SGDConfig, seed: int,
+              hooks: StepHooks = StepHooks(), flip_labels: bool = False,
+              kept: Optional[KeptState] = None) -> TrainResult:
+        """Run τ_k local SGD steps on the samples ``indices`` of the training pool.
+
+        ``seed`` drives the batch order, augmentation and any other randomness,
+        so the result depends only on (seed, client, round), not on the rank.
+        ``kept``: the client's optimizer state to continue from and update
+        (``train.optimizer_state: keep``); None = a fresh optimizer.
+        """
+        flat, data, accel, forward = self.flat, self.data, self.accel, self.forward
+        gen = torch.Generator().manual_seed(seed)
+        self._device_gen.manual_seed(seed)
+        torch.manual_seed(seed)
+        model = flat.model
+        model.train()
+        params, grad = flat.params, flat.grad
+        buf = self.momentum_buf
+        fresh = True   # b ← g at the first step
+        if kept is not None and kept.momentum is not None:
+            buf, fresh = kept.momentum, not bool(kept.step[0] > 0)
+        result = TrainResult(lr=cfg.lr)
+        adaptive = self._optimizer(cfg, kept) if cfg.optimizer != "sgd" else None
+        loss_total = torch.zeros((), device=self.device)  # summed on device: no sync per step
+        num_classes = data.num_classes
+        noise_gen = None
+        if cfg.dp is not None:   # its own stream: the batches stay those of the seed
+            noise_gen = torch.Generator(device=self.device).manual_seed(seed ^ 0x0D95_6D1A)
+        for batch in self.batches(indices, cfg, gen):
+            x = accel.input(data.prepare(data.x_train[batch], train=True, generator=self._device_gen))
+            y = data.y_train[batch]
+            if flip_labels:
+                y = num_classes - 1 - y
+            flat.zero_grad()
+            if cfg.dp is not None:
+                batch_loss = self._private_grad(x, y, cfg, hooks, noise_gen)
+            else:
+                with accel.autocast_context():
+                    if hooks.loss_fn is not None:
+                        loss = hooks.loss_fn(flat, x, y)
+                    elif cfg.plain_loss:
+                        loss = F.cross_entropy(forward(x), y)
+                    else:
+                        loss = self._loss(forward(x), y, cfg)
+                loss.backward()
+                batch_loss = loss.detach() * y.numel()
+            with torch.no_grad():
+                if hooks.grad_hook is not None:
+                    hooks.grad_hook(flat)
+                if cfg.grad_clip is not None:
+                    norm = torch.linalg.vector_norm(grad)
+                    grad.mul_(torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0))
+                if adaptive is not None:   # Adam/AdamW: weight decay is theirs (fedmpi.training.optim)
+                    if hooks.step_hook is not None:
+                        raise RuntimeError(f"train.optimizer {cfg.optimizer!r}: this method's "
+                                           "step hook records SGD steps; declare optimizers = "
+                                           "('sgd',) on it")
+                    adaptive.step()
+                    loss_total += batch_loss
+                    result.samples += y.numel()
+                    result.steps += 1
+                    continue
+                if cfg.weight_decay:
+                    grad.add_(params, alpha=cfg.weight_decay)
+                if cfg.momentum:
+                    if result.steps == 0 and fresh:
+                        buf.copy_(grad)
+                    else:
+                        buf.mul_(cfg.momentum).add_(grad)
+                    direction = buf
+                else:
+                    direction = grad
+                params.add_(direction, alpha=-cfg.lr)
+                if hooks.step_hook is not None:
+                    hooks.step_hook(direction, cfg.lr)
+            loss_total += batch_loss
+            result.samples += y.numel()
+            result.steps += 1
+        if adaptive is not None and kept is not None:
+            adaptive.put_back(kept)
+        elif kept is not None:
+            kept.step.add_(result.steps)
+        result.loss_sum = float(loss_total)
+        return result
+
+    def _private_grad(self, x: torch.Tensor, y: torch.Tensor, cfg: SGDConfig, hooks: StepHooks,
+                      noise_gen: Optional[torch.Generator]) -> torch.Tensor:
+        """DP-SGD gradient into ``flat.grad``: (Σ_i clip_C(g_i) + N(0, σ²C²)) / B
+        (:mod:`fedmpi.privacy.dpsgd`); returns the batch's summed loss."""
+        dp, flat = cfg.dp, self.flat
+        assert dp is not None and noise_gen is not None
+        if hooks.loss_fn is not None:
+            raise RuntimeError("record-level DP computes the plain cross-entropy per sample; "
+                               "this method replaces the loss (StepHooks.loss_fn)")
+        segments = flat.param_segments
+        loss = torch.zeros((), device=self.device)
+        if y.numel():
+            loss = clipped_grad_sum(flat.model, [s.name for s in segments], x, y, dp.clip,
+                                    [flat.grad[s.slice] for s in segments])
+        with torch.no_grad():
+            if dp.noise_multiplier > 0:
+                flat.grad.add_(torch.randn(flat.grad.shape, generator=noise_gen,
+                                           device=self.device), alpha=dp.noise_multiplier * dp.clip)
+            flat.grad.div_(cfg.batch_size)
+        return loss
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: Dataset, x: torch.Tensor, y: torch.Tensor,
+             batch_size: int, num_logits: Optional[int] = None,
+             accel: Accel = OFF,
+             collect: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None
+             ) -> tuple[float, int, int]:
+    """Return (Σ cross-entropy, #correct, #samples) of ``model`` on (x, y).
+
+    ``num_logits``: score only the first N outputs (FedGPS's 2C-way head is
+    evaluated on the C real classes); None = all outputs. ``model`` may be the
+    ``torch.compile`` wrapper; ``accel`` applies the same autocast/layout
+    switches as training. ``collect(outputs, labels)`` sees every batch (the
+    further metrics of :class:`fedmpi.metrics.Collector`).
+    """
+    model.eval()
+    loss_sum, correct = 0.0, 0
+    for start in range(0, y.numel(), batch_size):
+        xb = accel.input(data.prepare(x[start:start + batch_size], train=False))
+        yb = y[start:start + batch_size]
+        with accel.autocast_context():
+            out = model(xb)
+        if num_logits is not None:
+            out = out[:, :num_logits]
+        loss_sum += float(F.cross_entropy(out, yb, reduction="sum"))
+        correct += int((out.argmax(1) == yb).sum())
+        if collect is not None:
+            collect(out, yb)
+    return loss_sum, correct, int(y.numel())
+
+
+def stream_seed(*keys: int) -> int:
+    """A 63-bit seed derived from integer keys (e.g. (seed, client, round)): the RNG
+    stream of one client's local training in one round."""
+    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def sgd_config(cfg) -> SGDConfig:
+    t, d = cfg.train, cfg.privacy.dp
+    dp = RecordDP(d.clip, d.noise_multiplier) if d.level == "record" else None
+    weights = tuple(t.class_weights) if t.class_weights is not None else None
+    return SGDConfig(lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay,
+                     grad_clip=t.grad_clip, batch_size=t.batch_size,
+                     local_epochs=t.local_epochs, local_steps=t.local_steps,
+                     optimizer=t.optimizer, betas=(t.betas[0], t.betas[1]), eps=t.eps,
+                     loss=t.loss, class_weights=weights, label_smoothing=t.label_smoothing, dp=dp)
