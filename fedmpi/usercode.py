@@ -101,11 +101,6 @@ def check_config_paths(cfg: Any) -> None:
         if is_user_metric(metric):
             user_metric(metric)
     code = UserCode()
-    if cfg.privacy.secure_aggregation:
-        from fedmpi.privacy.secagg import refuse_per_client
-
-        refuse_per_client(cfg, bool(code.weighting_class(cfg).per_client),
-                          bool(code.rule_class(cfg).per_client), [])
     if is_import_path(cfg.algorithm.name):
         check_params(code.algorithm_class(cfg), cfg.algorithm.params)
     elif cfg.algorithm.params:

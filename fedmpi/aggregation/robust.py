@@ -86,7 +86,7 @@ class RobustRule(ServerRule):
         super().__init__(cfg)
         self.ws = rm.Workspace()
         self._out: dict[str, torch.Tensor] = {}
-        self._col = np.full(int(cfg.data.num_clients), np.nan)
+        self.num_clients = int(cfg.data.num_clients)
 
     def out(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """The reused ``[size]`` output vector of statistic ``name``."""
@@ -96,19 +96,16 @@ class RobustRule(ServerRule):
         return buf
 
     def record(self, info: RuleInfo, values: np.ndarray) -> None:
-        self._col[info.clients] = values
+        """This round's ``rule/<column>``: ``values`` of the accepted clients, NaN elsewhere."""
+        col = np.full(self.num_clients, np.nan)
+        col[info.clients] = values
+        self.report.array(f"rule/{self.column}", col)
 
     def event(self, info: RuleInfo, message: str) -> None:
-        if self.ctx is not None:
-            self.ctx.log.event(info.round, -1, f"aggregation.rule {self.name}: {message}")
+        self.report.event(f"aggregation.rule {self.name}: {message}", round=info.round)
 
     def log_outputs(self) -> list[str]:
         return [f"rule/{self.column}"]
-
-    def log_arrays(self) -> dict[str, np.ndarray]:
-        out = {f"rule/{self.column}": self._col.copy()}
-        self._col.fill(np.nan)
-        return out
 
     def combine_all(self, rows: Rows, coef: np.ndarray) -> dict[str, torch.Tensor]:
         """:math:`\\sum_k c_k x_k` of every statistic with the same coefficients."""

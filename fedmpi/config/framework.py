@@ -39,13 +39,13 @@ METRIC_NAMES = ("accuracy", "balanced_accuracy", "macro_f1", "auroc")
 
 def _other_server_lrs() -> str:
     """The built-in methods whose default server learning rate is not 1 (for the help)."""
-    return ", ".join(f"{name} {cls.default_server_lr:g}" for name, cls in ALGORITHMS.items()
-                     if cls.default_server_lr != 1)
+    return ", ".join(f"{name} {cls.spec.default_server_lr:g}" for name, cls in ALGORITHMS.items()
+                     if cls.spec.default_server_lr != 1)
 
 
 def _sgd_only() -> str:
-    """The built-in methods whose math assumes SGD steps (``Algorithm.optimizers``)."""
-    return ", ".join(name for name, cls in ALGORITHMS.items() if cls.optimizers == ("sgd",))
+    """The built-in methods whose math assumes SGD steps (``MethodSpec.optimizers``)."""
+    return ", ".join(name for name, cls in ALGORITHMS.items() if cls.spec.optimizers == ("sgd",))
 
 
 #: The framework's keys, in the order :meth:`Config.to_dict` writes them; component

@@ -34,6 +34,7 @@ from fedmpi.config import core as config_core
 from fedmpi.methods import ALGORITHMS
 from fedmpi.aggregation.rules import RULES, ServerRule
 from fedmpi.transforms.base import TRANSFORMS, UpdateTransform
+import fedmpi.privacy  # noqa: F401  (registers the privacy stages after the transforms)
 from fedmpi.aggregation.weighting import WEIGHTINGS, Weighting
 from fedmpi.methods.base import Algorithm
 from fedmpi.component import Component, Registry
@@ -141,10 +142,13 @@ def check_components(cfg: Config, method: Optional[type[Algorithm]] = None,
     """Each component's own ``check(cfg)``, then the rules derived from declarations:
 
     * a transform that rewrites the whole update (``rewrites_update``, ECGR) does not
-      compose with a method whose uploads are masked (``masked_upload``, the submodel
-      family);
+      compose with a method whose uploads are masked (``spec.masked_upload``, the
+      submodel family);
     * a per-client server rule (``per_client``) needs the method's update as a
-      weighted statistic (``weighted_update``; not the submodel family's coverage sums);
+      weighted statistic (``spec.weighted_update``; not the submodel family's coverage
+      sums);
+    * a stage that lets rank 0 hold only sums (``sums_only``: secure aggregation) refuses
+      every component that puts one client's statistics there (``per_client_reason``);
     * ``train.local_steps`` is at least every component's ``min_local_steps`` (ECGR: 2);
     * ``aggregation.params`` belongs to a rule given by import path (checked against
       its ``params["params"]`` dataclass)."""
@@ -156,7 +160,7 @@ def check_components(cfg: Config, method: Optional[type[Algorithm]] = None,
             raise ConfigError("config key 'aggregation.params' is for a rule given by import "
                               f"path; {cfg.aggregation.rule!r} takes its parameters from its own "
                               "keys")
-        if method is not None and rule.per_client and not getattr(method, "weighted_update", True):
+        if method is not None and rule.per_client and not method.spec_for(cfg).weighted_update:
             raise ConfigError(f"config keys 'aggregation.rule' and 'algorithm.name': rule "
                               f"{cfg.aggregation.rule!r} combines per-client weighted updates; "
                               f"method {cfg.algorithm.name!r} aggregates its update otherwise "
@@ -169,13 +173,19 @@ def check_components(cfg: Config, method: Optional[type[Algorithm]] = None,
         raise ConfigError(f"config key 'train.local_steps' must be >= {steps} for {key} "
                           f"({name!r} needs {steps} local steps per client), got "
                           f"{cfg.train.local_steps}")
-    if method is not None and method.owns_evaluation and cfg.eval.where != "server":
+    sums = next((key for key, cls in parts if getattr(cls, "sums_only", False)), None)
+    if sums is not None:   # rank 0 may hold only sums: nothing may send it one client's
+        for _, cls in parts:
+            why = cls.per_client_reason(cfg)
+            if why is not None:
+                raise ConfigError(f"config keys {sums!r} and {why[0]!r}: {why[1]}")
+    if method is not None and method.spec_for(cfg).owns_evaluation and cfg.eval.where != "server":
         raise ConfigError(f"config key 'eval.where' must be 'server' for algorithm.name "
                           f"{cfg.algorithm.name!r} (the method evaluates its resource levels "
                           "itself)")
-    if method is not None and getattr(method, "masked_upload", False):
+    if method is not None and method.spec_for(cfg).masked_upload:
         for tr in transforms:
-            if getattr(tr, "rewrites_update", False):
+            if tr.rewrites_update:
                 raise ConfigError(
                     f"config key {tr.enable_key!r}: transform {tr.name!r} rewrites the whole "
                     f"update and does not compose with algorithm.name={cfg.algorithm.name!r} "

@@ -34,6 +34,7 @@ from typing import Any, Optional
 import numpy as np
 
 from fedmpi.errors import ConfigError
+from fedmpi.log.row import RoundRow
 
 __all__ = ["MLflowTracker", "TensorBoardTracker", "Tracker", "check_trackers", "export",
            "open_trackers",
@@ -50,14 +51,21 @@ def _need(module: str, extra: str, key: str) -> Any:
             from None
 
 
-def _points(scalars: Mapping[str, float], sites: Mapping[str, np.ndarray]) -> dict[str, float]:
-    """The finite scalars of one round, with per-site values as ``clients/<m>/<k>``."""
-    out = {k: float(v) for k, v in scalars.items()
+def _points(row: RoundRow) -> dict[str, float]:
+    """The finite numbers of one round row: its scalars, every non-boolean per-client value
+    as ``clients/<name>/<k>`` and every one-dimensional per-round array (a component's
+    per-client column such as ``rule/trimmed``) as ``<group>/<name>/<i>``."""
+    out = {k: float(v) for k, v in row.scalars.items()
            if k != "round" and v is not None and math.isfinite(float(v))}
-    for name, row in sites.items():
-        for k, v in enumerate(np.asarray(row, dtype=np.float64)):
+    series = [(f"clients/{name}", a) for name, a in row.clients.items()]
+    series += [(name, a) for name, a in row.arrays.items()]
+    for name, a in series:
+        a = np.asarray(a)
+        if a.ndim != 1 or a.dtype == bool:
+            continue
+        for k, v in enumerate(a.astype(np.float64)):
             if math.isfinite(v):
-                out[f"clients/{name}/{k}"] = float(v)
+                out[f"{name}/{k}"] = float(v)
     return out
 
 
@@ -65,9 +73,8 @@ class Tracker(abc.ABC):
     """A view of the log rows in some tool: :meth:`log` per round, :meth:`close` at the end."""
 
     @abc.abstractmethod
-    def log(self, t: int, scalars: Mapping[str, float],
-            sites: Mapping[str, np.ndarray] = {}) -> None:
-        """Write round ``t``'s scalars and per-site arrays."""
+    def log(self, row: RoundRow) -> None:
+        """Write one round row (:mod:`fedmpi.log.row`)."""
 
     def close(self, status: str = "completed") -> None:
         pass
@@ -82,10 +89,9 @@ class TensorBoardTracker(Tracker):
 
         self.writer = SummaryWriter(log_dir=str(directory))
 
-    def log(self, t: int, scalars: Mapping[str, float],
-            sites: Mapping[str, np.ndarray] = {}) -> None:
-        for name, v in _points(scalars, sites).items():
-            self.writer.add_scalar(name, v, global_step=t)
+    def log(self, row: RoundRow) -> None:
+        for name, v in _points(row).items():
+            self.writer.add_scalar(name, v, global_step=row.round)
         self.writer.flush()
 
     def close(self, status: str = "completed") -> None:
@@ -118,12 +124,11 @@ class MLflowTracker(Tracker):
         for i in range(0, len(items), 100):     # MLflow's batch limit
             self.client.log_batch(self.run_id, params=items[i:i + 100])
 
-    def log(self, t: int, scalars: Mapping[str, float],
-            sites: Mapping[str, np.ndarray] = {}) -> None:
+    def log(self, row: RoundRow) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(k, v, now, t) for k, v in _points(scalars, sites).items()]
+        metrics = [Metric(k, v, now, row.round) for k, v in _points(row).items()]
         for i in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 
@@ -171,6 +176,16 @@ def site_metrics(log: Any) -> list[str]:
             and np.ndim(log.clients[m]) == 2]
 
 
+def log_rows(log: Any) -> list[RoundRow]:
+    """The round rows of a read log, as the trackers saw them live."""
+    rows = []
+    for i, t in enumerate(log.rounds.get("round", [])):
+        rows.append(RoundRow(int(t), {k: float(v[i]) for k, v in log.rounds.items() if k != "round"},
+                             {k: v[i] for k, v in log.clients.items() if np.ndim(v) == 2},
+                             {k: log.arrays[k][i] for k in sorted(log.per_round)}))
+    return rows
+
+
 def export(log_path: str | Path, tensorboard: Optional[str] = None, mlflow: Optional[str] = None,
            csv: Optional[str] = None, experiment: str = "fedmpi",
            overwrite: bool = False) -> list[str]:
@@ -188,7 +203,6 @@ def export(log_path: str | Path, tensorboard: Optional[str] = None, mlflow: Opti
     if csv is not None:
         claim([csv], overwrite, "fedmpi export --csv")
     log = read(log_path)
-    rounds = log.rounds
     sites = site_metrics(log)
     name = (log.config or {}).get("name") or Path(log_path).parent.name
     trackers: list[tuple[str, Tracker]] = []
@@ -199,11 +213,9 @@ def export(log_path: str | Path, tensorboard: Optional[str] = None, mlflow: Opti
         ml = MLflowTracker(mlflow, experiment, name, flatten_config(log.config or {}),
                            key="--mlflow")
         trackers.append((f"MLflow run {ml.run_id} at {mlflow}", ml))
-    for i, t in enumerate(rounds.get("round", [])):
-        scalars = {k: float(v[i]) for k, v in rounds.items() if k != "round"}
-        row_sites = {m: log.clients[m][i] for m in sites}
+    for row in log_rows(log):
         for _, tr in trackers:
-            tr.log(int(t), scalars, row_sites)
+            tr.log(row)
     for _, tr in trackers:
         tr.close(log.status)
     done = [what for what, _ in trackers]

@@ -21,6 +21,7 @@ import h5py
 import numpy as np
 
 from fedmpi.errors import LogFormatError
+from fedmpi.log.row import RoundRow
 from fedmpi.job.outputs import OutputError, quiet_h5py_errors, write_failed
 from fedmpi.job.safefile import create_temp
 
@@ -231,6 +232,10 @@ class LogWriter:
         return len(self._series["rounds/round"])
 
     @_writes
+    def append_row(self, row: RoundRow) -> None:
+        """Append one :class:`~fedmpi.log.row.RoundRow` (:meth:`append_round`)."""
+        self.append_round(row.round, row.scalars, row.clients, row.arrays)
+
     def append_round(self, round: int, scalars: Mapping[str, float],
                      per_client: Mapping[str, np.ndarray] = {},
                      arrays: Mapping[str, np.ndarray] = {}) -> None:

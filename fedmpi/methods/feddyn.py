@@ -40,8 +40,8 @@ import torch
 
 from fedmpi.training.flat import FlatModel
 from fedmpi.config.params import param
-from fedmpi.training.loop import LocalTrainer, SGDConfig, StepHooks, TrainResult
-from fedmpi.methods.base import Algorithm
+from fedmpi.training.loop import SGDConfig, StepHooks, TrainResult
+from fedmpi.methods.base import Algorithm, Exchange, MethodSpec
 from fedmpi.component import ClientTask, RoundInfo, Stat
 
 
@@ -54,9 +54,9 @@ class FedDynParams:
 
 
 class FedDyn(Algorithm):
-    optimizers = ("sgd", "adam")   # alpha_k enters as coupled weight decay, not AdamW's
     name = "feddyn"
-    record_dp = True   # plain SGD local step (docs/privacy.md)
+    # alpha_k enters as coupled weight decay, not AdamW's; the local step is plain SGD
+    spec = MethodSpec(optimizers=("sgd", "adam"), record_dp=True)
     params = {"feddyn": FedDynParams}
 
     def __init__(self, cfg, layout, num_clients: int) -> None:
@@ -83,8 +83,9 @@ class FedDyn(Algorithm):
         rel = n * len(n) / max(n.sum(), 1.0)
         return np.where(rel > 0, alpha / np.maximum(rel, 1e-300), alpha)
 
-    def uplink_stats(self) -> list[Stat]:
-        return [Stat("delta", self.state_size, "weighted"), Stat("dh", self.num_params, "sum")]
+    def exchange(self) -> Exchange:
+        return Exchange((Stat("delta", self.state_size, "weighted"),
+                         Stat("dh", self.num_params, "sum")))
 
     # ----------------------------------------------------------------- client
     def local_sgd(self, task: ClientTask) -> SGDConfig:
@@ -104,8 +105,8 @@ class FedDyn(Algorithm):
 
         return StepHooks(grad_hook=linear_term)
 
-    def finish_client(self, task: ClientTask, trainer: LocalTrainer, state: torch.Tensor,
-                      extras: torch.Tensor, out: dict[str, torch.Tensor], result: TrainResult) -> None:
+    def finish_client(self, task: ClientTask, state: torch.Tensor, extras: torch.Tensor,
+                      out: dict[str, torch.Tensor], result: TrainResult) -> None:
         dh = out["dh"]
         dh.copy_(out["delta"][: self.num_params])
         if bool(torch.isfinite(dh).all()):

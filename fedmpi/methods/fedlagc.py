@@ -66,8 +66,8 @@ class FedLAGC(SubmodelMethod):
             return None, 0.0
         return self._lam.vector(task.client, self._flat.device), self.h(task.round)
 
-    def finish_client(self, task, trainer, state, extras, out, result) -> None:
-        super().finish_client(task, trainer, state, extras, out, result)
+    def finish_client(self, task, state, extras, out, result) -> None:
+        super().finish_client(task, state, extras, out, result)
         if self.use_correction:   # out["delta"] is already (θ_n − θ⊙M) ⊙ M
             self._lam.vector(task.client, out["delta"].device).add_(out["delta"][: self.P],
                                                                 alpha=self.beta)

@@ -18,7 +18,7 @@ step acts on parameters only, BN running statistics are averaged.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -37,7 +37,7 @@ class AdaptiveParams:
 class FedAdam(ServerOptAlgorithm):
     name = "fedadam"
     params = {"fedadam": AdaptiveParams}
-    default_server_lr = 0.01
+    spec = replace(ServerOptAlgorithm.spec, default_server_lr=0.01)
     yogi = False
 
     def __init__(self, cfg, layout, num_clients: int) -> None:

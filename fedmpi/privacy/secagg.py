@@ -45,14 +45,15 @@ import numpy as np
 import torch
 
 from fedmpi.errors import ConfigError
+from fedmpi.transforms.base import UpdateTransform
 
 RING_BITS = 48
 MOD = 1 << RING_BITS
 _MASK = MOD - 1
 KEY_WORDS = 4   # an X25519 public key: 32 bytes = 4 int64 words
 
-__all__ = ["RING_BITS", "MOD", "KEY_WORDS", "SecureAggregator", "encode", "decode", "limit",
-           "check_config", "refuse_per_client"]
+__all__ = ["RING_BITS", "MOD", "KEY_WORDS", "SecureAggregator", "SecureAggregation", "encode",
+           "decode", "limit"]
 
 
 def _crypto() -> Any:
@@ -106,6 +107,24 @@ class SecureAggregator:
         self._pair: dict[tuple[int, int], bytes] = {}
         self._zeros = np.zeros(0, dtype=np.uint8)        # keystream scratch (_stream)
         self._scratch = np.zeros(0, dtype=np.uint8)
+        self.range_limit = float("inf")
+        self.refused_because = "outside the secure-aggregation range (privacy.secagg.scale_bits)"
+
+    # ------------------------------------------------------------- codec
+    def handshake(self) -> np.ndarray:
+        """The key exchange's contribution: this rank's clients' public keys."""
+        return self.public_words()
+
+    def on_handshake(self, words: np.ndarray) -> None:
+        self.set_public(words)
+
+    def begin(self, participants: int) -> None:
+        """A round with ``participants`` clients: each may contribute up to :func:`limit`."""
+        self.range_limit = limit(self.scale_bits, participants)
+
+    def accepts(self, x: torch.Tensor, weight: float) -> bool:
+        """Whether ``weight·x`` decodes without wrapping (refused otherwise, never wrapped)."""
+        return not x.numel() or float(x.abs().max()) * weight <= self.range_limit
 
     # ------------------------------------------------------------- keys
     def public_words(self) -> np.ndarray:
@@ -185,33 +204,26 @@ class SecureAggregator:
         return decode(torch.from_numpy(total), self.scale_bits)
 
 
-def check_config(cfg: Any) -> None:
-    """Secure aggregation hands rank 0 only sums over the accepted clients: anything that
-    needs one client's update on the server is refused (exit 2 naming both keys)."""
-    if not cfg.privacy.secure_aggregation:
-        return
-    if cfg.runtime.reduction == "exact":
-        raise ConfigError("config keys 'privacy.secure_aggregation' and 'runtime.reduction': the "
-                          "exact reduction sends every client's update to rank 0 as a row")
-    if cfg.ecgr.enabled:
-        raise ConfigError("config keys 'privacy.secure_aggregation' and 'ecgr.enabled': ECGR sends "
-                          "per-client selection statistics to rank 0")
-    if cfg.adversary.clients and cfg.adversary.kind == "alie":
-        raise ConfigError("config keys 'privacy.secure_aggregation' and 'adversary.kind': the "
-                          "simulated alie attack rewrites the attackers' rows on rank 0")
+class SecureAggregation(UpdateTransform):
+    """``privacy.secure_aggregation: true``: the uplink sums travel pairwise-masked
+    (:class:`SecureAggregator` is the codec), and rank 0 holds only sums over the accepted
+    clients (:attr:`sums_only`: every part that needs one client's statistics on rank 0 is
+    refused, from its own declaration)."""
 
+    name = "secure_aggregation"
+    enable_key = "privacy.secure_aggregation"
+    sums_only = True
 
-def refuse_per_client(cfg: Any, weighting_rows: bool, rule_rows: bool,
-                      client_stats: Sequence[str]) -> None:
-    """The run's components, once built: none may need one client's statistic on rank 0."""
-    check_config(cfg)
-    if weighting_rows:
-        raise ConfigError("config keys 'privacy.secure_aggregation' and 'aggregation.weighting': "
-                          f"{cfg.aggregation.weighting!r} scores every client's update on rank 0")
-    if rule_rows:
-        raise ConfigError("config keys 'privacy.secure_aggregation' and 'aggregation.rule': "
-                          f"{cfg.aggregation.rule!r} needs every client's update on rank 0")
-    if client_stats:
-        raise ConfigError("config keys 'privacy.secure_aggregation' and 'algorithm.name': "
-                          f"{cfg.algorithm.name!r} sends per-client statistics "
-                          f"({', '.join(client_stats)}) to rank 0")
+    @classmethod
+    def enabled(cls, cfg: Any) -> bool:
+        return bool(cfg.privacy.secure_aggregation)
+
+    @classmethod
+    def check(cls, cfg: Any) -> None:
+        """The exact reduction sends every client's update to rank 0 as a row."""
+        if cfg.runtime.reduction == "exact":
+            raise ConfigError("config keys 'privacy.secure_aggregation' and 'runtime.reduction': "
+                              "the exact reduction sends every client's update to rank 0 as a row")
+
+    def codec(self, hosted: Sequence[int], num_clients: int) -> SecureAggregator:
+        return SecureAggregator(hosted, num_clients, int(self.cfg.privacy.secagg.scale_bits))

@@ -44,7 +44,7 @@ def _finish_pending_quietly(fed: Federation) -> None:
 
     The run is failing already, so a second error here is reported, not raised:
     the first one is the one the job exits with."""
-    t = fed.recorder.pending[0] if fed.recorder.pending is not None else -1
+    t = fed.recorder.pending.round if fed.recorder.pending is not None else -1
     try:
         fed.finish_pending_row()
     except Exception as exc:  # noqa: BLE001 - reported; the original failure propagates
@@ -287,6 +287,8 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Comm, resume: bool,
     names = ("test_accuracy", *metrics.extra_names(cfg.eval.metrics))
     final: dict = next((h for h in reversed(fed.history) if not np.isnan(h["test_accuracy"])), {})
     out = {n: float(final.get(n, float("nan"))) for n in names}
-    if fed.budget is not None:   # ε at privacy.dp.delta after the last round run
-        out["epsilon"] = fed.budget.accountant.epsilon
+    last = fed.history[-1] if fed.history else {}
+    for _, part in fed.built.components:   # the components' own final numbers (ε)
+        for name in part.final_scalars:
+            out[name] = float(last.get(name, float("nan")))
     return out

@@ -41,7 +41,7 @@ from fedmpi.job import checkpoint, rundir
 from fedmpi._version import __version__
 from fedmpi.errors import ReportedElsewhere, RunFailed, UserError
 from fedmpi.job.outputs import OutputError, quiet_h5py_errors
-from fedmpi.context import LogSink
+from fedmpi.log.row import Reports
 from fedmpi.job.safefile import write_text
 from fedmpi.job.checkpoint_file import checkpoint_path
 from fedmpi.job.lock import release
@@ -54,14 +54,14 @@ if TYPE_CHECKING:  # annotations only: the log (h5py) is imported when rank 0 op
 class LogHeader:
     """What rank 0's log records about the run before its first round, besides what
     the :class:`~fedmpi.job.checkpoint.RunState` holds (config, world size, K): the
-    :class:`~fedmpi.log.LogWriter`'s header, the run information, and ``sink``, the
-    writes the build made for the log before the file existed (the rank table, the
+    :class:`~fedmpi.log.writer.LogWriter`'s header, the run information, and ``reports``,
+    where the build's writes for the log wait until the file exists (the rank table, the
     components' attributes and events), replayed into it when it opens."""
 
     num_samples: np.ndarray       # n_k of every client
     class_counts: np.ndarray      # [K, C] training samples per client and class
     run_info: dict                # what ran (fedmpi.job.provenance)
-    sink: LogSink
+    reports: Reports
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def open_run(run: checkpoint.RunState, header: LogHeader, out: Path, resume: boo
                        resume=restored is not None,
                        resume_rounds=restored.round if restored else None,
                        fingerprint=owned.fingerprint)
-    header.sink.attach(writer)
+    header.reports.attach(writer)
     writer.set_run_info(json.dumps(header.run_info, sort_keys=True))
     if owned.stale_lock:
         writer.event(restored.round if restored else 0, 0, -1,

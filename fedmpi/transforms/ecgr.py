@@ -80,7 +80,7 @@ Deviations from the paper / official code (all recorded here):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -241,7 +241,7 @@ class ECGR:
             lrs[s] = lr
             self._steps = s + 1
 
-        return StepHooks(grad_hook=inner.grad_hook, step_hook=record, loss_fn=inner.loss_fn)
+        return replace(inner, step_hook=record)
 
     def _blocks(self, tau: int):
         """(column slice, float32 [τ, cols] view) over the recorded directions."""
@@ -338,8 +338,12 @@ class EcgrTransform(UpdateTransform):
         self.engine.setup(ctx.device)
         info = self.engine.describe()
         for key, value in info.items():
-            ctx.log.set_attr("ecgr", key, value)
-        ctx.log.event(0, -1, "ecgr: step buffer " + ", ".join(f"{k}={v}" for k, v in info.items()))
+            self.report.attr("ecgr", key, value)
+        self.report.event("ecgr: step buffer " + ", ".join(f"{k}={v}" for k, v in info.items()))
+
+    @classmethod
+    def per_client_reason(cls, cfg) -> Optional[tuple[str, str]]:
+        return "ecgr.enabled", "ECGR sends per-client selection statistics to rank 0"
 
     def stats(self) -> list:
         return [Stat(SELECTED_STAT, self.engine.stat_size(), "client")]
