@@ -9,7 +9,7 @@ seeds (identical training):
 
 * ``step_ms``: ``LocalTrainer.train`` time per local step (on: the
   recording ``step_hook``, one P-sized copy per step);
-* ``client_ms``: ``Algorithm.client_update`` time per client-round (on: also
+* ``client_ms``: the worker's client template (``Worker.train``) per client-round (on: also
   the Gram matrix, herding, the matvec and the rescale);
 * ``round_ms``: ``Federation.round`` wall time.
 

@@ -158,6 +158,21 @@ def bare_context(cfg, flat, num_samples, role: str = "server", hosted: tuple = (
                    partition=fields.pop("partition", None), **fields)
 
 
+def server_parts(algo, weighting, num_samples, rule=None, stats=None, stages=()):
+    """The :class:`~fedmpi.runtime.server.ServerParts` of a server step outside a run:
+    the method's own uplink statistics unless ``stats``, the plain ``mean`` rule unless
+    ``rule``, no stages unless given."""
+    import numpy as np
+
+    from fedmpi.aggregation.rules import ServerRule
+    from fedmpi.runtime.server import ServerParts
+    from fedmpi.transforms.base import TransformChain
+
+    stats = tuple(algo.exchange().uplink if stats is None else stats)
+    return ServerParts(algo, weighting, rule if rule is not None else ServerRule(algo.cfg),
+                       TransformChain(list(stages)), stats, np.asarray(num_samples))
+
+
 # ------------------------------------------------- the shared checkpoint fake
 class Comm1:
     """World-size-1 stand-in for fedmpi.comm.Comm (its size-1 code paths)."""

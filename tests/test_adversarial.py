@@ -240,8 +240,8 @@ def test_a_run_that_accepts_no_update_for_n_rounds_fails_with_exit_1(tmp_path, m
     cls = ALGORITHMS["fedavg"]
     original = cls.finish_client
 
-    def poisoned(self, task, trainer, state, extras, out, result):   # every update NaN
-        original(self, task, trainer, state, extras, out, result)
+    def poisoned(self, task, state, extras, out, result):   # every update NaN
+        original(self, task, state, extras, out, result)
         out["delta"][0] = float("nan")
 
     monkeypatch.setattr(cls, "finish_client", poisoned)

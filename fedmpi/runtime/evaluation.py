@@ -3,7 +3,7 @@ r"""Evaluation of the global model: which rounds, where, and when.
 Policies (every rank derives them from the config, so no message decides them):
 
 * **default** — rank 0 evaluates θ on the whole test set;
-* **method-owned** — the method replaces it (``Algorithm.owns_evaluation``, e.g.
+* **method-owned** — the method replaces it (``MethodSpec.owns_evaluation``, e.g.
   the submodel methods' mean over resource levels); it feeds that round's log
   arrays, so it is never overlapped nor sharded;
 * **sharded** (``eval.sharded``, world size > 1) — one extra state ``Bcast``,
@@ -194,7 +194,8 @@ class Evaluation:
         for k, idx in sorted(self.client_tests.items()):
             collect = metrics.Collector(C, self.names, ctx.device)
             loss, _, n = evaluate(ctx.forward, ctx.data, ctx.data.x_train[idx], ctx.data.y_train[idx],
-                                  self.cfg.eval.batch_size, num_logits=algo.eval_logits(),
+                                  self.cfg.eval.batch_size,
+                                  num_logits=algo.spec_for(self.cfg).eval_logits(C),
                                   accel=ctx.accel, collect=collect)
             site = collect.scalars(loss, n) if n else metrics.nan_scalars(self.names)
             table[k, :2] = loss, n
