@@ -89,6 +89,12 @@ class Component:
         """Prepare per-run state from the context; called once on every rank by
         :func:`start`, before the first round. Default: nothing."""
 
+    def check_restored(self, round: int, history: list[dict]) -> Optional[str]:
+        """Rank 0, after a checkpoint of rounds < ``round`` was restored into this component,
+        with the log's rows of those rounds: why the restored state contradicts them (the
+        resume is refused naming the checkpoint entry), or None. Default: None."""
+        return None
+
     def log_outputs(self) -> list[str]:
         """What this component writes to the HDF5 log, as paths: per-round arrays and
         static datasets (``"submodel/levels"``) and group attributes (``"ecgr@storage"``).

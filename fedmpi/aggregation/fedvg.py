@@ -51,7 +51,7 @@ Options (``aggregation.fedvg.*``):
 
 The client model (Eq. 4) is :math:`\theta_k = \theta + c_k u_k` with
 :math:`u_k` the uploaded ``delta`` and :math:`c_k` the method's
-:meth:`~fedmpi.methods.base.Algorithm.model_delta_scale` (1 for every method
+``MethodSpec.delta_scale`` (1 for every method
 that uploads :math:`\theta_k - \theta`; FedNova uploads :math:`\Delta_k/a_k`
 and declares :math:`c_k = a_k`), so FedVG scores the trained model whatever the
 method uploads; the weights then combine the uploads as they are (FedNova's

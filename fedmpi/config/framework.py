@@ -317,7 +317,7 @@ def framework_checks(cfg: Config) -> None:
 
 def _privacy_checks(cfg: Config) -> None:
     """``privacy.*`` against the rest, for every level (client-level DP's own rules are
-    :meth:`fedmpi.transforms.dp_clip.ClientClip.check`; docs/privacy.md says why each is refused)."""
+    :meth:`fedmpi.privacy.client_dp.ClientDP.check`; docs/privacy.md says why each is refused)."""
     p = cfg.privacy
     level = p.dp.level
     if level == "none" and p.target_epsilon is not None:

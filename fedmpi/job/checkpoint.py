@@ -1,4 +1,4 @@
-"""Checkpoints and resume (operations, issue 5; DESIGN.md §3 step 6).
+"""Checkpoints and resume (operations, issue 5).
 
 A checkpoint is taken *between* rounds, so everything in it belongs to the
 same point of the run: "rounds 0 … r−1 are done". It holds

@@ -1,6 +1,6 @@
 """HDF5 run log: :class:`LogWriter` (rank 0 only) and :func:`read`.
 
-Layout, ``schema_version`` "1" (R rounds, K clients; DESIGN.md section 5)::
+Layout, ``schema_version`` "1" (R rounds, K clients; docs/hdf5-log.md)::
 
     / attrs                  schema_version, fedmpi_version, config_yaml, world_size,
                              status (running|completed|failed|interrupted),

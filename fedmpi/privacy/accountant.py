@@ -182,5 +182,7 @@ class Accountant:
         if steps.shape != (self.K,):
             raise ValueError(f"privacy accountant: {steps.shape[0]} silos in the checkpoint, "
                              f"{self.K} in this run")
+        if int(state["rounds"]) < 0 or (steps < 0).any():
+            raise ValueError("privacy accountant: negative counts")
         self.rounds = int(state["rounds"])
         self.steps = steps

@@ -48,6 +48,9 @@ from fedmpi.errors import ConfigError
 from fedmpi.transforms.base import UpdateTransform
 
 RING_BITS = 48
+#: the fewest accepted updates whose sum rank 0 may open: with fewer (exclusions) no rank
+#: sends its masked sum and the round's update is withheld (docs/secure-aggregation.md)
+MIN_ACCEPTED = 2
 MOD = 1 << RING_BITS
 _MASK = MOD - 1
 KEY_WORDS = 4   # an X25519 public key: 32 bytes = 4 int64 words
@@ -109,6 +112,9 @@ class SecureAggregator:
         self._scratch = np.zeros(0, dtype=np.uint8)
         self.range_limit = float("inf")
         self.refused_because = "outside the secure-aggregation range (privacy.secagg.scale_bits)"
+        self.min_accepted = MIN_ACCEPTED
+        self.withheld_because = (f"withheld: fewer than {MIN_ACCEPTED} updates were accepted, "
+                                 "and secure aggregation never opens one client's update")
 
     # ------------------------------------------------------------- codec
     def handshake(self) -> np.ndarray:
@@ -220,7 +226,15 @@ class SecureAggregation(UpdateTransform):
 
     @classmethod
     def check(cls, cfg: Any) -> None:
-        """The exact reduction sends every client's update to rank 0 as a row."""
+        """At least :data:`MIN_ACCEPTED` participants per round (one participant's sum is
+        its update), and no exact reduction (it sends every update to rank 0 as a row)."""
+        n = cfg.data.num_clients
+        m = cfg.train.clients_per_round or n
+        if m < MIN_ACCEPTED:
+            key = "train.clients_per_round" if cfg.train.clients_per_round else "data.num_clients"
+            raise ConfigError(f"config keys 'privacy.secure_aggregation' and {key!r}: secure "
+                              f"aggregation needs at least {MIN_ACCEPTED} participants per round "
+                              f"(got {m}): rank 0 would decode one client's update")
         if cfg.runtime.reduction == "exact":
             raise ConfigError("config keys 'privacy.secure_aggregation' and 'runtime.reduction': "
                               "the exact reduction sends every client's update to rank 0 as a row")

@@ -1,6 +1,6 @@
 """The round's communication: the only user of :mod:`fedmpi.comm` in the runtime.
 
-Per round, in order (DESIGN.md §3):
+Per round, in order:
 
 1. ``Bcast`` of the int64 header [4 + K]: command, round, flags, participant mask;
 2. ``Bcast`` of the flat global state θ with the method's downlink extras appended;
@@ -38,7 +38,7 @@ import torch
 from fedmpi.component import Stat
 from fedmpi.comm import Comm
 from fedmpi.runtime.server import (META_FIELDS, M_STATUS, STATUS_FAILED, STATUS_OK, STATUS_RANGE,
-    Uplink, is_summed)
+                                   STATUS_WITHHELD, Uplink, is_summed)
 
 if TYPE_CHECKING:
     from fedmpi.transforms.base import UplinkCodec
@@ -287,6 +287,9 @@ class Channel:
         sum the int64 codes on rank 0 and open the total there."""
         assert self.codec is not None
         accepted = np.flatnonzero(mask & (self.meta_recv[:, M_STATUS] == STATUS_OK))
+        if accepted.size < self.codec.min_accepted:   # every rank sees the same statuses
+            self.meta_recv[accepted, M_STATUS] = STATUS_WITHHELD
+            return
         mine = [int(k) for k in accepted if self.host[k] == self.rank]
         self.red_send.pull()
         self.codec.seal(self.red_send.host_t, t, mine, accepted.tolist(), self.sealed_send)

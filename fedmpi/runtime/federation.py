@@ -29,7 +29,7 @@ from fedmpi.runtime.channel import Channel, plan_uplink
 from fedmpi.runtime.evaluation import Evaluation
 from fedmpi.runtime.record import RoundRecorder
 from fedmpi.runtime.server import (EXCLUDED_BECAUSE, META_FIELDS, STATUS_FAILED, STATUS_RANGE,
-                                   ArrivalSum, is_summed, server_step)
+                                   STATUS_WITHHELD, ArrivalSum, is_summed, server_step)
 from fedmpi.runtime.worker import Worker
 from fedmpi.training.loop import LocalTrainer
 from fedmpi.usercode import UserCode
@@ -47,6 +47,8 @@ class Federation:
         self.cfg, self.comm, self.out_dir = cfg, comm, out_dir
         self.rank, self.size = comm.rank, comm.size
         self.is_server = self.rank == 0
+        self.K = cfg.data.num_clients
+        self.m = cfg.train.clients_per_round or self.K
         b = build(cfg, comm, plan=lambda t: self.participants(t), code=code)
         self.built = b
         self.ctx, self.device, self.data, self.partition = b.ctx, b.device, b.data, b.partition
@@ -54,8 +56,7 @@ class Federation:
         self.algo, self.weighting, self.transforms, self.stats = b.algo, b.weighting, b.transforms, b.stats
         self.rule, self.server, self.reports = b.rule, b.server, b.reports
         self.num_samples, self.host, self.my_clients = b.num_samples, b.host, b.hosted
-        self.K, self.D = cfg.data.num_clients, self.flat.size
-        self.m = cfg.train.clients_per_round or self.K
+        self.D = self.flat.size
         exact = cfg.runtime.reduction == "exact" and self.size > 1
         rows_needed = self.server.rows_needed
         self.uplink_plan = plan_uplink(list(self.stats), rows_needed, exact)
@@ -252,9 +253,11 @@ class Federation:
         result = server_step(self.global_state, up, self.server, self.agg_bufs, self.sum_bufs)
         self.reports.flush_events()   # what the stages and the rule reported, in order
         for k in result.excluded:
-            why = (self.codec.refused_because if int(up.status[k]) == STATUS_RANGE and
-                   self.codec is not None else EXCLUDED_BECAUSE.get(int(up.status[k]),
-                                                                    "status " + str(up.status[k])))
+            status = int(up.status[k])
+            why = EXCLUDED_BECAUSE.get(status, f"status {status}")
+            if self.codec is not None and status in (STATUS_RANGE, STATUS_WITHHELD):
+                why = (self.codec.refused_because if status == STATUS_RANGE
+                       else self.codec.withheld_because)
             self.recorder.event(t, int(self.host[k]), int(k), "update excluded: " + why)
         if result.accepted.size == 0:
             self.recorder.event(t, 0, -1, "no update accepted; global model unchanged")

@@ -45,6 +45,8 @@ from fedmpi.log.row import Reports
 from fedmpi.job.safefile import write_text
 from fedmpi.job.checkpoint_file import checkpoint_path
 from fedmpi.job.lock import release
+from fedmpi.component import Component
+from fedmpi.job.state_check import CheckpointError
 
 if TYPE_CHECKING:  # annotations only: the log (h5py) is imported when rank 0 opens it
     from fedmpi.log.writer import LogWriter
@@ -87,6 +89,11 @@ def open_run(run: checkpoint.RunState, header: LogHeader, out: Path, resume: boo
     if resume:
         restored = checkpoint.load_server_side(run, checkpoint_path(out))
         history = rundir.resume_history(out / "log.h5", restored.path, restored.round, cfg)
+        for name, part in run.components.items():   # restored state against round and log
+            why = part.check_restored(restored.round, history) \
+                if isinstance(part, Component) else None
+            if why is not None:
+                raise CheckpointError(f"{restored.path}: entry {name!r}: {why}")
     writer = LogWriter(out / "log.h5", config_yaml=cfg.to_yaml(), world_size=run.size,
                        num_clients=run.num_clients, num_samples=header.num_samples,
                        class_counts=header.class_counts, fedmpi_version=__version__,

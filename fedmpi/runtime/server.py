@@ -48,10 +48,11 @@ from fedmpi.component import RoundInfo, Stat
 from fedmpi.methods.base import Algorithm
 from fedmpi.transforms.base import TransformChain
 
-STATUS_IDLE, STATUS_OK, STATUS_NONFINITE, STATUS_FAILED, STATUS_RANGE = 0, 1, 2, 3, 4
+STATUS_IDLE, STATUS_OK, STATUS_NONFINITE, STATUS_FAILED, STATUS_RANGE, STATUS_WITHHELD = range(6)
 #: why a participant's update was excluded, by status word (the log's event text)
 EXCLUDED_BECAUSE = {STATUS_NONFINITE: "non-finite values",
-                    STATUS_RANGE: "outside the range its uplink encoding can sum"}
+                    STATUS_RANGE: "outside the range its uplink encoding can sum",
+                    STATUS_WITHHELD: "withheld: too few accepted updates for the uplink encoding"}
 META_FIELDS = ("status", "raw_weight", "loss_sum", "samples_seen", "steps", "train_seconds")
 M_STATUS, M_RAW, M_LOSS, M_SEEN, M_STEPS, M_TIME = range(len(META_FIELDS))
 

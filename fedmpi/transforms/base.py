@@ -62,10 +62,14 @@ class UplinkCodec(Protocol):
     round (secure aggregation's public keys). ``begin(participants)``: a new round with
     that many participants; ``accepts(x, weight)``: whether a client's contribution
     ``weight·x`` decodes without wrapping (refused clients are excluded, never wrapped, and
-    logged with ``refused_because``).
+    logged with ``refused_because``). With fewer than ``min_accepted`` accepted clients no
+    rank seals anything: the clients' updates are withheld (``withheld_because``) and the
+    round leaves the model unchanged.
     """
 
     refused_because: str
+    min_accepted: int
+    withheld_because: str
 
     def handshake(self) -> np.ndarray: ...
 
