@@ -430,7 +430,8 @@ def test_open_run_takes_the_run_state_and_the_log_header(tmp_path):
     try:
         opened = open_run(run, header, out, resume=False, overwrite=False)
         assert opened.restored is None and opened.history == []
-        sink.event(0, -1, "after opening")    # the sink now writes into the open log
+        toy.event("after opening", round=0)   # reported after the log opened: with the next row
+        reports.flush_events()
         checkpoint.save(run, 0, checkpoint_path(out))
         opened.writer.set_status("interrupted")
         opened.writer.close()
