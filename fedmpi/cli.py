@@ -273,12 +273,13 @@ def _cmd_partition(args: argparse.Namespace) -> int:
         files = silo_files(cfg)
         if cfg.data.silos.loader is not None or all(Path(f).exists() for f in files):
             from fedmpi.comm import self_comm
-            from fedmpi.data.silos import build_local
+            from fedmpi.data.silos import build_local, site_names
 
             # the federation's own silos, read as a run reads them (one rank hosting all)
             local = build_local(cfg, self_comm(), range(cfg.data.num_clients), True,
                                 needs=UserCode().data_needs(cfg))
-            lines = partition_preview(local.partition, out, cfg.name, args.overwrite)
+            lines = partition_preview(local.partition, out, cfg.name, args.overwrite,
+                                      site_names(cfg))
             print(f"silos: {cfg.data.silos.loader or cfg.data.silos.path} "
                   f"({cfg.data.num_clients} clients; test {cfg.data.silos.test})")
             print("\n".join(lines))

@@ -54,7 +54,7 @@ from fedmpi.job.safefile import refuse_links, write_text
 from fedmpi.report.canvas import PLOT_HINT, have_matplotlib
 from fedmpi.report.costs import plot_bytes, plot_time
 from fedmpi.report.curves import plot_accuracy, plot_level_accuracy, plot_metrics
-from fedmpi.report.derived import run_title
+from fedmpi.report.derived import run_title, site_labels
 from fedmpi.report.heatmaps import plot_client_weights, plot_grad_norm, plot_partition
 from fedmpi.report.summary import summary_markdown
 
@@ -104,7 +104,8 @@ def write_report(log: RunLog | PathLike, out_dir: str | os.PathLike | None = Non
         "client_weights.png": lambda p: plot_client_weights(log, p),
         "fedvg_grad_norm.png": lambda p: plot_grad_norm(log, p),
         "partition.png": lambda p: (plot_partition(log.arrays["partition/class_counts"], p,
-                                                   f"{run_title(log)}: partition")
+                                                   f"{run_title(log)}: partition",
+                                                   site_names=site_labels(log))
                                     if "partition/class_counts" in log.arrays else None),
         "level_accuracy.png": lambda p: plot_level_accuracy(log, p),
         "time_per_round.png": lambda p: plot_time(log, p),
