@@ -98,12 +98,14 @@ def plot_metrics(log: RunLog | PathLike, path: Path) -> Path | None:
     axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False).ravel())
     legend: dict[str, object] = {}
     for ax, name in zip(axes, names):
-        combined = ("sites combined: n-weighted mean" if name in scored
-                    else "sites combined: pooled (exact)")
+        # pooled (exact) solid, n-weighted mean dotted, the server's test set dashed: one
+        # legend serves every panel
+        combined = (("sites combined: n-weighted mean", ":") if name in scored
+                    else ("sites combined: pooled (exact)", "-"))
         if where == "both":
-            curves = [(name, "server test set", "--"), (f"clients_{name}", combined, "-")]
+            curves = [(name, "server test set", "--"), (f"clients_{name}", *combined)]
         else:
-            curves = [(name, "server test set" if where == "server" else combined, "-")]
+            curves = [(name, *(("server test set", "-") if where == "server" else combined))]
         per_site = sites.get(name)
         if per_site is not None:
             k = per_site.shape[1]

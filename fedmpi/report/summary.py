@@ -238,7 +238,11 @@ def _ran_lines(log: RunLog) -> list[str]:
     files = data.get("silos", {}).get("files", []) if isinstance(data.get("silos"), dict) else []
     if files:
         out += ["", "| silo file | path | SHA-256 |", "|---|---|---|"]
-        out += [f"| {f.get('role')} | `{f.get('path')}` | `{f.get('sha256')}` |" for f in files]
+        names = site_labels(log)
+        roles = {f"client {k}": f"{n} (client {k})" if n != f"client {k}" else n
+                 for k, n in enumerate(names)}
+        out += [f"| {roles.get(str(f.get('role')), _cell(f.get('role')))} | "
+                f"`{_cell(f.get('path'))}` | `{_cell(f.get('sha256'))}` |" for f in files]
     return out
 
 
