@@ -15,9 +15,9 @@ buffer collectives:
    with the same line; :func:`fedmpi.data.silos.agree_on_errors`);
 2. ``Allreduce(MAX)`` of the input shape and the number of classes
    (:func:`fedmpi.data.silos.agree_on_shape`);
-3. tabular CSV/Parquet files: ``Allreduce(MAX)`` of the feature names (column headers,
-   64 bytes each) and of their complement, so rank 0 learns whether the sites agree on
-   the columns and their order;
+3. tabular data: ``Allreduce(MAX)`` of the feature names (CSV/Parquet column headers,
+   64 bytes each) and of their complement, so every rank learns whether the sites agree
+   on the columns and their order;
 4. ``Reduce`` (sum) of the ``[K, width]`` table to rank 0: row k is non-zero on the
    rank hosting site k only, so the sum is every site's row, exactly.
 
@@ -126,28 +126,33 @@ class _Indexed:
         return self.x[torch.as_tensor(self.idx[s], dtype=torch.long)]
 
 
-def _agree_on_names(comm: Any, names: Optional[list[str]], channels: int,
-                    has_data: bool) -> tuple[Optional[list[str]], Optional[str]]:
-    """Collective: the feature names if every site reading them has the same, in the
-    same order (else None and a note naming the first column that differs)."""
-    raw = np.zeros((channels, NAME_BYTES), dtype=np.uint8)
-    if names is not None:
-        for i, n in enumerate(names[:channels]):
+def _agree_on_names(comm: Any, names: list[Optional[list[str]]], channels: int
+                    ) -> tuple[Optional[list[str]], Optional[str]]:
+    """Collective: the feature names if every site has the same, in the same order (else
+    None and a note naming the first column that differs). ``names``: this rank's sites'
+    column names (None: a file without a header). Byte by byte, the maximum and the
+    minimum over the sites travel in one ``Allreduce(MAX)`` (the minimum as 255 − byte):
+    they agree exactly where every site has the same name."""
+    def encode(cols: Optional[list[str]]) -> np.ndarray:
+        raw = np.zeros((channels, NAME_BYTES), dtype=np.uint8)
+        for i, n in enumerate((cols or [])[:channels]):
             b = n.encode()[:NAME_BYTES]
             raw[i, :len(b)] = np.frombuffer(b, dtype=np.uint8)
-    both = np.concatenate([raw, 255 - raw]) if has_data else np.zeros((2 * channels, NAME_BYTES),
-                                                                     dtype=np.uint8)
+        return raw
+
+    both = np.zeros((2 * channels, NAME_BYTES), dtype=np.uint8)
+    if names:
+        raws = np.stack([encode(cols) for cols in names])
+        both[:channels], both[channels:] = raws.max(axis=0), 255 - raws.min(axis=0)
     agreed = np.zeros_like(both)
     comm.allreduce_max(both, agreed, what="feature names Allreduce")
     hi, lo = agreed[:channels], 255 - agreed[channels:]
     differ = np.flatnonzero((hi != lo).any(axis=1))
-    text = lambda a: bytes(a).rstrip(b"\0").decode(errors="replace")  # noqa: E731
     if differ.size:
-        i = int(differ[0])
-        return None, (f"the sites' feature columns differ (first at column {i}: "
-                      f"{text(lo[i])!r} vs {text(hi[i])!r}; a file without a header counts "
-                      "as empty names); features are named x<i> by position")
-    shown = [text(hi[i]) for i in range(channels)]
+        return None, (f"the sites' feature columns differ (first at column {int(differ[0])}: "
+                      "another name, another order, or a file without a header); features "
+                      "are named x<i> by position")
+    shown = [bytes(hi[i]).rstrip(b"\0").decode(errors="replace") for i in range(channels)]
     return (shown if any(shown) else None), None
 
 
@@ -186,7 +191,7 @@ def collect_stats(cfg: Any, comm: Any, privacy: Optional[StatsPrivacy] = None,
     clip = privacy.clip if privacy is not None else None
     local: dict[int, tuple[np.ndarray, RowLayout]] = {}   # exact rows, in each site's layout
     shapes: set[tuple[int, ...]] = set()
-    names: Optional[list[str]] = None
+    names: list[Optional[list[str]]] = []   # each hosted site's feature columns
     error: Optional[UserError] = None
     try:
         sites = _Sites(cfg, hosted)
@@ -196,10 +201,7 @@ def collect_stats(cfg: Any, comm: Any, privacy: Optional[StatsPrivacy] = None,
             if len(shapes) > 1:
                 raise UserError(f"the sites of rank {comm.rank} hold samples of different "
                                 f"shapes {sorted(shapes)}")
-            if cols is not None and names is not None and cols != names:
-                raise UserError(f"site {k}'s feature columns differ from those of site "
-                                f"{hosted[0]} on the same rank")
-            names = names if names is not None else cols
+            names.append(cols)
             own = RowLayout(int(y.max()) + 1 if len(y) else 0, int(x.shape[1]))
             local[k] = summarise(x, y, own, center, clip), own
             del x, y
@@ -213,7 +215,7 @@ def collect_stats(cfg: Any, comm: Any, privacy: Optional[StatsPrivacy] = None,
     layout = RowLayout(C, shape[0])
     per_sample = int(np.prod(shape[1:])) if len(shape) > 1 else 1
     tabular = len(shape) == 1
-    agreed_names, note = (_agree_on_names(comm, names, shape[0], bool(hosted))
+    agreed_names, note = (_agree_on_names(comm, names, shape[0])
                           if tabular and shape[0] <= MAX_NAMED else (None, None))
 
     rows = np.zeros((K, layout.width), dtype=np.float64)
