@@ -282,7 +282,7 @@ def test_site_names_key_and_rule(sites):
     assert site_names(config_from_dict(base, [f"data.silos.path={root}/{{client}}/x.csv"])) == \
         ["client 0", "client 1", "client 2"]
     for bad, match in (("[a, b]", "one name per client"), ("[a, a, b]", "'a' twice"),
-                       ('[a, "b|c", d]', "without '|'")):
+                       ('[a, "b|c", d]', "without a vertical bar")):
         with pytest.raises(ConfigError, match=match):
             config_from_dict(base, [f"data.silos.names={bad}"])
 

@@ -89,8 +89,8 @@ FRAMEWORK: dict[str, Field] = {
                               "order (reports, logs, fedmpi stats); null = the {client} part of "
                               "data.silos.path's file names, else 'client k'",
                               pattern=r"[^\x00-\x1f\x7f|]{1,64}",
-                              pattern_help="a name of 1 to 64 characters without '|' or control "
-                                           "characters"),
+                              pattern_help="a name of 1 to 64 characters without a vertical bar or "
+                                           "control characters"),
     "data.silos.split": Field(str, "dirichlet", "how `fedmpi partition --export` splits "
                               "data.dataset into the silo files", choices=("iid", "dirichlet", "shards")),
     # tabular files (fedmpi/data/tabular.py)

@@ -1,5 +1,6 @@
-"""``stats.md`` and ``stats.json`` of ``fedmpi stats`` (:class:`~fedmpi.consortium.stats.StatsReport`),
-and writing them without replacing what is there (``--overwrite``)."""
+"""``stats.md`` and ``stats.json`` of ``fedmpi stats``
+(:class:`~fedmpi.consortium.stats.StatsReport`), and writing them without replacing what
+is there (``--overwrite``)."""
 from __future__ import annotations
 
 import dataclasses

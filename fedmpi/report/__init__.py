@@ -8,7 +8,8 @@ x axis are the round numbers of the log, counted from 0):
 ``metrics.png``            one panel per ``eval.metrics`` entry (accuracy,
                            balanced accuracy, macro-F1, AUROC, user metrics) vs
                            round; with per-site evaluation (``eval.where``) also
-                           each site's curve (up to 10 sites), the spread across
+                           each site's curve (up to 10 sites, named in the
+                           legend), the spread across
                            sites (min–max band, interquartile band) and, with
                            ``both``, the server's and the sites' combined value
 ``client_weights.png``     aggregation weight :math:`s_k` of every client in every
