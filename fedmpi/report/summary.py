@@ -98,9 +98,9 @@ def metric_text(x: float | None) -> str:
 
 def set_keys(flat: dict[str, Any]) -> list[str]:
     """The keys of the flat config whose value is not the schema default: every key the
-    run's config (file, ``--set``, API) set to something else, in config order. A key
-    the schema does not know (a user method's ``algorithm.params.*``, a key of an older
-    release) counts as set unless it is None."""
+    run's config (file, ``--set``, API) set to something else, in config order. Keys the
+    schema does not know (a user method's ``algorithm.params.*``, the flat keys of an
+    older release) are :func:`relevant_keys`' business."""
     from fedmpi.config.schema import SCHEMA
 
     def default(key: str) -> Any:
@@ -110,8 +110,7 @@ def set_keys(flat: dict[str, Any]) -> list[str]:
     def plain(v: Any) -> Any:
         return list(v) if isinstance(v, tuple) else v
 
-    return [k for k, v in flat.items()
-            if (plain(v) != default(k) if k in SCHEMA else v is not None)]
+    return [k for k, v in flat.items() if k in SCHEMA and plain(v) != default(k)]
 
 
 def summary_markdown(log: RunLog | PathLike, target: float | None = None,
