@@ -28,7 +28,8 @@ def partition_preview(partition: Any, out_dir: str | os.PathLike, name: str = ""
     ``partition`` is a :class:`fedmpi.data.Partition` (from
     :func:`fedmpi.data.build_partition`, the function a run uses); ``site_names``: the
     sites' names (:func:`fedmpi.data.silos.site_names`), else ``client k``.
-    ``partition.csv`` has one row per client: ``client, size, class_0, ..., site``.
+    ``partition.csv`` has one row per client: ``client, size, class_0, ...`` and, with
+    ``site_names``, ``site``.
     """
     from fedmpi.job.outputs import claim
 
@@ -47,15 +48,17 @@ def partition_preview(partition: Any, out_dir: str | os.PathLike, name: str = ""
     csv_path = out / "partition.csv"
     text = io.StringIO()
     table = csv.writer(text, lineterminator="\n")
-    table.writerow(["client", "size", *(f"class_{j}" for j in range(c)), "site"])
-    table.writerows([i, sizes[i], *counts[i], names[i]] for i in range(k))
+    site = ["site"] if site_names is not None else []
+    table.writerow(["client", "size", *(f"class_{j}" for j in range(c)), *site])
+    table.writerows([i, sizes[i], *counts[i], *([names[i]] if site else [])] for i in range(k))
     write_text(csv_path, text.getvalue())
     present = (counts > 0).sum(axis=1)
-    width = max(4, *(len(n) for n in names))
-    lines = [f"{'site':<{width}}  client  size  classes  largest class share"]
+    width = max(4, *(len(n) for n in names)) if site else 0
+    label = (lambda text: f"{text:<{width}}  ") if site else (lambda text: "")  # noqa: E731
+    lines = [f"{label('site')}client  size  classes  largest class share"]
     for i in range(k):
         share = counts[i].max() / sizes[i] if sizes[i] else math.nan
-        lines.append(f"{names[i]:<{width}}  {i:6d}  {sizes[i]:4d}  {present[i]:7d}  {share:.2f}")
+        lines.append(f"{label(names[i])}{i:6d}  {sizes[i]:4d}  {present[i]:7d}  {share:.2f}")
     lines += [f"clients: {k}, samples: {int(sizes.sum())} (min {sizes.min()}, max {sizes.max()}, "
               f"mean {sizes.mean():.1f}), server hold-out: {len(partition.validation_indices)}",
               str(png), str(csv_path)]
