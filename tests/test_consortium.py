@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from conftest import ROOT, TEST_DEVICE, mpiexec_path
+from conftest import OPEN_AUDIT, ROOT, TEST_DEVICE, mpiexec_path, set_dotted
 from fedmpi.cli import main
 from fedmpi.config.schema import config_from_dict
 from fedmpi.errors import ConfigError
@@ -54,13 +54,7 @@ def silo_config(root, **extra) -> dict:
                               "test": str(root / "test.csv")}},
            "model": {"name": "mlp", "mlp": {"hidden": [8]}},
            "train": {"rounds": 2, "local_steps": 1, "batch_size": 8, "lr": 0.05}}
-    for key, value in extra.items():
-        node = cfg
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return cfg
+    return set_dotted(cfg, extra)
 
 
 @pytest.fixture(scope="module")
@@ -118,21 +112,8 @@ def test_stats_match_pandas_on_the_silo_files(sites, capsys):
     assert "| St Jude | 1 | 25 |" in (out / "stats.md").read_text()
 
 
-# Every rank records the silo files it opens.
-AUDIT = r'''
-import json, os, sys
-from mpi4py import MPI
-root, config, out = sys.argv[1:4]
-rank = MPI.COMM_WORLD.Get_rank()
-opened = set()
-
-def hook(event, args):
-    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
-        path = os.path.abspath(os.fsdecode(args[0]))
-        if path.startswith(root) and os.path.basename(path).startswith("hospital_"):
-            opened.add(os.path.basename(path))
-
-sys.addaudithook(hook)
+# Every rank records the files it opens under the sites' folder.
+AUDIT = OPEN_AUDIT + r'''
 from fedmpi.cli import main
 code = main(["stats", config, "--out", out])
 json.dump(sorted(opened), open(os.path.join(out, f"opened_{rank}.json"), "w"))
@@ -153,7 +134,8 @@ def test_stats_under_mpiexec_equal_in_process_and_each_rank_reads_only_its_sites
                            str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    opened = [json.loads((out / f"opened_{r}.json").read_text()) for r in range(3)]
+    opened = [[p for p in json.loads((out / f"opened_{r}.json").read_text())
+               if p.startswith("hospital_")] for r in range(3)]
     assert opened == [[], ["hospital_0.csv", "hospital_2.csv"], ["hospital_1.csv"]]
     alone = tmp_path / "n1"
     assert main(["stats", str(config), "--out", str(alone)]) == 0
