@@ -116,7 +116,7 @@ from torch import nn
 from fedmpi.training.accel import Accel
 from fedmpi.errors import ConfigError
 from fedmpi.training.flat import FlatModel, Segment
-from fedmpi.config.params import param
+from fedmpi.config.params import load_group, param
 from fedmpi.aggregation.weighting import Weighting
 
 __all__ = ["FedVG", "FedVGAvg", "block_of", "layer_norms", "fedvg_scores"]
@@ -202,7 +202,8 @@ class FedVG(Weighting):
     @classmethod
     def check(cls, cfg) -> None:
         """bf16 scoring needs CUDA; scoring needs a server validation set (not for ``delta``)."""
-        c, part, val = cfg.aggregation.fedvg, cfg.data.partition, cfg.data.validation
+        c = load_group(cfg, "aggregation.fedvg", FedVGParams)
+        part, val = cfg.data.partition, cfg.data.validation
         if c.bf16 and cfg.runtime.device == "cpu":
             raise ConfigError("config key 'aggregation.fedvg.bf16' needs a CUDA scoring device "
                               "(runtime.device is 'cpu')")
@@ -222,7 +223,7 @@ class FedVG(Weighting):
     @classmethod
     def uses_server_validation(cls, cfg) -> bool:
         """Every norm but ``delta`` scores on the server validation set."""
-        return bool(cfg.aggregation.fedvg.norm != "delta")
+        return bool(cfg.get("aggregation.fedvg.norm") != "delta")
 
     def setup(self, ctx) -> None:
         c = self.hparams("fedvg")

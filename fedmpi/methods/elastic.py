@@ -51,12 +51,9 @@ SENSITIVITY_STREAM = 0xE1A57C
 
 @dataclass(frozen=True)
 class ElasticParams:
-    mu: float = param(0.95, "Elastic sensitivity EMA decay mu", ge=0, lt=1,
-                      renamed_from="algorithm.elastic_mu")
-    tau: float = param(0.5, "Elastic zeta = 1 + tau - s_agg/s_max", ge=0,
-                       renamed_from="algorithm.elastic_tau")
-    sample: float = param(0.3, "Elastic share of client data measured per round", gt=0, le=1,
-                          renamed_from="algorithm.elastic_sample")
+    mu: float = param(0.95, "Elastic sensitivity EMA decay mu", ge=0, lt=1)
+    tau: float = param(0.5, "Elastic zeta = 1 + tau - s_agg/s_max", ge=0)
+    sample: float = param(0.3, "Elastic share of client data measured per round", gt=0, le=1)
 
 
 class Elastic(Algorithm):

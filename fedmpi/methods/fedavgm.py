@@ -26,11 +26,9 @@ from fedmpi.methods.server_opt import ServerOptAlgorithm, ServerSGD
 
 @dataclass(frozen=True)
 class FedAvgMParams:
-    server_momentum: float = param(0.9, "FedAvgM server SGD momentum", ge=0, lt=1,
-                                   renamed_from="algorithm.server_momentum")
+    server_momentum: float = param(0.9, "FedAvgM server SGD momentum", ge=0, lt=1)
     nesterov: bool | None = param(None, "FedAvgM Nesterov momentum; null = on with weighting "
-                                  "fedvg/fedvg_avg (FedVG code), else off",
-                                  renamed_from="algorithm.nesterov")
+                                  "fedvg/fedvg_avg (FedVG code), else off")
 
 
 class FedAvgM(ServerOptAlgorithm):

@@ -47,10 +47,9 @@ from fedmpi.component import ClientTask, RoundInfo, Stat
 
 @dataclass(frozen=True)
 class FedDynParams:
-    alpha: float = param(0.1, "FedDyn regularisation alpha", gt=0, renamed_from="algorithm.alpha")
+    alpha: float = param(0.1, "FedDyn regularisation alpha", gt=0)
     max_grad_norm: float | None = param(10.0, "FedDyn local gradient clip (official code: 10); "
-                                        "null = train.grad_clip", gt=0,
-                                        renamed_from="algorithm.max_grad_norm")
+                                        "null = train.grad_clip", gt=0)
 
 
 class FedDyn(Algorithm):

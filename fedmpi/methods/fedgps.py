@@ -155,7 +155,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedmpi.errors import ConfigError
-from fedmpi.config.params import param
+from fedmpi.config.params import load_group, param
 from fedmpi.training.flat import FlatModel
 from fedmpi.training.loop import LocalTrainer, StepHooks, TrainResult
 from fedmpi.data.augment import random_crop_flip
@@ -245,7 +245,7 @@ class FedGPS(Algorithm):
     @classmethod
     def check(cls, cfg) -> None:
         """At least one of the two objectives (both off is FedAvg)."""
-        gps = cfg.algorithm.fedgps
+        gps = load_group(cfg, "algorithm.fedgps", FedGPSParams)
         if not (gps.static or gps.dynamic):
             raise ConfigError("config keys 'algorithm.fedgps.static' and 'algorithm.fedgps.dynamic' "
                               "are both false: that is FedAvg (use algorithm.name=fedavg)")
@@ -253,7 +253,7 @@ class FedGPS(Algorithm):
     @classmethod
     def num_outputs(cls, cfg, num_classes: int) -> int:
         """2C outputs with the static objective (surrogate class c → label C + c)."""
-        return 2 * num_classes if cfg.algorithm.fedgps.static else num_classes
+        return 2 * num_classes if cfg.get("algorithm.fedgps.static") else num_classes
 
     def __init__(self, cfg, layout: FlatModel, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)

@@ -28,10 +28,9 @@ from fedmpi.methods.server_opt import ServerAdam, ServerOptAlgorithm
 
 @dataclass(frozen=True)
 class AdaptiveParams:
-    beta1: float = param(0.9, "first-moment decay beta1", ge=0, lt=1, renamed_from="algorithm.beta1")
-    beta2: float = param(0.99, "second-moment decay beta2", ge=0, lt=1,
-                         renamed_from="algorithm.beta2")
-    tau: float = param(1e-3, "adaptivity tau (also v_0 = tau^2)", gt=0, renamed_from="algorithm.tau")
+    beta1: float = param(0.9, "first-moment decay beta1", ge=0, lt=1)
+    beta2: float = param(0.99, "second-moment decay beta2", ge=0, lt=1)
+    tau: float = param(1e-3, "adaptivity tau (also v_0 = tau^2)", gt=0)
 
 
 class FedAdam(ServerOptAlgorithm):
