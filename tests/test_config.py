@@ -73,6 +73,10 @@ def test_config_is_immutable_and_lists_are_copies():
         cfg.train.lr = 0.1   # type: ignore[misc]
     cfg.get("adversary.clients").append(3)
     assert cfg.get("adversary.clients") == [1, 2]
+    cfg.train.betas.append(0.5)   # the typed sections' lists too
+    cfg.transforms.append("pkg.mod:T")
+    assert cfg.train.betas == [0.9, 0.999] and cfg.transforms == []
+    assert cfg.get("train.betas") == [0.9, 0.999]
 
 
 def test_yaml_file_and_override_precedence(tmp_path):

@@ -118,6 +118,7 @@ from fedmpi.errors import ConfigError
 from fedmpi.training.flat import FlatModel, Segment
 from fedmpi.config.params import load_group, param
 from fedmpi.aggregation.weighting import Weighting
+from fedmpi.config.core import Config
 
 __all__ = ["FedVG", "FedVGAvg", "block_of", "layer_norms", "fedvg_scores"]
 
@@ -200,7 +201,7 @@ class FedVG(Weighting):
     mix_samples = False
 
     @classmethod
-    def check(cls, cfg) -> None:
+    def check(cls, cfg: Config) -> None:
         """bf16 scoring needs CUDA; scoring needs a server validation set (not for ``delta``)."""
         c = load_group(cfg, "aggregation.fedvg", FedVGParams)
         part, val = cfg.data.partition, cfg.data.validation
@@ -221,7 +222,7 @@ class FedVG(Weighting):
                 "data.validation.source to an external dataset")
 
     @classmethod
-    def uses_server_validation(cls, cfg) -> bool:
+    def uses_server_validation(cls, cfg: Config) -> bool:
         """Every norm but ``delta`` scores on the server validation set."""
         return bool(cfg.get("aggregation.fedvg.norm") != "delta")
 

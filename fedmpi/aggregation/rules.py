@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from fedmpi.component import Component, Registry
+from fedmpi.config.core import Config
 
 if TYPE_CHECKING:
     from fedmpi.context import Context
@@ -74,7 +75,7 @@ class ServerRule(Component):
     #: :meth:`aggregate` combines them; False: the workers pre-reduce the weighted mean
     per_client: ClassVar[bool] = False
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.ctx: Optional[Context] = None
         self.device = torch.device("cpu")
@@ -136,7 +137,7 @@ def rule_class_for(name: str) -> type[ServerRule]:
     return RULES.lookup(name)
 
 
-def build_rule(cfg: Any, cls: Optional[type] = None) -> ServerRule:
+def build_rule(cfg: Config, cls: Optional[type] = None) -> ServerRule:
     """The run's rule (``cls`` given to :func:`fedmpi.run` replaces the config's name)."""
     rule_cls = cls if cls is not None else rule_class_for(cfg.aggregation.rule)
     return rule_cls(cfg)

@@ -36,18 +36,19 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from fedmpi.config.fields import Field, check_value, describe_allowed, got_text, suggest
-from fedmpi.config.params import build_group
+from fedmpi.config.fields import (Field, check_value, deep_copy_mapping, describe_allowed,
+                                  got_text, plain, suggest)
+from fedmpi.config.params import CopyOnRead, build_group
 from fedmpi.config.yaml_dialect import YamlLoader, read_yaml
 from fedmpi.errors import ConfigError
 
 if TYPE_CHECKING:
     # For the type checker a Config is also the framework's typed sections (declared above
     # the components, in fedmpi.config.framework); at run time it gets them as attributes
-    # from its schema's ``typed`` dataclass, whichever that is.
+    # from its schema's ``typed`` dataclass, whichever that is (lists read as copies).
     from fedmpi.config.framework import FrameworkConfig as _Typed
 else:
-    _Typed = object
+    _Typed = CopyOnRead
 
 __all__ = ["Schema", "Section", "Config", "build_config", "config_from_dict", "load_config",
            "reference_markdown"]
@@ -116,10 +117,10 @@ def _flatten(schema: Schema, prefix: str, value: Any, out: dict[str, Any]) -> No
         return
     owner = _mapping_owner(schema, prefix)
     if owner is not None:   # an entry of a free-form mapping: --set algorithm.params.width=8
-        node = out[owner] = _deep_copy_mapping(out.get(owner) or {})
+        node = out[owner] = deep_copy_mapping(out.get(owner) or {})
         *parents, leaf = prefix[len(owner) + 1:].split(".")
         for p in parents:
-            child = _deep_copy_mapping(node[p]) if isinstance(node.get(p), Mapping) else {}
+            child = deep_copy_mapping(node[p]) if isinstance(node.get(p), Mapping) else {}
             node[p] = child
             node = child
         node[leaf] = value
@@ -146,10 +147,6 @@ def _mapping_owner(schema: Schema, key: str) -> str | None:
     return None
 
 
-def _deep_copy_mapping(m: Mapping) -> dict:
-    return {k: _deep_copy_mapping(v) if isinstance(v, Mapping) else v for k, v in m.items()}
-
-
 def _parse_override(schema: Schema, item: str, out: dict[str, Any]) -> None:
     """Apply one ``KEY=VALUE`` item (VALUE parsed as YAML) to the flat dict ``out``."""
     if not isinstance(item, str) or "=" not in item:
@@ -171,13 +168,6 @@ def _parse_override(schema: Schema, item: str, out: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- #
 # Config objects
 # --------------------------------------------------------------------------- #
-def _plain(value: Any) -> Any:
-    """A caller's copy of a stored value: tuples as lists, mappings copied."""
-    if isinstance(value, tuple):
-        return list(value)
-    return _deep_copy_mapping(value) if isinstance(value, Mapping) else value
-
-
 class _Values:
     """Read-only access by dotted key to the values of one section of a config (``""``:
     all of it)."""
@@ -202,7 +192,7 @@ class _Values:
         """
         key = f"{self._prefix}.{dotted}" if self._prefix else dotted
         if key in self._schema.fields:
-            return _plain(self._values[key])
+            return plain(self._values[key])
         if key in self._schema.sections:
             return Section(self._values, key, self._schema)
         if default is not ...:
@@ -220,7 +210,7 @@ class _Values:
             node = out
             for p in parents:
                 node = node.setdefault(p, {})
-            node[leaf] = _plain(value)
+            node[leaf] = plain(value)
         return out
 
     def __eq__(self, other: object) -> bool:
@@ -257,7 +247,7 @@ class Section(_Values):
         return f"{type(self).__name__}({self._prefix or 'root'}: {self.to_dict()!r})"
 
 
-class Config(_Values, _Typed):
+class Config(_Typed, _Values):
     """A resolved, validated run configuration.
 
     Build one with :func:`load_config` or :func:`config_from_dict`. The framework's
@@ -271,10 +261,10 @@ class Config(_Values, _Typed):
     def __init__(self, values: Mapping[str, Any], schema: Schema,
                  base_dir: str | os.PathLike | None = None):
         """Internal: ``values`` must already be complete and validated; see :func:`build_config`."""
-        super().__init__(dict(values), "", schema)
+        _Values.__init__(self, dict(values), "", schema)
         object.__setattr__(self, "_base_dir", base_dir)
         if schema.typed is not None:
-            typed = build_group(schema.typed, "", lambda key: _plain(self._values[key]))
+            typed = build_group(schema.typed, "", lambda key: plain(self._values[key]))
             for f in dataclasses.fields(typed):
                 object.__setattr__(self, f.name, getattr(typed, f.name))
         # Transitional (issue 34): the top-level blocks of components (transforms) are
@@ -286,7 +276,7 @@ class Config(_Values, _Typed):
 
     def to_flat_dict(self) -> dict[str, Any]:
         """All values keyed by dotted name, in schema order."""
-        return {k: _plain(v) for k, v in self._values.items()}
+        return {k: plain(v) for k, v in self._values.items()}
 
     def to_yaml(self) -> str:
         """The full config (defaults filled in) as YAML; loads back to an equal config."""

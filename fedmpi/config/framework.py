@@ -26,7 +26,7 @@ from fedmpi.aggregation.weighting import WEIGHTINGS, Weighting
 from fedmpi.methods.base import Algorithm
 from fedmpi.config.core import Config
 from fedmpi.config.fields import Field, suggest
-from fedmpi.config.params import param, section, section_fields
+from fedmpi.config.params import CopyOnRead, param, section, section_fields
 from fedmpi.errors import ConfigError
 from fedmpi.imports import IMPORT_PATTERN
 
@@ -63,7 +63,7 @@ def _sgd_only() -> str:
 # data
 # --------------------------------------------------------------------------- #
 @dataclass(frozen=True)
-class PartitionConfig:
+class PartitionConfig(CopyOnRead):
     """``data.partition.*``: how the training pool is split among the clients."""
 
     method: str = param("dirichlet", "how the training pool is split",
@@ -76,7 +76,7 @@ class PartitionConfig:
 
 
 @dataclass(frozen=True)
-class SilosConfig:
+class SilosConfig(CopyOnRead):
     """``data.silos.*``: silo-local data (:mod:`fedmpi.data.silos`); each rank reads only
     the silos it hosts."""
 
@@ -96,7 +96,7 @@ class SilosConfig:
 
 
 @dataclass(frozen=True)
-class TabularConfig:
+class TabularConfig(CopyOnRead):
     """``data.tabular.*``: tabular files (:mod:`fedmpi.data.tabular`)."""
 
     train: str | None = param(None, "dataset tabular: training-pool file "
@@ -106,7 +106,7 @@ class TabularConfig:
 
 
 @dataclass(frozen=True)
-class ValidationConfig:
+class ValidationConfig(CopyOnRead):
     """``data.validation.*``: the server's validation set."""
 
     fraction: float = param(0.1, "server hold-out share of the pool (0 = none)", ge=0, lt=1)
@@ -121,7 +121,7 @@ class ValidationConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class DataConfig(CopyOnRead):
     """``data.*``: the dataset and how it is split into silos."""
 
     dataset: str = param("digits", "dataset name, or pkg.module:fn returning a Dataset or "
@@ -142,14 +142,14 @@ class DataConfig:
 # model, client training
 # --------------------------------------------------------------------------- #
 @dataclass(frozen=True)
-class MLPConfig:
+class MLPConfig(CopyOnRead):
     """``model.mlp.*``."""
 
     hidden: list[int] = param([64, 64], "mlp: hidden layer widths", ge=1)
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(CopyOnRead):
     """``model.*``: the architecture."""
 
     name: str = param("cnn", "architecture, or pkg.module:fn (input_shape, num_classes) "
@@ -160,7 +160,7 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class EarlyStoppingConfig:
+class EarlyStoppingConfig(CopyOnRead):
     """``train.early_stopping.*``."""
 
     metric: str | None = param(None, "stop when this /rounds metric "
@@ -172,7 +172,7 @@ class EarlyStoppingConfig:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(CopyOnRead):
     """``train.*``: the client side of a round."""
 
     rounds: int = param(30, "communication rounds", ge=1)
@@ -211,7 +211,7 @@ class TrainConfig:
 # are assembled from the registered components in fedmpi.config.schema)
 # --------------------------------------------------------------------------- #
 @dataclass(frozen=True)
-class AlgorithmConfig:
+class AlgorithmConfig(CopyOnRead):
     """``algorithm.*`` of the framework: the method, a user method's parameters, the
     server learning rate (methods' blocks ``algorithm.<block>.*``: ``cfg.get``)."""
 
@@ -225,7 +225,7 @@ class AlgorithmConfig:
 
 
 @dataclass(frozen=True)
-class AggregationConfig:
+class AggregationConfig(CopyOnRead):
     """``aggregation.*`` of the framework: client weights, the server-side rule, a user
     rule's parameters (weightings' and rules' blocks ``aggregation.<block>.*``: ``cfg.get``)."""
 
@@ -241,7 +241,7 @@ class AggregationConfig:
 
 
 @dataclass(frozen=True)
-class SystemConfig:
+class SystemConfig(CopyOnRead):
     """``system.*``: system heterogeneity (FedLAGC, HeteroFL, ...)."""
 
     levels: list[float] | None = param(None, "resource levels r in (0, 1]", gt=0, le=1)
@@ -252,7 +252,7 @@ class SystemConfig:
 # privacy (fedmpi.privacy): differential privacy with a dp-accounting accountant
 # --------------------------------------------------------------------------- #
 @dataclass(frozen=True)
-class DPConfig:
+class DPConfig(CopyOnRead):
     """``privacy.dp.*``: differential privacy."""
 
     level: str = param("none", "differential privacy: client = DP-FedAvg (each "
@@ -273,7 +273,7 @@ class DPConfig:
 
 
 @dataclass(frozen=True)
-class SecAggConfig:
+class SecAggConfig(CopyOnRead):
     """``privacy.secagg.*``: secure aggregation."""
 
     scale_bits: int = param(24, "fixed-point fractional bits f of secure "
@@ -281,7 +281,7 @@ class SecAggConfig:
 
 
 @dataclass(frozen=True)
-class PrivacyConfig:
+class PrivacyConfig(CopyOnRead):
     """``privacy.*``."""
 
     dp: DPConfig = section(DPConfig)
@@ -298,7 +298,7 @@ class PrivacyConfig:
 # evaluation, outputs, runtime
 # --------------------------------------------------------------------------- #
 @dataclass(frozen=True)
-class EvalConfig:
+class EvalConfig(CopyOnRead):
     """``eval.*``: who evaluates the global model, when, on what metrics."""
 
     every: int = param(1, "evaluate every N rounds", ge=1)
@@ -323,7 +323,7 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
-class KeepBestConfig:
+class KeepBestConfig(CopyOnRead):
     """``checkpoint.keep_best.*``: the best model (:mod:`fedmpi.runtime.callbacks`)."""
 
     metric: str | None = param(None, "write best.pt beside model.pt for the round that is "
@@ -332,14 +332,14 @@ class KeepBestConfig:
 
 
 @dataclass(frozen=True)
-class CheckpointConfig:
+class CheckpointConfig(CopyOnRead):
     """``checkpoint.*``."""
 
     keep_best: KeepBestConfig = section(KeepBestConfig)
 
 
 @dataclass(frozen=True)
-class MLflowConfig:
+class MLflowConfig(CopyOnRead):
     """``logging.mlflow.*``."""
 
     tracking_uri: str | None = param(None, "MLflow tracking URI (e.g. file:/path/mlruns) "
@@ -348,7 +348,7 @@ class MLflowConfig:
 
 
 @dataclass(frozen=True)
-class LoggingConfig:
+class LoggingConfig(CopyOnRead):
     """``logging.*``: experiment trackers (:mod:`fedmpi.log.trackers`), live views of the
     HDF5 log written from rank 0."""
 
@@ -358,7 +358,7 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
-class RuntimeConfig:
+class RuntimeConfig(CopyOnRead):
     """``runtime.*``: devices, threads, timeouts, MPI messages, outputs."""
 
     device: str = param("auto", "torch device", choices=("auto", "cpu"),
@@ -404,7 +404,7 @@ class RuntimeConfig:
 # the whole run
 # --------------------------------------------------------------------------- #
 @dataclass(frozen=True)
-class FrameworkConfig:
+class FrameworkConfig(CopyOnRead):
     """Every framework key, by section, in the order :meth:`Config.to_dict` writes them;
     the components' blocks are inserted after their kind's anchor key
     (``algorithm.server_lr``, ``aggregation.params``, ``transforms``;

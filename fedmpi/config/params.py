@@ -26,12 +26,15 @@ import dataclasses
 import functools
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-from fedmpi.config.fields import Field, check_value, suggest
+from fedmpi.config.fields import Field, check_value, plain, suggest
 from fedmpi.errors import ConfigError
 
-__all__ = ["param", "section", "group_fields", "block_key", "block_fields", "section_fields",
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
+
+__all__ = ["CopyOnRead", "param", "section", "group_fields", "block_key", "block_fields", "section_fields",
            "build_group", "load_group", "check_params"]
 
 
@@ -54,6 +57,21 @@ def section(cls: type) -> Any:
     """A nested section: a dataclass field whose type ``cls`` is another parameters
     dataclass, its keys ``<this section>.<field name>.*``."""
     return dataclasses.field(default_factory=cls)
+
+
+class CopyOnRead:
+    """Base of the framework's sections (and of :class:`~fedmpi.config.core.Config`): a
+    list or mapping attribute is read as a fresh copy, as ``Config.get`` returns it, so
+    nothing read from a validated config can change it."""
+
+    __slots__ = ()
+
+    if not TYPE_CHECKING:   # for mypy a __getattribute__ would make every attribute valid
+        def __getattribute__(self, name: str) -> Any:
+            value = object.__getattribute__(self, name)
+            if isinstance(value, (list, dict)) and not name.startswith("_"):
+                return plain(value)
+            return value
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -116,7 +134,7 @@ def build_group(params_cls: type, key: str, get: Callable[[str], Any]) -> Any:
     return params_cls(**values)
 
 
-def load_group(cfg: Any, key: str, params_cls: type) -> Any:
+def load_group(cfg: Config, key: str, params_cls: type) -> Any:
     """The typed parameters of block ``key`` (e.g. ``"algorithm.fedprox"``, ``"ecgr"``)
     of a validated config."""
     return build_group(params_cls, key, cfg.get)

@@ -47,6 +47,7 @@ from fedmpi.data.heldout import holdout_positions, holdout_seed, split_partition
 from fedmpi.data.partition import Partition, check_batch_floor
 from fedmpi.data.tabular import read_table
 from fedmpi.errors import ConfigError, DataError, UserError
+from fedmpi.config.core import Config
 
 __all__ = ["LocalData", "build_local", "read_silo"]
 
@@ -66,7 +67,7 @@ class LocalData:
     files: list[tuple[str, str, str]] = field(default_factory=list)   # (role, path, SHA-256)
 
 
-def build_local(cfg: Any, comm: Any, hosted: Sequence[int], is_server: bool,
+def build_local(cfg: Config, comm: Any, hosted: Sequence[int], is_server: bool,
                 data: Optional[Any] = None, *, needs: DataNeeds) -> LocalData:
     """This rank's :class:`LocalData` (see the module docstring).
 
@@ -90,12 +91,12 @@ def build_local(cfg: Any, comm: Any, hosted: Sequence[int], is_server: bool,
     return _silos(cfg, comm, list(hosted), is_server, needs)
 
 
-def clients_evaluate(cfg: Any) -> bool:
+def clients_evaluate(cfg: Config) -> bool:
     """Whether every client evaluates the global model on its own held-out data."""
     return cfg.eval.where != "server"
 
 
-def _server_reads_validation(cfg: Any, needs: DataNeeds) -> bool:
+def _server_reads_validation(cfg: Config, needs: DataNeeds) -> bool:
     """Rank 0 reads ``data.silos.validation`` unless only the clients evaluate and no
     component works on it (``needs.server_validation``; then rank 0 reads no data file
     at all)."""
@@ -103,7 +104,7 @@ def _server_reads_validation(cfg: Any, needs: DataNeeds) -> bool:
                                                       or needs.server_validation)
 
 
-def _held_out(cfg: Any, client: int, x: np.ndarray, y: np.ndarray
+def _held_out(cfg: Config, client: int, x: np.ndarray, y: np.ndarray
               ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """(training part, held-out part) of client ``client``'s silo: its
     ``data.silos.client_test`` file, or :func:`~fedmpi.data.heldout.holdout_positions`."""
@@ -116,7 +117,7 @@ def _held_out(cfg: Any, client: int, x: np.ndarray, y: np.ndarray
     return (x[keep], y[keep]), (x[pos], y[pos])
 
 
-def read_silo(cfg: Any, client: int,
+def read_silo(cfg: Config, client: int,
               loader: Optional[Callable[[int], Any]] = None) -> tuple[np.ndarray, np.ndarray]:
     """Client ``client``'s ``(x float32, y int64)`` from ``data.silos.path`` or the loader."""
     s = cfg.data.silos
@@ -156,7 +157,7 @@ def _agree_on_errors(comm: Any, error: Optional[UserError]) -> None:
             raise DataError(bytes(row).rstrip(b"\0").decode(errors="replace"))
 
 
-def _silos(cfg: Any, comm: Any, hosted: list[int], is_server: bool,
+def _silos(cfg: Config, comm: Any, hosted: list[int], is_server: bool,
            needs: DataNeeds) -> LocalData:
     from fedmpi import imports
 
@@ -273,7 +274,7 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def _digests(cfg: Any, comm: Any, hosted: list[int], is_server: bool,
+def _digests(cfg: Config, comm: Any, hosted: list[int], is_server: bool,
              needs: DataNeeds) -> list[tuple[str, str, str]]:
     """Collective: ``(role, path, SHA-256)`` of every silo file — client ``k``'s hashed on
     the rank that read it, the test and validation files on rank 0 — gathered as one

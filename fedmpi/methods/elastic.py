@@ -45,6 +45,7 @@ from fedmpi.training.loop import LocalTrainer, TrainResult
 from fedmpi.methods.base import Algorithm
 from fedmpi.component import ClientTask, RoundInfo, Stat
 from fedmpi.transforms.base import TransformChain
+from fedmpi.config.core import Config
 
 SENSITIVITY_STREAM = 0xE1A57C
 
@@ -60,7 +61,7 @@ class Elastic(Algorithm):
     name = "elastic"
     params = {"elastic": ElasticParams}
 
-    def __init__(self, cfg, layout, num_clients: int) -> None:
+    def __init__(self, cfg: Config, layout, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
         a = self.hparams("elastic")
         self.mu, self.tau, self.sample = float(a.mu), float(a.tau), float(a.sample)

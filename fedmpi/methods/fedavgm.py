@@ -22,6 +22,7 @@ import torch
 
 from fedmpi.config.params import param
 from fedmpi.methods.server_opt import ServerOptAlgorithm, ServerSGD
+from fedmpi.config.core import Config
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class FedAvgM(ServerOptAlgorithm):
     name = "fedavgm"
     params = {"fedavgm": FedAvgMParams}
 
-    def __init__(self, cfg, layout, num_clients: int) -> None:
+    def __init__(self, cfg: Config, layout, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
         a = self.hparams("fedavgm")
         self.momentum = float(a.server_momentum)

@@ -43,6 +43,7 @@ from fedmpi.config.params import param
 from fedmpi.training.loop import LocalTrainer, SGDConfig, StepHooks, TrainResult
 from fedmpi.methods.base import Algorithm
 from fedmpi.component import ClientTask, RoundInfo, Stat
+from fedmpi.config.core import Config
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class FedDyn(Algorithm):
     record_dp = True   # plain SGD local step (docs/privacy.md)
     params = {"feddyn": FedDynParams}
 
-    def __init__(self, cfg, layout, num_clients: int) -> None:
+    def __init__(self, cfg: Config, layout, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
         p = self.hparams("feddyn")
         self.alpha = float(p.alpha)

@@ -162,6 +162,7 @@ from fedmpi.data.augment import random_crop_flip
 from fedmpi.methods.base import Algorithm
 from fedmpi.component import ClientTask, RoundInfo, Stat
 from fedmpi.methods.fedgps_presets import AUTHORS_MEAN, AUTHORS_STD, resolve_options
+from fedmpi.config.core import Config
 
 if TYPE_CHECKING:
     from fedmpi.data.surrogate import SurrogateData
@@ -243,7 +244,7 @@ class FedGPS(Algorithm):
     params = {"fedgps": FedGPSParams}
 
     @classmethod
-    def check(cls, cfg) -> None:
+    def check(cls, cfg: Config) -> None:
         """At least one of the two objectives (both off is FedAvg)."""
         gps = load_group(cfg, "algorithm.fedgps", FedGPSParams)
         if not (gps.static or gps.dynamic):
@@ -251,11 +252,11 @@ class FedGPS(Algorithm):
                               "are both false: that is FedAvg (use algorithm.name=fedavg)")
 
     @classmethod
-    def num_outputs(cls, cfg, num_classes: int) -> int:
+    def num_outputs(cls, cfg: Config, num_classes: int) -> int:
         """2C outputs with the static objective (surrogate class c → label C + c)."""
         return 2 * num_classes if cfg.get("algorithm.fedgps.static") else num_classes
 
-    def __init__(self, cfg, layout: FlatModel, num_clients: int) -> None:
+    def __init__(self, cfg: Config, layout: FlatModel, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
         g = self.hparams("fedgps")
         # static and dynamic both off is refused by check() (that is FedAvg)

@@ -24,6 +24,7 @@ import torch
 
 from fedmpi.config.params import param
 from fedmpi.methods.server_opt import ServerAdam, ServerOptAlgorithm
+from fedmpi.config.core import Config
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class FedAdam(ServerOptAlgorithm):
     default_server_lr = 0.01
     yogi = False
 
-    def __init__(self, cfg, layout, num_clients: int) -> None:
+    def __init__(self, cfg: Config, layout, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
         a = self.hparams(self.name)
         self.beta1, self.beta2, self.tau = float(a.beta1), float(a.beta2), float(a.tau)

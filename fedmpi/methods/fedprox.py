@@ -18,6 +18,7 @@ from fedmpi.config.params import param
 from fedmpi.training.loop import StepHooks
 from fedmpi.methods.base import Algorithm
 from fedmpi.component import ClientTask
+from fedmpi.config.core import Config
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class FedProx(Algorithm):
     record_dp = True   # plain SGD local step (docs/privacy.md)
     params = {"fedprox": FedProxParams}
 
-    def __init__(self, cfg, layout, num_clients: int) -> None:
+    def __init__(self, cfg: Config, layout, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
         self.mu = self.hparams("fedprox").mu
         self._diff: torch.Tensor | None = None   # P-sized scratch on the worker
