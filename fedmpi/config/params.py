@@ -34,8 +34,8 @@ from fedmpi.errors import ConfigError
 if TYPE_CHECKING:
     from fedmpi.config.core import Config
 
-__all__ = ["CopyOnRead", "param", "section", "group_fields", "block_key", "block_fields", "section_fields",
-           "build_group", "load_group", "check_params"]
+__all__ = ["CopyOnRead", "param", "section", "group_fields", "block_key", "block_fields",
+           "section_fields", "build_group", "load_group", "check_params"]
 
 
 def param(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
@@ -51,6 +51,10 @@ def param(default: Any, help: str, *, ge: float | None = None, gt: float | None 
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+#: what :func:`param` declares besides the help, by :class:`Field` argument
+_DECLARATION = ("ge", "gt", "le", "lt", "choices", "pattern", "pattern_help", "file", "registry")
 
 
 def section(cls: type) -> Any:
@@ -112,10 +116,8 @@ def section_fields(params_cls: type, key: str = "") -> dict[str, Field]:
             continue
         if typing.get_origin(tp) is dict:   # dict[str, Any]: a free-form mapping
             tp = dict
-        out[dotted] = Field(tp, default, meta["help"], choices=meta["choices"],
-                            pattern=meta["pattern"], pattern_help=meta["pattern_help"],
-                            ge=meta["ge"], gt=meta["gt"], le=meta["le"], lt=meta["lt"],
-                            file=meta["file"], registry=meta["registry"])
+        out[dotted] = Field(tp, default, meta["help"],
+                            **{k: v for k, v in meta.items() if k in _DECLARATION})
     return out
 
 
