@@ -11,7 +11,7 @@ A :class:`~fedmpi.config.core.Config` has these sections as typed attributes
 :func:`framework_checks` holds the rules that involve more than one of them (data,
 sampling, resource levels, privacy, evaluation metrics). :mod:`fedmpi.config.schema`
 assembles the run's schema from these and the parameter blocks and rules of the registered
-components; no component is named here. Over ~400 lines because it is one table: every
+components; no component is named here. Over ~550 lines because it is one table: every
 framework key with its type, default, range and help, next to the rules that relate them.
 """
 from __future__ import annotations
