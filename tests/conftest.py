@@ -92,6 +92,25 @@ def run_mpi_script(code: str, n: int = 3, timeout: float = 180) -> subprocess.Co
     return proc
 
 
+#: The start of a script run under mpiexec (``script root config out``): every rank records
+#: the files it opens under ``root`` in ``opened`` (relative paths), through an audit hook.
+OPEN_AUDIT = r'''
+import json, os, sys
+from mpi4py import MPI
+root, config, out = sys.argv[1:4]
+rank = MPI.COMM_WORLD.Get_rank()
+opened = set()
+
+def hook(event, args):
+    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        path = os.path.abspath(os.fsdecode(args[0]))
+        if path.startswith(root):
+            opened.add(os.path.relpath(path, root))
+
+sys.addaudithook(hook)
+'''
+
+
 def set_dotted(d: dict, over: dict) -> dict:
     """Apply ``{"train.lr": 0.1, ...}`` overrides to a nested config dict (in place)."""
     for key, value in over.items():

@@ -125,8 +125,8 @@ def test_round_numbering_is_one_convention(tmp_path):
     rows = [dict(test_accuracy=a) for a in (0.2, 0.6, 0.9)]
     path = _log(tmp_path / "log.h5", {}, rows)
     s = summary_markdown(read(path), target=0.5)
-    assert "| best test accuracy | 90.00% (round 2) |" in s     # the log's round index
-    assert "| rounds to 50.00% | 2 (first reached in round 1) |" in s
+    assert "| best test accuracy | 0.9000 (round 2) |" in s     # the log's round index
+    assert "| rounds to test accuracy 0.5000 | 2 (first reached in round 1) |" in s
     assert "numbered from 0 as in the log" in s
 
 

@@ -46,7 +46,7 @@ def test_sign_flip_breaks_mean_not_robust_rules(tmp_path):
             np.testing.assert_array_equal(sel[:, :3], 0)
             np.testing.assert_array_equal(sel[:, 3:], 1)
             text = summary_markdown(log)
-            assert "## Server rule (multi_krum)" in text and "| 7 | 0, 1, 2 |" in text
+            assert "## Server rule (multi_krum)" in text and "| 7 | client 0, client 1, client 2 |" in text
         if rule == "fltrust":
             trust = log.arrays["rule/trust"]
             np.testing.assert_array_equal(trust[:, :3], 0)   # opposite to the server update

@@ -16,27 +16,14 @@ import yaml
 from sklearn.metrics import (accuracy_score, balanced_accuracy_score, f1_score, log_loss,
                              roc_auc_score)
 
-from conftest import ROOT, mpiexec_path
+from conftest import OPEN_AUDIT, ROOT, mpiexec_path
 from fedmpi.config.schema import config_from_dict
 from fedmpi.errors import ConfigError
 
 K, HOLDOUT, SEED = 6, 0.2, 0
 
 # Every rank records the data files it opens under the federation's directory.
-AUDIT = r'''
-import json, os, sys
-from mpi4py import MPI
-root, config, out = sys.argv[1:4]
-rank = MPI.COMM_WORLD.Get_rank()
-opened = set()
-
-def hook(event, args):
-    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
-        path = os.path.abspath(os.fsdecode(args[0]))
-        if path.startswith(root):
-            opened.add(os.path.relpath(path, root))
-
-sys.addaudithook(hook)
+AUDIT = OPEN_AUDIT + r'''
 import fedmpi
 fedmpi.run(config, ["eval.where=clients", "eval.client_holdout=0.2", "train.rounds=3"], out=out)
 json.dump(sorted(opened), open(os.path.join(out, f"opened_{rank}.json"), "w"))

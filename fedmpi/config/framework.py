@@ -91,6 +91,12 @@ class SilosConfig(CopyOnRead):
                                     "template with {client}, read by the rank hosting the "
                                     "client (eval.where: clients | both); null = "
                                     "eval.client_holdout")
+    names: list[str] | None = param(None, "silos: one name per client in client "
+                                    "order (reports, logs, fedmpi stats); null = the {client} "
+                                    "part of data.silos.path's file names, else 'client k'",
+                                    pattern=r"[^\x00-\x1f\x7f|]{1,64}",
+                                    pattern_help="a name of 1 to 64 characters without a "
+                                                 "vertical bar or control characters")
     split: str = param("dirichlet", "how `fedmpi partition --export` splits "
                        "data.dataset into the silo files", choices=("iid", "dirichlet", "shards"))
 
@@ -513,6 +519,15 @@ def _data_checks(cfg: Config) -> None:
         if cfg.eval.sharded:
             raise ConfigError("config key 'eval.sharded' must be false when data.partition.method "
                               "is 'silos' (rank 0 alone holds the test set)")
+    names = d.silos.names
+    if names is not None:
+        if len(names) != d.num_clients:
+            raise ConfigError(f"config key 'data.silos.names' must give one name per client: "
+                              f"{len(names)} names for data.num_clients {d.num_clients}")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ConfigError(f"config key 'data.silos.names' lists {twice[0]!r} twice "
+                              "(each site needs its own name)")
     if d.dataset == "tabular":
         for key in ("train", "test"):
             if getattr(d.tabular, key) is None:

@@ -49,7 +49,8 @@ from fedmpi.data.tabular import read_table
 from fedmpi.errors import ConfigError, DataError, UserError
 from fedmpi.config.core import Config
 
-__all__ = ["LocalData", "build_local", "read_silo"]
+__all__ = ["LocalData", "agree_on_errors", "agree_on_shape", "build_local", "read_silo",
+           "site_names"]
 
 MAX_DIMS = 6          # input rank supported by the shape agreement
 ERR_BYTES = 512       # one error line per rank in the failure agreement
@@ -144,7 +145,25 @@ def read_silo(cfg: Config, client: int,
     return np.ascontiguousarray(x), y.astype(np.int64)
 
 
-def _agree_on_errors(comm: Any, error: Optional[UserError]) -> None:
+def site_names(cfg: Config) -> list[str]:
+    """The name of every client's site, in client order, for reports, logs and
+    ``fedmpi stats``: ``data.silos.names`` when given; else, for silo files, the part of
+    ``data.silos.path`` that names the client (the file name, less its suffix, or the
+    folder holding ``{client}``: ``silos/hospital_{client}.csv`` gives ``hospital_0``);
+    else ``client k``. A part that is the bare number reads ``client k`` too."""
+    s, K = cfg.data.silos, cfg.data.num_clients
+    if s.names is not None:
+        return [str(n) for n in s.names]
+    if cfg.data.partition.method != "silos" or s.path is None:
+        return [f"client {k}" for k in range(K)]
+    parts = s.path.replace("\\", "/").split("/")
+    last = max(i for i, p in enumerate(parts) if "{client}" in p)
+    part = os.path.splitext(parts[last])[0] if last == len(parts) - 1 else parts[last]
+    names = [part.format(client=k) for k in range(K)]
+    return [f"client {k}" if n == str(k) else n for k, n in enumerate(names)]
+
+
+def agree_on_errors(comm: Any, error: Optional[UserError]) -> None:
     """Collective: raise the first rank's error (same text on every rank) if any rank failed."""
     buf = np.zeros((comm.size, ERR_BYTES), dtype=np.uint8)
     if error is not None:
@@ -155,6 +174,29 @@ def _agree_on_errors(comm: Any, error: Optional[UserError]) -> None:
     for row in out:
         if row.any():
             raise DataError(bytes(row).rstrip(b"\0").decode(errors="replace"))
+
+
+def agree_on_shape(comm: Any, shape: Optional[tuple[int, ...]], classes: int
+                   ) -> tuple[tuple[int, ...], int]:
+    """Collective: the input shape every rank holding data has (``shape``; None on a
+    rank without data) and the number of classes (the largest ``classes`` of the
+    ranks): one ``Allreduce(MAX)`` of ``(d, BIG − d)``, so the maximum and minimum of
+    every dimension arrive together; ranks that disagree raise the same
+    :class:`~fedmpi.errors.DataError` on every rank."""
+    big = np.int64(1) << 40
+    head = np.zeros(2 * (MAX_DIMS + 1) + 1, dtype=np.int64)
+    if shape is not None:
+        dims = np.zeros(MAX_DIMS + 1, dtype=np.int64)
+        dims[0], dims[1:1 + len(shape)] = len(shape), shape
+        head[: MAX_DIMS + 1], head[MAX_DIMS + 1: -1] = dims, big - dims
+    head[-1] = classes
+    agreed = np.zeros_like(head)
+    comm.allreduce_max(head, agreed, what="silo shape Allreduce")
+    hi, lo = agreed[: MAX_DIMS + 1], big - agreed[MAX_DIMS + 1: -1]
+    if not np.array_equal(hi, lo):
+        raise DataError(f"silos disagree on the input shape: between "
+                        f"{tuple(lo[1:1 + lo[0]])} and {tuple(hi[1:1 + hi[0]])} per sample")
+    return tuple(int(d) for d in hi[1:1 + hi[0]]), int(agreed[-1])
 
 
 def _silos(cfg: Config, comm: Any, hosted: list[int], is_server: bool,
@@ -184,25 +226,12 @@ def _silos(cfg: Config, comm: Any, hosted: list[int], is_server: bool,
     except UserError as exc:
         error = exc
     comm.roll_call("reading its silos")   # a slow silo is named (runtime.setup_timeout)
-    _agree_on_errors(comm, error)
+    agree_on_errors(comm, error)
 
-    # 1. input shape and class count: max of (d, BIG - d) over the ranks holding data
-    shape = next(iter({x.shape[1:] for x, _ in arrays}), None)
-    big = np.int64(1) << 40
-    head = np.zeros(2 * (MAX_DIMS + 1) + 1, dtype=np.int64)
-    if shape is not None:
-        dims = np.zeros(MAX_DIMS + 1, dtype=np.int64)
-        dims[0], dims[1:1 + len(shape)] = len(shape), shape
-        head[: MAX_DIMS + 1], head[MAX_DIMS + 1: -1] = dims, big - dims
-        head[-1] = max((int(y.max()) + 1 for _, y in arrays if len(y)), default=0)
-    agreed = np.zeros_like(head)
-    comm.allreduce_max(head, agreed, what="silo shape Allreduce")
-    hi, lo = agreed[: MAX_DIMS + 1], big - agreed[MAX_DIMS + 1: -1]
-    if not np.array_equal(hi, lo):
-        raise DataError(f"silos disagree on the input shape: between "
-                        f"{tuple(lo[1:1 + lo[0]])} and {tuple(hi[1:1 + hi[0]])} per sample")
-    shape = tuple(int(d) for d in hi[1:1 + hi[0]])
-    C, F = int(agreed[-1]), shape[0]
+    # 1. input shape and class count
+    shape, C = agree_on_shape(comm, next(iter({x.shape[1:] for x, _ in arrays}), None),
+                              max((int(y.max()) + 1 for _, y in arrays if len(y)), default=0))
+    F = shape[0]
 
     # 2. per-client class counts and channel sums (one row per client + validation)
     rows = np.zeros((K + 1, C + 2 * F + 1), dtype=np.float64)

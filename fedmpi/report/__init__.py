@@ -8,7 +8,8 @@ x axis are the round numbers of the log, counted from 0):
 ``metrics.png``            one panel per ``eval.metrics`` entry (accuracy,
                            balanced accuracy, macro-F1, AUROC, user metrics) vs
                            round; with per-site evaluation (``eval.where``) also
-                           each site's curve (up to 10 sites), the spread across
+                           each site's curve (up to 10 sites, named in the
+                           legend), the spread across
                            sites (min–max band, interquartile band) and, with
                            ``both``, the server's and the sites' combined value
 ``client_weights.png``     aggregation weight :math:`s_k` of every client in every
@@ -54,7 +55,7 @@ from fedmpi.job.safefile import refuse_links, write_text
 from fedmpi.report.canvas import PLOT_HINT, have_matplotlib
 from fedmpi.report.costs import plot_bytes, plot_time
 from fedmpi.report.curves import plot_accuracy, plot_level_accuracy, plot_metrics
-from fedmpi.report.derived import run_title
+from fedmpi.report.derived import run_title, site_labels
 from fedmpi.report.heatmaps import plot_client_weights, plot_grad_norm, plot_partition
 from fedmpi.report.summary import summary_markdown
 
@@ -104,7 +105,8 @@ def write_report(log: RunLog | PathLike, out_dir: str | os.PathLike | None = Non
         "client_weights.png": lambda p: plot_client_weights(log, p),
         "fedvg_grad_norm.png": lambda p: plot_grad_norm(log, p),
         "partition.png": lambda p: (plot_partition(log.arrays["partition/class_counts"], p,
-                                                   f"{run_title(log)}: partition")
+                                                   f"{run_title(log)}: partition",
+                                                   site_names=site_labels(log))
                                     if "partition/class_counts" in log.arrays else None),
         "level_accuracy.png": lambda p: plot_level_accuracy(log, p),
         "time_per_round.png": lambda p: plot_time(log, p),
