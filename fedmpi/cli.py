@@ -169,8 +169,6 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from fedmpi.usercode import check_config_paths
 
     cfg = load_config(args.config, args.overrides)
-    for old, new in cfg.renamed:
-        print(f"fedmpi: note: config key {old!r} is now {new!r}", file=sys.stderr)
     check_config_paths(cfg)
     if not args.dry_run:
         sys.stdout.write(cfg.to_yaml())

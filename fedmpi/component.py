@@ -38,6 +38,7 @@ from fedmpi.config.params import block_key, check_params, load_group
 from fedmpi.log.row import Reporter
 
 if TYPE_CHECKING:
+    from fedmpi.config.core import Config
     from fedmpi.context import Context
 
 #: A component's checkpointed state: tensors or arrays by name.
@@ -54,7 +55,7 @@ class Component:
     #: component given by import path uses the block ``"params"`` (``<prefix>.params``)
     params: ClassVar[dict[str, type]] = {}
     #: the run's config (methods and transforms get it when built, others from ``start``)
-    cfg: Any = None
+    cfg: Config = None
     #: every client of a run with this component makes at least this many local steps τ_k
     #: (ECGR: 2). Rules derived from it: ``train.local_steps`` below it is refused naming
     #: both keys (:func:`fedmpi.config.schema.check_components`); with ``train.local_epochs`` E
@@ -102,12 +103,12 @@ class Component:
         return []
 
     @classmethod
-    def check(cls, cfg) -> None:
+    def check(cls, cfg: Config) -> None:
         """Rules that span keys, for a config that selects this component; raise
         :class:`~fedmpi.errors.ConfigError` naming the keys. Default: none."""
 
     @classmethod
-    def per_client_reason(cls, cfg) -> Optional[tuple[str, str]]:
+    def per_client_reason(cls, cfg: Config) -> Optional[tuple[str, str]]:
         """(config key, why) when this component, under ``cfg``, puts one client's
         statistics on rank 0 (a per-client weighting or rule, a per-client diagnostic, an
         attack rewriting rows there); None when it does not. A ``sums_only`` stage (secure
@@ -115,7 +116,7 @@ class Component:
         return None
 
     @classmethod
-    def uses_server_validation(cls, cfg) -> bool:
+    def uses_server_validation(cls, cfg: Config) -> bool:
         """Whether this component, under ``cfg``, works on rank 0's validation set, so
         rank 0 reads it (silos: ``data.silos.validation``) even when only the clients
         evaluate (:meth:`fedmpi.usercode.UserCode.data_needs`). Default: no."""

@@ -238,9 +238,11 @@ def test_feddyn_clip_and_weight_decay_config():
 
 
 # ------------------------------------------------------------ server optimizers
-def _server_algo(name: str, **alg):
+def _server_algo(name: str, server_lr=None, **block):
+    """Method ``name`` with ``algorithm.server_lr`` and the keys of its block
+    ``algorithm.<name>.*``."""
     layout = FlatModel(nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)))
-    cfg = config_from_dict({"algorithm": {"name": name, **alg}})
+    cfg = config_from_dict({"algorithm": {"name": name, "server_lr": server_lr, name: block}})
     algo = ALGORITHMS[name](cfg, layout, 4)
     start(algo, bare_context(cfg, layout, np.ones(4)))
     return algo, layout

@@ -544,8 +544,8 @@ def test_vit_and_resnet50_paper_models():
 ARRIVAL_SCRIPT = r"""
 import numpy as np, torch
 from fedmpi.comm import Comm
-from fedmpi.config import config_from_dict
-from fedmpi.runtime import Federation
+from fedmpi.config.schema import config_from_dict
+from fedmpi.runtime.federation import Federation
 from fedmpi.aggregation.fedvg import FedVG
 calls = []
 orig = FedVG.score

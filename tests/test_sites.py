@@ -237,8 +237,8 @@ EVALUATE = r'''
 import json, sys
 from mpi4py import MPI
 from fedmpi.comm import Comm
-from fedmpi.config import config_from_dict
-from fedmpi.runtime import Federation
+from fedmpi.config.schema import config_from_dict
+from fedmpi.runtime.federation import Federation
 fed = Federation(config_from_dict(json.loads(sys.argv[1])), Comm())
 fed.round(0)
 got = fed.evaluate()

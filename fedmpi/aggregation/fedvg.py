@@ -116,8 +116,9 @@ from torch import nn
 from fedmpi.training.accel import Accel
 from fedmpi.errors import ConfigError
 from fedmpi.training.flat import FlatModel, Segment
-from fedmpi.config.params import param
+from fedmpi.config.params import load_group, param
 from fedmpi.aggregation.weighting import Weighting
+from fedmpi.config.core import Config
 
 __all__ = ["FedVG", "FedVGAvg", "block_of", "layer_norms", "fedvg_scores"]
 
@@ -200,9 +201,10 @@ class FedVG(Weighting):
     mix_samples = False
 
     @classmethod
-    def check(cls, cfg) -> None:
+    def check(cls, cfg: Config) -> None:
         """bf16 scoring needs CUDA; scoring needs a server validation set (not for ``delta``)."""
-        c, part, val = cfg.aggregation.fedvg, cfg.data.partition, cfg.data.validation
+        c = load_group(cfg, "aggregation.fedvg", FedVGParams)
+        part, val = cfg.data.partition, cfg.data.validation
         if c.bf16 and cfg.runtime.device == "cpu":
             raise ConfigError("config key 'aggregation.fedvg.bf16' needs a CUDA scoring device "
                               "(runtime.device is 'cpu')")
@@ -220,9 +222,9 @@ class FedVG(Weighting):
                 "data.validation.source to an external dataset")
 
     @classmethod
-    def uses_server_validation(cls, cfg) -> bool:
+    def uses_server_validation(cls, cfg: Config) -> bool:
         """Every norm but ``delta`` scores on the server validation set."""
-        return bool(cfg.aggregation.fedvg.norm != "delta")
+        return bool(cfg.get("aggregation.fedvg.norm") != "delta")
 
     def setup(self, ctx) -> None:
         c = self.hparams("fedvg")

@@ -60,7 +60,7 @@ import abc
 
 import copy
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Mapping, Optional
+from typing import ClassVar, Mapping, Optional
 
 import numpy as np
 import torch
@@ -69,6 +69,7 @@ from fedmpi.errors import ConfigError
 from fedmpi.config.params import param
 from fedmpi.aggregation import robust_math as rm
 from fedmpi.aggregation.rules import RuleInfo, ServerRule, register_rule
+from fedmpi.config.core import Config
 
 __all__ = ["Median", "TrimmedMean", "Krum", "MultiKrum", "GeometricMedian", "NormClip", "FLTrust"]
 
@@ -82,7 +83,7 @@ class RobustRule(ServerRule):
     #: the per-round log column (``rule/<column>``), [K] per round
     column: ClassVar[str] = ""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
         self.ws = rm.Workspace()
         self._out: dict[str, torch.Tensor] = {}
@@ -180,7 +181,7 @@ class TrimmedMean(CoordinateRule):
 
 
 # ------------------------------------------------------------------------ Krum
-def _participants(cfg) -> tuple[int, str]:
+def _participants(cfg: Config) -> tuple[int, str]:
     """Participants per round and the key that sets it."""
     if cfg.train.clients_per_round is not None:
         return int(cfg.train.clients_per_round), "train.clients_per_round"
@@ -211,7 +212,7 @@ class Krum(RobustRule):
     column = "selected"
 
     @classmethod
-    def check(cls, cfg) -> None:
+    def check(cls, cfg: Config) -> None:
         block = cfg.get(f"aggregation.{cls.name}")
         f, m = int(block.get("f")), block.get("m") if cls.name == "multi_krum" else None
         n, key = _participants(cfg)
@@ -363,7 +364,7 @@ class FLTrust(RobustRule):
     column = "trust"
 
     @classmethod
-    def check(cls, cfg) -> None:
+    def check(cls, cfg: Config) -> None:
         v = cfg.data.validation
         if v.source == "holdout" and v.fraction == 0 and cfg.data.silos.validation is None:
             raise ConfigError("config keys 'aggregation.rule' and 'data.validation.fraction': "

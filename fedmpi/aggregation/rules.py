@@ -31,12 +31,13 @@ a built-in rule names its frozen parameter dataclasses by config block,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Optional
+from typing import ClassVar, Mapping, Optional
 
 import numpy as np
 import torch
 
 from fedmpi.component import Component, Registry
+from fedmpi.config.core import Config
 
 __all__ = ["RuleInfo", "ServerRule", "RULES", "register_rule", "rule_class_for", "build_rule"]
 
@@ -71,11 +72,11 @@ class ServerRule(Component):
     #: :meth:`aggregate` combines them; False: the workers pre-reduce the weighted mean
     per_client: ClassVar[bool] = False
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
 
     @classmethod
-    def per_client_reason(cls, cfg) -> Optional[tuple[str, str]]:
+    def per_client_reason(cls, cfg: Config) -> Optional[tuple[str, str]]:
         if cls.per_client:
             return "aggregation.rule", f"{cfg.aggregation.rule!r} needs every client's update on rank 0"
         return None
@@ -108,7 +109,7 @@ def rule_class_for(name: str) -> type[ServerRule]:
     return RULES.lookup(name)
 
 
-def build_rule(cfg: Any, cls: Optional[type] = None) -> ServerRule:
+def build_rule(cfg: Config, cls: Optional[type] = None) -> ServerRule:
     """The run's rule (``cls`` given to :func:`fedmpi.run` replaces the config's name)."""
     rule_cls = cls if cls is not None else rule_class_for(cfg.aggregation.rule)
     return rule_cls(cfg)

@@ -4,8 +4,8 @@
 validated, and knows no key. This module assembles the run's
 :class:`~fedmpi.config.core.Schema`, layered above the components (:mod:`fedmpi.methods`, :mod:`fedmpi.aggregation`, :mod:`fedmpi.transforms`):
 
-* the framework's own keys and their cross-key rules
-  (:data:`~fedmpi.config.framework.FRAMEWORK`,
+* the framework's own keys, typed sections of every config, and their cross-key rules
+  (:class:`~fedmpi.config.framework.FrameworkConfig`,
   :func:`~fedmpi.config.framework.framework_checks`: run name and seed, ``data.*``,
   ``model.*``, ``train.*``, the component selectors ``algorithm.name``,
   ``aggregation.weighting``, ``transforms``, ``system.*``, ``eval.*``,
@@ -40,13 +40,13 @@ from fedmpi.methods.base import Algorithm
 from fedmpi.component import Component, Registry
 from fedmpi.config.core import Config, Schema
 from fedmpi.config.fields import Field
-from fedmpi.config.framework import FRAMEWORK, framework_checks
+from fedmpi.config.framework import FRAMEWORK, FrameworkConfig, framework_checks
 from fedmpi.errors import ConfigError
 from fedmpi.imports import is_import_path
 from fedmpi.config.params import block_fields, check_params
 
 __all__ = ["SCHEMA", "load_config", "config_from_dict", "check_components", "keyed_components",
-           "local_steps_floor", "reference_markdown", "renamed_to", "schema"]
+           "local_steps_floor", "reference_markdown", "schema"]
 
 #: Each component kind: its registry and the key its blocks follow.
 _KINDS: tuple[tuple[Registry, str], ...] = (
@@ -56,29 +56,18 @@ _KINDS: tuple[tuple[Registry, str], ...] = (
 
 def _assemble() -> Schema:
     """The schema of the framework keys and every registered component's blocks."""
-    renamed: dict[str, list[str]] = {}
     after: dict[str, dict[str, Field]] = {}
     for registry, anchor in _KINDS:
         blocks = after.setdefault(anchor, {})
         for cls in registry.values():
             for block, params_cls in cls.blocks().items():
-                for key, f in block_fields(cls.prefix, block, params_cls, renamed).items():
+                for key, f in block_fields(cls.prefix, block, params_cls).items():
                     blocks.setdefault(key, f)   # a block shared by several classes: once
-    for targets in renamed.values():
-        targets[:] = list(dict.fromkeys(targets))
     fields: dict[str, Field] = {}
     for key, f in FRAMEWORK.items():
         fields[key] = f
         fields.update(after.get(key, {}))
-    return Schema(fields, checks=(framework_checks, _selected_checks), renamed=renamed,
-                  rename_target=_rename_target)
-
-
-def _rename_target(given: Mapping[str, Any], old: str, targets: list[str]) -> str:
-    """An old flat key moves to the block of the chosen method when it has one
-    (``algorithm.<key>`` → ``algorithm.<method>.<key>`` for the chosen method)."""
-    method = given.get("algorithm.name", FRAMEWORK["algorithm.name"].default)
-    return next((t for t in targets if t.split(".")[1] == method), targets[0])
+    return Schema(fields, checks=(framework_checks, _selected_checks), typed=FrameworkConfig)
 
 
 def _versions() -> tuple[int, ...]:
@@ -90,12 +79,6 @@ def schema() -> Schema:
     if _current[0] != _versions():
         _current[:] = [_versions(), _assemble()]
     return _current[1]
-
-
-def renamed_to(old_key: str) -> list[str]:
-    """The nested keys a flat key of earlier versions became (e.g. ``algorithm.mu`` →
-    ``["algorithm.fedprox.mu"]``); empty for a current key. For reading old logs."""
-    return list(schema().renamed.get(old_key, ()))
 
 
 # --------------------------------------------------------------------------- #

@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from fedmpi.config.core import Config
 from fedmpi.errors import UserError
 
 from fedmpi.consortium.noise import StatsPrivacy
@@ -79,7 +80,7 @@ def _column_names(path: str, label: str) -> Optional[list[str]]:
 class _Sites:
     """This rank's sites, read one at a time: ``(x, y, feature names or None)``."""
 
-    def __init__(self, cfg: Any, hosted: list[int]) -> None:
+    def __init__(self, cfg: Config, hosted: list[int]) -> None:
         self.cfg, self.hosted = cfg, hosted
         self.silos = cfg.data.partition.method == "silos"
         self.loader: Optional[Callable[[int], Any]] = None
@@ -156,7 +157,7 @@ def _agree_on_names(comm: Any, names: list[Optional[list[str]]], channels: int
     return (shown if any(shown) else None), None
 
 
-def collect_stats(cfg: Any, comm: Any, privacy: Optional[StatsPrivacy] = None,
+def collect_stats(cfg: Config, comm: Any, privacy: Optional[StatsPrivacy] = None,
                   before: Optional[Callable[[], None]] = None,
                   rng: Optional[np.random.Generator] = None) -> Optional[StatsReport]:
     """The collective pass of the module docstring, on every rank; returns the

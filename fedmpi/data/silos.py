@@ -47,6 +47,7 @@ from fedmpi.data.heldout import holdout_positions, holdout_seed, split_partition
 from fedmpi.data.partition import Partition, check_batch_floor
 from fedmpi.data.tabular import read_table
 from fedmpi.errors import ConfigError, DataError, UserError
+from fedmpi.config.core import Config
 
 __all__ = ["LocalData", "agree_on_errors", "agree_on_shape", "build_local", "read_silo",
            "site_names"]
@@ -67,7 +68,7 @@ class LocalData:
     files: list[tuple[str, str, str]] = field(default_factory=list)   # (role, path, SHA-256)
 
 
-def build_local(cfg: Any, comm: Any, hosted: Sequence[int], is_server: bool,
+def build_local(cfg: Config, comm: Any, hosted: Sequence[int], is_server: bool,
                 data: Optional[Any] = None, *, needs: DataNeeds) -> LocalData:
     """This rank's :class:`LocalData` (see the module docstring).
 
@@ -91,12 +92,12 @@ def build_local(cfg: Any, comm: Any, hosted: Sequence[int], is_server: bool,
     return _silos(cfg, comm, list(hosted), is_server, needs)
 
 
-def clients_evaluate(cfg: Any) -> bool:
+def clients_evaluate(cfg: Config) -> bool:
     """Whether every client evaluates the global model on its own held-out data."""
     return cfg.eval.where != "server"
 
 
-def _server_reads_validation(cfg: Any, needs: DataNeeds) -> bool:
+def _server_reads_validation(cfg: Config, needs: DataNeeds) -> bool:
     """Rank 0 reads ``data.silos.validation`` unless only the clients evaluate and no
     component works on it (``needs.server_validation``; then rank 0 reads no data file
     at all)."""
@@ -104,7 +105,7 @@ def _server_reads_validation(cfg: Any, needs: DataNeeds) -> bool:
                                                       or needs.server_validation)
 
 
-def _held_out(cfg: Any, client: int, x: np.ndarray, y: np.ndarray
+def _held_out(cfg: Config, client: int, x: np.ndarray, y: np.ndarray
               ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """(training part, held-out part) of client ``client``'s silo: its
     ``data.silos.client_test`` file, or :func:`~fedmpi.data.heldout.holdout_positions`."""
@@ -117,7 +118,7 @@ def _held_out(cfg: Any, client: int, x: np.ndarray, y: np.ndarray
     return (x[keep], y[keep]), (x[pos], y[pos])
 
 
-def read_silo(cfg: Any, client: int,
+def read_silo(cfg: Config, client: int,
               loader: Optional[Callable[[int], Any]] = None) -> tuple[np.ndarray, np.ndarray]:
     """Client ``client``'s ``(x float32, y int64)`` from ``data.silos.path`` or the loader."""
     s = cfg.data.silos
@@ -144,7 +145,7 @@ def read_silo(cfg: Any, client: int,
     return np.ascontiguousarray(x), y.astype(np.int64)
 
 
-def site_names(cfg: Any) -> list[str]:
+def site_names(cfg: Config) -> list[str]:
     """The name of every client's site, in client order, for reports, logs and
     ``fedmpi stats``: ``data.silos.names`` when given; else, for silo files, the part of
     ``data.silos.path`` that names the client (the file name, less its suffix, or the
@@ -198,7 +199,7 @@ def agree_on_shape(comm: Any, shape: Optional[tuple[int, ...]], classes: int
     return tuple(int(d) for d in hi[1:1 + hi[0]]), int(agreed[-1])
 
 
-def _silos(cfg: Any, comm: Any, hosted: list[int], is_server: bool,
+def _silos(cfg: Config, comm: Any, hosted: list[int], is_server: bool,
            needs: DataNeeds) -> LocalData:
     from fedmpi import imports
 
@@ -302,7 +303,7 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def _digests(cfg: Any, comm: Any, hosted: list[int], is_server: bool,
+def _digests(cfg: Config, comm: Any, hosted: list[int], is_server: bool,
              needs: DataNeeds) -> list[tuple[str, str, str]]:
     """Collective: ``(role, path, SHA-256)`` of every silo file — client ``k``'s hashed on
     the rank that read it, the test and validation files on rank 0 — gathered as one

@@ -22,6 +22,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any, Optional, Sequence
+from fedmpi.config.core import Config
 
 __all__ = ["RUN_INFO_ATTR", "method_params", "run_info", "unused_keys"]
 
@@ -55,7 +56,7 @@ def method_params(algo: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def run_info(cfg: Any, algo: Any, weighting: Any, transforms: Sequence[Any],
+def run_info(cfg: Config, algo: Any, weighting: Any, transforms: Sequence[Any],
              model: Any = None, files: Sequence[tuple[str, str, str]] = (),
              rule: Any = None) -> dict[str, Any]:
     """The ``run_info`` record of the module docstring. ``model``: the factory given to

@@ -37,6 +37,7 @@ from typing import Any, Mapping, Optional
 from fedmpi.errors import RunDirError
 from fedmpi.job.lock import (LOCK_NAME, acquire, release, user_label)
 from fedmpi.job.safefile import refuse_links
+from fedmpi.config.core import Config
 
 __all__ = ["MAY_CHANGE_ON_RESUME", "RUN_FILES", "WRITTEN", "RunDir", "check_same_run",
            "fingerprint", "may_change_on_resume", "output_dir", "prepare", "resume_history",
@@ -82,7 +83,7 @@ def _default(key: str) -> Any:
 _NO_DEFAULT = object()
 
 
-def fingerprint(cfg) -> str:
+def fingerprint(cfg: Config) -> str:
     """SHA-256 (hex) of the canonical JSON of the run-defining config keys that differ
     from their schema default.
 
@@ -102,7 +103,7 @@ def _differences(new: Mapping[str, Any], old: Mapping[str, Any]) -> list[str]:
             if (old[k] != new[k] if k in old else new[k] != _default(k))]
 
 
-def check_same_run(cfg, stored_fingerprint: Optional[str], stored_yaml: Optional[str],
+def check_same_run(cfg: Config, stored_fingerprint: Optional[str], stored_yaml: Optional[str],
                    source: Path) -> None:
     """Raise :class:`RunDirError` naming the first run-defining key that differs from
     the run stored in ``source`` (a checkpoint or a log).
@@ -146,7 +147,7 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def resume_history(log_path: Path, ckpt_path: Path, rounds: int, cfg) -> list[dict]:
+def resume_history(log_path: Path, ckpt_path: Path, rounds: int, cfg: Config) -> list[dict]:
     """Rounds < ``rounds`` of the log to resume, as ``Federation.history`` rows.
 
     The log must belong to the same run as the checkpoint (fingerprint) and hold
@@ -200,7 +201,7 @@ class RunDir:
     stale_lock: Optional[str] = None   # the dead holder whose lock was taken over
 
 
-def prepare(out: str | os.PathLike, cfg, resume: bool, overwrite: bool) -> RunDir:
+def prepare(out: str | os.PathLike, cfg: Config, resume: bool, overwrite: bool) -> RunDir:
     """Rank 0, before anything is written: lock ``out`` and apply the conventions of
     the module docstring. Raises :class:`RunDirError` (exit 2)."""
     if resume and overwrite:

@@ -35,6 +35,7 @@ import numpy as np
 
 from fedmpi.errors import ConfigError
 from fedmpi.log.row import RoundRow
+from fedmpi.config.core import Config
 
 __all__ = ["MLflowTracker", "TensorBoardTracker", "Tracker", "check_trackers", "export",
            "open_trackers",
@@ -138,7 +139,7 @@ class MLflowTracker(Tracker):
         self.client.set_terminated(self.run_id, _MLFLOW_STATUS[status])
 
 
-def check_trackers(cfg: Any) -> None:
+def check_trackers(cfg: Config) -> None:
     """ConfigError (exit 2) naming the extra when a requested tracker is not installed."""
     if cfg.logging.tensorboard is not None:
         _need("tensorboard", "tensorboard", "logging.tensorboard")
@@ -146,7 +147,7 @@ def check_trackers(cfg: Any) -> None:
         _need("mlflow", "mlflow", "logging.mlflow.tracking_uri")
 
 
-def open_trackers(cfg: Any, run_name: Optional[str] = None) -> list[Tracker]:
+def open_trackers(cfg: Config, run_name: Optional[str] = None) -> list[Tracker]:
     """The trackers ``logging.*`` of ``cfg`` asks for (rank 0; empty list when none)."""
     from fedmpi.compare.runs import flatten_config
 

@@ -42,6 +42,7 @@ from fedmpi.training.flat import FlatModel
 from fedmpi.training.loop import SGDConfig, StepHooks, TrainResult, sgd_config, step_decay_lr
 
 if TYPE_CHECKING:
+    from fedmpi.config.core import Config
     from fedmpi.context import Context
 
 
@@ -170,7 +171,7 @@ class Algorithm(Component):
     prefix: ClassVar[str] = "algorithm"
     spec: ClassVar[MethodSpec] = MethodSpec()
 
-    def __init__(self, cfg, layout: FlatModel, num_clients: int) -> None:
+    def __init__(self, cfg: Config, layout: FlatModel, num_clients: int) -> None:
         self.cfg = cfg
         self.state_size = layout.size          # D: parameters + float buffers
         self.num_params = layout.num_params    # P
@@ -182,7 +183,7 @@ class Algorithm(Component):
         self.hparams("params")   # a user method's block algorithm.params: checked now
 
     @classmethod
-    def spec_for(cls, cfg) -> MethodSpec:
+    def spec_for(cls, cfg: Config) -> MethodSpec:
         """The method's declarations under ``cfg`` (default :attr:`spec`; FedGPS's
         classifier width depends on whether its static objective is on)."""
         return cls.spec

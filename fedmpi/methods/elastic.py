@@ -44,25 +44,23 @@ from fedmpi.config.params import param
 from fedmpi.training.loop import StepHooks, TrainResult
 from fedmpi.methods.base import Algorithm, Exchange
 from fedmpi.component import ClientTask, RoundInfo, Stat
+from fedmpi.config.core import Config
 
 SENSITIVITY_STREAM = 0xE1A57C
 
 
 @dataclass(frozen=True)
 class ElasticParams:
-    mu: float = param(0.95, "Elastic sensitivity EMA decay mu", ge=0, lt=1,
-                      renamed_from="algorithm.elastic_mu")
-    tau: float = param(0.5, "Elastic zeta = 1 + tau - s_agg/s_max", ge=0,
-                       renamed_from="algorithm.elastic_tau")
-    sample: float = param(0.3, "Elastic share of client data measured per round", gt=0, le=1,
-                          renamed_from="algorithm.elastic_sample")
+    mu: float = param(0.95, "Elastic sensitivity EMA decay mu", ge=0, lt=1)
+    tau: float = param(0.5, "Elastic zeta = 1 + tau - s_agg/s_max", ge=0)
+    sample: float = param(0.3, "Elastic share of client data measured per round", gt=0, le=1)
 
 
 class Elastic(Algorithm):
     name = "elastic"
     params = {"elastic": ElasticParams}
 
-    def __init__(self, cfg, layout, num_clients: int) -> None:
+    def __init__(self, cfg: Config, layout, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
         a = self.hparams("elastic")
         self.mu, self.tau, self.sample = float(a.mu), float(a.tau), float(a.sample)

@@ -43,14 +43,14 @@ from fedmpi.config.params import param
 from fedmpi.training.loop import SGDConfig, StepHooks, TrainResult
 from fedmpi.methods.base import Algorithm, Exchange, MethodSpec
 from fedmpi.component import ClientTask, RoundInfo, Stat
+from fedmpi.config.core import Config
 
 
 @dataclass(frozen=True)
 class FedDynParams:
-    alpha: float = param(0.1, "FedDyn regularisation alpha", gt=0, renamed_from="algorithm.alpha")
+    alpha: float = param(0.1, "FedDyn regularisation alpha", gt=0)
     max_grad_norm: float | None = param(10.0, "FedDyn local gradient clip (official code: 10); "
-                                        "null = train.grad_clip", gt=0,
-                                        renamed_from="algorithm.max_grad_norm")
+                                        "null = train.grad_clip", gt=0)
 
 
 class FedDyn(Algorithm):
@@ -59,7 +59,7 @@ class FedDyn(Algorithm):
     spec = MethodSpec(optimizers=("sgd", "adam"), record_dp=True)
     params = {"feddyn": FedDynParams}
 
-    def __init__(self, cfg, layout, num_clients: int) -> None:
+    def __init__(self, cfg: Config, layout, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
         p = self.hparams("feddyn")
         self.alpha = float(p.alpha)

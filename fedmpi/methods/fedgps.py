@@ -162,6 +162,7 @@ from fedmpi.data.augment import random_crop_flip
 from fedmpi.methods.base import Algorithm, Exchange, MethodSpec
 from fedmpi.component import ClientTask, RoundInfo, Stat
 from fedmpi.methods.fedgps_presets import AUTHORS_MEAN, AUTHORS_STD, resolve_options
+from fedmpi.config.core import Config
 
 if TYPE_CHECKING:
     from fedmpi.data.surrogate import SurrogateData
@@ -243,7 +244,7 @@ class FedGPS(Algorithm):
     spec = MethodSpec(own_loss=True)   # the surrogate objective at the perturbed point
 
     @classmethod
-    def check(cls, cfg) -> None:
+    def check(cls, cfg: Config) -> None:
         """At least one of the two objectives (both off is FedAvg)."""
         gps = load_group(cfg, "algorithm.fedgps", FedGPSParams)
         if not (gps.static or gps.dynamic):
@@ -258,7 +259,7 @@ class FedGPS(Algorithm):
         return replace(cls.spec, outputs_per_class=2 if g.static else 1,
                        evaluate_all_outputs=resolve_options(g)["eval_logits"] == "all")
 
-    def __init__(self, cfg, layout: FlatModel, num_clients: int) -> None:
+    def __init__(self, cfg: Config, layout: FlatModel, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
         g = self.hparams("fedgps")
         # static and dynamic both off is refused by check() (that is FedAvg)

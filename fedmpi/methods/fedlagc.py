@@ -36,6 +36,7 @@ import torch
 
 from fedmpi.component import ClientTask
 from fedmpi.methods.submodel import FedLAGCParams, SubmodelMethod, SubmodelParams
+from fedmpi.config.core import Config
 
 
 class FedLAGC(SubmodelMethod):
@@ -44,7 +45,7 @@ class FedLAGC(SubmodelMethod):
     rule = "layer_adaptive"
     use_ste = True
 
-    def __init__(self, cfg, layout, num_clients: int) -> None:
+    def __init__(self, cfg: Config, layout, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
         a = self.hparams("fedlagc")
         self.use_correction = bool(a.correction)

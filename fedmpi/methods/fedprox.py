@@ -22,7 +22,7 @@ from fedmpi.component import ClientTask
 
 @dataclass(frozen=True)
 class FedProxParams:
-    mu: float = param(0.01, "FedProx proximal coefficient", ge=0, renamed_from="algorithm.mu")
+    mu: float = param(0.01, "FedProx proximal coefficient", ge=0)
 
 
 class FedProx(Algorithm):

@@ -47,6 +47,7 @@ from fedmpi.config.params import param
 from fedmpi.training.loop import StepHooks, TrainResult
 from fedmpi.methods.base import Algorithm, Exchange, MethodSpec
 from fedmpi.component import ClientTask, RoundInfo, Stat
+from fedmpi.config.core import Config
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class Scaffold(Algorithm):
     spec = MethodSpec(optimizers=("sgd",), fresh_optimizer=True, record_dp=True)
     params = {"scaffold": ScaffoldParams}
 
-    def __init__(self, cfg, layout, num_clients: int) -> None:
+    def __init__(self, cfg: Config, layout, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
         self.c_local = self.client_store("c", self.num_params)   # c_k of hosted clients (worker)
         self.c: torch.Tensor | None = None             # server variate (rank 0)

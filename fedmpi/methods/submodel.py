@@ -28,6 +28,7 @@ from fedmpi.training.loop import StepHooks, TrainResult
 from fedmpi.methods.base import Algorithm, Exchange, MethodSpec
 from fedmpi.component import ClientTask, RoundInfo, Stat
 from fedmpi.methods.extraction import (NORM_LAYERS, Extractor, Submodel, ste_factor)
+from fedmpi.config.core import Config
 
 __all__ = ["FedLAGCParams", "Scaler", "SubmodelMethod", "SubmodelParams", "client_levels"]
 
@@ -152,7 +153,7 @@ class SubmodelMethod(Algorithm):
     #: HeteroFL's Scaler (norm inputs ÷ width rate in local training; :class:`Scaler`)
     scaler = False
 
-    def __init__(self, cfg, layout: FlatModel, num_clients: int) -> None:
+    def __init__(self, cfg: Config, layout: FlatModel, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
         self.levels = [float(r) for r in (cfg.system.levels or [])]
         self.client_level = client_levels(cfg.system.levels, cfg.system.allocation, num_clients,
@@ -174,7 +175,7 @@ class SubmodelMethod(Algorithm):
         self._eval_round = 0
 
     @classmethod
-    def check(cls, cfg) -> None:
+    def check(cls, cfg: Config) -> None:
         """Resource levels are required (``system.levels`` with ``system.allocation``)."""
         if cfg.system.levels is None:
             raise ConfigError(f"config key 'system.levels' must be set for algorithm.name "

@@ -37,13 +37,16 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
 
 from fedmpi.errors import ConfigError
 from fedmpi.privacy.dpsgd import poisson_rate   # the sampler's own rate: accounted = sampled
+
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
 
 EXTRA_HINT = "pip install 'fedmpi[privacy]'"
 
@@ -99,7 +102,7 @@ class Accountant:
         self._cache: dict[tuple[int, int], float] = {}
 
     @classmethod
-    def from_config(cls, cfg, num_samples: np.ndarray) -> "Accountant":
+    def from_config(cls, cfg: Config, num_samples: np.ndarray) -> "Accountant":
         d = cfg.privacy.dp
         K = cfg.data.num_clients
         rates = np.array([poisson_rate(int(n), cfg.train.batch_size) for n in num_samples])

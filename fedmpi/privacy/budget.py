@@ -13,7 +13,7 @@ never exceeded. The accountant's counts are the stage's checkpointed state.
 """
 from __future__ import annotations
 
-from typing import ClassVar, Optional
+from typing import TYPE_CHECKING, ClassVar, Optional
 
 import numpy as np
 import torch
@@ -24,6 +24,9 @@ from fedmpi.privacy.accountant import Accountant
 from fedmpi.training.loop import num_local_steps, sgd_config
 from fedmpi.transforms.base import UpdateTransform
 
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
+
 
 class AccountedStage(UpdateTransform):
     """Rank 0's accountant and ``privacy.target_epsilon`` (module docstring)."""
@@ -33,7 +36,7 @@ class AccountedStage(UpdateTransform):
     level: ClassVar[str] = ""
 
     @classmethod
-    def enabled(cls, cfg) -> bool:
+    def enabled(cls, cfg: Config) -> bool:
         return bool(cfg.privacy.dp.level == cls.level)
 
     def setup(self, ctx) -> None:

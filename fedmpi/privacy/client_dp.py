@@ -28,6 +28,7 @@ a client, so it does not depend on the rank layout and a resumed run draws the s
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from fedmpi.privacy.budget import AccountedStage
 from fedmpi.privacy.dp import CENTRAL_TAG, SHARE_TAG, clip_, gaussian_, noise_generator
 from fedmpi.transforms.base import RunParts
 
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
+
 
 class ClientDP(AccountedStage):
     """``privacy.dp.level: client`` (module docstring)."""
@@ -44,7 +48,7 @@ class ClientDP(AccountedStage):
     name = "client_dp"
     level = "client"
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
         d = cfg.privacy.dp
         self.clip, self.sigma, self.seed = float(d.clip), float(d.noise_multiplier), int(cfg.seed)
@@ -52,7 +56,7 @@ class ClientDP(AccountedStage):
         self.m = cfg.train.clients_per_round or cfg.data.num_clients
 
     @classmethod
-    def check(cls, cfg) -> None:
+    def check(cls, cfg: Config) -> None:
         """DP-FedAvg's fixed-denominator mean of clipped updates needs uniform weights and
         the plain mean rule; ``pld`` has no fixed-size (without replacement) sampling."""
         agg = cfg.aggregation

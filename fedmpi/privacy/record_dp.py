@@ -15,7 +15,7 @@ from its own stream of (seed, client, round), separate from the batch order.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -27,6 +27,9 @@ from fedmpi.training.flat import FlatModel
 from fedmpi.training.loop import StepHooks
 from fedmpi.transforms.base import RunParts
 
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
+
 #: separates the DP-SGD noise stream from the batch order of the same (seed, client, round)
 NOISE_TAG = 0x0D95_6D1A
 
@@ -37,7 +40,7 @@ class RecordDP(AccountedStage):
     name = "record_dp"
     level = "record"
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
         d = cfg.privacy.dp
         self.clip, self.sigma = float(d.clip), float(d.noise_multiplier)

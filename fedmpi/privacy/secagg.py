@@ -39,13 +39,16 @@ coordinate (W ranks that hold clients) before the division by Σ w̃_k.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 import torch
 
 from fedmpi.errors import ConfigError
 from fedmpi.transforms.base import UpdateTransform
+
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
 
 RING_BITS = 48
 #: the fewest accepted updates whose sum rank 0 may open: with fewer (exclusions) no rank
@@ -221,11 +224,11 @@ class SecureAggregation(UpdateTransform):
     sums_only = True
 
     @classmethod
-    def enabled(cls, cfg: Any) -> bool:
+    def enabled(cls, cfg: Config) -> bool:
         return bool(cfg.privacy.secure_aggregation)
 
     @classmethod
-    def check(cls, cfg: Any) -> None:
+    def check(cls, cfg: Config) -> None:
         """At least :data:`MIN_ACCEPTED` participants per round (one participant's sum is
         its update), and no exact reduction (it sends every update to rank 0 as a row)."""
         n = cfg.data.num_clients

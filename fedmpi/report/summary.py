@@ -43,13 +43,11 @@ def relevant_keys(flat: dict[str, Any]) -> list[str]:
     """The config keys that matter for this run, in summary order: :data:`DIGEST_KEYS`,
     ``algorithm.server_lr``, the parameter blocks the method declares
     (``Algorithm.params``: ``algorithm.<group>.*``, e.g. ``algorithm.fedprox.*``) or that
-    carry its name, in logs of earlier versions the flat keys that became them (e.g.
-    ``algorithm.mu``), the resource levels (``system.*``, with ``algorithm.submodel.*``);
+    carry its name, the resource levels (``system.*``, with ``algorithm.submodel.*``);
     then FedVG's keys with FedVG weighting, ECGR's when
     enabled, the lr schedule when it decays, the adversary when there is one. Unset
     (None) values and partition parameters of other partition methods are left out."""
     from fedmpi.methods import ALGORITHMS
-    from fedmpi.config.schema import renamed_to
 
     def under(*prefixes: str) -> list[str]:
         return [k for k in flat if any(k == p or (p.endswith(".") and k.startswith(p))
@@ -63,12 +61,11 @@ def relevant_keys(flat: dict[str, Any]) -> list[str]:
                                            "params"]))
     if flat.get("system.levels"):      # a resource-level (submodel) run
         groups += ("algorithm.submodel.",)
-    legacy = [k for k in flat if any(new.startswith(groups) for new in renamed_to(k))]
     method = flat.get("data.partition.method")
     skip = {"data.partition.alpha": method not in (None, "dirichlet"),
             "data.partition.classes_per_client": method not in (None, "shards")}
     keys = [k for k in DIGEST_KEYS if k in flat]
-    keys += [*under("algorithm.server_lr", *groups), *legacy, *under("system.")]
+    keys += [*under("algorithm.server_lr", *groups), *under("system.")]
     if flat.get("aggregation.weighting") in ("fedvg", "fedvg_avg"):
         keys += under("aggregation.fedvg.", "data.validation.")
     if flat.get("ecgr.enabled"):

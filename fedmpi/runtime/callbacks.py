@@ -35,9 +35,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from fedmpi.log.row import RoundRow
+
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
 
 __all__ = ["AfterRound", "BestModel", "Callback", "EarlyStopping", "Improvement", "stop_reason"]
 
@@ -125,7 +128,7 @@ class AfterRound:
     """Rank 0's listeners of one run, called by the round recorder after each row
     (module docstring); returns the first stop request."""
 
-    def __init__(self, cfg: Any, save_best: Optional[Callable[[int, float], None]] = None,
+    def __init__(self, cfg: Config, save_best: Optional[Callable[[int, float], None]] = None,
                  trackers: Sequence[Any] = (), callbacks: Sequence[Callback] = ()) -> None:
         kb, es = cfg.checkpoint.keep_best, cfg.train.early_stopping
         self.best = BestModel(kb.metric, kb.mode, save_best) \

@@ -15,7 +15,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -32,6 +32,9 @@ from fedmpi.runtime import guard
 from fedmpi.runtime.federation import CMD_ABORT, CMD_ROUND, Federation
 from fedmpi.runtime.probe import dry_run
 from fedmpi.job.lock import heartbeat, release
+
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
 
 
 #: How long a worker whose round raised waits before it reports and aborts the job
@@ -68,7 +71,7 @@ def _close_quietly(after: Optional[AfterRound], status: str) -> None:
         print(f"fedmpi: error: closing the trackers failed too: {exc}", file=sys.stderr, flush=True)
 
 
-def run_comm(cfg) -> Comm:
+def run_comm(cfg: Config) -> Comm:
     """The world communicator of a run: start-up collectives wait up to
     ``runtime.setup_timeout`` (data loading), rounds ``runtime.round_timeout`` (the
     driver switches after the start-up)."""
@@ -77,7 +80,7 @@ def run_comm(cfg) -> Comm:
     return comm
 
 
-def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
+def run(cfg: Config, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
         resume: bool = False, overwrite: bool = False,
         code: Optional[UserCode] = None,
         callbacks: Sequence[Callback] = ()) -> Optional[dict[str, float]]:
@@ -112,7 +115,7 @@ def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
         release()
 
 
-def set_up(cfg, comm: Comm, out: Optional[Path] = None, code: Optional[UserCode] = None,
+def set_up(cfg: Config, comm: Comm, out: Optional[Path] = None, code: Optional[UserCode] = None,
            open_dir: Optional[Callable[[Federation], Optional[checkpoint.Restored]]] = None,
            dry: bool = True) -> tuple[Federation, Optional[checkpoint.Restored]]:
     """Collective: build this rank, run the dry run (``dry``; :mod:`.probe`) and, on
@@ -144,7 +147,7 @@ def set_up(cfg, comm: Comm, out: Optional[Path] = None, code: Optional[UserCode]
     return fed, restored
 
 
-def check(cfg, comm: Optional[Comm] = None) -> str:
+def check(cfg: Config, comm: Optional[Comm] = None) -> str:
     """``fedmpi check --dry-run``: :func:`set_up` without a run directory; returns (on
     every rank) the line saying what was built and checked."""
     comm = comm or run_comm(cfg)
@@ -158,12 +161,9 @@ def check(cfg, comm: Optional[Comm] = None) -> str:
             f"weighting {cfg.aggregation.weighting}; transforms {list(cfg.transforms) or 'none'}")
 
 
-def _run(cfg, out_dir: Optional[str | Path], comm: Comm, resume: bool,
+def _run(cfg: Config, out_dir: Optional[str | Path], comm: Comm, resume: bool,
          overwrite: bool = False, code: Optional[UserCode] = None,
          callbacks: Sequence[Callback] = ()) -> Optional[dict[str, float]]:
-    if comm.rank == 0:
-        for old, new in getattr(cfg, "renamed", ()):
-            print(f"fedmpi: note: config key {old!r} is now {new!r}", file=sys.stderr, flush=True)
     out = Path(out_dir) if out_dir else Path(cfg.runtime.out_dir) / cfg.name
     after: Optional[AfterRound] = None
 
@@ -286,9 +286,9 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Comm, resume: bool,
                              log_path=str(out / "log.h5"))
     names = ("test_accuracy", *metrics.extra_names(cfg.eval.metrics))
     final: dict = next((h for h in reversed(fed.history) if not np.isnan(h["test_accuracy"])), {})
-    out = {n: float(final.get(n, float("nan"))) for n in names}
+    result = {n: float(final.get(n, float("nan"))) for n in names}
     last = fed.history[-1] if fed.history else {}
     for _, part in fed.built.components:   # the components' own final numbers (ε)
         for name in part.final_scalars:
-            out[name] = float(last.get(name, float("nan")))
-    return out
+            result[name] = float(last.get(name, float("nan")))
+    return result

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -34,6 +34,9 @@ from fedmpi.runtime.worker import Worker
 from fedmpi.training.loop import LocalTrainer
 from fedmpi.usercode import UserCode
 
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
+
 CMD_ROUND, CMD_STOP, CMD_ABORT = 0, 1, 2
 # header[2] flags: checkpoint before acting on the command; the stop is an interruption
 FLAG_CHECKPOINT, FLAG_INTERRUPTED = 1, 2
@@ -42,7 +45,7 @@ FLAG_CHECKPOINT, FLAG_INTERRUPTED = 1, 2
 class Federation:
     """Sets up one rank of a run and executes rounds (see module docstring)."""
 
-    def __init__(self, cfg, comm: Comm, out_dir: Optional[Path] = None,
+    def __init__(self, cfg: Config, comm: Comm, out_dir: Optional[Path] = None,
                  code: Optional[UserCode] = None) -> None:
         self.cfg, self.comm, self.out_dir = cfg, comm, out_dir
         self.rank, self.size = comm.rank, comm.size

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -41,11 +41,14 @@ from fedmpi.training.loop import LocalTrainer, TrainResult, stream_seed
 from fedmpi.training.optim import KeptStates
 from fedmpi.transforms.base import TransformChain
 
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
+
 
 class Worker:
     """Trains this rank's participants of a round and fills the uplink buffers."""
 
-    def __init__(self, cfg, rank: int, algo: Algorithm, weighting: Weighting,
+    def __init__(self, cfg: Config, rank: int, algo: Algorithm, weighting: Weighting,
                  transforms: TransformChain, trainer: Optional[LocalTrainer],
                  client_idx: dict[int, torch.Tensor], scratch: dict[str, torch.Tensor],
                  reports: Reports) -> None:

@@ -18,7 +18,7 @@ keep`` b is the client's own buffer (:class:`~fedmpi.training.optim.KeptState`) 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -28,6 +28,9 @@ from fedmpi.training.accel import OFF, Accel
 from fedmpi.data.base import Dataset
 from fedmpi.training.flat import FlatModel
 from fedmpi.training.optim import AdaptiveOptimizer, KeptState, training_loss
+
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
 
 GradHook = Callable[[FlatModel], None]
 StepHook = Callable[[torch.Tensor, float], None]
@@ -303,7 +306,7 @@ def stream_seed(*keys: int) -> int:
     return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(1, np.uint64)[0] >> 1)
 
 
-def sgd_config(cfg) -> SGDConfig:
+def sgd_config(cfg: Config) -> SGDConfig:
     """The client optimizer of the ``train.*`` keys."""
     t = cfg.train
     weights = tuple(t.class_weights) if t.class_weights is not None else None

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from statistics import NormalDist
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -45,6 +45,9 @@ from fedmpi.errors import ConfigError
 from fedmpi.config.params import load_group, param
 from fedmpi.component import RoundInfo
 from fedmpi.transforms.base import UpdateTransform
+
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
 
 __all__ = ["Adversary", "alie_z"]
 
@@ -83,7 +86,7 @@ class Adversary(UpdateTransform):
         self.z = z
 
     @classmethod
-    def build(cls, cfg) -> Adversary:
+    def build(cls, cfg: Config) -> Adversary:
         """From the block ``adversary.*``."""
         p = load_group(cfg, "adversary", AdversaryParams)
         adversary = cls(p.clients, p.kind, p.factor, p.alie_z)
@@ -91,13 +94,13 @@ class Adversary(UpdateTransform):
         return adversary
 
     @classmethod
-    def enabled(cls, cfg) -> bool:
-        return bool(cfg.adversary.clients)
+    def enabled(cls, cfg: Config) -> bool:
+        return bool(cfg.get("adversary.clients"))
 
     @classmethod
-    def check(cls, cfg) -> None:
+    def check(cls, cfg: Config) -> None:
         """Listed clients exist and are listed once."""
-        n, clients = cfg.data.num_clients, cfg.adversary.clients
+        n, clients = cfg.data.num_clients, cfg.get("adversary.clients")
         for c in clients:
             if not 0 <= c < n:
                 raise ConfigError(f"config key 'adversary.clients' has client id {c} outside "
@@ -106,8 +109,8 @@ class Adversary(UpdateTransform):
             raise ConfigError(f"config key 'adversary.clients' lists a client twice: {clients}")
 
     @classmethod
-    def per_client_reason(cls, cfg) -> Optional[tuple[str, str]]:
-        if cfg.adversary.clients and cfg.adversary.kind == "alie":
+    def per_client_reason(cls, cfg: Config) -> Optional[tuple[str, str]]:
+        if cfg.get("adversary.clients") and cfg.get("adversary.kind") == "alie":
             return "adversary.kind", "the simulated alie attack rewrites the attackers' rows on rank 0"
         return None
 

@@ -44,13 +44,16 @@ stages last), then those listed by import path in ``transforms``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
 
 from fedmpi.component import ClientTask, Component, Registry, RoundInfo, Stat
 from fedmpi.training.loop import StepHooks
+
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
 
 
 class UplinkCodec(Protocol):
@@ -89,7 +92,7 @@ class UplinkCodec(Protocol):
 class RunParts:
     """The run's built parts, for the rules that span them (:meth:`UpdateTransform.validate`)."""
 
-    cfg: Any
+    cfg: Config
     algorithm: Any               # the method (fedmpi.methods.base.Algorithm)
     weighting: Any               # fedmpi.aggregation.weighting.Weighting
     rule: Any                    # fedmpi.aggregation.rules.ServerRule
@@ -117,16 +120,16 @@ class UpdateTransform(Component):
     #: the key that turns it on (named in errors about combinations)
     enable_key: ClassVar[str] = "transforms"
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
 
     @classmethod
-    def enabled(cls, cfg) -> bool:
+    def enabled(cls, cfg: Config) -> bool:
         """Whether ``cfg`` turns this registered transform on (ECGR: ``ecgr.enabled``)."""
         return False
 
     @classmethod
-    def build(cls, cfg) -> UpdateTransform:
+    def build(cls, cfg: Config) -> UpdateTransform:
         """The transform of this run (default ``cls(cfg)``)."""
         return cls(cfg)
 
@@ -263,7 +266,7 @@ def register_transform(cls: type[UpdateTransform]) -> type[UpdateTransform]:
     return TRANSFORMS.register(cls)
 
 
-def enabled_transforms(cfg) -> list[type[UpdateTransform]]:
+def enabled_transforms(cfg: Config) -> list[type[UpdateTransform]]:
     """The classes of the transforms ``cfg`` enables, in order: registered ones whose
     :meth:`~UpdateTransform.enabled` is true, then the ``transforms`` import paths."""
     chain = [cls for cls in TRANSFORMS.values() if cls.enabled(cfg)]
@@ -271,6 +274,6 @@ def enabled_transforms(cfg) -> list[type[UpdateTransform]]:
                     for i, path in enumerate(cfg.transforms)]
 
 
-def build_transforms(cfg) -> TransformChain:
+def build_transforms(cfg: Config) -> TransformChain:
     """The transforms ``cfg`` enables, built with the config (:func:`enabled_transforms`)."""
     return TransformChain([cls.build(cfg) for cls in enabled_transforms(cfg)])

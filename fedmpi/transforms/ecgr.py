@@ -81,7 +81,7 @@ Deviations from the paper / official code (all recorded here):
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -92,6 +92,9 @@ from fedmpi.training.loop import SGDConfig, StepHooks, num_local_steps
 from fedmpi.training.loop import sgd_config
 from fedmpi.component import Stat
 from fedmpi.transforms.base import UpdateTransform
+
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
 
 
 @dataclass(frozen=True)
@@ -312,16 +315,16 @@ class EcgrTransform(UpdateTransform):
     rewrites_update = True
     min_local_steps = MIN_LOCAL_STEPS
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
         self.engine: Optional[ECGR] = None
 
     @classmethod
-    def enabled(cls, cfg) -> bool:
-        return bool(cfg.ecgr.enabled)
+    def enabled(cls, cfg: Config) -> bool:
+        return bool(cfg.get("ecgr.enabled"))
 
     @classmethod
-    def check(cls, cfg) -> None:
+    def check(cls, cfg: Config) -> None:
         """Plain SGD steps (the recorded b_s); τ_k ≥ 2 is :attr:`min_local_steps`."""
         if cfg.train.optimizer != "sgd":
             raise ConfigError(f"config keys 'ecgr.enabled' and 'train.optimizer': ECGR rewrites "
@@ -342,7 +345,7 @@ class EcgrTransform(UpdateTransform):
         self.report.event("ecgr: step buffer " + ", ".join(f"{k}={v}" for k, v in info.items()))
 
     @classmethod
-    def per_client_reason(cls, cfg) -> Optional[tuple[str, str]]:
+    def per_client_reason(cls, cfg: Config) -> Optional[tuple[str, str]]:
         return "ecgr.enabled", "ECGR sends per-client selection statistics to rank 0"
 
     def stats(self) -> list:
