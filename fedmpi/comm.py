@@ -130,6 +130,16 @@ class Comm:
         self._ping_on_timeout = False  # rank 0 inside answering_pings()
         self._pong: Optional[tuple] = None   # the answer in flight (request, buffer)
         self._pings: Optional[tuple] = None  # rank 0's pings in flight, with their buffers
+        #: every process of the run: the roll call, the pings of a timeout, the node split
+        #: and the abort reach each one. The communicator itself, unless several ranks act
+        #: as one federation rank (:class:`SiloComm`)
+        self.world = self.comm
+        self.world_rank: int = self.rank
+        self.world_size: int = self.size
+        #: the ranks of this rank's silo (``runtime.ranks_per_silo``), which train its
+        #: clients data-parallel; None: the rank trains alone
+        self.group: Any = None
+        self.group_rank, self.group_size = 0, 1
 
     # ------------------------------------------------------------------ waits
     def _wait(self, requests: list, what: str, patient: bool = True,
@@ -183,7 +193,7 @@ class Comm:
                     raise CommTimeout(f"{what} did not complete within {self.timeout_key}="
                                       f"{self.timeout:g}s: {self._who_is_missing(what)}")
                 raise CommTimeout(
-                    f"rank {self.rank}: {what} did not complete within {self.timeout_key}="
+                    f"rank {self.world_rank}: {what} did not complete within {self.timeout_key}="
                     f"{self.timeout:g}s (a rank died or hangs)")
             time.sleep(delay)
             delay = min(delay * 2.0, self.max_sleep)
@@ -202,14 +212,14 @@ class Comm:
         which live ones are somewhere other than ``what``."""
         MPI = self.MPI
         ping = np.ones(1, dtype=np.int64)
-        answers = {r: np.zeros(WHERE_BYTES, dtype=np.uint8) for r in range(1, self.size)}
+        answers = {r: np.zeros(WHERE_BYTES, dtype=np.uint8) for r in range(1, self.world_size)}
         pending: dict[int, Any] = {}   # rank -> its pong's receive request
         failed: set[int] = set()   # MPI reported the connection to that rank broken
         sends = []
         for r, buf in answers.items():
             try:
-                pending[r] = self.comm.Irecv(buf, source=r, tag=PONG_TAG)
-                sends.append(self.comm.Isend(ping, dest=r, tag=PING_TAG))
+                pending[r] = self.world.Irecv(buf, source=r, tag=PONG_TAG)
+                sends.append(self.world.Isend(ping, dest=r, tag=PING_TAG))
             except MPI.Exception:
                 failed.add(r)
         end = time.monotonic() + PING_GRACE
@@ -235,7 +245,7 @@ class Comm:
             names = ", ".join(self.rank_name(r) for r in silent)
             parts.append(f"{names} did not answer within {PING_GRACE:g}s (dead, hung"
                          f"{', unreachable or busy outside MPI' if busy else ' or unreachable'})")
-        for r in range(1, self.size):
+        for r in range(1, self.world_size):
             if r in silent:
                 continue
             state, _, step = bytes(answers[r]).rstrip(b"\0").decode(errors="replace").partition("\t")
@@ -249,14 +259,14 @@ class Comm:
 
     def _answer_ping(self) -> None:
         """A worker: answer rank 0's ping, if one arrived, with this rank's MPI step."""
-        if not self.comm.Iprobe(source=0, tag=PING_TAG):
+        if not self.world.Iprobe(source=0, tag=PING_TAG):
             return
         ping = np.zeros(1, dtype=np.int64)
-        self.comm.Recv(ping, source=0, tag=PING_TAG)   # arrived: returns at once
+        self.world.Recv(ping, source=0, tag=PING_TAG)   # arrived: returns at once
         text = "\t".join(self._where).encode()[: WHERE_BYTES]
         pong = np.zeros(WHERE_BYTES, dtype=np.uint8)
         pong[: len(text)] = np.frombuffer(text, dtype=np.uint8)
-        self._pong = (self.comm.Isend(pong, dest=0, tag=PONG_TAG), pong)
+        self._pong = (self.world.Isend(pong, dest=0, tag=PONG_TAG), pong)
 
     @contextlib.contextmanager
     def answering_pings(self) -> Iterator[None]:
@@ -266,7 +276,7 @@ class Comm:
         :data:`PING_POLL` seconds (one ``Iprobe``; needs ``MPI_THREAD_MULTIPLE``, else
         only the worker's waits answer). Outside, a timeout names no rank: workers are
         not answering. A no-op on one rank."""
-        if self.size == 1:
+        if self.world_size == 1:
             yield
             return
         if self.rank == 0 or self.MPI.Query_thread() < self.MPI.THREAD_MULTIPLE:
@@ -437,6 +447,16 @@ class Comm:
             self.gatherv_rows(send.reshape(1, -1), out, [1] * self.size, root, what, patient)
         self.traffic.add("gather", 0 if self.rank == root else sendbuf.nbytes, time.perf_counter() - t0)
 
+    def gather_processes(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None,
+                         what: str = "Gather") -> None:
+        """``recvbuf[r] = sendbuf`` of world rank r, on rank 0: one small row from every
+        process (the rank table), members of a silo included."""
+        if self.world_size == 1:
+            np.copyto(recvbuf.reshape(1, -1), sendbuf.reshape(1, -1))
+            return
+        self._wait([self.world.Igather(sendbuf.reshape(-1),
+                                       recvbuf if self.world_rank == 0 else None, root=0)], what)
+
     def start_send(self, buf: np.ndarray, dest: int, tag: int) -> list:
         """Buffer ``Isend`` of a contiguous array, one per :meth:`chunk` (same tag:
         MPI keeps messages between two ranks with one tag in order); returns the
@@ -513,30 +533,30 @@ class Comm:
         Point-to-point, not a collective: a collective that times out cannot say who is
         missing. A worker's one-integer ``Isend`` completes at once (eager protocol), so
         workers go on to the next collective."""
-        if self.size == 1:
+        if self.world_size == 1:
             return
         tag = ROLL_CALL_TAG
-        if self.rank != 0:
-            mine = np.array([self.rank], dtype=np.int64)
-            self._wait([self.comm.Isend(mine, dest=0, tag=tag)], what, patient=False)
+        if self.world_rank != 0:
+            mine = np.array([self.world_rank], dtype=np.int64)
+            self._wait([self.world.Isend(mine, dest=0, tag=tag)], what, patient=False)
             return
-        bufs = [np.zeros(1, dtype=np.int64) for _ in range(1, self.size)]
-        reqs = [self.comm.Irecv(b, source=r + 1, tag=tag) for r, b in enumerate(bufs)]
+        bufs = [np.zeros(1, dtype=np.int64) for _ in range(1, self.world_size)]
+        reqs = [self.world.Irecv(b, source=r + 1, tag=tag) for r, b in enumerate(bufs)]
         arrived: set[int] = set()
         try:
             self._wait(reqs, what, on_done=lambda i: arrived.add(i + 1), ask=False)
         except CommTimeout:
-            missing = [r for r in range(1, self.size) if r not in arrived]
+            missing = [r for r in range(1, self.world_size) if r not in arrived]
             raise CommTimeout(f"start-up: {', '.join(map(self.rank_name, missing))} "
                               f"did not finish {what} within "
                               f"{self.timeout_key}={self.timeout:g}s (raise it for slow data "
                               "sources, or check that rank's data)") from None
 
     def node_local(self) -> tuple[int, int]:
-        """(local rank, local size) among the ranks sharing this node."""
-        if self.size == 1:
+        """(local rank, local size) among the processes sharing this node."""
+        if self.world_size == 1:
             return 0, 1
-        local = self.comm.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.rank)
+        local = self.world.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.world_rank)
         try:
             return local.Get_rank(), local.Get_size()
         finally:
@@ -546,13 +566,212 @@ class Comm:
         if self.size > 1:
             self._wait([self.comm.Ibarrier()], what)
 
+    def node_ids(self) -> list[int]:
+        """Collective over every process: for each world rank, the lowest world rank on
+        its node (MPI's shared-memory split), so equal numbers mean one node."""
+        mine = np.array([self.world_rank], dtype=np.int64)
+        if self.world_size > 1:
+            local = self.world.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.world_rank)
+            try:
+                first = np.zeros(1, dtype=np.int64)
+                self._wait([local.Iallreduce(mine, first, op=self.MPI.MIN)], "node split")
+                mine = first
+            finally:
+                local.Free()
+        ids = np.zeros(self.world_size, dtype=np.int64)
+        if self.world_size == 1:
+            ids[:] = mine
+        else:
+            self._wait([self.world.Iallgather(mine, ids)], "node table Allgather")
+        return [int(i) for i in ids]
+
+    # ------------------------------------------- the ranks of one silo (group)
+    def group_sum(self, bufs: list[np.ndarray], what: str, ordered: bool = False,
+                  patient: bool = False) -> None:
+        """In place: each buffer summed over the ranks of this rank's silo, the same bits
+        on every one of them. ``ordered``: an ``Allgather`` and the sum in group-rank
+        order (0, 1, …), whatever the MPI library's algorithm (``runtime.reduction:
+        exact``); else ``MPI_Allreduce``. Eager by default: the peers compute the same
+        work (their share of one batch). A no-op for a rank that trains alone."""
+        if self.group_size == 1:
+            return
+        t0 = time.perf_counter()
+        reqs = []
+        for buf in bufs:
+            flat = buf.reshape(-1)
+            if not ordered:
+                reqs += [self.group.Iallreduce(self.MPI.IN_PLACE, flat[s], op=self.MPI.SUM)
+                         for s in self._chunks(flat.size, flat.dtype)]
+                continue
+            step = max(1, self.chunk(flat.dtype) // self.group_size)
+            for start in range(0, flat.size, step):
+                piece = flat[start:start + step]
+                np.sum(self.group_gather(piece, what, patient), axis=0, out=piece)
+        self._wait(reqs, what, patient)
+        self.traffic.add("group", sum(b.nbytes for b in bufs), time.perf_counter() - t0)
+
+    def group_gather(self, buf: np.ndarray, what: str, patient: bool = False) -> np.ndarray:
+        """``[group_size, buf.size]``, row r rank r's ``buf``, on every rank of the silo:
+        one ``Allgather`` (``group_size × buf.size`` within :meth:`chunk`) into a
+        persistent scratch of that shape (read it before the next such call)."""
+        flat = np.ascontiguousarray(buf.reshape(-1))
+        if self.group_size * flat.size > self.chunk(flat.dtype):
+            raise ValueError(f"{what}: {self.group_size} x {flat.size} elements exceed one call")
+        key = ("group", flat.size, flat.dtype.str)
+        rows = self._gather_scratch.get(key)
+        if rows is None:
+            rows = self._gather_scratch[key] = np.empty((self.group_size, flat.size), flat.dtype)
+        if self.group_size == 1:
+            rows[0] = flat
+        else:
+            self._wait([self.group.Iallgather(flat, rows)], what, patient)
+        return rows
+
+    def group_broadcast(self, buf: np.ndarray, what: str, patient: bool = True) -> None:
+        """In place: the silo leader's (group rank 0) ``buf`` on every rank of the silo."""
+        if self.group_size == 1:
+            return
+        flat = buf.reshape(-1)
+        self._wait([self.group.Ibcast(flat[s], root=0)
+                    for s in self._chunks(flat.size, flat.dtype)], what, patient)
+
+    def group_max(self, value: int, what: str = "silo Allreduce") -> int:
+        """The largest ``value`` over the ranks of this rank's silo (a stop signal, an
+        error code that one member alone may hold)."""
+        if self.group_size == 1:
+            return int(value)
+        buf = np.array([value], dtype=np.int64)
+        self._wait([self.group.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.MAX)], what)
+        return int(buf[0])
+
     def abort(self, code: int = 1) -> None:
         """Terminate every rank of the job (used after an unrecoverable error)."""
         sys.stdout.flush()
         sys.stderr.flush()
-        if self.size > 1:
-            self.comm.Abort(code)
+        if self.world_size > 1:
+            self.world.Abort(code)
         os._exit(code)
+
+
+class SiloComm(Comm):
+    """The federation as the runtime sees it when each silo is a group of ranks
+    (``runtime.ranks_per_silo`` R > 1).
+
+    Rank 0 and each group's *leader* form the federation communicator: ``rank`` and
+    ``size`` are the federation's (rank 0 and silos 1..G), and its collectives run
+    there unchanged. Every other rank of a group (a *member*) acts as its leader's
+    shadow: it has the leader's federation rank, hosts the same clients and runs the
+    same code; what a federation collective hands its leader (a broadcast, a sum, a
+    scattered block) reaches it from the leader over the group (``relay``), and what it
+    would contribute (a sum, a gathered row, a sent row) is dropped: the leader
+    contributes the same. A maximum (an error code) is taken over the group first, so a
+    member's failure counts. The roll call, the pings of a timeout, the node split and
+    the abort reach every process (:attr:`world`), so a missing member is named by
+    its own world rank.
+    """
+
+    def __init__(self, fed, group, world, fed_rank: int, fed_size: int, **settings: Any) -> None:
+        super().__init__(world, **settings)
+        self.comm = fed                       # MPI.COMM_NULL on a member
+        self.leads = fed != self.MPI.COMM_NULL
+        self.rank, self.size = fed_rank, fed_size
+        if group != self.MPI.COMM_NULL:
+            self.group = group
+            self.group_rank, self.group_size = group.Get_rank(), group.Get_size()
+
+    def _relay(self, buf: Optional[np.ndarray], what: str) -> None:
+        if buf is not None and self.group_size > 1:
+            self.group_broadcast(buf, f"{what} (silo relay)")
+
+    def broadcast(self, buf: np.ndarray, root: int = 0, what: str = "Bcast",
+                  patient: bool = True) -> None:
+        if self.leads:
+            super().broadcast(buf, root, what, patient)
+        self._relay(buf, what)
+
+    def reduce_sum(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int = 0,
+                   what: str = "Reduce", patient: bool = True) -> None:
+        if self.leads:
+            super().reduce_sum(sendbuf, recvbuf, root, what, patient)
+        if self.rank == root:
+            self._relay(recvbuf, what)
+
+    def gatherv_rows(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, rows: list[int],
+                     root: int = 0, what: str = "Gatherv", patient: bool = True) -> None:
+        if self.leads:
+            super().gatherv_rows(sendbuf, recvbuf, rows, root, what, patient)
+        if self.rank == root:
+            self._relay(recvbuf, what)
+
+    def scatterv_rows(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, rows: list[int],
+                      root: int = 0, what: str = "Scatterv") -> None:
+        if self.leads:
+            super().scatterv_rows(sendbuf, recvbuf, rows, root, what)
+        self._relay(recvbuf, what)
+
+    def gather_fixed(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int = 0,
+                     what: str = "Gather", patient: bool = True) -> None:
+        if self.leads:
+            super().gather_fixed(sendbuf, recvbuf, root, what, patient)
+        if self.rank == root:
+            self._relay(recvbuf, what)
+
+    def start_send(self, buf: np.ndarray, dest: int, tag: int) -> list:
+        return super().start_send(buf, dest, tag) if self.leads else []
+
+    def start_recv(self, buf: np.ndarray, source: int, tag: int) -> list:
+        if not self.leads:
+            raise RuntimeError("a silo member receives through collectives only")
+        return super().start_recv(buf, source, tag)
+
+    def allreduce_sum(self, sendbuf: np.ndarray, recvbuf: np.ndarray, what: str = "Allreduce",
+                      patient: bool = True) -> None:
+        if self.leads:
+            super().allreduce_sum(sendbuf, recvbuf, what, patient)
+        self._relay(recvbuf, what)
+
+    def allreduce_max(self, sendbuf: np.ndarray, recvbuf: np.ndarray,
+                      what: str = "Allreduce") -> None:
+        mine = sendbuf.copy()
+        if self.group_size > 1:
+            self._wait([self.group.Iallreduce(self.MPI.IN_PLACE, mine.reshape(-1),
+                                              op=self.MPI.MAX)], f"{what} (silo)")
+        if self.leads:
+            super().allreduce_max(mine, recvbuf, what)
+        self._relay(recvbuf, what)
+
+    def max_int(self, value: int, what: str = "Allreduce") -> int:
+        out = np.array([self.group_max(value, f"{what} (silo)")], dtype=np.int64)
+        if self.leads:
+            out[0] = super().max_int(int(out[0]), what)
+        self._relay(out, what)
+        return int(out[0])
+
+    def barrier(self, what: str = "Barrier") -> None:
+        if self.leads:
+            super().barrier(what)
+        if self.group_size > 1:
+            self._wait([self.group.Ibarrier()], f"{what} (silo)")
+
+
+def silo_comm(base: Comm, groups: list[list[int]]) -> Comm:
+    """Collective over every process of ``base``: the :class:`SiloComm` in which each of
+    ``groups`` (world ranks of workers, the leader first) acts as one federation rank,
+    numbered 1, 2, … in the order given; ``base`` itself when every group is one rank."""
+    if all(len(g) == 1 for g in groups):
+        return base
+    MPI, world, me = base.MPI, base.comm, base.rank
+    mine = next((i for i, g in enumerate(groups) if me in g), None)
+    leads = me == 0 or (mine is not None and groups[mine][0] == me)
+    fed = world.Split(0 if leads else MPI.UNDEFINED, key=me)
+    group = world.Split(mine if mine is not None else MPI.UNDEFINED,
+                        key=groups[mine].index(me) if mine is not None else 0)
+    out = SiloComm(fed, group, world, 0 if mine is None else mine + 1, len(groups) + 1,
+                   timeout=base.timeout, max_sleep=base.max_sleep, spin=base.spin,
+                   gather_reduce_bytes=base.gather_reduce_bytes,
+                   max_message_bytes=base.max_message_bytes)
+    out.timeout_key, out.hosts = base.timeout_key, base.hosts
+    return out
 
 
 def self_comm() -> Comm:

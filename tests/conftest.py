@@ -196,7 +196,7 @@ def server_parts(algo, weighting, num_samples, rule=None, stats=None, stages=())
 class Comm1:
     """World-size-1 stand-in for fedmpi.comm.Comm (its size-1 code paths)."""
 
-    rank, size = 0, 1
+    rank, size, world_size = 0, 1, 1
     chunk_elements = 1 << 30   # what Comm.chunk gives without runtime.max_message_bytes
 
     def chunk(self, dtype) -> int:

@@ -390,6 +390,15 @@ class RuntimeConfig(CopyOnRead):
                            "client-id order on rank 0 (bit-identical for every world size "
                            "and rank layout at pinned runtime.threads; evaluation not "
                            "sharded)", choices=("default", "exact"))
+    ranks_per_silo: int = param(1, "ranks that train each silo's clients together, "
+                                "data-parallel: each takes its share of every batch and the "
+                                "gradients are summed over them every step; the workers "
+                                "(world size - 1) are split into groups of this many, each "
+                                "group one voice in the federation (its first rank)", ge=1)
+    silo_placement: str = param("node", "where a silo's ranks may run: node = on one node "
+                                "(refused when a node's workers do not split into whole "
+                                "silos); any = on one node where the layout allows, else "
+                                "across nodes", choices=("node", "any"))
     threads: int | None = param(None, "torch threads per rank; null = OMP_NUM_THREADS, "
                                 "else SLURM_CPUS_PER_TASK, else usable cores / ranks on the "
                                 "node", ge=1)

@@ -133,6 +133,8 @@ def check_components(cfg: Config, method: Optional[type[Algorithm]] = None,
     * a stage that lets rank 0 hold only sums (``sums_only``: secure aggregation) refuses
       every component that puts one client's statistics there (``per_client_reason``);
     * ``train.local_steps`` is at least every component's ``min_local_steps`` (ECGR: 2);
+    * silos of several ranks (``runtime.ranks_per_silo``) need a method whose loss is a
+      mean over the samples (``spec.split_batch``);
     * ``aggregation.params`` belongs to a rule given by import path (checked against
       its ``params["params"]`` dataclass)."""
     transforms = list(transforms)
@@ -166,6 +168,11 @@ def check_components(cfg: Config, method: Optional[type[Algorithm]] = None,
         raise ConfigError(f"config key 'eval.where' must be 'server' for algorithm.name "
                           f"{cfg.algorithm.name!r} (the method evaluates its resource levels "
                           "itself)")
+    if method is not None and cfg.runtime.ranks_per_silo > 1 and not method.spec_for(cfg).split_batch:
+        raise ConfigError(f"config keys 'runtime.ranks_per_silo' and 'algorithm.name': "
+                          f"{cfg.algorithm.name!r} trains with a loss that couples the samples "
+                          "of a batch beyond their mean, so a batch cannot be shared among the "
+                          "ranks of a silo; use runtime.ranks_per_silo: 1")
     if method is not None and method.spec_for(cfg).masked_upload:
         for tr in transforms:
             if tr.rewrites_update:

@@ -26,9 +26,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
+
+from fedmpi.errors import ConfigError
 
 
 def gpu_for_local_rank(local_rank: int, num_gpus: int) -> int | None:
@@ -65,6 +67,33 @@ def default_threads(ranks_on_node: int, env: Mapping[str, str] = os.environ,
             return int(text), var
     n = threads_per_rank(cores if cores is not None else usable_cores(), ranks_on_node)
     return n, "cores / ranks on the node"
+
+
+def silo_groups(node_of: Sequence[int], ranks_per_silo: int, one_node: bool) -> list[list[int]]:
+    """The workers (world ranks 1..N−1) in silos of ``ranks_per_silo`` ranks, each the
+    leader (lowest rank) first; ``node_of[r]`` names rank r's node (equal values: one
+    node). The workers are ordered by node (nodes in the order of their lowest rank), then
+    by rank, and cut into consecutive runs: a silo's ranks are consecutive node-local
+    ranks, so the GPU rule above gives them distinct GPUs whenever the node has that many.
+    A node whose worker count is not a multiple of the silo size leaves a silo that spans
+    two nodes: refused with ``one_node`` (``runtime.silo_placement: node``)."""
+    R, workers = int(ranks_per_silo), len(node_of) - 1
+    if workers < R or workers % R:
+        raise ConfigError(f"config key 'runtime.ranks_per_silo' ({R}) must divide the "
+                          f"{workers} worker rank(s) of this job (world size {len(node_of)} = "
+                          f"rank 0 + workers); start 1 + {R}·G ranks for G silos")
+    order = sorted(range(1, len(node_of)), key=lambda r: (node_of[r], r))
+    groups = [order[i:i + R] for i in range(0, workers, R)]
+    for g in groups:
+        if one_node and len({node_of[r] for r in g}) > 1:
+            node = node_of[g[0]]
+            here = sum(1 for r in range(1, len(node_of)) if node_of[r] == node)
+            raise ConfigError(f"config keys 'runtime.ranks_per_silo' and "
+                              f"'runtime.silo_placement': the node of rank {node} runs {here} "
+                              f"worker rank(s), not a multiple of {R}, so ranks {g} would form "
+                              "a silo across two nodes; start whole silos per node or set "
+                              "runtime.silo_placement: any")
+    return groups
 
 
 @dataclass(frozen=True)

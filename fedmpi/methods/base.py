@@ -73,6 +73,11 @@ class MethodSpec:
     #: the local step is plain SGD on the cross-entropy and nothing else is computed from
     #: local data, so record-level DP (DP-SGD) may replace its gradient (docs/privacy.md)
     record_dp: bool = False
+    #: the local loss is a (weighted) mean over the batch's samples, so the ranks of a silo
+    #: may each compute the gradient of a share of the batch and sum them
+    #: (``runtime.ranks_per_silo``; :mod:`fedmpi.training.dataparallel`); False for a loss
+    #: that couples the samples otherwise (FedGPS: contrastive terms, a surrogate batch)
+    split_batch: bool = True
     #: replaces the global-model evaluation (:meth:`Algorithm.evaluate`); such an
     #: evaluation feeds the round's own reports, so it is never overlapped nor sharded
     owns_evaluation: bool = False

@@ -241,7 +241,8 @@ class FedGPS(Algorithm):
 
     name = "fedgps"
     params = {"fedgps": FedGPSParams}
-    spec = MethodSpec(own_loss=True)   # the surrogate objective at the perturbed point
+    # the surrogate objective at the perturbed point: contrastive terms couple the samples
+    spec = MethodSpec(own_loss=True, split_batch=False)
 
     @classmethod
     def check(cls, cfg: Config) -> None:

@@ -24,7 +24,7 @@ from fedmpi.errors import ConfigError
 from fedmpi.privacy.budget import AccountedStage
 from fedmpi.privacy.dpsgd import check_model, clipped_grad_sum, poisson_batch, poisson_rate
 from fedmpi.training.flat import FlatModel
-from fedmpi.training.loop import StepHooks
+from fedmpi.training.loop import StepHooks, SummedGradient
 from fedmpi.transforms.base import RunParts
 
 if TYPE_CHECKING:
@@ -69,17 +69,22 @@ class RecordDP(AccountedStage):
             for _ in range(steps):
                 yield poisson_batch(indices, q, gen)
 
-        def gradient(flat: FlatModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        def clipped_sum(flat: FlatModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             segments = flat.param_segments
             loss = torch.zeros((), device=flat.device)
             if y.numel():
                 loss = clipped_grad_sum(flat.model, [s.name for s in segments], x, y, clip,
                                         [flat.grad[s.slice] for s in segments])
+            return loss
+
+        def noise_and_scale(flat: FlatModel) -> None:
             with torch.no_grad():
                 if sigma > 0:
                     flat.grad.add_(torch.randn(flat.grad.shape, generator=noise,
                                                device=flat.device), alpha=sigma * clip)
                 flat.grad.div_(B)
-            return loss
 
-        return replace(hooks, sampler=sampler, gradient=gradient)
+        # a sum over samples and a completion: the ranks of a silo sum their shares'
+        # clipped sums and add the noise once (fedmpi.training.dataparallel)
+        return replace(hooks, sampler=sampler,
+                       gradient=SummedGradient(clipped_sum, noise_and_scale))

@@ -156,21 +156,26 @@ RANK_ROW_BYTES = 256   # one rank's "host\tlocal rank\tlocal size\tdevice" line
 
 def rank_table(comm: Comm, device: torch.device, local_rank: int,
                local_size: int) -> dict[str, np.ndarray] | None:
-    """Collective: where every rank runs, on rank 0 (None elsewhere) -- the log's
+    """Collective: where every process runs, on rank 0 (None elsewhere) -- the log's
     ``ranks/`` group: ``host`` (hostname), ``local_rank`` and ``local_size`` (MPI's
-    shared-memory node split) and ``device``, one entry per rank."""
-    line = f"{socket.gethostname()}\t{local_rank}\t{local_size}\t{device}".encode()
+    shared-memory node split) and ``device``, one entry per world rank; with silos of
+    several ranks (``runtime.ranks_per_silo``) also ``silo``, the federation rank each
+    process serves (0: the aggregator)."""
+    line = f"{socket.gethostname()}\t{local_rank}\t{local_size}\t{device}\t{comm.rank}".encode()
     row = np.zeros(RANK_ROW_BYTES, dtype=np.uint8)
     row[: min(len(line), RANK_ROW_BYTES - 1)] = np.frombuffer(line[: RANK_ROW_BYTES - 1], np.uint8)
-    rows = np.zeros((comm.size, RANK_ROW_BYTES), dtype=np.uint8) if comm.rank == 0 else None
-    comm.gather_fixed(row, rows, what="rank table Gather")
+    rows = np.zeros((comm.world_size, RANK_ROW_BYTES), dtype=np.uint8) if comm.rank == 0 else None
+    comm.gather_processes(row, rows, what="rank table Gather")
     if rows is None:
         return None
     fields = [bytes(r).rstrip(b"\0").decode(errors="replace").split("\t") for r in rows]
-    return {"host": np.array([f[0] for f in fields], dtype=object),
-            "local_rank": np.array([int(f[1]) for f in fields], dtype=np.int64),
-            "local_size": np.array([int(f[2]) for f in fields], dtype=np.int64),
-            "device": np.array([f[3] for f in fields], dtype=object)}
+    table = {"host": np.array([f[0] for f in fields], dtype=object),
+             "local_rank": np.array([int(f[1]) for f in fields], dtype=np.int64),
+             "local_size": np.array([int(f[2]) for f in fields], dtype=np.int64),
+             "device": np.array([f[3] for f in fields], dtype=object)}
+    if comm.world_size != comm.size:
+        table["silo"] = np.array([int(f[4]) for f in fields], dtype=np.int64)
+    return table
 
 
 def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],

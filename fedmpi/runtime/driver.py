@@ -28,7 +28,7 @@ from fedmpi.errors import RunFailed, RunInterrupted, UserError, show_traceback
 from fedmpi.imports import run_objects, runtime_error_line
 from fedmpi.usercode import UserCode
 from fedmpi.job.outputs import OutputError, write_model
-from fedmpi.runtime import guard
+from fedmpi.runtime import guard, silo
 from fedmpi.runtime.federation import CMD_ABORT, CMD_ROUND, Federation
 from fedmpi.runtime.probe import dry_run
 from fedmpi.job.lock import heartbeat, release
@@ -77,7 +77,7 @@ def run_comm(cfg: Config) -> Comm:
     driver switches after the start-up)."""
     comm = Comm(timeout=cfg.runtime.setup_timeout, max_message_bytes=cfg.runtime.max_message_bytes)
     comm.timeout_key = "runtime.setup_timeout"
-    return comm
+    return silo.split(comm, cfg)   # runtime.ranks_per_silo: ranks that act as one
 
 
 def run(cfg: Config, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
@@ -99,7 +99,7 @@ def run(cfg: Config, out_dir: Optional[str | Path] = None, comm: Optional[Comm] 
     """
     signals.install()
     try:
-        comm = comm or run_comm(cfg)
+        comm = silo.split(comm or run_comm(cfg), cfg)
         with comm.answering_pings():   # a timeout names the ranks that do not answer
             return _run(cfg, out_dir, comm, resume, overwrite, code, callbacks)
     except KeyboardInterrupt:   # a second Ctrl-C: stop now, without a checkpoint
@@ -150,7 +150,7 @@ def set_up(cfg: Config, comm: Comm, out: Optional[Path] = None, code: Optional[U
 def check(cfg: Config, comm: Optional[Comm] = None) -> str:
     """``fedmpi check --dry-run``: :func:`set_up` without a run directory; returns (on
     every rank) the line saying what was built and checked."""
-    comm = comm or run_comm(cfg)
+    comm = silo.split(comm or run_comm(cfg), cfg)
     fed, _ = set_up(cfg, comm)
     b = fed.built
     hosted = comm.max_int(len(b.hosted), what="dry run summary")

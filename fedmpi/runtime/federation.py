@@ -23,7 +23,7 @@ from fedmpi.comm import Comm
 from fedmpi.job import checkpoint, signals
 from fedmpi.job.checkpoint_file import checkpoint_path
 from fedmpi.job.outputs import write_model
-from fedmpi.runtime import guard
+from fedmpi.runtime import guard, silo
 from fedmpi.runtime.build import build, participants
 from fedmpi.runtime.channel import Channel, plan_uplink
 from fedmpi.runtime.evaluation import Evaluation
@@ -76,8 +76,10 @@ class Federation:
         self.trainer = (LocalTrainer(self.flat, self.data, self.accel, self.forward)
                         if self.my_clients else None)
         self.scratch = {s.name: torch.zeros(s.size, device=self.device) for s in self.stats}
+        parallel = silo.data_parallel(cfg, comm, self.flat.model, self.device) \
+            if self.my_clients else None
         self.worker = Worker(cfg, self.rank, self.algo, self.weighting, self.transforms,
-                             self.trainer, self.client_idx, self.scratch, self.reports)
+                             self.trainer, self.client_idx, self.scratch, self.reports, parallel)
         tests = self.partition.client_test_indices
         self.evals = Evaluation(cfg, self.rank, self.size, self.algo.spec_for(cfg).owns_evaluation,
                                 {k: torch.as_tensor(tests[k], device=self.device)
@@ -168,7 +170,7 @@ class Federation:
         if self.arrival_sum is not None:
             self.arrival_sum.start(mask)
         self.worker.run(t, mask, self.my_clients, state, extras, self.channel)
-        up = self.channel.collect(t, mask, signals.requested_signum(),
+        up = self.channel.collect(t, mask, self.comm.group_max(signals.requested_signum()),
                                   lambda k, row: self._arrived(state, k, row))
         if up is not None:
             if self.arrival_sum is not None:

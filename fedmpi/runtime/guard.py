@@ -94,7 +94,7 @@ def open_run(run: checkpoint.RunState, header: LogHeader, out: Path, resume: boo
                 if isinstance(part, Component) else None
             if why is not None:
                 raise CheckpointError(f"{restored.path}: entry {name!r}: {why}")
-    writer = LogWriter(out / "log.h5", config_yaml=cfg.to_yaml(), world_size=run.size,
+    writer = LogWriter(out / "log.h5", config_yaml=cfg.to_yaml(), world_size=run.comm.world_size,
                        num_clients=run.num_clients, num_samples=header.num_samples,
                        class_counts=header.class_counts, fedmpi_version=__version__,
                        resume=restored is not None,

@@ -6,9 +6,11 @@ none of them runs the local loop or passes the trainer on:
 1. the transforms' ``before_training`` (the task may change: label flipping; or raise);
 2. the method's optimizer (``local_sgd``) and what it trains (``trained``: the start
    point, θ unless the method trains a submodel), loaded into the rank's model;
-3. the method's ``hooks`` wrapped by the transforms' ``wrap_hooks``, and the shared
-   local loop (:class:`~fedmpi.training.loop.LocalTrainer`) from the start point, with
-   the client's own optimizer state under ``train.optimizer_state: keep``;
+3. the method's ``hooks`` wrapped by the transforms' ``wrap_hooks`` (and, on a silo of
+   several ranks, by its data-parallel gradient: :mod:`fedmpi.training.dataparallel`),
+   and the shared local loop (:class:`~fedmpi.training.loop.LocalTrainer`) from the
+   start point, with the client's own optimizer state under
+   ``train.optimizer_state: keep``;
 4. Δ_k = θ_k − start, then the transforms' ``on_delta``;
 5. the method's ``finish_client`` (per-client state, further statistics);
 6. the transforms' ``on_upload`` (the final rewrite of what is uploaded);
@@ -37,6 +39,7 @@ from fedmpi.log.row import Reports
 from fedmpi.methods.base import Algorithm
 from fedmpi.runtime.channel import Channel
 from fedmpi.runtime.server import M_TIME, STATUS_NONFINITE, STATUS_OK
+from fedmpi.training.dataparallel import DataParallel
 from fedmpi.training.loop import LocalTrainer, TrainResult, stream_seed
 from fedmpi.training.optim import KeptStates
 from fedmpi.transforms.base import TransformChain
@@ -51,11 +54,12 @@ class Worker:
     def __init__(self, cfg: Config, rank: int, algo: Algorithm, weighting: Weighting,
                  transforms: TransformChain, trainer: Optional[LocalTrainer],
                  client_idx: dict[int, torch.Tensor], scratch: dict[str, torch.Tensor],
-                 reports: Reports) -> None:
+                 reports: Reports, parallel: Optional[DataParallel] = None) -> None:
         self.seed, self.rank = int(cfg.seed), rank
         self.algo, self.weighting, self.transforms = algo, weighting, transforms
         self.trainer, self.client_idx, self.scratch = trainer, client_idx, scratch
         self.reports = reports
+        self.parallel = parallel   # the ranks of a silo share every batch (runtime.ranks_per_silo)
         # train.optimizer_state: keep — each hosted client's optimizer state, kept in the
         # method's per-client stores so checkpoints carry it (fedmpi.training.optim)
         self.kept = (KeptStates(cfg.train.optimizer, cfg.train.momentum, algo.num_params,
@@ -75,6 +79,8 @@ class Worker:
         start = algo.trained(task, state)
         trainer.flat.load(start)
         hooks = stages.wrap_hooks(algo.hooks(task, start, extras), task)
+        if self.parallel is not None:
+            hooks = self.parallel.wrap(hooks, sgd, trainer)
         kept = self.kept.of(task.client, state.device) if self.kept is not None else None
         result = trainer.train(task.indices, sgd, task.seed, hooks, task.flip_labels, kept)
         if self.kept is not None:

@@ -54,7 +54,8 @@ class StepHooks:
                                batches drawn with ``gen`` (record-level DP: Poisson batches).
     gradient(flat, x, y):      replaces the backward pass: writes the batch gradient into
                                ``flat.grad`` and returns the batch's summed loss
-                               (record-level DP: the clipped, noised DP-SGD gradient).
+                               (record-level DP: the clipped, noised DP-SGD gradient, a
+                               :class:`SummedGradient`).
     """
 
     grad_hook: Optional[GradHook] = None
@@ -62,6 +63,27 @@ class StepHooks:
     loss_fn: Optional[LossFn] = None
     sampler: Optional[Sampler] = None
     gradient: Optional[GradientFn] = None
+
+
+@dataclass(frozen=True)
+class SummedGradient:
+    """A ``StepHooks.gradient`` that is a sum over the batch's samples and a completion::
+
+        gradient(flat, x, y) = part(flat, x, y); complete(flat)
+
+    ``part`` writes Σ over the samples given of their contributions into ``flat.grad`` and
+    returns their summed loss; ``complete`` finishes the batch's gradient from that sum
+    (DP-SGD: the noise, once, and the fixed denominator). The split lets the ranks of a
+    silo each compute the part of their share of a batch, sum the parts and complete
+    once (:mod:`fedmpi.training.dataparallel`)."""
+
+    part: GradientFn
+    complete: Callable[[FlatModel], None]
+
+    def __call__(self, flat: FlatModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self.part(flat, x, y)
+        self.complete(flat)
+        return loss
 
 
 @dataclass
@@ -156,6 +178,17 @@ class LocalTrainer:
                     cfg.class_weights, dtype=out.dtype, device=out.device)
         return training_loss(out, y, cfg.loss, w, cfg.label_smoothing)
 
+    def loss(self, x: torch.Tensor, y: torch.Tensor, cfg: SGDConfig,
+             loss_fn: Optional[LossFn] = None) -> torch.Tensor:
+        """The mean training loss of the batch (x, y): the method's ``loss_fn``, else
+        ``train.loss`` (plain cross-entropy by the shortest path), under autocast."""
+        with self.accel.autocast_context():
+            if loss_fn is not None:
+                return loss_fn(self.flat, x, y)
+            if cfg.plain_loss:
+                return F.cross_entropy(self.forward(x), y)
+            return self._loss(self.forward(x), y, cfg)
+
     def _optimizer(self, cfg: SGDConfig, kept: Optional[KeptState]) -> AdaptiveOptimizer:
         """The Adam/AdamW optimizer of this trainer for a new client-round: reset, or
         continuing from the client's ``kept`` state."""
@@ -197,7 +230,7 @@ class LocalTrainer:
         ``kept``: the client's optimizer state to continue from and update
         (``train.optimizer_state: keep``); None = a fresh optimizer.
         """
-        flat, data, accel, forward = self.flat, self.data, self.accel, self.forward
+        flat, data, accel = self.flat, self.data, self.accel
         gen = torch.Generator().manual_seed(seed)
         self._device_gen.manual_seed(seed)
         torch.manual_seed(seed)
@@ -221,13 +254,7 @@ class LocalTrainer:
             if hooks.gradient is not None:
                 batch_loss = hooks.gradient(flat, x, y)
             else:
-                with accel.autocast_context():
-                    if hooks.loss_fn is not None:
-                        loss = hooks.loss_fn(flat, x, y)
-                    elif cfg.plain_loss:
-                        loss = F.cross_entropy(forward(x), y)
-                    else:
-                        loss = self._loss(forward(x), y, cfg)
+                loss = self.loss(x, y, cfg, hooks.loss_fn)
                 loss.backward()
                 batch_loss = loss.detach() * y.numel()
             with torch.no_grad():
