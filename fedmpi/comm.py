@@ -680,8 +680,10 @@ class SiloComm(Comm):
             self.group_rank, self.group_size = group.Get_rank(), group.Get_size()
 
     def _relay(self, buf: Optional[np.ndarray], what: str) -> None:
+        """The leader's ``buf`` to the members, after the federation collective ``what``
+        (a member's wait has that collective's name: a pong says it is in it)."""
         if buf is not None and self.group_size > 1:
-            self.group_broadcast(buf, f"{what} (silo relay)")
+            self.group_broadcast(buf, what)
 
     def broadcast(self, buf: np.ndarray, root: int = 0, what: str = "Bcast",
                   patient: bool = True) -> None:

@@ -1,0 +1,325 @@
+"""Silos of several ranks (``runtime.ranks_per_silo``, issue 36).
+
+In process: the data-parallel gradient of R ranks (threads sharing a barrier stand in for
+the silo's collectives) against the full-batch gradient computed here with plain torch —
+the mean and class-weighted losses, SyncBatchNorm's statistics and backward, DP-SGD's
+per-sample clipped sums with the noise added once —, the silo layout, the refusals.
+Under MPI: ``-n 5`` with two-rank silos against ``-n 3`` with one-rank silos (MLP
+quickstart, 3 rounds), the exact reduction's bits for any number of silos, a member
+killed mid-round (named, the job ends) and the resume.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import ROOT, fedmpi_cmd, mpiexec_path
+from fedmpi.errors import ConfigError
+from fedmpi.job.placement import silo_groups
+from fedmpi.training.dataparallel import DataParallel, share
+from fedmpi.training.flat import FlatModel
+from fedmpi.training.loop import LocalTrainer, SGDConfig, StepHooks
+
+
+# ------------------------------------------------- a silo of threads
+class ThreadSilo:
+    """R threads as the ranks of one silo: ``gather`` stacks every rank's tensor."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.barrier = threading.Barrier(size)
+        self.slots: list = [None] * size
+
+    def rank(self, r: int):
+        silo = self
+
+        class Reduce:
+            rank, size = r, silo.size
+
+            def gather(self, t, what):
+                silo.slots[r] = t.detach().clone()
+                silo.barrier.wait()
+                out = torch.stack(silo.slots)
+                silo.barrier.wait()
+                return out
+
+            def sum_(self, tensors, what):
+                for t in tensors:
+                    t.copy_(self.gather(t, what).sum(0))
+        return Reduce()
+
+    def run(self, work):
+        """``work(reduce)`` on every rank in its own thread; the results by rank."""
+        out: list = [None] * self.size
+        errors: list = []
+
+        def one(r: int) -> None:
+            try:
+                out[r] = work(self.rank(r))
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                errors.append(exc)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return out
+
+
+def _silo_gradient(model: nn.Module, R: int, x, y, cfg: SGDConfig, hooks=StepHooks()):
+    """Each rank's (gradient, returned batch loss, model) after one data-parallel step."""
+    def work(reduce):
+        flat = FlatModel(copy.deepcopy(model), torch.device("cpu"))
+        flat.model.train()
+        trainer = LocalTrainer(flat, None)
+        dp = DataParallel(reduce, flat.model)
+        h = hooks(reduce.rank) if callable(hooks) else hooks
+        flat.zero_grad()
+        loss = dp.wrap(h, cfg, trainer).gradient(flat, x, y)
+        return flat.grad.clone(), float(loss), flat.model
+    return ThreadSilo(R).run(work)
+
+
+def _flat_grad(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 5))
+
+
+def test_shares_of_a_batch_sum_to_its_gradient_and_loss():
+    """Odd batches over 3 ranks (shares 2/2/3, one empty share at n=2), with and without
+    class weights: the summed share gradients are the batch gradient, the returned loss
+    the batch's mean loss × |B|, the same on every rank."""
+    model = _mlp()
+    gen = torch.Generator().manual_seed(1)
+    for n, weights in ((7, None), (7, (1.0, 3.0, 0.5, 2.0, 1.0)), (2, None)):
+        x, y = torch.randn(n, 16, generator=gen), torch.randint(0, 5, (n,), generator=gen)
+        ref = copy.deepcopy(model)
+        w = torch.tensor(weights) if weights is not None else None
+        loss = F.cross_entropy(ref(x), y, weight=w)
+        loss.backward()
+        cfg = SGDConfig(lr=0.1, class_weights=weights)
+        for g, batch_loss, _ in _silo_gradient(model, 3, x, y, cfg):
+            torch.testing.assert_close(g, _flat_grad(ref), atol=1e-6, rtol=1e-5)
+            assert batch_loss == pytest.approx(float(loss.detach()) * n, rel=1e-5)
+    assert [share(7, r, 3) for r in range(3)] == [slice(0, 2), slice(2, 4), slice(4, 7)]
+
+
+@pytest.mark.parametrize("track", [True, False], ids=["bn", "static_bn"])
+def test_batchnorm_uses_the_whole_batch_of_the_silo(track):
+    """SyncBatchNorm: gradients and running statistics of a conv-BN net over 3 ranks (and
+    over 4 ranks with a 3-sample batch: one rank has no sample) equal one BatchNorm over
+    the whole batch (plain torch)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, bias=False),
+                          nn.BatchNorm2d(4, track_running_stats=track), nn.ReLU(),
+                          nn.Flatten(), nn.Linear(4 * 5 * 5, 3))
+    gen = torch.Generator().manual_seed(2)
+    for R, n in ((3, 7), (4, 3)):
+        x, y = torch.randn(n, 2, 5, 5, generator=gen) + 1.5, torch.randint(0, 3, (n,), generator=gen)
+        ref = copy.deepcopy(model)
+        ref.train()
+        F.cross_entropy(ref(x), y).backward()
+        for g, _, m in _silo_gradient(model, R, x, y, SGDConfig(lr=0.1)):
+            torch.testing.assert_close(g, _flat_grad(ref), atol=2e-6, rtol=1e-5)
+            if track:
+                for key in ("1.running_mean", "1.running_var"):
+                    torch.testing.assert_close(m.state_dict()[key], ref.state_dict()[key],
+                                               atol=1e-6, rtol=1e-6)
+
+
+def test_dpsgd_clips_per_sample_across_the_silo_and_adds_the_noise_once():
+    """Record-level DP at R = 2: (Σ_i clip(g_i) + σC·z)/B with z the client's noise
+    stream, the per-sample clipping and the noise computed here with plain torch."""
+    from fedmpi.component import ClientTask
+    from fedmpi.config.schema import config_from_dict
+    from fedmpi.privacy.record_dp import NOISE_TAG, RecordDP
+
+    cfg = config_from_dict({"privacy": {"dp": {"level": "record", "clip": 0.5,
+                                               "noise_multiplier": 0.7}},
+                            "train": {"batch_size": 4}})
+    task = ClientTask(0, 3, torch.arange(10), 12345)
+    model = _mlp()
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(5, 16, generator=gen), torch.randint(0, 5, (5,), generator=gen)
+    clipped = []
+    for i in range(5):
+        ref = copy.deepcopy(model)
+        F.cross_entropy(ref(x[i:i + 1]), y[i:i + 1]).backward()
+        g = _flat_grad(ref)
+        clipped.append(g * min(1.0, 0.5 / float(g.norm())))
+    noise = torch.randn(clipped[0].shape, generator=torch.Generator().manual_seed(12345 ^ NOISE_TAG))
+    want = (torch.stack(clipped).sum(0) + 0.7 * 0.5 * noise) / 4
+    hooks = lambda rank: RecordDP(cfg).wrap_hooks(StepHooks(), task)  # noqa: E731 - per rank
+    for g, _, _ in _silo_gradient(model, 2, x, y, SGDConfig(lr=0.1), hooks):
+        torch.testing.assert_close(g, want, atol=1e-6, rtol=1e-5)
+
+
+def test_a_gradient_hook_that_is_not_a_sum_over_samples_is_refused():
+    def opaque(flat, x, y):
+        return torch.zeros(())
+
+    with pytest.raises(RuntimeError, match="not a SummedGradient"):
+        _silo_gradient(_mlp(), 2, torch.zeros(2, 16), torch.zeros(2, dtype=torch.long),
+                       SGDConfig(lr=0.1), StepHooks(gradient=opaque))
+
+
+# ------------------------------------------------------------- layout
+def test_silos_are_consecutive_node_local_ranks():
+    # one node: workers 1..4 → silos (1, 2), (3, 4)
+    assert silo_groups([0] * 5, 2, True) == [[1, 2], [3, 4]]
+    # two nodes of 4 ranks, rank 0 on the first: 3 + 4 workers, silos of 7 would span both
+    nodes = [0, 0, 0, 0, 4, 4, 4, 4]
+    assert silo_groups(nodes, 7, False) == [[1, 2, 3, 4, 5, 6, 7]]
+    with pytest.raises(ConfigError, match="'runtime.ranks_per_silo' and 'runtime.silo_placement'"):
+        silo_groups(nodes, 7, True)
+    # two nodes of 3 workers each: whole silos per node; ranks listed by node first
+    assert silo_groups([0, 0, 0, 0, 4, 4, 4], 3, True) == [[1, 2, 3], [4, 5, 6]]
+    assert silo_groups([0, 1, 0, 1, 0, 1, 0], 3, True) == [[2, 4, 6], [1, 3, 5]]
+    for nodes, R in (([0] * 4, 2), ([0] * 2, 2)):
+        with pytest.raises(ConfigError, match=r"'runtime.ranks_per_silo' \(2\) must divide"):
+            silo_groups(nodes, R, True)
+
+
+def test_refusals_name_the_keys(capsys):
+    from fedmpi.cli import main
+
+    assert main(["run", "configs/quickstart.yaml", "--set", "runtime.ranks_per_silo=2",
+                 "--set", "runtime.progress=false", "--out", "/nonexistent/never"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'runtime.ranks_per_silo' (2) needs an MPI job" in err[0], err
+    assert main(["check", "configs/fedgps_digits.yaml", "--set", "runtime.ranks_per_silo=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'runtime.ranks_per_silo' and 'algorithm.name'" in err[0], err
+
+
+# ----------------------------------------------------------------- MPI
+MLP = ["configs/quickstart.yaml", "--set", "model.name=mlp", "--set", "train.rounds=3",
+       "--set", "runtime.progress=false", "--set", "runtime.round_timeout=120"]
+
+
+def _launch(args: list[str], n: int, env: dict | None = None, flags: tuple[str, ...] = (),
+            timeout: float = 300, background: bool = False):
+    mpi = mpiexec_path()
+    if mpi is None:
+        pytest.skip("mpiexec not found")
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), **(env or {})}
+    cmd = [mpi, *flags, "-n", str(n), *fedmpi_cmd(*args)]
+    if background:
+        return subprocess.Popen(cmd, cwd=ROOT, env=full_env, text=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _model(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "model.pt", weights_only=True)
+
+
+def _max_diff(a: Path, b: Path) -> float:
+    ma, mb = _model(a), _model(b)
+    return max(float((ma[k] - mb[k]).abs().max()) for k in ma if ma[k].is_floating_point())
+
+
+@pytest.fixture(scope="module")
+def one_rank_silos(tmp_path_factory) -> Path:
+    """The MLP quickstart at ``-n 3`` with one rank per silo (the reference)."""
+    out = tmp_path_factory.mktemp("silo") / "r1"
+    proc = _launch(["run", *MLP, "--out", str(out)], 3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.mpi
+def test_two_rank_silos_train_the_same_model_as_one_rank_silos(one_rank_silos, tmp_path):
+    """``-n 5`` with ranks_per_silo 2 against ``-n 3`` with 1: max |Δθ| ≤ 1e-5 after 3
+    rounds; under the exact reduction one silo of 2 (``-n 3``) and two (``-n 5``) give
+    the same bits; the rank table names each process's silo and device."""
+    from fedmpi.log.reader import read
+
+    runs = {}
+    for n in (5, 3):
+        out = runs[n] = tmp_path / f"r2n{n}"
+        proc = _launch(["run", *MLP, "--set", "runtime.ranks_per_silo=2", "--set",
+                        "runtime.reduction=exact", "--out", str(out)], n)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _max_diff(runs[5], one_rank_silos) <= 1e-5
+    a, b = _model(runs[5]), _model(runs[3])
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    log = read(runs[5] / "log.h5")
+    assert list(log.arrays["ranks/silo"]) == [0, 1, 1, 2, 2] and len(log.arrays["ranks/device"]) == 5
+    assert log.attrs["world_size"] == 5
+    ref = read(one_rank_silos / "log.h5")
+    np.testing.assert_array_equal(log.clients["selected"], ref.clients["selected"])
+    np.testing.assert_allclose(log.rounds["train_loss"], ref.rounds["train_loss"], rtol=1e-5)
+
+
+@pytest.mark.mpi
+def test_a_silo_size_that_does_not_divide_the_workers_is_refused_in_one_line(tmp_path):
+    proc = _launch(["run", *MLP, "--set", "runtime.ranks_per_silo=2", "--out",
+                    str(tmp_path / "no")], 4, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("fedmpi: error")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert "'runtime.ranks_per_silo' (2) must divide the 3 worker rank(s)" in errors[0]
+    assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.mpi
+def test_a_member_killed_mid_round_ends_the_job_named_and_the_run_resumes(one_rank_silos,
+                                                                           tmp_path):
+    """World rank 4 (the member of silo 2) stops before training its client in round 1
+    and is killed once it said so (a Unix-socket handshake); without the launcher's
+    clean-up the survivors end the job: rank 0 names rank 4 as not answering after
+    ``runtime.round_timeout``. The resumed run ends with the reference's model."""
+    out, timeout = tmp_path / "killed", 15
+    where = tmp_path / "stop.sock"
+    args = ["run", *MLP, "--set", "runtime.ranks_per_silo=2", "--set",
+            "runtime.checkpoint_every=1", "--set", "transforms=[silo_stop:StopHere]",
+            "--out", str(out)]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(where))
+        server.listen(1)
+        server.settimeout(240)
+        proc = _launch([*args, "--set", f"runtime.round_timeout={timeout}"], 5,
+                       {"FEDMPI_STOP_RANK": "4", "FEDMPI_STOP_ROUND": "1",
+                        "FEDMPI_STOP_SOCKET": str(where)},
+                       flags=("-disable-auto-cleanup",), background=True)
+        try:
+            conn, _ = server.accept()
+            with conn:
+                pid = int(conn.makefile().readline())
+                os.kill(pid, signal.SIGKILL)
+                t0 = time.monotonic()
+                _, err = proc.communicate(timeout=timeout + 60)
+                took = time.monotonic() - t0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode not in (0, 75), err[-3000:]
+    assert took < timeout + 15, took
+    errors = [line for line in err.splitlines() if line.startswith("fedmpi: error")]
+    assert errors and f"rank 4 (host {socket.gethostname()}) did not answer" in errors[0], errors
+    assert "rank 3" in errors[0] and "silo gradient Allreduce" in errors[0], errors
+    proc = _launch([*args, "--resume"], 5)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _max_diff(out, one_rank_silos) <= 1e-5
