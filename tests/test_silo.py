@@ -291,7 +291,7 @@ def test_a_member_killed_mid_round_ends_the_job_named_and_the_run_resumes(one_ra
     and is killed once it said so (a Unix-socket handshake); without the launcher's
     clean-up the survivors end the job: rank 0 names rank 4 as not answering after
     ``runtime.round_timeout``. The resumed run ends with the reference's model."""
-    out, timeout = tmp_path / "killed", 15
+    out, timeout = tmp_path / "killed", 10
     where = tmp_path / "stop.sock"
     args = ["run", *MLP, "--set", "runtime.ranks_per_silo=2", "--set",
             "runtime.checkpoint_every=1", "--set", "transforms=[silo_stop:StopHere]",

@@ -170,8 +170,9 @@ def test_find_mpirun_names_the_python(tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------- sbatch scripts
-@pytest.mark.parametrize("script", ["fedmpi.sbatch", "multinode.sbatch", "sweep.sbatch", "lib.sh",
-                                    "submit-sweep.sh", "testing/local-cluster"])
+@pytest.mark.parametrize("script", ["fedmpi.sbatch", "multinode.sbatch", "silo.sbatch",
+                                    "sweep.sbatch", "lib.sh", "submit-sweep.sh",
+                                    "testing/local-cluster"])
 def test_slurm_scripts_parse(script):
     path = ROOT / "slurm" / script
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
@@ -195,6 +196,19 @@ def test_sbatch_default_launcher_matches_the_mpi(tmp_path):
     proc = _sbatch(_script_env(bindir, log, SLURM_JOB_ID="5", OUT=str(out), LAUNCHER="mpirun"), CFG)
     assert log.read_text().splitlines() == [
         f"mpirun {PY} -m fedmpi run {CFG} --out {out} {RUN_TAIL} --set runtime.threads=1"]
+
+
+def test_silo_sbatch_asks_for_silos_of_r_ranks(tmp_path):
+    """slurm/silo.sbatch: R GPUs per silo (RANKS_PER_SILO, default 4) on the run's line."""
+    bindir, log = _fake_bin(tmp_path)
+    out = tmp_path / "out"
+    env = _script_env(bindir, log, SLURM_JOB_ID="5", OUT=str(out), LAUNCHER="mpirun",
+                      SLURM_CPUS_PER_TASK="8", RANKS_PER_SILO="2")
+    proc = _sbatch(env, CFG, script="silo.sbatch")
+    assert proc.returncode == 0, proc.stderr
+    assert log.read_text().splitlines() == [
+        f"mpirun {PY} -m fedmpi run {CFG} --out {out} {RUN_TAIL} --set runtime.threads=8 "
+        "--set runtime.ranks_per_silo=2"]
 
 
 def test_sbatch_requeues_on_75_and_resumes_only_its_own_checkpoint(tmp_path):
