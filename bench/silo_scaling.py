@@ -21,6 +21,7 @@ median seconds and the ratios.
 Usage::
 
     python bench/silo_scaling.py [--out bench/measured/<machine>/silo_scaling.json]
+    python bench/silo_scaling.py --device cuda --silo-sizes 1 2 4 --only runs   # GPUs
 
 The last stdout line is the JSON written to ``--out``. On a shared machine the absolute
 times are noisy; the load average at start and end is recorded.
@@ -55,11 +56,11 @@ def params(h: int) -> int:
     return INPUT * h + h + h * h + h + h * 10 + 10
 
 
-def settings(rounds: int) -> dict[str, list[str]]:
+def settings(rounds: int, device: str) -> dict[str, list[str]]:
     h = hidden_for(11e6)
     common = ["--set", f"train.rounds={rounds}", "--set", f"eval.every={rounds}",
               "--set", "runtime.progress=false", "--set", "runtime.threads=1",
-              "--set", "runtime.device=cpu", "--set", "runtime.round_timeout=900"]
+              "--set", f"runtime.device={device}", "--set", "runtime.round_timeout=900"]
     return {
         "quickstart": ["configs/quickstart.yaml", *common],
         "mlp11m": ["configs/quickstart.yaml", *common, "--set", "model.name=mlp",
@@ -70,6 +71,8 @@ def settings(rounds: int) -> dict[str, list[str]]:
 
 
 def one_run(name: str, args: list[str], R: int, tmp: Path, rep: int) -> dict:
+    from fedmpi.log.reader import read
+
     out = tmp / f"{name}-R{R}-{rep}"
     n = 1 + 2 * R
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -80,7 +83,9 @@ def one_run(name: str, args: list[str], R: int, tmp: Path, rep: int) -> dict:
         raise SystemExit(f"{name} R={R}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
     wall = round_seconds(out / "log.h5")[:-1]          # the last round evaluates
     train = round_seconds(out / "log.h5", column="train_seconds")[:-1]
-    return {"setting": name, "R": R, "ranks": n, "rep": rep, "round_seconds": wall,
+    devices = sorted(set(str(d) for d in read(out / "log.h5").arrays["ranks/device"]))
+    return {"setting": name, "R": R, "ranks": n, "rep": rep, "devices": devices,
+            "round_seconds": wall,
             "round_seconds_median": median(wall), "train_seconds_median": median(train)}
 
 
@@ -138,6 +143,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="repetitions of each run (interleaved)")
     ap.add_argument("--reduce-reps", type=int, default=30)
     ap.add_argument("--only", choices=("runs", "reduce"), default=None)
+    ap.add_argument("--device", default="cpu", help="runtime.device of part 1 (cuda on a GPU)")
+    ap.add_argument("--silo-sizes", type=int, nargs="+", default=[1, 2],
+                    help="R values of part 1 (2 silos each: 1 + 2R ranks)")
     args = ap.parse_args()
     result: dict = {"machine": {"cpus": os.cpu_count(), "load_start": os.getloadavg()},
                     "runs": [], "summary": {}, "reduce": []}
@@ -147,19 +155,19 @@ def main() -> None:
         print(json.dumps(result["reduce"]), file=sys.stderr, flush=True)
     if args.only in (None, "runs"):
         with tempfile.TemporaryDirectory() as tmpdir:
-            for name, run_args in settings(args.rounds).items():
+            for name, run_args in settings(args.rounds, args.device).items():
                 for rep in range(args.reps):
-                    for R in (1, 2):
+                    for R in args.silo_sizes:
                         point = one_run(name, run_args, R, Path(tmpdir), rep)
                         print(json.dumps(point), file=sys.stderr, flush=True)
                         result["runs"].append(point)
-                for R in (1, 2):
+                for R in args.silo_sizes:
                     mine = [p["round_seconds_median"] for p in result["runs"]
                             if p["setting"] == name and p["R"] == R]
                     result["summary"][f"{name}_R{R}_round_seconds"] = median(mine)
-                result["summary"][f"{name}_R2_over_R1"] = (
-                    result["summary"][f"{name}_R2_round_seconds"]
-                    / result["summary"][f"{name}_R1_round_seconds"])
+                    result["summary"][f"{name}_R{R}_over_R1"] = (
+                        result["summary"][f"{name}_R{R}_round_seconds"]
+                        / result["summary"][f"{name}_R1_round_seconds"])
     result["machine"]["load_end"] = os.getloadavg()
     result["machine"]["finished"] = time.strftime("%Y-%m-%d %H:%M")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

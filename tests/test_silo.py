@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -254,15 +255,25 @@ def one_rank_silos(tmp_path_factory) -> Path:
 def test_two_rank_silos_train_the_same_model_as_one_rank_silos(one_rank_silos, tmp_path):
     """``-n 5`` with ranks_per_silo 2 against ``-n 3`` with 1: max |Δθ| ≤ 1e-5 after 3
     rounds; under the exact reduction one silo of 2 (``-n 3``) and two (``-n 5``) give
-    the same bits; the rank table names each process's silo and device."""
+    the same bits — the ``-n 3`` run stopped by a SIGTERM that only its member (world
+    rank 2) received, after round 1, and resumed; the rank table names each process's
+    silo and device."""
     from fedmpi.log.reader import read
 
-    runs = {}
-    for n in (5, 3):
-        out = runs[n] = tmp_path / f"r2n{n}"
-        proc = _launch(["run", *MLP, "--set", "runtime.ranks_per_silo=2", "--set",
-                        "runtime.reduction=exact", "--out", str(out)], n)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    exact = ["run", *MLP, "--set", "runtime.ranks_per_silo=2", "--set",
+             "runtime.reduction=exact", "--set", "transforms=[silo_stop:StopHere]"]
+    runs = {5: tmp_path / "r2n5", 3: tmp_path / "r2n3"}
+    proc = _launch([*exact, "--out", str(runs[5])], 5)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _launch([*exact, "--out", str(runs[3])], 3, {"FEDMPI_STOP_RANK": "2",
+                                                        "FEDMPI_STOP_ROUND": "1",
+                                                        "FEDMPI_STOP_HOW": "signal"})
+    assert proc.returncode == 75, proc.stderr[-3000:]
+    stopped = read(runs[3] / "log.h5")
+    assert stopped.num_rounds == 2 and any("SIGTERM on rank 1" in m
+                                           for m in stopped.events["message"])
+    proc = _launch([*exact, "--out", str(runs[3]), "--resume"], 3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert _max_diff(runs[5], one_rank_silos) <= 1e-5
     a, b = _model(runs[5]), _model(runs[3])
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -272,6 +283,49 @@ def test_two_rank_silos_train_the_same_model_as_one_rank_silos(one_rank_silos, t
     ref = read(one_rank_silos / "log.h5")
     np.testing.assert_array_equal(log.clients["selected"], ref.clients["selected"])
     np.testing.assert_allclose(log.rounds["train_loss"], ref.rounds["train_loss"], rtol=1e-5)
+
+
+TORCH_GROUP = r"""
+import sys, numpy as np, torch
+from mpi4py import MPI
+from fedmpi.comm import Comm
+from fedmpi.runtime.silo import MPIGroupReduce, TorchGroupReduce
+world = MPI.COMM_WORLD
+comm = Comm()
+comm.group, comm.group_rank, comm.group_size = world, world.Get_rank(), world.Get_size()
+r = comm.group_rank
+cpu = torch.device("cpu")
+ways = [lambda: MPIGroupReduce(comm, False), lambda: MPIGroupReduce(comm, True),
+        lambda: TorchGroupReduce(comm, False, cpu, 60, backend="gloo"),
+        lambda: TorchGroupReduce(comm, True, cpu, 60, backend="gloo")]
+mine = torch.arange(5, dtype=torch.float32) * (r + 1) + 0.1
+want = sum(torch.arange(5, dtype=torch.float32) * (k + 1) + 0.1 for k in range(comm.group_size))
+for make in ways:
+    way = make()
+    t, one = mine.clone(), torch.full((1,), float(r))
+    way.sum_([t, one], "test")
+    assert torch.allclose(t, want) and float(one) == sum(range(comm.group_size)), (way, t)
+    rows = way.gather(mine, "test")
+    assert rows.shape == (comm.group_size, 5) and torch.equal(rows[r], mine)
+    if hasattr(way, "close"):   # one default process group per process at a time
+        way.close()
+print("ok", r)
+"""
+
+
+@pytest.mark.mpi
+def test_the_sums_inside_a_silo_over_mpi_and_torch_distributed():
+    """The two reductions of a silo on 3 ranks: over its MPI sub-communicator (default and
+    ordered) and over a torch.distributed process group made from the MPI ranks (gloo on
+    CPU here; NCCL on GPUs), against the sums computed here."""
+    mpi = mpiexec_path()
+    if mpi is None:
+        pytest.skip("mpiexec not found")
+    proc = subprocess.run([mpi, "-n", "3", sys.executable, "-c", TORCH_GROUP], cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1",
+                               "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0 and proc.stdout.count("ok") == 3, proc.stderr[-3000:]
 
 
 @pytest.mark.mpi

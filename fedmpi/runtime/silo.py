@@ -71,10 +71,13 @@ class MPIGroupReduce:
         return torch.from_numpy(rows.copy()).to(t.device)
 
 
-class NCCLGroupReduce:
-    """A silo's sums over one ``torch.distributed`` NCCL process group (module docstring)."""
+class TorchGroupReduce:
+    """A silo's sums over one ``torch.distributed`` process group (NCCL on CUDA; gloo works
+    on CPU tensors, which is how the tests reach this path): the leader opens a
+    ``TCPStore`` on a free port, the members learn its address from an MPI broadcast."""
 
-    def __init__(self, comm: Comm, ordered: bool, device: torch.device, timeout: float) -> None:
+    def __init__(self, comm: Comm, ordered: bool, device: torch.device, timeout: float,
+                 backend: str = "nccl") -> None:
         import torch.distributed as dist
 
         self.dist, self.ordered = dist, ordered
@@ -87,12 +90,13 @@ class NCCLGroupReduce:
                                   timeout=wait, wait_for_workers=False)
             text = f"{socket.gethostname()}\t{store.port}".encode()
             address[: len(text)] = np.frombuffer(text, dtype=np.uint8)
-        comm.group_broadcast(address, "silo NCCL address Bcast")
+        comm.group_broadcast(address, "silo process group address Bcast")
         host, port = bytes(address).rstrip(b"\0").decode().split("\t")
         if store is None:
             store = dist.TCPStore(host, int(port), self.size, is_master=False, timeout=wait)
-        dist.init_process_group("nccl", store=store, rank=self.rank, world_size=self.size,
-                                timeout=wait, device_id=device)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.size,
+                                timeout=wait,
+                                device_id=device if device.type == "cuda" else None)
 
     def sum_(self, tensors: list[torch.Tensor], what: str) -> None:
         for t in tensors:
@@ -102,9 +106,12 @@ class NCCLGroupReduce:
                 self.dist.all_reduce(t)
 
     def gather(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
-        self.dist.all_gather_into_tensor(out, t.contiguous())
-        return out
+        out = torch.empty(self.size * t.numel(), dtype=t.dtype, device=t.device)
+        self.dist.all_gather_into_tensor(out, t.contiguous().reshape(-1))
+        return out.view(self.size, *t.shape)
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
 
 
 def distinct_gpus(comm: Comm, device: torch.device) -> bool:
@@ -126,8 +133,11 @@ def data_parallel(cfg: Config, comm: Comm, model: torch.nn.Module,
     if comm.group_size == 1:
         return None
     ordered = cfg.runtime.reduction == "exact"
-    nccl = (distinct_gpus(comm, device) and torch.distributed.is_available()
-            and torch.distributed.is_nccl_available())
-    reduce = (NCCLGroupReduce(comm, ordered, device, cfg.runtime.round_timeout) if nccl
-              else MPIGroupReduce(comm, ordered))
+    import torch.distributed as dist
+
+    nccl = (device.type == "cuda" and dist.is_available() and dist.is_nccl_available()
+            and distinct_gpus(comm, device))   # the same answer on every rank of the silo
+    reduce: MPIGroupReduce | TorchGroupReduce = MPIGroupReduce(comm, ordered)
+    if nccl:
+        reduce = TorchGroupReduce(comm, ordered, device, cfg.runtime.round_timeout)
     return DataParallel(reduce, model)
