@@ -30,3 +30,38 @@ def test_trimmed_mean_trims_floor_beta_n_of_the_decimal_beta(beta, n, b):
     np.testing.assert_allclose(out, ref, rtol=0, atol=1e-6)
     trimmed = rule.log_arrays()["rule/trimmed"]     # share of coordinates dropped per client
     np.testing.assert_allclose(np.nansum(trimmed) * X.shape[1], 2 * b * X.shape[1], atol=1e-6)
+
+
+# -------------------------------------- 12 run-level lines; absl's non-convergence
+def test_a_run_level_event_names_no_client(capsys):
+    from fedmpi.runtime.record import RoundRecorder
+
+    rec = RoundRecorder(np.zeros(2, dtype=np.int64), 2)
+    rec.event(4, 0, -1, "run completed before round 4: privacy budget spent")
+    rec.event(2, 1, 3, "update excluded: non-finite")
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["fedmpi: round 4: run completed before round 4: privacy budget spent",
+                   "fedmpi: round 2: client 3: update excluded: non-finite"]
+
+
+def test_dp_accountings_non_convergence_warning_is_dropped_and_nothing_else(caplog):
+    """dp-accounting's own test event that does not converge for small orders
+    (PoissonSampled(0.1, Gaussian(1.0))) logs the warning through absl; after the
+    accountant's set-up it reaches no handler, while any other absl warning does."""
+    import logging
+
+    from absl import logging as absl_logging
+    from dp_accounting import dp_event, rdp
+
+    from fedmpi.privacy.accountant import Accountant
+
+    Accountant("record", "rdp", 1.0, 1e-5, 2, 2)          # what a DP run builds first
+    caplog.set_level(logging.WARNING)
+    acc = rdp.RdpAccountant()
+    acc.compose(dp_event.PoissonSampledDpEvent(0.1, dp_event.GaussianDpEvent(1.0)))
+    assert np.inf in acc._rdp                              # the order was excluded ...
+    assert not [r for r in caplog.records if "failed to converge" in r.getMessage()]
+    absl_logging.warning("some other absl warning")        # ... and only that is silent
+    absl_logging.error("an absl error")
+    got = [r.getMessage() for r in caplog.records]
+    assert "some other absl warning" in got and "an absl error" in got

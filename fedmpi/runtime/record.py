@@ -46,7 +46,8 @@ class RoundRecorder:
         if self.writer is not None:
             self.writer.event(t, rank, client, message)
         if echo:
-            print(f"fedmpi: round {t}: client {client}: {message}", file=sys.stderr, flush=True)
+            who = f"client {client}: " if client >= 0 else ""   # -1: a run-level message
+            print(f"fedmpi: round {t}: {who}{message}", file=sys.stderr, flush=True)
 
     def row(self, up: Uplink, result: ServerResult, times: dict[str, float],
             bytes_up: int, bytes_down: int, arrays: dict) -> Row:
