@@ -3,6 +3,8 @@
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -65,3 +67,139 @@ def test_dp_accountings_non_convergence_warning_is_dropped_and_nothing_else(capl
     absl_logging.error("an absl error")
     got = [r.getMessage() for r in caplog.records]
     assert "some other absl warning" in got and "an absl error" in got
+
+
+# ------------------------------------------- 8 and 9: the run lock
+def _race_from_child(out, other_host: bool) -> tuple[bytes, Callable[[], None]]:
+    """Fork a second run that takes the lock of ``out`` now (from another host if
+    ``other_host``); returns what it got (b"H" held, b"R" refused) and a function that
+    lets it release and exit. The child holds what it got until then."""
+    import gc
+    import os
+    import socket
+
+    from fedmpi.errors import RunDirError
+    from fedmpi.job.lock import acquire, release
+
+    res_r, res_w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the racer: plain os calls until _exit
+        gc.disable()
+        code = 0
+        try:
+            if other_host:
+                socket.gethostname = lambda: "node-b"
+            try:
+                acquire(out, 600)
+                os.write(res_w, b"H")
+            except RunDirError:
+                os.write(res_w, b"R")
+            os.read(done_r, 1)
+            release()
+        except BaseException:  # noqa: BLE001 - shows as a missing result
+            code = 1
+        os._exit(code)
+    got = os.read(res_r, 1)
+
+    def finish() -> None:
+        os.write(done_w, b"d")
+        assert os.waitpid(pid, 0)[1] == 0
+        for fd in (res_r, res_w, done_r, done_w):
+            os.close(fd)
+    return got, finish
+
+
+@pytest.mark.parametrize("mode", ["flock", "no-flock", "no-flock-other-host"])
+def test_a_racer_right_after_the_publish_never_holds_the_lock_too(tmp_path, monkeypatch, mode):
+    """The interleaving forced: run A has just published its lock (``link``) and is
+    descheduled for a second before its next step; run B (another process; on
+    another host, or on a file system without ``flock``) tries the lock then. A's
+    ``runtime.round_timeout`` is a legal 1 ms. B must be refused and A must end up
+    holding the lock file that names it."""
+    import os
+    import time
+
+    from fedmpi.job import lock as lk
+
+    out = tmp_path / "run"
+    out.mkdir()
+    if mode != "flock":   # NFS without lockd, Lustre without -o flock
+        monkeypatch.setattr(lk, "_flock", lambda fd, block: None)
+    real_link, me, seen = os.link, os.getpid(), {}
+
+    def link_then_race(src, dst, *args, **kwargs):
+        real_link(src, dst, *args, **kwargs)
+        if os.getpid() == me and os.path.basename(dst) == lk.LOCK_NAME and not seen:
+            then = time.time() - 1.0          # A was descheduled for a second here
+            os.utime(dst, (then, then))
+            seen["racer"], seen["finish"] = _race_from_child(out, mode.endswith("other-host"))
+            if seen["racer"] == b"H":         # B holds it: let it go, so A does not wait forever
+                seen["finish"]()
+
+    monkeypatch.setattr(os, "link", link_then_race)
+    try:
+        assert lk.acquire(out, 1e-3) is None
+        holder = lk.lock_holder(out)
+        assert seen["racer"] == b"R", "a racer holds the lock while its publisher goes on"
+        assert holder is not None and holder.pid == os.getpid()
+    finally:
+        if seen.get("racer") == b"R":
+            seen["finish"]()
+        lk.release()
+
+
+@pytest.mark.parametrize("timeout", ["nan", "inf", "-inf", "0", "-5"])
+def test_a_lock_of_another_host_with_a_timeout_that_is_no_number_of_seconds(tmp_path, timeout):
+    """No 'nan s' in the message; the default 600 s round timeout is assumed: live
+    within 3 x 600 s of its heartbeat, taken over after."""
+    import os
+    import time
+
+    from fedmpi.errors import RunDirError
+    from fedmpi.job.lock import LOCK_NAME, acquire, release
+
+    out = tmp_path / "x"
+    out.mkdir()
+    lock = out / LOCK_NAME
+    lock.write_text(f"other-node 4242 - 1700000000 {timeout}\n")
+    now = time.time()
+    os.utime(lock, (now - 100, now - 100))
+    with pytest.raises(RunDirError) as err:
+        acquire(out)
+    msg = str(err.value)
+    assert "1800 s after its last heartbeat" in msg and "nan" not in msg and "inf" not in msg
+    os.utime(lock, (now - 1801, now - 1801))
+    try:
+        assert "other-node 4242" in acquire(out)
+    finally:
+        release()
+
+
+@pytest.mark.parametrize("since", ["nan", "inf", "1e300", "-1e300"])
+def test_a_lock_with_a_crafted_start_time_is_described_in_one_line(tmp_path, since):
+    from fedmpi.errors import RunDirError
+    from fedmpi.job.lock import LOCK_NAME, acquire
+
+    out = tmp_path / "x"
+    out.mkdir()
+    (out / LOCK_NAME).write_text(f"other-node 4242 - {since} 600\n")
+    with pytest.raises(RunDirError, match="pid 4242 on host other-node, since an unknown time"):
+        acquire(out)
+
+
+@pytest.mark.parametrize("pid", ["0", "-1"])
+def test_a_lock_naming_no_process_on_this_host_is_taken_over(tmp_path, pid):
+    """kill(0, 0) and kill(-1, 0) ask about process groups and succeed: such a lock
+    names no live holder and must not block the directory for ever."""
+    import socket
+
+    from fedmpi.job.lock import LOCK_NAME, acquire, release
+
+    out = tmp_path / "x"
+    out.mkdir()
+    (out / LOCK_NAME).write_text(f"{socket.gethostname()} {pid} - 0 600\n")
+    try:
+        assert f" {pid} " in acquire(out)
+    finally:
+        release()
