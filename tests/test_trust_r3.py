@@ -203,3 +203,115 @@ def test_a_lock_naming_no_process_on_this_host_is_taken_over(tmp_path, pid):
         assert f" {pid} " in acquire(out)
     finally:
         release()
+
+
+# ---------------------------------------------- 6 a stop signal during start-up
+EARLY = ["run", "configs/quickstart.yaml", "--set", "train.rounds=1", "--set",
+         "data.num_clients=2", "--set", "train.clients_per_round=2", "--set",
+         "runtime.progress=false", "--set", "runtime.threads=1"]
+EARLY_LINE = ("fedmpi: interrupted (SIGTERM) during start-up, before anything was written; "
+              "nothing to resume: run the same command again")
+
+
+def test_the_stop_handlers_are_in_place_before_anything_slow_is_imported():
+    """What the interpreter had imported when fedmpi installed its SIGTERM handler
+    (recorded by a wrapper around signal.signal, in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = ("import signal, sys\n"
+            "real = signal.signal\n"
+            "def spy(sig, handler):\n"
+            "    if sig == signal.SIGTERM and not hasattr(spy, 'seen'):\n"
+            "        spy.seen = sorted(sys.modules)\n"
+            "    return real(sig, handler)\n"
+            "signal.signal = spy\n"
+            "import fedmpi.cli\n"
+            "print(' '.join(spy.seen))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    loaded = set(proc.stdout.split())
+    heavy = {"torch", "numpy", "h5py", "mpi4py", "yaml", "scipy", "sklearn", "argparse",
+             "fedmpi.config", "fedmpi.job.outputs"}
+    assert not heavy & loaded, sorted(heavy & loaded)
+    assert "fedmpi.job.signals" in loaded
+
+
+def _early_stop(tmp_path, preexec=None, ready=None):
+    import signal
+    import subprocess
+
+    from conftest import ROOT, fedmpi_cmd
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen(fedmpi_cmd(*EARLY, "--out", str(out)), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=preexec)
+    try:
+        if ready is not None:
+            ready(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    return proc.returncode, stderr, out
+
+
+def test_sigterm_as_early_as_the_process_exists_exits_75_with_one_line(tmp_path):
+    """The signal is sent the moment the process exists, before the interpreter ran a
+    line: the launcher here starts it with SIGTERM blocked, so the signal waits
+    (pending) until fedmpi's first statement unblocks it — and must then end in 75,
+    one line, nothing written (not a run that ignores it, not death by signal 15)."""
+    import signal
+
+    code, err, out = _early_stop(
+        tmp_path, preexec=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}))
+    assert code == 75 and err.strip() == EARLY_LINE, (code, err[-2000:])
+    assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"),
+                    reason="needs /proc/<pid>/status to see when the handler is installed")
+def test_sigterm_the_moment_the_handler_exists_exits_75_with_one_line(tmp_path):
+    """Readiness handshake, no sleep: the kernel's record of the process's caught
+    signals (SigCgt in /proc/<pid>/status) is polled until SIGTERM is caught, and the
+    signal is sent at once — while torch, MPI and the rest are still to be imported."""
+    import signal
+
+    def caught(pid: int) -> None:
+        bit = 1 << (signal.SIGTERM - 1)
+        while True:
+            with open(f"/proc/{pid}/status") as f:
+                line = next(ln for ln in f if ln.startswith("SigCgt:"))
+            if int(line.split()[1], 16) & bit:
+                return
+
+    code, err, out = _early_stop(tmp_path, ready=caught)
+    assert code == 75 and err.strip() == EARLY_LINE, (code, err[-2000:])
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_a_stop_signal_after_mpi_init_is_handed_to_the_run(monkeypatch):
+    """After defer_early (MPI is starting) a SIGTERM is recorded, not acted on alone, and
+    install() makes it the run's stop request."""
+    import os
+    import signal
+
+    from fedmpi.job import signals
+
+    before = {s: signal.getsignal(s) for s in signals.EARLY_SIGNALS}
+    try:
+        signals.install_early()
+        signals.defer_early()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert signals.requested() is None
+        signals.install()
+        assert signals.requested() == "SIGTERM"
+        signals.restore()
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+        signals.clear()
