@@ -315,3 +315,107 @@ def test_a_stop_signal_after_mpi_init_is_handed_to_the_run(monkeypatch):
         for s, h in before.items():
             signal.signal(s, h)
         signals.clear()
+
+
+# ------------------------------------------------ 7, 11 trackers: bad input at the door
+TRACKED = {"name": "tracked", "seed": 1, "runtime": {"progress": False, "threads": 1},
+           "data": {"dataset": "wine", "num_clients": 3, "partition": {"method": "iid"}},
+           "model": {"name": "mlp", "mlp": {"hidden": [8]}},
+           "train": {"rounds": 3, "local_steps": 2, "batch_size": 8}}
+
+
+def _tensorboard_places(tmp_path):
+    afile = tmp_path / "events.txt"
+    afile.write_text("mine\n")
+    return {"a file": afile, "under a file": afile / "tb", "in /proc": "/proc/fedmpi-tb"}
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "in /proc"])
+def test_tensorboard_at_a_place_that_cannot_hold_it_is_one_line_naming_the_key(
+        tmp_path, capsys, where):
+    pytest.importorskip("tensorboard")
+    import yaml
+
+    from fedmpi.cli import main
+
+    place = _tensorboard_places(tmp_path)[where]
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(TRACKED))
+    out = tmp_path / "run"
+    assert main(["run", str(cfg), "--set", f"logging.tensorboard={place}",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "logging.tensorboard" in err[0] and str(place) in err[0], err
+    assert not (out / "log.h5").exists()                   # refused before anything is written
+    assert (tmp_path / "events.txt").read_text() == "mine\n"
+
+
+def test_export_to_a_tensorboard_place_that_cannot_hold_it_is_one_line(tmp_path, capsys):
+    pytest.importorskip("tensorboard")
+    import fedmpi
+    from fedmpi.cli import main
+
+    log = fedmpi.run(TRACKED, ["train.rounds=1"], out=tmp_path / "r").log_path
+    capsys.readouterr()
+    place = _tensorboard_places(tmp_path)["a file"]
+    assert main(["export", str(log), "--tensorboard", str(place)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tensorboard" in err[0], err
+
+
+def test_a_tracker_that_fails_mid_run_is_dropped_in_one_line_and_the_run_goes_on(
+        tmp_path, monkeypatch, capsys):
+    """A full disk under the TensorBoard directory at round 1: one warning naming the
+    key, the run completes and the HDF5 log holds every round."""
+    pytest.importorskip("tensorboard")
+    import errno
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    import fedmpi
+    from fedmpi.log.reader import read
+
+    real = SummaryWriter.add_scalar
+
+    def add_scalar(self, tag, value, global_step=None, *args, **kwargs):
+        if global_step == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, tag, value, global_step, *args, **kwargs)
+
+    monkeypatch.setattr(SummaryWriter, "add_scalar", add_scalar)
+    result = fedmpi.run(TRACKED, [f"logging.tensorboard={tmp_path / 'tb'}"],
+                        out=tmp_path / "run")
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "logging.tensorboard" in ln]
+    assert len(err) == 1 and "round 1" in err[0] and "No space left" in err[0], err
+    log = read(result.log_path)
+    assert list(log.rounds["round"]) == [0, 1, 2] and log.status == "completed"
+
+
+def test_an_unreachable_mlflow_server_fails_at_once_naming_the_key(tmp_path):
+    """MLflow's own retries held this for about 4 minutes; the run must stop within
+    seconds (the bound here only keeps a hang from holding the suite)."""
+    pytest.importorskip("mlflow")
+    import os
+    import socket
+    import subprocess
+
+    import yaml
+
+    from conftest import ROOT, fedmpi_cmd
+
+    with socket.socket() as s:   # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(TRACKED))
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MLFLOW_HTTP_REQUEST")}
+    proc = subprocess.run(fedmpi_cmd("run", str(cfg), "--set",
+                                     f"logging.mlflow.tracking_uri=http://127.0.0.1:{port}",
+                                     "--out", str(out)),
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr[-2000:]
+    assert "logging.mlflow.tracking_uri" in err[0] and "cannot be reached" in err[0], err
+    assert not (out / "log.h5").exists()
