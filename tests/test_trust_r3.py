@@ -419,3 +419,147 @@ def test_an_unreachable_mlflow_server_fails_at_once_naming_the_key(tmp_path):
     assert proc.returncode == 2 and len(err) == 1, proc.stderr[-2000:]
     assert "logging.mlflow.tracking_uri" in err[0] and "cannot be reached" in err[0], err
     assert not (out / "log.h5").exists()
+
+
+# ------------------------------------------------- 4, 5 data at the door (silos)
+def _hospitals(tmp_path, k=4, n=40, columns=("age", "bp", "chol")):
+    """k silo CSVs hospital_{k}.csv and a test set, two classes, the given columns."""
+    import pandas as pd
+    import yaml
+
+    rng = np.random.default_rng(0)
+    frames = []
+    for c in range(k + 1):
+        x = rng.normal(size=(n, len(columns)))
+        y = (x[:, 0] > 0).astype(int)
+        frame = pd.DataFrame(x, columns=list(columns))
+        frame["label"] = y
+        frames.append(frame)
+        name = "test.csv" if c == k else f"hospital_{c}.csv"
+        frame.to_csv(tmp_path / name, index=False, float_format="%.6f")
+    config = {"name": "hospitals", "seed": 2,
+              "data": {"num_clients": k, "partition": {"method": "silos"},
+                       "silos": {"path": str(tmp_path / "hospital_{client}.csv"),
+                                 "test": str(tmp_path / "test.csv")}},
+              "model": {"name": "mlp", "mlp": {"hidden": [8]}},
+              "train": {"rounds": 2, "local_steps": 2, "batch_size": 8},
+              "runtime": {"progress": False, "threads": 1, "device": "cpu"}}
+    (tmp_path / "silos.yaml").write_text(yaml.safe_dump(config))
+    return tmp_path / "silos.yaml", frames
+
+
+def test_a_nan_in_one_silo_is_caught_when_it_is_read(tmp_path, capsys):
+    """Not in the shared statistics, not as non-finite updates, not as a scikit-learn
+    traceback: exit 2 and one line naming the file, the CSV line and the column;
+    nothing written, so the fixed rerun needs no --overwrite."""
+    from fedmpi.cli import main
+
+    cfg, frames = _hospitals(tmp_path)
+    frames[2].loc[5, "bp"] = np.nan                     # data row 5 = line 7 of the file
+    frames[2].to_csv(tmp_path / "hospital_2.csv", index=False, float_format="%.6f")
+    out = tmp_path / "run"
+    assert main(["run", str(cfg), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "hospital_2.csv: line 7, column 'bp': NaN" in err[0], err
+    assert not (out / "log.h5").exists() and not (out / "config.yaml").exists()
+    frames[2].loc[5, "bp"] = 0.0                        # fixed: the same command runs
+    frames[2].to_csv(tmp_path / "hospital_2.csv", index=False, float_format="%.6f")
+    assert main(["run", str(cfg), "--out", str(out)]) == 0
+
+
+@pytest.mark.parametrize("bad", ["missing", "extra"])
+def test_a_silo_with_another_column_names_the_file_and_the_column(tmp_path, capsys, bad):
+    from fedmpi.cli import main
+
+    cfg, frames = _hospitals(tmp_path)
+    changed = frames[3].drop(columns=["chol"]) if bad == "missing" else frames[3].assign(bmi=1.0)
+    changed.to_csv(tmp_path / "hospital_3.csv", index=False, float_format="%.6f")
+    assert main(["run", str(cfg), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "hospital_3.csv" in err[0], err
+    assert ("no column 'chol'" if bad == "missing" else "column 'bmi'") in err[0], err
+
+
+def test_a_silo_with_its_columns_in_another_order_trains_as_if_in_order(tmp_path):
+    """Same columns, another order: each feature is used as what it is (the run equals
+    the one with every file in client 0's order), not mixed up by position."""
+    import fedmpi
+
+    cfg, frames = _hospitals(tmp_path)
+    a = fedmpi.run(str(cfg), out=tmp_path / "a")
+    frames[1][["chol", "label", "age", "bp"]].to_csv(tmp_path / "hospital_1.csv", index=False,
+                                                    float_format="%.6f")
+    b = fedmpi.run(str(cfg), out=tmp_path / "b")
+    ma = torch.load(a.out_dir / "model.pt", weights_only=True)
+    mb = torch.load(b.out_dir / "model.pt", weights_only=True)
+    for key in ma:
+        torch.testing.assert_close(mb[key], ma[key], rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.mpi
+def test_a_silo_missing_a_column_on_another_rank_than_client_0s(tmp_path):
+    """mpiexec -n 3: rank 1 hosts clients 0 and 2, rank 2 clients 1 and 3; client 3's
+    file lacks a column. One line naming the file and the column (not "silo inputs
+    must share one shape [(2,), (3,)]"), exit 2, nothing written."""
+    from conftest import run_fedmpi
+
+    cfg, frames = _hospitals(tmp_path)
+    frames[3].drop(columns=["bp"]).to_csv(tmp_path / "hospital_3.csv", index=False)
+    proc = run_fedmpi(["run", str(cfg), "--out", str(tmp_path / "o")], n=3, check=False,
+                      timeout=240)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and "hospital_3.csv" in lines[0] and "'bp'" in lines[0], lines
+    assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------- 4 a run that produced nothing blocks nothing
+def _leave_log(out, status: str, rounds: int = 0) -> None:
+    from fedmpi.log.writer import LogWriter
+
+    out.mkdir(parents=True, exist_ok=True)
+    w = LogWriter(out / "log.h5", config_yaml="name: x\n", world_size=3, num_clients=2,
+                  num_samples=np.ones(2), class_counts=np.ones((2, 2)), fedmpi_version="0")
+    for t in range(rounds):
+        w.append_round(t, {"test_accuracy": 0.5})
+    w.set_status(status)
+    w.close()
+    (out / "config.yaml").write_text("name: x\n")
+
+
+@pytest.mark.parametrize("status", ["failed", "interrupted", "running"])
+def test_a_previous_run_that_logged_no_round_is_replaced_without_overwrite(tmp_path, capsys,
+                                                                         status):
+    """However it ended (an abort under mpiexec leaves status 'running'), a run with no
+    round, no checkpoint and no model holds nothing to protect."""
+    import yaml
+
+    from fedmpi.cli import main
+
+    out = tmp_path / "run"
+    _leave_log(out, status)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(TRACKED))
+    assert main(["run", str(cfg), "--out", str(out)]) == 0
+    assert "replacing a previous run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("what", ["a round", "a checkpoint", "a model", "not a log"])
+def test_a_previous_run_with_anything_in_it_is_still_protected(tmp_path, what):
+    from fedmpi.errors import RunDirError
+    from fedmpi.job.lock import release
+    from fedmpi.job.rundir import prepare
+
+    out = tmp_path / "run"
+    _leave_log(out, "failed", rounds=1 if what == "a round" else 0)
+    if what == "a checkpoint":
+        (out / "checkpoint.pt").write_bytes(b"x")
+    if what == "a model":
+        (out / "model.pt").write_bytes(b"x")
+    if what == "not a log":
+        (out / "log.h5").write_text("my notes, not a fedmpi log\n")
+    with pytest.raises(RunDirError, match="holds a previous run"):
+        prepare(out, config_from_dict(TRACKED), resume=False, overwrite=False)
+    release()
+    assert (out / "log.h5").exists()
