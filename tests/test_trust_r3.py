@@ -563,3 +563,164 @@ def test_a_previous_run_with_anything_in_it_is_still_protected(tmp_path, what):
         prepare(out, config_from_dict(TRACKED), resume=False, overwrite=False)
     release()
     assert (out / "log.h5").exists()
+
+
+# -------------------------------------------- 10 a full disk at the log's flush
+def _writer(path, k=3):
+    from fedmpi.log.writer import LogWriter
+
+    return LogWriter(path, config_yaml="name: disk\n", world_size=2, num_clients=k,
+                     num_samples=np.full(k, 10), class_counts=np.ones((k, 2)),
+                     fedmpi_version="0")
+
+
+def _append(w, t, k=3):
+    w.append_round(t, {"test_accuracy": 0.1 * t, "bytes_up": 100 * t},
+                   per_client={"selected": np.ones(k, bool), "weight": np.full(k, 1 / k)},
+                   arrays={"fedvg/grad_norm": np.full((k, 4), float(t))})
+
+
+@pytest.mark.parametrize("rounds", [0, 3], ids=["first-round", "new-column-at-round-3"])
+def test_a_write_that_fails_anywhere_in_a_flush_leaves_the_log_of_the_last_flush(
+        tmp_path, monkeypatch, rounds):
+    """The disk fills at every write of a round's append-and-flush in turn (that write
+    torn in half, every later write that needs new space refused) — the first round, or
+    a round that adds a dataset (both allocate new space): the file must be byte for
+    byte the log as flushed before, and read back with the rounds flushed before."""
+    import errno
+    import os
+    import types
+
+    from fedmpi.job.outputs import OutputError
+    from fedmpi.log import undo
+    from fedmpi.log.reader import read
+
+    k = 0
+    while True:
+        path = tmp_path / f"log{k}.h5"
+        w = _writer(path)
+        for t in range(rounds):
+            _append(w, t)
+        flushed = path.read_bytes()
+        calls = {"n": 0}
+
+        def pwrite(fd, data, offset, _k=k):
+            """The k-th write is torn (half written); from then on the disk is full: a
+            write that needs new space (beyond the file's end) fails, one inside the
+            file's blocks does not (as on a full ext4, xfs or tmpfs)."""
+            calls["n"] += 1
+            if calls["n"] - 1 == _k and len(data) > 1:
+                return os.pwrite(fd, bytes(data[: len(data) // 2]), offset)
+            if calls["n"] - 1 > _k and offset + len(data) > os.fstat(fd).st_size:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return os.pwrite(fd, data, offset)
+
+        monkeypatch.setattr(undo, "os", types.SimpleNamespace(
+            **{n: getattr(os, n) for n in ("pread", "ftruncate", "fstat", "fsync", "close")},
+            pwrite=pwrite))
+        try:
+            w.append_round(rounds, {"test_accuracy": 0.5, "bytes_up": 7},
+                           per_client={"selected": np.ones(3, bool)},
+                           arrays={"rule/clip": np.ones(3)})   # a dataset new at round 3
+        except OutputError as exc:
+            monkeypatch.setattr(undo, "os", os)
+            assert "No space left on device" in str(exc), exc
+            assert f"({rounds} rounds)" in str(exc), exc
+            assert path.read_bytes() == flushed, f"write {k}: not the log of the last flush"
+            assert list(read(path).rounds["round"]) == list(range(rounds))
+            k += 1
+            continue
+        monkeypatch.setattr(undo, "os", os)
+        break                    # no write from the k-th on needs new space: all tried
+    assert k >= 3, k
+
+
+def _tiny_filesystem(tmp_path, size: str):
+    import subprocess
+
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a {size} tmpfs here ({proc.stderr.strip() or 'not root'}): "
+                    "the full-disk run needs one")
+    return mnt
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    import subprocess
+
+    mnt = _tiny_filesystem(tmp_path, "440k")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_a_full_disk_at_the_first_flush_leaves_a_readable_log(tiny_disk):
+    """The issue's case: quickstart on a 440 KiB file system, checkpoints off: exit 1,
+    one line, and log.h5 readable (no round was flushed)."""
+    import subprocess
+
+    from conftest import ROOT, fedmpi_cmd
+    from fedmpi.log.reader import read
+
+    out = tiny_disk / "r"
+    proc = subprocess.run(fedmpi_cmd("run", "configs/quickstart.yaml", "--out", str(out),
+                                     "--set", "runtime.progress=false", "--set",
+                                     "runtime.threads=1", "--set", "train.rounds=3"),
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
+    assert "log.h5: cannot write (No space left on device)" in lines[0], lines
+    log = read(out / "log.h5")
+    assert len(log.rounds["round"]) == 0
+
+
+FILL_SCRIPT = r"""
+import sys
+import fedmpi
+out, fill_at = sys.argv[1], int(sys.argv[2])
+
+def fill(t, metrics):            # after round `fill_at` is logged, another job fills the disk
+    if t == fill_at:
+        import os
+        fd = os.open(out + "/../filler", os.O_CREAT | os.O_WRONLY)
+        try:
+            while True:
+                os.write(fd, b"x" * 512)
+        except OSError:
+            os.close(fd)
+
+fedmpi.run("configs/quickstart.yaml", ["runtime.progress=false", "runtime.threads=1",
+           "train.rounds=8", "data.num_clients=4", "train.clients_per_round=2",
+           "eval.every=1"], out=out, callbacks=[fill])
+"""
+
+
+def test_a_disk_that_fills_mid_run_ends_in_one_line_and_a_readable_log(tmp_path):
+    """A 2 MiB file system that another writer fills after round 2 is logged: the rows
+    of later rounds still fit the log's chunks, the final checkpoint does not. One line
+    naming the file, exit 1, and log.h5 readable with every round it flushed, never
+    marked completed."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from fedmpi.log.reader import read
+
+    mnt = _tiny_filesystem(tmp_path, "2m")
+    try:
+        out = mnt / "r"
+        proc = subprocess.run([sys.executable, "-c", FILL_SCRIPT, str(out), "2"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
+        assert "cannot write (No space left on device)" in lines[0], lines
+        log = read(out / "log.h5")
+        rounds = list(log.rounds["round"])
+        assert rounds == list(range(len(rounds))) and len(rounds) >= 3, rounds
+        assert np.isfinite(log.rounds["test_accuracy"]).all()
+        assert log.status != "completed"
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
