@@ -724,3 +724,74 @@ def test_a_disk_that_fills_mid_run_ends_in_one_line_and_a_readable_log(tmp_path)
         assert log.status != "completed"
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+# --------------------------------------------------- 14 ε at privacy.dp.delta
+@pytest.mark.parametrize("level", ["client", "record"])
+def test_epsilon_is_reported_at_the_configured_delta(tmp_path, level):
+    """δ = 1e-3, not the default 1e-5: every round's ε is dp-accounting's at δ = 1e-3,
+    computed here from the documented events, and differs from ε at 1e-5 (so an ε at a
+    fixed δ cannot pass)."""
+    dpa = pytest.importorskip("dp_accounting")
+    from dp_accounting import rdp
+
+    import fedmpi
+    from fedmpi.log.reader import read
+
+    delta, sigma = 1e-3, 1.3
+    cfg = {"name": "delta", "data": {"dataset": "digits", "num_clients": 6,
+                                     "partition": {"method": "iid"},
+                                     "validation": {"fraction": 0.0}},
+           "model": {"name": "mlp", "mlp": {"hidden": [16]}},
+           "train": {"rounds": 2, "clients_per_round": 3, "local_steps": 2, "batch_size": 16,
+                     "lr": 0.1},
+           "aggregation": {"weighting": "uniform"}, "eval": {"every": 2},
+           "privacy": {"dp": {"level": level, "noise_multiplier": sigma, "clip": 0.5,
+                              "delta": delta}},
+           "runtime": {"progress": False, "threads": 1, "device": "cpu"}}
+    log = read(fedmpi.run(cfg, out=tmp_path / level).log_path)
+    eps = log.rounds["epsilon"]
+    for r in range(2):
+        if level == "client":   # m = 3 of K = 6 without replacement, replace-one: σC / 2C
+            events = [(dpa.SampledWithoutReplacementDpEvent(6, 3, dpa.GaussianDpEvent(sigma / 2)),
+                       r + 1, dpa.NeighboringRelation.REPLACE_ONE)]
+        else:                   # per silo: Poisson q_k = B / n_k for its steps so far
+            n = log.clients["num_samples"]
+            steps = np.nan_to_num(log.clients["local_steps"]).astype(int).cumsum(axis=0)[r]
+            events = [(dpa.PoissonSampledDpEvent(min(1.0, 16 / n[k]), dpa.GaussianDpEvent(sigma)),
+                       int(steps[k]), dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
+                      for k in range(6) if steps[k] > 0]
+
+        def epsilon(d: float) -> float:
+            out = 0.0
+            for event, count, relation in events:
+                acc = rdp.RdpAccountant(neighboring_relation=relation)
+                acc.compose(event, count)
+                out = max(out, acc.get_epsilon(d))
+            return out
+
+        assert eps[r] == pytest.approx(epsilon(delta), rel=1e-12)
+        assert epsilon(1e-5) > 1.2 * eps[r]          # the default δ would be seen
+
+
+# ------------------------------------------- 15 FedVG x FedNova, scored on arrival
+@pytest.mark.mpi
+def test_fedvg_with_fednova_scores_the_same_models_on_arrival_as_in_one_batch(tmp_path):
+    """At -n 3 every client is scored as it arrives (FedVG.on_arrival), from FedNova's
+    upload d_k = Δ_k / a_k and its a_k; at -n 1 all are scored in one batch after
+    training. Both must score θ + a_k d_k: the same gradient norms and weights. (That
+    the one-batch path scores θ_k is tests/test_fedvg.py's single-rank check.)"""
+    from conftest import SMALL, run_at_world_sizes
+
+    logs, models = run_at_world_sizes(
+        ["run", "configs/fedvg_digits.yaml", *SMALL, "--set", "runtime.threads=1",
+         "--set", "algorithm.name=fednova", "--set", "train.momentum=0.5"], tmp_path)
+    # a_k (momentum 0.5) is far from 1: scoring the upload d_k alone would show
+    assert np.nanmin(logs[1].arrays["fednova/a"]) > 1.5
+    gn1, gn3 = logs[1].arrays["fedvg/grad_norm"], logs[3].arrays["fedvg/grad_norm"]
+    assert np.isfinite(gn1).any()
+    np.testing.assert_allclose(gn3, gn1, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(logs[3].clients["weight"], logs[1].clients["weight"], atol=1e-5)
+    for key, ref in models[1].items():
+        if ref.is_floating_point():
+            torch.testing.assert_close(models[3][key], ref, atol=1e-5, rtol=0, msg=key)
