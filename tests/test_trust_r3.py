@@ -795,3 +795,118 @@ def test_fedvg_with_fednova_scores_the_same_models_on_arrival_as_in_one_batch(tm
     for key, ref in models[1].items():
         if ref.is_floating_point():
             torch.testing.assert_close(models[3][key], ref, atol=1e-5, rtol=0, msg=key)
+
+
+# ------------------------------------------- the sweep: every user file format
+def test_an_image_that_pil_refuses_as_a_decompression_bomb_is_one_line(tmp_path, monkeypatch):
+    """PIL raises DecompressionBombError (not an OSError) for a crafted image: a
+    DataError naming the file, not a traceback. (The limit is lowered here so that a
+    100 x 100 image plays the bomb.)"""
+    from PIL import Image
+
+    from fedmpi.data.sources import load_imagefolder
+    from fedmpi.errors import DataError
+
+    for split in ("train", "test"):
+        for c in ("a", "b"):
+            (tmp_path / split / c).mkdir(parents=True)
+            Image.new("RGB", (8, 8)).save(tmp_path / split / c / "0.png")
+    Image.new("L", (100, 100)).save(tmp_path / "train" / "b" / "bomb.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    with pytest.raises(DataError, match=r"bomb\.png.*DecompressionBombError"):
+        load_imagefolder(str(tmp_path), 8)
+
+
+def _h5_dataset(path, **over):
+    import h5py
+
+    arrays = {"x_train": np.random.default_rng(0).normal(size=(6, 1, 2, 2)).astype(np.float32),
+              "y_train": np.array([0, 1, 0, 1, 0, 1]),
+              "x_test": np.zeros((2, 1, 2, 2), np.float32), "y_test": np.array([0, 1])}
+    arrays.update(over)
+    with h5py.File(path, "w") as f:
+        for k, v in arrays.items():
+            f[k] = v
+
+
+@pytest.mark.parametrize("case,match", [
+    ("nan", r"x_train: sample 3 holds nan at position \(0, 1, 0\)"),
+    ("inf-test", r"x_test: sample 1 holds inf"),
+    ("negative-label", r"y_train\[2\] = -1 is not a class id"),
+    ("huge-label", r"y_test: label 1099511627776 is not a class id"),
+    ("short-labels", r"x_train holds 6 samples, y_train 5 labels"),
+    ("external", r"'x_test' uses external storage"),
+])
+def test_the_hdf5_dataset_is_checked_when_read(tmp_path, case, match):
+    import h5py
+
+    from fedmpi.data.datasets import load_hdf5
+    from fedmpi.errors import DataError
+
+    path = tmp_path / "data.h5"
+    x = np.random.default_rng(0).normal(size=(6, 1, 2, 2)).astype(np.float32)
+    if case == "nan":
+        x[3, 0, 1, 0] = np.nan
+        _h5_dataset(path, x_train=x)
+    elif case == "inf-test":
+        _h5_dataset(path, x_test=np.array([[[[0, 0], [0, 0]]], [[[np.inf, 0], [0, 0]]]],
+                                          np.float32))
+    elif case == "negative-label":
+        _h5_dataset(path, y_train=np.array([0, 1, -1, 1, 0, 1]))
+    elif case == "huge-label":
+        _h5_dataset(path, y_test=np.array([0, 1 << 40]))
+    elif case == "short-labels":
+        _h5_dataset(path, y_train=np.array([0, 1, 0, 1, 0]))
+    else:   # x_test's bytes in another file: reading it would pull that file in
+        (tmp_path / "secret.bin").write_bytes(np.zeros(8, np.float32).tobytes())
+        _h5_dataset(path)
+        with h5py.File(path, "a") as f:
+            del f["x_test"]
+            f.create_dataset("x_test", shape=(2, 1, 2, 2), dtype=np.float32,
+                             external=[(str(tmp_path / "secret.bin"), 0, 32)])
+    with pytest.raises(DataError, match=match):
+        load_hdf5(str(path))
+
+
+def test_a_silo_hdf5_table_with_external_storage_is_refused(tmp_path):
+    import h5py
+
+    from fedmpi.data.tabular import read_table
+    from fedmpi.errors import DataError
+
+    (tmp_path / "other.bin").write_bytes(np.zeros(8, np.float32).tobytes())
+    with h5py.File(tmp_path / "silo.h5", "w") as f:
+        f.create_dataset("x", shape=(4, 2), dtype=np.float32,
+                         external=[(str(tmp_path / "other.bin"), 0, 32)])
+        f["y"] = np.array([0, 1, 0, 1])
+    with pytest.raises(DataError, match=r"silo\.h5: dataset 'x' uses external storage"):
+        read_table(tmp_path / "silo.h5")
+
+
+@pytest.mark.parametrize("kind", ["pair", "Dataset"])
+def test_a_users_dataset_with_a_nan_input_names_the_key_and_the_sample(kind):
+    import fedmpi
+    from fedmpi.data.base import Dataset
+
+    x = torch.randn(20, 3)
+    x[7, 2] = float("nan")
+    y = torch.arange(20) % 2
+    if kind == "pair":
+        data = (list(zip(x, y.tolist())), list(zip(torch.zeros(4, 3), [0, 1, 0, 1])))
+    else:
+        data = Dataset("mine", x, y, torch.zeros(4, 3), torch.tensor([0, 1, 0, 1]),
+                       num_classes=2, mean=(0.0,) * 3, std=(1.0,) * 3, scale=1.0)
+    with pytest.raises(fedmpi.ConfigError, match=r"data\.dataset.*train inputs: sample 7 "
+                                                 r"holds nan at position \(2,\)"):
+        fedmpi.run({"model": {"name": "mlp"}, "data": {"num_clients": 2},
+                    "train": {"rounds": 1}, "runtime": {"progress": False}}, data=data)
+
+
+def test_a_partition_index_beyond_int64_is_refused_as_itself(tmp_path):
+    from fedmpi.data.partition_file import read_partition_file
+    from fedmpi.errors import DataError
+
+    np.savez(tmp_path / "p.npz", client_0=np.array([2 ** 63 + 1], dtype=np.uint64),
+             client_1=np.array([2], dtype=np.uint64))
+    with pytest.raises(DataError, match="index 9223372036854775809"):
+        read_partition_file(str(tmp_path / "p.npz"))

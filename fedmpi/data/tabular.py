@@ -33,7 +33,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from fedmpi.data.base import Dataset, channel_stats, check_class_ids
+from fedmpi.data.base import (Dataset, channel_stats, check_class_ids, first_non_finite,
+    read_h5_array)
 from fedmpi.errors import DataError
 
 __all__ = ["EMBEDDED", "TABLE_SUFFIXES", "Table", "finite_features", "load_embedded",
@@ -103,7 +104,7 @@ def read_named_table(path: str | os.PathLike, label: str = "label") -> Table:
                 if missing:
                     raise DataError(f"{path}: missing dataset(s) {', '.join(missing)} "
                                     "(expected x [N, F] and y [N])")
-                x, y = f["x"][()], f["y"][()]
+                x, y = read_h5_array(f, "x", path), read_h5_array(f, "y", path)
         except OSError as exc:
             raise DataError(f"{path}: not a readable HDF5 file ({exc})") from None
         label = "y"
@@ -172,10 +173,9 @@ def finite_features(table: Table) -> np.ndarray:
         raise DataError(f"{table.path}: features must be numbers, got dtype {x.dtype}")
     with np.errstate(over="ignore", invalid="ignore"):
         x32 = x.astype(np.float32)
-    bad = ~np.isfinite(x32)
-    if bad.any():
-        first = np.unravel_index(int(np.flatnonzero(bad.reshape(-1))[0]), bad.shape)
-        row, rest = int(first[0]), tuple(int(i) for i in first[1:])
+    first = first_non_finite(x32)
+    if first is not None:
+        row, rest = first[0], first[1:]
         value = x[first].item()
         column = table.columns[rest[0]] if table.columns is not None and rest else None
         what = ("NaN (an empty or missing value)" if value != value else
