@@ -910,3 +910,24 @@ def test_a_partition_index_beyond_int64_is_refused_as_itself(tmp_path):
              client_1=np.array([2], dtype=np.uint64))
     with pytest.raises(DataError, match="index 9223372036854775809"):
         read_partition_file(str(tmp_path / "p.npz"))
+
+
+@pytest.mark.parametrize("experiment,match", [
+    ("x" * 501, r"logging\.mlflow\.experiment: MLflow needs an experiment name"),
+    ("gone", r"logging\.mlflow\.experiment: MLflow cannot use experiment 'gone': .*deleted"),
+])
+def test_an_mlflow_experiment_that_cannot_be_used_names_its_key(tmp_path, monkeypatch,
+                                                                 experiment, match):
+    """Not blamed on logging.mlflow.tracking_uri, which is fine."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    import fedmpi
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = (tmp_path / "mlruns").as_uri()
+    client = MlflowClient(tracking_uri=uri)
+    client.delete_experiment(client.create_experiment("gone"))
+    with pytest.raises(fedmpi.ConfigError, match=match):
+        fedmpi.run(TRACKED, ["train.rounds=1", f"logging.mlflow.tracking_uri={uri}",
+                             f"logging.mlflow.experiment={experiment}"], out=tmp_path / "run")

@@ -182,6 +182,14 @@ def _bounded_http() -> Iterator[None]:
             os.environ.pop(k, None)
 
 
+def check_experiment_name(name: str, key: str) -> None:
+    """MLflow's rule for an experiment name (non-empty, at most 500 characters), checked
+    before anything is written."""
+    if not name.strip() or len(name) > 500:
+        raise ConfigError(f"{key}: MLflow needs an experiment name of 1 to 500 characters, "
+                          f"got {name[:40]!r}{'...' if len(name) > 40 else ''}")
+
+
 def check_reachable(tracking_uri: str, key: str) -> None:
     """An ``http(s)`` tracking URI: its server must accept one TCP connection within
     :data:`PROBE_SECONDS` — else :class:`ConfigError` naming ``key`` at once. Other
@@ -210,26 +218,33 @@ class MLflowTracker(Tracker):
 
     def __init__(self, tracking_uri: str, experiment: str, run_name: str,
                  params: Mapping[str, Any] = {}, key: str = "logging.mlflow",
-                 live: bool = True) -> None:
+                 live: bool = True, experiment_key: str = "logging.mlflow.experiment") -> None:
         self.key, self.live = key, live
         _need("mlflow", "mlflow", key)
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
+        check_experiment_name(experiment, experiment_key)
         check_reachable(tracking_uri, key)
+        blame = key   # the setting a failure is about: the store, then the experiment
         try:
             with _bounded_http():
                 self.client = MlflowClient(tracking_uri=tracking_uri)
                 exp = self.client.get_experiment_by_name(experiment)
+                blame = experiment_key
+                if exp is not None and exp.lifecycle_stage == "deleted":
+                    raise ValueError(f"experiment {experiment!r} is deleted in {tracking_uri!r} "
+                                     "(restore it, or choose another name)")
                 exp_id = exp.experiment_id if exp is not None else \
                     self.client.create_experiment(experiment)
                 self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
                 items = [Param(k, str(v)[:6000]) for k, v in params.items()]
                 for i in range(0, len(items), 100):     # MLflow's batch limit
                     self.client.log_batch(self.run_id, params=items[i:i + 100])
-        except Exception as exc:  # noqa: BLE001 - a bad URI or store: one line naming the key
-            raise ConfigError(f"{key}: MLflow cannot open tracking URI {tracking_uri!r}: "
-                              f"{_first_line(exc)}") from None
+        except Exception as exc:  # noqa: BLE001 - a bad URI, store or experiment: one line
+            what = f"tracking URI {tracking_uri!r}" if blame == key else \
+                f"experiment {experiment!r}"
+            raise ConfigError(f"{blame}: MLflow cannot use {what}: {_first_line(exc)}") from None
 
     def _log(self, t: int, scalars: Mapping[str, float],
              sites: Mapping[str, np.ndarray]) -> None:
@@ -257,6 +272,7 @@ def check_trackers(cfg: Any) -> None:
         check_directory(cfg.logging.tensorboard, "logging.tensorboard")
     if cfg.logging.mlflow.tracking_uri is not None:
         _need("mlflow", "mlflow", "logging.mlflow.tracking_uri")
+        check_experiment_name(cfg.logging.mlflow.experiment, "logging.mlflow.experiment")
         check_reachable(cfg.logging.mlflow.tracking_uri, "logging.mlflow.tracking_uri")
 
 
@@ -316,7 +332,7 @@ def export(log_path: str | Path, tensorboard: Optional[str] = None, mlflow: Opti
                          TensorBoardTracker(tensorboard, key="--tensorboard", live=False)))
     if mlflow is not None:
         ml = MLflowTracker(mlflow, experiment, name, flatten_config(log.config or {}),
-                           key="--mlflow", live=False)
+                           key="--mlflow", live=False, experiment_key="--experiment")
         trackers.append((f"MLflow run {ml.run_id} at {mlflow}", ml))
     for i, t in enumerate(rounds.get("round", [])):
         scalars = {k: float(v[i]) for k, v in rounds.items() if k != "round"}
