@@ -931,3 +931,20 @@ def test_an_mlflow_experiment_that_cannot_be_used_names_its_key(tmp_path, monkey
     with pytest.raises(fedmpi.ConfigError, match=match):
         fedmpi.run(TRACKED, ["train.rounds=1", f"logging.mlflow.tracking_uri={uri}",
                              f"logging.mlflow.experiment={experiment}"], out=tmp_path / "run")
+
+
+@pytest.mark.parametrize("where", ["a directory", "under a file", "in /proc"])
+def test_export_csv_to_a_place_that_cannot_hold_it_is_one_line(tmp_path, capsys, where):
+    import fedmpi
+    from fedmpi.cli import main
+
+    log = fedmpi.run(TRACKED, ["train.rounds=1"], out=tmp_path / "r").log_path
+    afile = tmp_path / "afile"
+    afile.write_text("mine\n")
+    target = {"a directory": tmp_path, "under a file": afile / "x.csv",
+              "in /proc": "/proc/fedmpi-x.csv"}[where]
+    capsys.readouterr()
+    assert main(["export", str(log), "--csv", str(target)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--csv" in err[0], err
+    assert afile.read_text() == "mine\n"

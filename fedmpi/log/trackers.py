@@ -317,10 +317,13 @@ def export(log_path: str | Path, tensorboard: Optional[str] = None, mlflow: Opti
     """
     from fedmpi.compare.runs import flatten_config
     from fedmpi.log.reader import read
-    from fedmpi.job.outputs import claim
+    from fedmpi.job.outputs import claim, write_failed
     from fedmpi.job.safefile import replacing
 
-    if csv is not None:
+    if csv is not None:   # every target checked before anything is written
+        if Path(csv).is_dir():
+            raise ConfigError(f"--csv {csv}: is a directory; name the file to write")
+        check_directory(Path(csv).parent, "--csv")
         claim([csv], overwrite, "fedmpi export --csv")
     log = read(log_path)
     rounds = log.rounds
@@ -348,8 +351,10 @@ def export(log_path: str | Path, tensorboard: Optional[str] = None, mlflow: Opti
         for m in sites:
             for k in range(log.clients[m].shape[1]):
                 frame[f"clients/{m}/{k}"] = log.clients[m][:, k]
-        Path(csv).parent.mkdir(parents=True, exist_ok=True)
-        with replacing(csv, "w") as f:   # never through a planted link; whole or not at all
-            frame.to_csv(f, index=False)
+        try:
+            with replacing(csv, "w") as f:   # never through a planted link; whole or not at all
+                frame.to_csv(f, index=False)
+        except OSError as exc:   # a full disk: exit 1 naming the file (the old one intact)
+            raise write_failed(csv, exc) from None
         done.append(f"CSV table {csv}")
     return done
