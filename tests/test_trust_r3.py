@@ -74,32 +74,19 @@ def _race_from_child(out, other_host: bool) -> tuple[bytes, Callable[[], None]]:
     """Fork a second run that takes the lock of ``out`` now (from another host if
     ``other_host``); returns what it got (b"H" held, b"R" refused) and a function that
     lets it release and exit. The child holds what it got until then."""
-    import gc
     import os
     import socket
 
-    from fedmpi.errors import RunDirError
-    from fedmpi.job.lock import acquire, release
+    from test_adversarial import contend
+
+    def elsewhere() -> None:
+        socket.gethostname = lambda: "node-b"
 
     res_r, res_w = os.pipe()
     done_r, done_w = os.pipe()
     pid = os.fork()
-    if pid == 0:   # the racer: plain os calls until _exit
-        gc.disable()
-        code = 0
-        try:
-            if other_host:
-                socket.gethostname = lambda: "node-b"
-            try:
-                acquire(out, 600)
-                os.write(res_w, b"H")
-            except RunDirError:
-                os.write(res_w, b"R")
-            os.read(done_r, 1)
-            release()
-        except BaseException:  # noqa: BLE001 - shows as a missing result
-            code = 1
-        os._exit(code)
+    if pid == 0:
+        contend(out, res_w, done_r, setup=elsewhere if other_host else None)
     got = os.read(res_r, 1)
 
     def finish() -> None:
