@@ -36,13 +36,14 @@ interpreter teardown) cannot turn status 75 into death by signal 15 (issue 18).
 """
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from types import FrameType
 from typing import Any, Optional
 
 #: Exit status of a run stopped by a signal after writing its checkpoint.
-from fedmpi.errors import EXIT_INTERRUPTED  # noqa: E402 - one definition of the status
+from fedmpi.errors import EXIT_INTERRUPTED, launch_rank  # noqa: E402 - one definition
 
 #: Signals that request a checkpoint-and-stop.
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -70,10 +71,6 @@ def _exit_interrupted(signum: int, frame: Optional[FrameType]) -> None:
     """Start-up, nothing written yet: leave now with 75 and one line (rank 0 says it).
     ``os._exit``, not an exception: one raised here would unwind through whatever
     import is running and leave half-initialised modules behind (issue 40)."""
-    import os
-
-    from fedmpi.errors import launch_rank
-
     if launch_rank() == 0:
         os.write(2, (f"fedmpi: interrupted ({signal_name(signum)}) during start-up, before "
                      "anything was written; nothing to resume: run the same command again\n"
@@ -118,13 +115,12 @@ def install() -> bool:
     Clears any earlier request, except one recorded during the start-up
     (:func:`defer_early`), which becomes this run's. Pair with :func:`restore`.
     """
-    global _early
+    pending = _early
     clear()
     if threading.current_thread() is not threading.main_thread():
         return False
-    if _early is not None:
-        request(*_early)
-        _early = None
+    if pending is not None:
+        request(*pending)
     for sig in STOP_SIGNALS:
         if sig not in _previous:
             _previous[sig] = signal.getsignal(sig)
@@ -171,8 +167,8 @@ def signal_name(signum: int) -> str:
 def clear() -> None:
     """Forget a stop request (what :func:`install` does first; for tests and embedding
     applications that drive rounds without :func:`fedmpi.runtime.run`)."""
-    global _reason, _signum
-    _reason, _signum = None, 0
+    global _reason, _signum, _early
+    _reason, _signum, _early = None, 0, None
 
 
 def request(reason: str, signum: int = int(signal.SIGTERM)) -> None:
