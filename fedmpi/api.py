@@ -187,8 +187,10 @@ def _execute(config: ConfigSource, overrides: Sequence[str], code: UserCode, *,
 
     if comm is None:   # right after MPI init, before the config or the output is touched
         from fedmpi.comm import mpi_library_version, world_size
+        from fedmpi.job import signals
         from fedmpi.job.launcher import check_world
 
+        signals.defer_early()   # from MPI init on, a stop signal is the run's to act on
         check_world(os.environ, world_size(), mpi_library_version())
     cfg = resolve_config(config, overrides)
     for key, obj in (("model.name", code.model),

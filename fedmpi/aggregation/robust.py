@@ -57,8 +57,9 @@ shared base, logging and fallbacks); their arithmetic is :mod:`~fedmpi.aggregati
 from __future__ import annotations
 
 import abc
-
 import copy
+import math
+from fractions import Fraction
 from dataclasses import dataclass, replace
 from typing import ClassVar, Mapping, Optional
 
@@ -177,7 +178,10 @@ class TrimmedMean(CoordinateRule):
         self.beta = self.hparams().beta
 
     def trim(self, n: int) -> int:
-        return int(np.floor(self.beta * n))
+        """b = ⌊βn⌋ of β as written: β's shortest decimal (``repr``) in exact rational
+        arithmetic, so β = 0.29, n = 100 trims 29 (the float product 0.29·100 is
+        28.999…, whose floor would trim one too few)."""
+        return math.floor(Fraction(repr(float(self.beta))) * n)
 
 
 # ------------------------------------------------------------------------ Krum

@@ -283,8 +283,10 @@ def _read_folder(folder: Any, path: str) -> tuple[torch.Tensor, torch.Tensor]:
     for i in range(len(folder)):
         try:
             img, _ = folder[i]
-        except OSError as exc:  # PIL.UnidentifiedImageError is an OSError
-            raise DataError(f"cannot read image {folder.samples[i][0]} under {path} ({exc})") from exc
+        except Exception as exc:  # noqa: BLE001 - PIL's errors: OSError, DecompressionBombError,
+            # SyntaxError, ValueError ... for a damaged or crafted file: name it
+            raise DataError(f"cannot read image {folder.samples[i][0]} under {path} "
+                            f"({type(exc).__name__}: {exc})") from None
         images.append(img)
     return torch.stack(images).contiguous(), torch.as_tensor(folder.targets, dtype=torch.int64)
 

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from fedmpi.errors import ConfigError
+from fedmpi.privacy import absl_quiet
 from fedmpi.privacy.dpsgd import poisson_rate   # the sampler's own rate: accounted = sampled
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ def dp_accounting() -> Any:
     except ImportError:
         raise ConfigError(f"config key 'privacy.dp.level' needs the dp-accounting package "
                           f"({EXTRA_HINT})") from None
+    absl_quiet.install()   # its harmless RDP non-convergence warning only
     return dpa
 
 
