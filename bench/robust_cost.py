@@ -5,7 +5,8 @@
 
 Rows of ResNet-18 size (11.2 M float32 per client, 16 clients) on the CPU; each
 rule's :meth:`aggregate` is timed as the server step calls it (after one warm-up
-call that allocates the rule's reused buffers), median over ``--repeats``.
+call that allocates the rule's reused buffers), median over ``--repeats``, the rules
+taking turns (A B C A B C ...) so that a change of machine load hits them alike.
 ``mean`` is the base rule's per-client aggregate Σ s_k x_k (a per-client run
 under ``mean`` does exactly that; the default reducible path only divides the
 workers' pre-summed vector). FLTrust is timed without its server update (the
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -50,7 +52,7 @@ def main() -> None:
     w = np.random.default_rng(0).uniform(0.5, 1.5, n)
     info = RuleInfo(round=0, clients=np.arange(n), weights=w / w.sum(),
                     num_samples=np.ones(n), num_clients=n, state=torch.zeros(d))
-    results = {}
+    rules = {}
     for name in args.rules:
         cfg = config_from_dict({"data": {"num_clients": n}, "train": {"clients_per_round": None},
                                 "aggregation": {"rule": name}})
@@ -60,18 +62,22 @@ def main() -> None:
         else:
             rule.setup(None)
         rule.aggregate({"delta": X}, info)              # warm-up: buffers
-        times = []
-        for _ in range(args.repeats):
+        rules[name] = rule
+    times: dict[str, list[float]] = {name: [] for name in rules}
+    for _ in range(args.repeats):                       # interleaved: A B C A B C ...
+        for name, rule in rules.items():
             t = time.perf_counter()
             rule.aggregate({"delta": X}, info)
-            times.append(time.perf_counter() - t)
-        results[name] = {"seconds": times, "median_seconds": statistics.median(times)}
-        print(f"{name:17s} {statistics.median(times):8.3f} s", flush=True)
+            times[name].append(time.perf_counter() - t)
+    results = {}
+    for name, ts in times.items():
+        results[name] = {"seconds": ts, "median_seconds": statistics.median(ts)}
+        print(f"{name:17s} {statistics.median(ts):8.3f} s", flush=True)
     base = results.get("mean", {}).get("median_seconds")
     for r in results.values():
         r["vs_mean"] = r["median_seconds"] / base if base else None
     doc = {"clients": n, "size": d, "threads": args.threads, "repeats": args.repeats,
-           "torch": torch.__version__, "results": results}
+           "torch": torch.__version__, "load_average": os.getloadavg(), "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
 
