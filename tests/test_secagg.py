@@ -98,6 +98,11 @@ def test_sealing_skips_same_rank_pairs_bit_identically(layout):
         plain.append(_numpy_encode(partial.numpy(), F))
     total = aggs[0].open(np.sum(sealed, axis=0))
     np.testing.assert_array_equal(total.numpy(), decode(torch.as_tensor(np.sum(plain, axis=0)), F).numpy())
+    # any representative (a sum of ring elements), both halves of the ring
+    reps = np.array([0, 1, MOD // 2 - 1, MOD // 2, MOD - 1, MOD, 3 * MOD - 2, 5 * MOD // 2 + 7],
+                    dtype=np.int64)
+    np.testing.assert_array_equal(aggs[0].open(reps.copy()).numpy(),
+                                  decode(torch.as_tensor(reps), F).numpy())
     if len(layout) == 1:
         fresh = _ranks(layout, K)[0]
         out = np.zeros(D, dtype=np.int64)

@@ -109,6 +109,7 @@ class SecureAggregator:
         self._pair: dict[tuple[int, int], bytes] = {}
         self._zeros = np.zeros(0, dtype=np.uint8)        # keystream scratch (_stream)
         self._scratch = np.zeros(0, dtype=np.uint8)
+        self._float = torch.zeros(0, dtype=torch.float64)  # encode/decode scratch
 
     # ------------------------------------------------------------- keys
     def public_words(self) -> np.ndarray:
@@ -184,15 +185,32 @@ class SecureAggregator:
         of two clients on this rank cancel inside the sum, so E_r is the same ring element,
         bit for bit, and what this rank computes grows with the clients on *other* ranks
         (none at all when one rank hosts every accepted client, e.g. ``-n 1``)."""
-        out[:] = encode(partial.detach().cpu(), self.scale_bits).numpy()
+        v = partial.detach().cpu()
+        q = self._float_scratch(v.numel())
+        q.copy_(v).mul_(float(1 << self.scale_bits)).round_()     # = encode(), in place
+        e = torch.from_numpy(out)
+        e.copy_(q)                            # integral values: the conversion is exact
+        e.bitwise_and_(_MASK)
         own = {int(k) for k in mine}
         others = [int(j) for j in accepted if int(j) not in own]
         for k in own:
             self._add_mask(out, k, t, others)
 
     def open(self, total: np.ndarray) -> torch.Tensor:
-        """Σ_k w̃_k x_k (float64) from Σ_r E_r."""
-        return decode(torch.from_numpy(total), self.scale_bits)
+        """Σ_k w̃_k x_k (float64) from Σ_r E_r: :func:`decode`, computed in place in
+        ``total`` (overwritten) and a float64 buffer kept between rounds (the returned
+        tensor, valid until the next call)."""
+        r = torch.from_numpy(total)
+        # the centred representative: ((r + 2^{b-1}) mod 2^b) − 2^{b-1}
+        r.add_(MOD // 2).bitwise_and_(_MASK).sub_(MOD // 2)
+        out = self._float_scratch(r.numel())
+        out.copy_(r)
+        return out.div_(float(1 << self.scale_bits))
+
+    def _float_scratch(self, size: int) -> torch.Tensor:
+        if self._float.numel() != size:
+            self._float = torch.empty(size, dtype=torch.float64)
+        return self._float
 
 
 def check_config(cfg: Any) -> None:
