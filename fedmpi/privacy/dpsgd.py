@@ -211,18 +211,18 @@ def _by_layers(model: nn.Module, plan: _Plan, x: torch.Tensor, y: torch.Tensor, 
     deltas = torch.autograd.grad(losses.sum(), [taken[m][1] for m, _ in used], allow_unused=True)
     if any(taken[m][0]._version != taken[m][2] for m, _ in used):
         return None
-    parts: list[tuple[int, _PerSample]] = []
+    parts: list[tuple[int, torch.Tensor, _PerSample]] = []   # (index, ‖g_i‖², g)
     for (m, mine), d in zip(used, deltas):
         inp, outp, _ = taken[m]
         delta = torch.zeros_like(outp) if d is None else d
         grads = _per_sample(m, inp.detach(), delta)
-        parts += [(j, grads[a]) for a, j in mine.items()]
-    sq = _sq_norm(parts[0][1]) if parts else torch.zeros(B, dtype=torch.float64, device=y.device)
-    for _, g in parts[1:]:
-        sq += _sq_norm(g)
+        parts += [(j, *grads[a]) for a, j in mine.items()]
+    sq = torch.zeros(B, dtype=torch.float64, device=y.device)
+    for _, sq_j, _ in parts:
+        sq += sq_j
     scale = _clip_scale(sq, clip).to(losses.dtype)
     filled = set()
-    for j, g in parts:
+    for j, _, g in parts:
         out[j].copy_(_weighted_sum(g, scale).reshape(-1))
         filled.add(j)
     for j, o in enumerate(out):     # a layer the forward never reached: zero gradient
@@ -236,11 +236,13 @@ def _by_layers(model: nn.Module, plan: _Plan, x: torch.Tensor, y: torch.Tensor, 
 _PerSample = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 
-def _per_sample(m: nn.Module, a: torch.Tensor, d: torch.Tensor) -> dict[str, _PerSample]:
-    """Per-sample gradients of layer ``m``'s parameters from its input ``a`` and the
-    gradient ``d`` of Σ_i ℓ_i with respect to its output."""
+def _per_sample(m: nn.Module, a: torch.Tensor,
+                d: torch.Tensor) -> dict[str, tuple[torch.Tensor, _PerSample]]:
+    """Per-sample gradients of layer ``m``'s parameters, with their squared norms (float64
+    [B]), from its input ``a`` and the gradient ``d`` of Σ_i ℓ_i with respect to its
+    output."""
     B = d.shape[0]
-    grads: dict[str, _PerSample] = {}
+    grads: dict[str, torch.Tensor] = {}
     if isinstance(m, (nn.Linear, nn.Conv2d)):
         if isinstance(m, nn.Conv2d):
             A = F.unfold(a, m.kernel_size, m.dilation, m.padding,   # type: ignore[arg-type]
@@ -248,10 +250,11 @@ def _per_sample(m: nn.Module, a: torch.Tensor, d: torch.Tensor) -> dict[str, _Pe
             G = d.reshape(B, d.shape[1], -1).transpose(1, 2)          # [B, L, C_out]
         else:
             A, G = a.reshape(B, -1, a.shape[-1]), d.reshape(B, -1, d.shape[-1])
-        grads["weight"] = _outer(A, G)
+        out = {"weight": _outer(A, G)}
         if m.bias is not None:
-            grads["bias"] = G.sum(1)
-    elif isinstance(m, (nn.GroupNorm, nn.LayerNorm)):
+            out["bias"] = _dense(G.sum(1))
+        return out
+    if isinstance(m, (nn.GroupNorm, nn.LayerNorm)):
         if isinstance(m, nn.GroupNorm):
             xh = F.group_norm(a, m.num_groups, eps=m.eps)
             shape: tuple[int, ...] = (B, m.num_channels, -1)
@@ -264,28 +267,28 @@ def _per_sample(m: nn.Module, a: torch.Tensor, d: torch.Tensor) -> dict[str, _Pe
             grads["weight"] = (d * xh).reshape(shape).sum(dims)
         if m.bias is not None:
             grads["bias"] = d.reshape(shape).sum(dims)
-    return grads
+    return {k: _dense(g) for k, g in grads.items()}
 
 
-def _outer(A: torch.Tensor, G: torch.Tensor) -> _PerSample:
-    """δ_iᵀ a_i kept as factors when the ghost norm is cheaper (B·L²·(d_in + d_out)
-    against B·L·d_in·d_out), else materialised [B, d_out, d_in]."""
+def _dense(g: torch.Tensor) -> tuple[torch.Tensor, _PerSample]:
+    return g.reshape(g.shape[0], -1).pow(2).sum(1, dtype=torch.float64), g
+
+
+def _outer(A: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, _PerSample]:
+    """‖δ_iᵀ a_i‖² and the per-sample gradients δ_iᵀ a_i: the norms by the ghost norm
+    ⟨a aᵀ, δ δᵀ⟩ when that is cheaper (B·L²·(d_in + d_out) against B·L·d_in·d_out
+    operations), else from the materialised [B, d_out, d_in]; the gradients kept as that
+    tensor or as the factors (a, δ), whichever is smaller."""
     L, din, dout = A.shape[1], A.shape[2], G.shape[2]
+    f64 = torch.float64
+    if L == 1:
+        return A.pow(2).sum((1, 2), dtype=f64) * G.pow(2).sum((1, 2), dtype=f64), (A, G)
     if L * L * (din + dout) <= din * dout:
-        return A, G
-    return torch.bmm(G.transpose(1, 2), A)
-
-
-def _sq_norm(g: _PerSample) -> torch.Tensor:
-    """‖g_i‖² per sample, float64 [B]."""
-    if isinstance(g, torch.Tensor):
-        return g.reshape(g.shape[0], -1).pow(2).sum(1, dtype=torch.float64)
-    A, G = g
-    if A.shape[1] == 1:
-        return A.pow(2).sum((1, 2), dtype=torch.float64) * G.pow(2).sum((1, 2), dtype=torch.float64)
-    # ‖δᵀa‖_F² = ⟨a aᵀ, δ δᵀ⟩ (L × L per sample)
-    return (torch.bmm(A, A.transpose(1, 2)) * torch.bmm(G, G.transpose(1, 2))).sum(
-        (1, 2), dtype=torch.float64)
+        gram = torch.bmm(A, A.transpose(1, 2)) * torch.bmm(G, G.transpose(1, 2))
+        return gram.sum((1, 2), dtype=f64), (A, G)
+    P = torch.bmm(G.transpose(1, 2), A)
+    sq = P.reshape(P.shape[0], -1).pow(2).sum(1, dtype=f64)
+    return sq, (P if P.numel() <= A.numel() + G.numel() else (A, G))
 
 
 def _weighted_sum(g: _PerSample, scale: torch.Tensor) -> torch.Tensor:
