@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import statistics
@@ -80,6 +81,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--json", default=None, help="also write the summary here")
     args = ap.parse_args(argv)
+    logging.getLogger("absl").setLevel(logging.ERROR)   # dp-accounting's skipped RDP orders
     tmp = Path(tempfile.mkdtemp(prefix="dpsgd_bench_"))
     modes = args.modes.split(",")
     results = {}

@@ -106,6 +106,24 @@ def test_selection_equals_numpy_with_ties_and_even_n(n, monkeypatch):
         np.testing.assert_array_equal(counts.numpy(), expect)
 
 
+def test_selection_lanes_do_not_change_the_result(monkeypatch):
+    """Chunks shared among 1 or 3 threads (lanes): the same aggregate and counts, bit for bit."""
+    monkeypatch.setattr(rm, "SELECT_CHUNK", 16)
+    X = torch.tensor(rows(9, d=200, seed=3))
+    got = []
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 3):
+            torch.set_num_threads(t)
+            out, counts = torch.empty(200), torch.zeros(9, dtype=torch.float64)
+            rm.trimmed_mean(X, 2, out, rm.Workspace(), counts)
+            got.append((out, counts))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    assert got[0][1].sum() == 2 * 2 * 200        # every column drops 2 per side (no ties)
+
+
 @pytest.mark.parametrize("n", range(1, 21))
 def test_selection_network_sorts_the_ranks_it_keeps(n):
     """Applied to random small integers, the pruned network leaves at each kept rank the

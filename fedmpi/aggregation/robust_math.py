@@ -27,6 +27,7 @@ Two building blocks serve all rules:
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -41,10 +42,13 @@ __all__ = [
 #: Columns per chunk of the Gram matrix: ``n × CHUNK`` float64 temporaries of a few tens
 #: of MiB at n = 16.
 CHUNK = 1 << 18
-#: Columns per chunk of the selection network: its n + 1 rows of ``SELECT_CHUNK`` values
-#: (4 MiB at n = 16, float32) stay near the cache, and each pass is still long enough for
-#: PyTorch to split across two threads (its grain is 32768 elements).
-SELECT_CHUNK = 1 << 16
+#: Columns per chunk of the selection network on the CPU: its n + 1 rows of
+#: ``SELECT_CHUNK`` float32 values (2 MiB at n = 16) stay near the cache, and an
+#: elementwise operation on one row is at most PyTorch's grain (32768 elements), so it
+#: runs on the calling thread (:meth:`Workspace.select_columns`).
+SELECT_CHUNK = 1 << 15
+#: The same on an accelerator, where a longer operation costs no more to launch.
+SELECT_CHUNK_DEVICE = 1 << 20
 
 
 class Workspace:
@@ -82,47 +86,78 @@ class Workspace:
         return G.cpu().numpy()
 
     def select_columns(self, X: torch.Tensor, net: "Network",
-                       each: Callable[[Sequence[torch.Tensor], int, int], None]) -> None:
+                       each: Callable[[Sequence[torch.Tensor], int, int, int], None]) -> None:
         """Run the compare–exchange steps ``net`` (:func:`selection_network`) on the rows
-        of ``X``, chunk by chunk of columns, and call ``each(S, a, b)``: ``S[r]`` holds
-        ``[b − a]`` values of rank r wherever the network decides rank r."""
+        of ``X``, chunk by chunk of columns, and call ``each(S, a, b, lane)``: ``S[r]``
+        holds ``[b − a]`` values of rank r wherever the network decides rank r.
+
+        On the CPU the chunks are shared among ``torch.get_num_threads()`` lanes (Python
+        threads; PyTorch releases the GIL inside each operation), each chunk short enough
+        that an operation stays on its lane's thread: no synchronisation per operation,
+        which on a loaded machine costs more than the operation. ``lane`` names the
+        lane's own buffers; the chunks' results do not depend on the lanes."""
         n, d = X.shape
-        width = min(d, SELECT_CHUNK)
-        buf = self.buffer("select", (n + 1, width), X.dtype, X.device)
-        for a, b in self._chunks(d, SELECT_CHUNK):
-            rows: list[torch.Tensor] = [X[i, a:b] for i in range(n)]
-            owned = [False] * n                      # rows[i] is a buffer row, not X's
-            free = [buf[k, : b - a] for k in range(n + 1)]
-            for i, j, need_lo, need_hi in net:
-                ri, rj = rows[i], rows[j]
-                if need_lo:                          # elementwise: in place is safe
-                    lo = ri if owned[i] and not need_hi else free.pop()
-                    torch.minimum(ri, rj, out=lo)
-                if need_hi:
-                    hi = rj if owned[j] else free.pop()
-                    torch.maximum(ri, rj, out=hi)
-                    rows[j], owned[j] = hi, True
-                elif owned[j]:
-                    free.append(rj)
-                if need_lo:
-                    if owned[i] and lo is not ri:
-                        free.append(ri)
-                    rows[i], owned[i] = lo, True
-                elif owned[i]:
-                    free.append(ri)
-            each(rows, a, b)
+        cpu = X.device.type == "cpu"
+        chunk = _select_chunk(X)
+        spans = list(self._chunks(d, chunk))
+        lanes = max(1, min(torch.get_num_threads(), len(spans))) if cpu else 1
+        bufs = [self.buffer(f"select{k}", (n + 1, min(d, chunk)), X.dtype, X.device)
+                for k in range(lanes)]
+
+        def lane(k: int) -> None:
+            for a, b in spans[k::lanes]:
+                each(_run_network(net, X, a, b, bufs[k]), a, b, k)
+
+        if lanes == 1:
+            lane(0)
+            return
+        with ThreadPoolExecutor(lanes) as pool:
+            for done in [pool.submit(lane, k) for k in range(lanes)]:
+                done.result()
 
     def outside_counts(self, X: torch.Tensor, a: int, b: int, low: torch.Tensor,
-                       high: torch.Tensor, counts: torch.Tensor) -> None:
+                       high: torch.Tensor, counts: torch.Tensor, lane: int = 0) -> None:
         """``counts[i] +=`` the columns of ``X[:, a:b]`` at which row i is below ``low``
         or above ``high``."""
         n = X.shape[0]
-        flag = self.buffer("outside", (n, min(X.shape[1], SELECT_CHUNK)), torch.bool,
-                           X.device)[:, : b - a]
+        flag = self.buffer(f"outside{lane}", (n, min(X.shape[1], _select_chunk(X))),
+                           torch.bool, X.device)[:, : b - a]
         block = X[:, a:b]
         for cmp, bound in ((torch.lt, low), (torch.gt, high)):
             cmp(block, bound, out=flag)
             counts.add_(flag.view(torch.uint8).sum(1, dtype=torch.int32))
+
+
+def _select_chunk(X: torch.Tensor) -> int:
+    return SELECT_CHUNK if X.device.type == "cpu" else SELECT_CHUNK_DEVICE
+
+
+def _run_network(net: "Network", X: torch.Tensor, a: int, b: int,
+                 buf: torch.Tensor) -> list[torch.Tensor]:
+    """The steps of ``net`` on ``X[:, a:b]``; positions a step wrote live in rows of
+    ``buf`` ([n + 1, ≥ b − a]), the others are still views of ``X``."""
+    n = X.shape[0]
+    rows: list[torch.Tensor] = [X[i, a:b] for i in range(n)]
+    owned = [False] * n                      # rows[i] is a buffer row, not X's
+    free = [buf[k, : b - a] for k in range(n + 1)]
+    for i, j, need_lo, need_hi in net:
+        ri, rj = rows[i], rows[j]
+        if need_lo:                          # elementwise: in place is safe
+            lo = ri if owned[i] and not need_hi else free.pop()
+            torch.minimum(ri, rj, out=lo)
+        if need_hi:
+            hi = rj if owned[j] else free.pop()
+            torch.maximum(ri, rj, out=hi)
+            rows[j], owned[j] = hi, True
+        elif owned[j]:
+            free.append(rj)
+        if need_lo:
+            if owned[i] and lo is not ri:
+                free.append(ri)
+            rows[i], owned[i] = lo, True
+        elif owned[i]:
+            free.append(ri)
+    return rows
 
 
 #: Compare–exchange steps (i, j, min needed, max needed), i < j: afterwards position i
@@ -194,9 +229,12 @@ def _middle_mean(X: torch.Tensor, trim: int, out: torch.Tensor, ws: Workspace,
     keep = n - 2 * trim
     ends = counts is not None and trim > 0
     net, ends_from_bag = _middle_plan(n, trim, ends)
-    width = min(X.shape[1], SELECT_CHUNK)
+    lanes = torch.get_num_threads()
+    width = min(X.shape[1], _select_chunk(X))
+    part = (torch.zeros(lanes, n, dtype=torch.float64, device=X.device)
+            if counts is not None else None)
 
-    def each(S: Sequence[torch.Tensor], a: int, b: int) -> None:
+    def each(S: Sequence[torch.Tensor], a: int, b: int, lane: int) -> None:
         acc = out[a:b]
         acc.copy_(S[trim])
         for r in range(trim + 1, n - trim):
@@ -205,19 +243,21 @@ def _middle_mean(X: torch.Tensor, trim: int, out: torch.Tensor, ws: Workspace,
             acc.div_(keep)
         if not ends:
             return
-        assert counts is not None
+        assert part is not None
         low, high = S[trim], S[n - trim - 1]
         if ends_from_bag:
-            low = ws.buffer("low", (width,), X.dtype, X.device)[: b - a]
-            high = ws.buffer("high", (width,), X.dtype, X.device)[: b - a]
+            low = ws.buffer(f"low{lane}", (width,), X.dtype, X.device)[: b - a]
+            high = ws.buffer(f"high{lane}", (width,), X.dtype, X.device)[: b - a]
             torch.minimum(S[trim], S[trim + 1], out=low)
             torch.maximum(S[trim], S[trim + 1], out=high)
             for r in range(trim + 2, n - trim):
                 torch.minimum(low, S[r], out=low)
                 torch.maximum(high, S[r], out=high)
-        ws.outside_counts(X, a, b, low, high, counts)
+        ws.outside_counts(X, a, b, low, high, part[lane], lane)
 
     ws.select_columns(X, net, each)
+    if counts is not None and part is not None:
+        counts.add_(part.sum(0))
     return out
 
 

@@ -3,7 +3,8 @@
 Every loader reads both splits into memory once as raw tensors (files
 under ``root``; pool / test sizes; raw dtype):
 
-- ``digits``: bundled with scikit-learn; pool 1437, test 360; float32.
+- ``digits``: scikit-learn's CSV (read without importing scikit-learn); pool 1437,
+  test 360; float32.
 - ``mnist`` / ``fashionmnist``: ``MNIST/raw/*-ubyte`` / ``FashionMNIST/raw/*-ubyte``;
   60000 / 10000; uint8.
 - ``cifar10`` / ``cifar100``: ``cifar-10-batches-py/`` / ``cifar-100-python/``;
@@ -32,6 +33,7 @@ from fedmpi.errors import DataError
 __all__ = [
     "DIGITS_NUM_TRAIN",
     "TORCHVISION_DATASETS",
+    "digits_file",
     "load_digits",
     "load_imagefolder",
     "load_medmnist",
