@@ -17,11 +17,13 @@ not measured; the rules allocate nothing model-sized per round after the warm-up
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -43,6 +45,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rules", nargs="+", default=RULES)
     ap.add_argument("--out", default=str(ROOT / "bench/measured/cpu2-2026-11-24/robust_cost.json"))
+    ap.add_argument("--baseline", default=None,
+                    help="another checkout: its fedmpi/aggregation/robust_math.py's median and "
+                         "trimmed mean join the rotation (rows median_baseline, "
+                         "trimmed_mean_baseline), e.g. the full sort before issue 37")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     n, d = args.clients, args.size
@@ -63,11 +69,15 @@ def main() -> None:
             rule.setup(None)
         rule.aggregate({"delta": X}, info)              # warm-up: buffers
         rules[name] = rule
-    times: dict[str, list[float]] = {name: [] for name in rules}
+    calls: dict[str, Callable[[], object]] = {
+        name: (lambda rule=rule: rule.aggregate({"delta": X}, info)) for name, rule in rules.items()}
+    if args.baseline:
+        calls.update(_baseline_calls(Path(args.baseline), X, rules))
+    times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(args.repeats):                       # interleaved: A B C A B C ...
-        for name, rule in rules.items():
+        for name, call in calls.items():
             t = time.perf_counter()
-            rule.aggregate({"delta": X}, info)
+            call()
             times[name].append(time.perf_counter() - t)
     results = {}
     for name, ts in times.items():
@@ -80,6 +90,29 @@ def main() -> None:
            "torch": torch.__version__, "load_average": os.getloadavg(), "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def _baseline_calls(checkout: Path, X: torch.Tensor, rules: dict) -> dict:
+    """The baseline's coordinate-wise functions, called as the rules call them (with the
+    trimmed counts of the ``delta`` statistic), after one warm-up call each."""
+    spec = importlib.util.spec_from_file_location(
+        "robust_math_baseline", checkout / "fedmpi/aggregation/robust_math.py")
+    assert spec is not None and spec.loader is not None
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    n, d = X.shape
+    out = torch.empty(d)
+    counts = torch.zeros(n, dtype=torch.float64)
+    calls: dict[str, Callable[[], object]] = {}
+    if "median" in rules:
+        ws_m = old.Workspace()
+        calls["median_baseline"] = lambda: old.coordinate_median(X, out, ws_m, counts)
+    if "trimmed_mean" in rules:
+        ws_t, b = old.Workspace(), rules["trimmed_mean"].trim(n)
+        calls["trimmed_mean_baseline"] = lambda: old.trimmed_mean(X, b, out, ws_t, counts)
+    for call in calls.values():
+        call()
+    return calls
 
 
 if __name__ == "__main__":
