@@ -49,6 +49,8 @@ CHUNK = 1 << 18
 SELECT_CHUNK = 1 << 15
 #: The same on an accelerator, where a longer operation costs no more to launch.
 SELECT_CHUNK_DEVICE = 1 << 20
+#: At most this many CPU lanes (threads) share the chunks; each keeps its own buffers.
+MAX_LANES = 8
 
 
 class Workspace:
@@ -91,8 +93,8 @@ class Workspace:
         of ``X``, chunk by chunk of columns, and call ``each(S, a, b, lane)``: ``S[r]``
         holds ``[b − a]`` values of rank r wherever the network decides rank r.
 
-        On the CPU the chunks are shared among ``torch.get_num_threads()`` lanes (Python
-        threads; PyTorch releases the GIL inside each operation), each chunk short enough
+        On the CPU the chunks are shared among ``torch.get_num_threads()`` lanes (at most
+        :data:`MAX_LANES`; Python threads; PyTorch releases the GIL inside each operation), each chunk short enough
         that an operation stays on its lane's thread: no synchronisation per operation,
         which on a loaded machine costs more than the operation. ``lane`` names the
         lane's own buffers; the chunks' results do not depend on the lanes."""
@@ -100,7 +102,7 @@ class Workspace:
         cpu = X.device.type == "cpu"
         chunk = _select_chunk(X)
         spans = list(self._chunks(d, chunk))
-        lanes = max(1, min(torch.get_num_threads(), len(spans))) if cpu else 1
+        lanes = max(1, min(_lanes(), len(spans))) if cpu else 1
         bufs = [self.buffer(f"select{k}", (n + 1, min(d, chunk)), X.dtype, X.device)
                 for k in range(lanes)]
 
@@ -126,6 +128,12 @@ class Workspace:
         for cmp, bound in ((torch.lt, low), (torch.gt, high)):
             cmp(block, bound, out=flag)
             counts.add_(flag.view(torch.uint8).sum(1, dtype=torch.int32))
+
+
+def _lanes() -> int:
+    """Lanes of the selection network: the torch threads, at most :data:`MAX_LANES`
+    (each lane keeps n + 1 rows of a chunk)."""
+    return min(torch.get_num_threads(), MAX_LANES)
 
 
 def _select_chunk(X: torch.Tensor) -> int:
@@ -229,7 +237,7 @@ def _middle_mean(X: torch.Tensor, trim: int, out: torch.Tensor, ws: Workspace,
     keep = n - 2 * trim
     ends = counts is not None and trim > 0
     net, ends_from_bag = _middle_plan(n, trim, ends)
-    lanes = torch.get_num_threads()
+    lanes = _lanes()
     width = min(X.shape[1], _select_chunk(X))
     part = (torch.zeros(lanes, n, dtype=torch.float64, device=X.device)
             if counts is not None else None)
