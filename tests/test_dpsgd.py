@@ -116,8 +116,11 @@ def test_a_layer_called_twice_at_run_time_falls_back_to_vmap():
     model = Twice(nn.Linear(4, 4), nn.Linear(4, 3))
     x, y = torch.randn(8, 4) * 3, torch.randint(0, 3, (8,))
     names = [n for n, _ in model.named_parameters()]
-    ref, _, _ = reference(model, x, y, 0.5)
+    assert dpsgd._layer_plan(model, names) is None           # its class is not vouched for
+    plan = [(model[0], {"weight": 0, "bias": 1}), (model[1], {"weight": 2, "bias": 3})]
     out = [torch.empty(p.numel()) for p in model.parameters()]
+    assert dpsgd._by_layers(model, plan, x, y, 0.5, out) is None   # nor at run time
+    ref, _, _ = reference(model, x, y, 0.5)
     dpsgd.clipped_grad_sum(model, names, x, y, 0.5, out)
     for a, b in zip(out, ref):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-6)

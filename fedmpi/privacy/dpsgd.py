@@ -25,10 +25,13 @@ same result up to float rounding:
   gradient is formed), then per layer from its input a_i and output gradient
   δ_i: ∇W_i = δ_iᵀ a_i (a_i the unfolded patches of a convolution, one row per
   output position), ∇b_i = Σ_l δ_il, and for the normalisations
-  ∇γ_i = Σ δ_i ⊙ x̂_i, ∇β_i = Σ δ_i. ‖∇W_i‖² is taken either from the
-  materialised δ_iᵀ a_i or, when that is larger, as
-  ⟨a_i a_iᵀ, δ_i δ_iᵀ⟩ ("ghost norm", Li et al. 2022, §4). The clipped sum
-  Σ_i s_i ∇W_i = (s ⊙ δ)ᵀ a is one ordinary weight-gradient product.
+  ∇γ_i = Σ δ_i ⊙ x̂_i, ∇β_i = Σ δ_i. ‖∇W_i‖² is taken from the materialised
+  δ_iᵀ a_i or, where that costs more, as ⟨a_i a_iᵀ, δ_i δ_iᵀ⟩ (the "ghost norm",
+  Li et al. 2022, "Large language models can be strong differentially private
+  learners", ICLR, §4). The clipped sum Σ_i s_i ∇W_i = (s ⊙ δ)ᵀ a is one ordinary
+  weight-gradient product. The container types are an allow-list because a forward
+  that moved the batch off dim 0 or used a parameter outside its layer would make
+  these per-layer gradients wrong, and the clipping with them.
 * *vmap*: ``torch.func.vmap(grad(...))`` over the batch, for any other model.
 """
 from __future__ import annotations
