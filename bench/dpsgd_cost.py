@@ -1,12 +1,15 @@
 """What record-level DP-SGD (``privacy.dp.level: record``) costs per round (issue 37.1).
 
-    python bench/dpsgd_cost.py [--settings cnn_gn,mlp] [--repeats 2] [--rounds 4] [--json PATH]
+    python bench/dpsgd_cost.py [--settings cnn_gn,mlp] [--modes plain,record,record_vmap]
+        [--repeats 2] [--rounds 4] [--json PATH]
+    mpiexec -n 3 python bench/dpsgd_cost.py ...
 
 Settings: ``cnn_gn`` is the quickstart (digits, 5 of 10 clients, 2 local epochs,
 batch 32) with ``model.norm=gn``; ``mlp`` is the tabular MLP of
 ``configs/tabular_silos.yaml`` (breast cancer, 6 clients, 32-32 hidden, batch 16),
 partitioned in memory (Dirichlet 0.5) instead of from exported silo files. Each runs
-the whole job in this process (world size 1, ``runtime.threads=1``) in three modes,
+the whole job in this process (``runtime.threads=1``; world size 1, or under
+``mpiexec -n 3`` rank 0 and two workers) in three modes,
 interleaved ``--repeats`` times (plain, record, record_vmap, plain, record, ...):
 
 * ``plain``: no DP;
@@ -68,9 +71,18 @@ def one_run(setting: str, mode: str, rounds: int, out: Path) -> dict:
     finally:
         dpsgd._layer_plan = plan
     elapsed = time.perf_counter() - t0
+    if _rank() != 0:
+        return {}
     r = read(out / "log.h5").rounds
     return {k: float(np.median(r[k][1:])) for k in COLUMNS[:2]} | {
         "run_seconds": elapsed, "final_test_accuracy": float(r["test_accuracy"][-1])}
+
+
+def _rank() -> int:
+    """This process's rank under ``mpiexec`` (0 without MPI)."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank()
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
@@ -82,7 +94,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--json", default=None, help="also write the summary here")
     args = ap.parse_args(argv)
     logging.getLogger("absl").setLevel(logging.ERROR)   # dp-accounting's skipped RDP orders
-    tmp = Path(tempfile.mkdtemp(prefix="dpsgd_bench_"))
+    tmp = Path(tempfile.mkdtemp(prefix="dpsgd_bench_") if _rank() == 0 else tempfile.gettempdir())
     modes = args.modes.split(",")
     results = {}
     for setting in args.settings.split(","):
@@ -90,6 +102,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         for rep in range(args.repeats):
             for mode in modes:
                 runs[mode].append(one_run(setting, mode, args.rounds, tmp / f"{setting}_{mode}_{rep}"))
+        if _rank() != 0:
+            continue
         med = {m: {k: statistics.median(r[k] for r in rs) for k in COLUMNS}
                for m, rs in runs.items()}
         for m in modes:
@@ -98,7 +112,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     med[m][f"{k}_ratio"] = med[m][k] / med["plain"][k]
         results[setting] = {"median": med, "runs": runs}
         print(json.dumps({setting: med}), flush=True)
+    if _rank() != 0:
+        return {}
+    from mpi4py import MPI
+
     doc = {"bench": "dpsgd_cost", "settings": results, "rounds": args.rounds,
+           "world_size": MPI.COMM_WORLD.Get_size(),
            "repeats": args.repeats, "load_average": os.getloadavg(),
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                        "torch": torch.__version__}}

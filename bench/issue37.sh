@@ -9,6 +9,7 @@
 #
 #   dpsgd_cost.json        record-level DP-SGD vs no DP (quickstart CNN with GroupNorm; tabular
 #                          MLP), per-layer per-sample gradients vs the vmap way, world size 1
+#   dpsgd_cost_n3.json     the same at -n 3 (no DP vs DP-SGD per layer)
 #   secagg_cost_n1.json    secure aggregation vs plaintext at -n 1 (and the every-pair sealing)
 #   secagg_cost_n3.json    the same at -n 3
 #   robust_cost_2m.json    median / trimmed mean vs mean, 16 x 2 M floats, 2 threads
@@ -20,7 +21,9 @@ cd "$(dirname "$0")/.."
 OUT=${1:-bench/measured/cpu2-$(date +%F)}
 mkdir -p "$OUT"
 uptime | tee "$OUT/load_before.txt"
-python bench/dpsgd_cost.py --repeats 3 --rounds 4 --json "$OUT/dpsgd_cost.json" | tail -n 1 > /dev/null
+python bench/dpsgd_cost.py --repeats 3 --rounds 4 --json "$OUT/dpsgd_cost.json" > /dev/null
+mpiexec -n 3 python bench/dpsgd_cost.py --modes plain,record --repeats 3 --rounds 4 \
+    --json "$OUT/dpsgd_cost_n3.json" > /dev/null
 python bench/secagg_cost.py --settings cnn --repeats 3 --modes plaintext,secure,secure_every_pair \
     --json "$OUT/secagg_cost_n1.json" > /dev/null
 mpiexec -n 3 python bench/secagg_cost.py --settings cnn --repeats 3 \
