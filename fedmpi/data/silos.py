@@ -127,18 +127,20 @@ def _held_out(cfg: Config, client: int, silo: Table, test: Optional[Table]
     return (x[keep], y[keep]), (x[pos], y[pos])
 
 
-def read_silo(cfg: Config, client: int,
-              loader: Optional[Callable[[int], Any]] = None) -> tuple[np.ndarray, np.ndarray]:
-    """Client ``client``'s ``(x float32, y int64)`` from ``data.silos.path`` or the loader."""
-    table = silo_table(cfg, client, loader)
+def read_silo(cfg: Config, client: int, loader: Optional[Callable[[int], Any]] = None,
+              finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Client ``client``'s ``(x float32, y int64)`` from ``data.silos.path`` or the loader
+    (``finite=False``: missing values stay NaN, for ``fedmpi stats``)."""
+    table = silo_table(cfg, client, loader, finite)
     return table.x, table.y
 
 
-def silo_table(cfg: Config, client: int, loader: Optional[Callable[[int], Any]] = None) -> Table:
+def silo_table(cfg: Config, client: int, loader: Optional[Callable[[int], Any]] = None,
+               finite: bool = True) -> Table:
     """Client ``client``'s silo as a checked :class:`~fedmpi.data.tabular.Table`."""
     s = cfg.data.silos
     if s.path is not None or loader is None:
-        return read_named_table(s.path.format(client=client), cfg.data.tabular.label)
+        return read_named_table(s.path.format(client=client), cfg.data.tabular.label, finite)
     try:
         x, y = loader(client)
     except UserError:
@@ -158,7 +160,8 @@ def silo_table(cfg: Config, client: int, loader: Optional[Callable[[int], Any]] 
                         f"and integer labels y [n] >= 0; got x {x.shape}, y {y.shape} {y.dtype}")
     where = f"data.silos.loader {s.loader!r}: client {client}"
     check_class_ids(y, where)
-    x = finite_features(Table(x, y, None, where))
+    if finite:
+        x = finite_features(Table(x, y, None, where))
     return Table(np.ascontiguousarray(x), y.astype(np.int64), None, where)
 
 

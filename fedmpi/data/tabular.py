@@ -88,8 +88,11 @@ def read_table(path: str | os.PathLike, label: str = "label") -> tuple[np.ndarra
     return table.x, table.y
 
 
-def read_named_table(path: str | os.PathLike, label: str = "label") -> Table:
-    """One CSV, Parquet or HDF5 file as a :class:`Table`, checked (module docstring)."""
+def read_named_table(path: str | os.PathLike, label: str = "label",
+                     finite: bool = True) -> Table:
+    """One CSV, Parquet or HDF5 file as a :class:`Table`, checked (module docstring).
+    ``finite=False`` keeps missing and non-finite features as NaN/±inf instead of refusing
+    them (``fedmpi stats`` counts them; training never reads a table so)."""
     path = os.fspath(path)
     suffix = _suffix(path)
     if not os.path.isfile(path):
@@ -151,7 +154,7 @@ def read_named_table(path: str | os.PathLike, label: str = "label") -> Table:
                             "id; labels must be integers >= 0")
         y = y.astype(np.int64)
     check_class_ids(y, str(path))
-    x = finite_features(table)
+    x = finite_features(table) if finite else np.asarray(table.x, dtype=np.float32)
     if x.ndim == 1:
         x = x[:, None]
     return Table(np.ascontiguousarray(x), y.astype(np.int64), columns, path)
