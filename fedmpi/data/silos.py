@@ -93,8 +93,10 @@ def build_local(cfg: Config, comm: Any, hosted: Sequence[int], is_server: bool,
 
 
 def clients_evaluate(cfg: Config) -> bool:
-    """Whether every client evaluates the global model on its own held-out data."""
-    return cfg.eval.where != "server"
+    """Whether every client evaluates on its own held-out data: the global model each
+    evaluated round (``eval.where``), or the models of the cross-site validation after
+    the last one (``eval.cross_site``)."""
+    return cfg.eval.where != "server" or cfg.eval.cross_site
 
 
 def _server_reads_validation(cfg: Config, needs: DataNeeds) -> bool:
