@@ -368,7 +368,7 @@ class FLTrust(RobustRule):
 
     name = "fltrust"
     column = "trust"
-    _g0_round: Optional[int] = None   # the round whose g_0 begin_round computed
+    _early: Optional[tuple[int, torch.Tensor]] = None   # (round, g_0) from begin_round
 
     @classmethod
     def check(cls, cfg: Config) -> None:
@@ -409,13 +409,13 @@ class FLTrust(RobustRule):
 
     def begin_round(self, state: torch.Tensor, round: int) -> None:
         """:math:`g_0` of round ``round`` now, while the workers train (class docstring)."""
-        self.server_update(state, round)
-        self._g0_round = round
+        self._early = (round, self.server_update(state, round))
 
     def aggregate(self, rows: Rows, info: RuleInfo) -> dict[str, torch.Tensor]:
         X = rows["delta"]
-        early, self._g0_round = self._g0_round == info.round, None
-        g0 = (self.g0 if early else self.server_update(info.state, info.round))[: X.shape[1]]
+        early, self._early = self._early, None
+        g0 = (early[1] if early is not None and early[0] == info.round
+              else self.server_update(info.state, info.round))[: X.shape[1]]
         norms = torch.linalg.vector_norm(X, dim=1).double().cpu().numpy()
         dots = torch.mv(X, g0).double().cpu().numpy()
         g0_norm = float(torch.linalg.vector_norm(g0))

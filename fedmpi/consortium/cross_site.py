@@ -45,6 +45,7 @@ itself (the submodel family, :func:`fedmpi.config.schema.check_components`).
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -241,10 +242,12 @@ class CrossSiteValidation:
             assert self.out is not None, "claimed at set-up"
             save = self.out / MODELS_DIR
             save.mkdir(exist_ok=True)
+        start = time.perf_counter()
         result = validate(fed, rounds, save)
         if result is not None and fed.writer is not None:
             files = model_files(result.sites) if save is not None else None
             write_log(fed.writer, result, files)
+            fed.writer.set_attr("/", "cross_site_seconds", time.perf_counter() - start)
 
 
 def final_evaluations(cfg: Config) -> list[FinalEvaluation]:
