@@ -194,3 +194,26 @@ def test_existing_local_models_are_refused_before_training(tmp_path):
     assert torch.load(mine, weights_only=True).keys() == \
         torch.load(res.out_dir / "model.pt", weights_only=True).keys()
     assert read(res.log_path).arrays["cross_site/test_accuracy"].shape == (3, 4)
+
+
+def test_a_local_training_that_raises_fails_the_run_naming_the_site(tmp_path):
+    """A site whose training raises during the pass (here a simulated crash of a client not
+    drawn in the run's only round) fails the run with one line naming it: status failed,
+    no model.pt, the checkpoint of the completed rounds kept."""
+    from fedmpi.runtime.build import participants
+
+    drawn = participants(0, 3, 1, 0)
+    crash = int(np.flatnonzero(~drawn)[0])
+    cfg = {"name": "cs", "seed": 0, "data": {"dataset": "breast_cancer", "num_clients": 3},
+           "model": {"name": "mlp"},
+           "train": {"rounds": 1, "local_steps": 1, "clients_per_round": 1},
+           "adversary": {"clients": [crash], "kind": "crash"},
+           "eval": {"cross_site": True, "client_holdout": 0.2},
+           "runtime": {"progress": False, "threads": 1}}
+    with pytest.raises(fedmpi.RunFailed, match=f"local training of site 'client {crash}'"):
+        fedmpi.run(cfg, out=tmp_path)
+    log = read(tmp_path / "log.h5")
+    assert log.status == "failed" and log.num_rounds == 1
+    assert any(f"site 'client {crash}'" in str(m) for m in log.events["message"])
+    assert not (tmp_path / "model.pt").exists() and (tmp_path / "checkpoint.pt").exists()
+    assert "cross_site/test_accuracy" not in log.arrays

@@ -66,7 +66,6 @@ __all__ = ["CrossSite", "CrossSiteValidation", "final_evaluations", "model_files
 MODELS_DIR = "local_models"
 #: the name of column 0 in ``/cross_site/models``
 GLOBAL = "global model"
-_ERR_BYTES = 1024
 
 
 @dataclass
@@ -95,19 +94,6 @@ def model_files(names: list[str]) -> list[str]:
     return files
 
 
-def _agree_on_failure(comm, error: Optional[str]) -> None:
-    """Collective: raise the first rank's error line on every rank, if any rank has one."""
-    buf = np.zeros((comm.size, _ERR_BYTES), dtype=np.uint8)
-    if error is not None:
-        raw = error.encode()[: _ERR_BYTES - 1]
-        buf[comm.rank, : len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    out = np.zeros_like(buf)
-    comm.allreduce_sum(buf, out, what="cross-site training agreement Allreduce")
-    for row in out:
-        if row.any():
-            raise RuntimeError(bytes(row).rstrip(b"\0").decode(errors="replace"))
-
-
 def validate(fed: Federation, rounds: int, save: Optional[Path] = None) -> Optional[CrossSite]:
     """The cross-site validation of the module docstring on this rank (a collective:
     every rank calls it after round ``rounds − 1``); :class:`CrossSite` on rank 0, None
@@ -115,7 +101,7 @@ def validate(fed: Federation, rounds: int, save: Optional[Path] = None) -> Optio
     (:func:`model_files`)."""
     from fedmpi.imports import run_objects, runtime_error_line
     from fedmpi.job.outputs import write_model
-    from fedmpi.data.silos import site_names
+    from fedmpi.data.silos import agree_on_errors, site_names
     from fedmpi.runtime.channel import Mirror
 
     cfg, comm, K, D = fed.cfg, fed.comm, fed.K, fed.D
@@ -159,12 +145,12 @@ def validate(fed: Federation, rounds: int, save: Optional[Path] = None) -> Optio
                 line, _ = runtime_error_line(exc, run_objects(algo, fed.flat.model, fed.weighting,
                                                               fed.transforms))
                 error = (f"cross-site validation: the local training of site {names[j]!r} "
-                         f"(client {j}, rank {comm.rank}) failed: {line}")
+                         f"(client {j}) failed: {line}")
             else:
                 assert own is not None and fed.trainer is not None, "a rank hosting sites"
                 own.copy_(fed.trainer.flat.vector)
                 fed.reports.take_client_values(j)   # nothing is uploaded
-        _agree_on_failure(comm, error)
+        agree_on_errors(comm, error, RuntimeError, "cross-site training agreement Allreduce")
         for r, hosted in enumerate(hosts):
             if w >= len(hosted):
                 continue
