@@ -3,27 +3,29 @@
 # computed while the workers train (both run on CPU in CI; this checks the CUDA paths:
 # the pinned host buffers of the local models' Bcasts, rank 0 training g_0 on the GPU).
 #   source bench/gpu_setup.sh; bash bench/gpu_cross_site.sh OUTDIR      (about 3 minutes)
+# (DEVICE=cpu runs the same on a CPU, as a smoke test of the script.)
 # Prints, per check, whether -n 1 and -n 3 agree (bit for bit, else the largest difference).
 set -u
 out=${1:-bench-gpu-cross-site}
 mkdir -p "$out"
 py=${PYTHON:-python3}
 mpi=${MPIEXEC:-mpiexec}
+export DEVICE=${DEVICE:-cuda}
 cfg="$out/tabular_silos.yaml"
 $py - "$out" <<'EOF'
-import sys, yaml
+import os, sys, yaml
 out = sys.argv[1]
 c = yaml.safe_load(open("configs/tabular_silos.yaml"))
 c["data"]["silos"].update(path=f"{out}/silos/{{client}}.csv", test=f"{out}/silos/test.csv",
                           validation=f"{out}/silos/validation.csv")
-c["runtime"]["device"] = "cuda"
+c["runtime"]["device"] = os.environ["DEVICE"]
 yaml.safe_dump(c, open(f"{out}/tabular_silos.yaml", "w"))
 EOF
 $py -m fedmpi partition "$cfg" --out "$out/preview" --export >/dev/null || exit 1
 sets="--set eval.cross_site=true --set eval.cross_site_models=true --set train.rounds=3"
 $py -m fedmpi run "$cfg" --out "$out/cs_n1" --overwrite $sets || exit 1
 $mpi -n 3 $py -m fedmpi run "$cfg" --out "$out/cs_n3" --overwrite $sets || exit 1
-q="configs/quickstart.yaml --set aggregation.rule=fltrust --set train.rounds=4 --set runtime.device=cuda --set runtime.progress=false"
+q="configs/quickstart.yaml --set aggregation.rule=fltrust --set train.rounds=4 --set runtime.device=$DEVICE --set runtime.progress=false"
 $py -m fedmpi run $q --out "$out/fl_n1" --overwrite || exit 1
 $mpi -n 3 $py -m fedmpi run $q --out "$out/fl_n3" --overwrite || exit 1
 $py - "$out" <<'EOF'
