@@ -21,7 +21,7 @@ from conftest import ROOT, mpiexec_path
 from fedmpi.config.schema import config_from_dict
 from fedmpi.errors import ConfigError
 from fedmpi.log.reader import read
-from test_sites import held_out_positions, mlp_probs
+from test_sites import held_out_split, mlp_probs
 
 K, ROUNDS = 6, 3
 NAMES = ["Mercy", "St Jude", "Charité", "Karolinska", "Mayo", "Hôpital Lariboisière"]
@@ -81,16 +81,7 @@ def silos(tmp_path_factory):
 def _cells(root, models: list[dict]) -> dict[str, np.ndarray]:
     """scikit-learn's [K, K + 1] matrices: site i's held-out rows (the documented hold-out
     rule) through model c in plain torch, normalised by the training rows' statistics."""
-    import pandas as pd
-
-    frames = [pd.read_csv(root / f"silo_{k}.csv") for k in range(K)]
-    train, test = [], []
-    for k, frame in enumerate(frames):
-        pos = held_out_positions(len(frame), k)
-        test.append(frame.iloc[pos])
-        train.append(frame.drop(index=frame.index[pos]))
-    feats = pd.concat(train).drop(columns="label").to_numpy(dtype=np.float64)
-    mean, std = feats.mean(0), feats.std(0)
+    _, test, mean, std = held_out_split(root)
     out = {m: np.full((K, K + 1), np.nan) for m in ("test_accuracy", "balanced_accuracy",
                                                     "macro_f1", "auroc", "test_loss")}
     for i, t in enumerate(test):
