@@ -183,6 +183,7 @@ def _execute(config: ConfigSource, overrides: Sequence[str], code: UserCode, *,
              overwrite: bool = False, comm: Optional[Comm] = None,
              callbacks: Sequence[Callback] = ()) -> RunResult:
     """The run behind :func:`run` and :func:`run_cli` (errors in the CLI's terms)."""
+    from fedmpi.consortium.cross_site import final_evaluations
     from fedmpi.runtime.driver import run as run_federation
 
     if comm is None:   # right after MPI init, before the config or the output is touched
@@ -204,6 +205,6 @@ def _execute(config: ConfigSource, overrides: Sequence[str], code: UserCode, *,
 
         comm = run_comm(cfg)
     metrics = run_federation(cfg, out_dir, comm=comm, resume=resume, overwrite=overwrite,
-                             code=code, callbacks=callbacks)
+                             code=code, callbacks=callbacks, final=final_evaluations(cfg))
     return RunResult(metrics=metrics or {}, log_path=out_dir / "log.h5", out_dir=out_dir,
                      rank=comm.rank)

@@ -101,8 +101,10 @@ def build_local(cfg: Config, comm: Any, hosted: Sequence[int], is_server: bool,
 
 
 def clients_evaluate(cfg: Config) -> bool:
-    """Whether every client evaluates the global model on its own held-out data."""
-    return cfg.eval.where != "server"
+    """Whether every client evaluates on its own held-out data: the global model each
+    evaluated round (``eval.where``), or the models of the cross-site validation after
+    the last one (``eval.cross_site``)."""
+    return cfg.eval.where != "server" or cfg.eval.cross_site
 
 
 def _server_reads_validation(cfg: Config, needs: DataNeeds) -> bool:
@@ -222,17 +224,20 @@ def site_names(cfg: Config) -> list[str]:
     return [f"client {k}" if n == str(k) else n for k, n in enumerate(names)]
 
 
-def agree_on_errors(comm: Any, error: Optional[UserError]) -> None:
-    """Collective: raise the first rank's error (same text on every rank) if any rank failed."""
+def agree_on_errors(comm: Any, error: Optional[Exception | str],
+                    kind: type[Exception] = DataError,
+                    what: str = "silo read agreement Allreduce") -> None:
+    """Collective: raise ``kind`` with the first rank's error (``rank r: <error>``, the
+    same text on every rank) if any rank failed: one ``Allreduce`` of one line per rank."""
     buf = np.zeros((comm.size, ERR_BYTES), dtype=np.uint8)
     if error is not None:
         raw = f"rank {comm.rank}: {error}".encode()[: ERR_BYTES - 1]
         buf[comm.rank, : len(raw)] = np.frombuffer(raw, dtype=np.uint8)
     out = np.zeros_like(buf)
-    comm.allreduce_sum(buf, out, what="silo read agreement Allreduce")
+    comm.allreduce_sum(buf, out, what=what)
     for row in out:
         if row.any():
-            raise DataError(bytes(row).rstrip(b"\0").decode(errors="replace"))
+            raise kind(bytes(row).rstrip(b"\0").decode(errors="replace"))
 
 
 def agree_on_shape(comm: Any, shape: Optional[tuple[int, ...]], classes: int

@@ -52,10 +52,11 @@ __all__ = ["MAY_CHANGE_ON_RESUME", "RUN_FILES", "WRITTEN", "RunDir", "check_same
 RUN_FILES = ("log.h5", "checkpoint.pt", "model.pt")
 #: Also removed by ``--overwrite`` (glob patterns): the side files and the temporary
 #: names of every file (:func:`fedmpi.job.safefile.temp_name`: ``.<name>.tmp-*``).
-_SIDE_FILES = ("config.yaml", "best.pt",
+_SIDE_FILES = ("config.yaml", "best.pt", "local_models/*.pt", "local_models/.*.pt.tmp-*",
                *(f".{name}.tmp-*" for name in (*RUN_FILES, "config.yaml", "best.pt")))
-#: Every name fedmpi writes in a run directory: none of them may be a symbolic link.
-WRITTEN = (LOCK_NAME, *RUN_FILES, *_SIDE_FILES, "report")
+#: Every name fedmpi writes in a run directory: none of them may be a symbolic link
+#: (``local_models/``: eval.cross_site_models, :mod:`fedmpi.consortium.cross_site`).
+WRITTEN = (LOCK_NAME, *RUN_FILES, *_SIDE_FILES, "report", "local_models")
 
 #: Config keys (``fnmatch`` patterns) that may differ between a checkpoint and the run
 #: resuming it: how long to run, where the data lives, how to evaluate, how to execute.
