@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 BASE = {"name": "silo-matrix", "seed": 3,
@@ -38,6 +39,7 @@ CASES: dict[str, dict] = {
                        "system.allocation": [3, 3]},
     "eval-clients": {"eval.where": "both", "eval.client_holdout": 0.2, "eval.every": 1},
     "eval-sharded": {"eval.sharded": True, "eval.every": 1},
+    "cross-site": {"eval.cross_site": True, "eval.where": "both", "eval.client_holdout": 0.2},
     "weighting-fedvg": {"aggregation.weighting": "fedvg"},
     "ecgr": {"ecgr.enabled": True},
     "adam-kept": {"train.optimizer": "adamw", "train.optimizer_state": "keep"},
@@ -72,8 +74,13 @@ def config(over: dict, R: int):
 def main() -> None:
     from mpi4py import MPI
 
+    from fedmpi.consortium.cross_site import final_evaluations
     from fedmpi.errors import ConfigError
-    from fedmpi.runtime.driver import run
+    from fedmpi.log.reader import read
+    from fedmpi.runtime.driver import run as run_driver
+
+    def run(cfg, out):
+        return run_driver(cfg, out, final=final_evaluations(cfg))
 
     out = Path(sys.argv[1])
     names = sys.argv[2:] or list(CASES)
@@ -91,6 +98,10 @@ def main() -> None:
             diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in a
                        if a[k].is_floating_point())
             metrics = max(abs(mine[k] - ref[k]) for k in ref)
+            logs = [read(out / name / r / "log.h5").arrays for r in ("r2", "r1")]
+            for key in ("cross_site/test_accuracy", "cross_site/test_loss"):   # K x (K + 1)
+                if key in logs[1]:
+                    metrics = max(metrics, float(np.abs(logs[0][key] - logs[1][key]).max()))
             print(f"{name} ok {diff:.3g} {metrics:.3g}", flush=True)
     if rank == 0:
         print("done", flush=True)

@@ -25,7 +25,7 @@ class StopHere(UpdateTransform):
     name = "stop_here"
 
     def before_training(self, task):
-        from fedmpi.cli import launch_rank
+        from fedmpi.errors import launch_rank
 
         if task.round != int(os.environ.get("FEDMPI_STOP_ROUND", "-1")) or \
                 launch_rank() != int(os.environ.get("FEDMPI_STOP_RANK", "-1")):

@@ -329,6 +329,34 @@ def test_the_sums_inside_a_silo_over_mpi_and_torch_distributed():
 
 
 @pytest.mark.mpi
+def test_every_method_transform_rule_and_privacy_stage_on_a_silo_of_two(tmp_path):
+    """tests/silo_matrix.py in one ``mpiexec -n 3``: each case (every method, weighting,
+    ECGR, optimizer state, class weights, BatchNorm, attacks, robust rules, client and
+    record DP, secure aggregation, client/sharded/cross-site evaluation) at
+    ranks_per_silo 2 against 1 — the same model to float rounding and the same metrics —
+    or refused naming the keys: FedGPS alone (its loss couples a batch's samples)."""
+    from silo_matrix import CASES
+
+    mpi = mpiexec_path()
+    if mpi is None:
+        pytest.skip("mpiexec not found")
+    proc = subprocess.run([mpi, "-n", "3", sys.executable, str(ROOT / "tests" / "silo_matrix.py"),
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH":
+                               os.pathsep.join([str(ROOT), str(ROOT / "tests")])})
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("done"), proc.stderr[-3000:]
+    lines = {ln.split()[0]: ln.split(maxsplit=2)[1:] for ln in proc.stdout.splitlines()[:-1]}
+    assert set(lines) == set(CASES)
+    refused = {name: rest[1] for name, rest in lines.items() if rest[0] == "refused"}
+    assert list(refused) == ["method-fedgps"], refused
+    assert "'runtime.ranks_per_silo' and 'algorithm.name'" in refused["method-fedgps"]
+    for name, (status, numbers) in lines.items():
+        if status == "ok":
+            diff, metrics = map(float, numbers.split())
+            assert diff <= 1e-5 and metrics <= 1e-4, (name, diff, metrics)
+
+
+@pytest.mark.mpi
 def test_a_silo_size_that_does_not_divide_the_workers_is_refused_in_one_line(tmp_path):
     proc = _launch(["run", *MLP, "--set", "runtime.ranks_per_silo=2", "--out",
                     str(tmp_path / "no")], 4, timeout=120)

@@ -135,6 +135,8 @@ def check_components(cfg: Config, method: Optional[type[Algorithm]] = None,
     * ``train.local_steps`` is at least every component's ``min_local_steps`` (ECGR: 2);
     * silos of several ranks (``runtime.ranks_per_silo``) need a method whose loss is a
       mean over the samples (``spec.split_batch``);
+    * a method that evaluates itself (``spec.owns_evaluation``, the submodel family)
+      takes neither per-site evaluation nor cross-site validation;
     * ``aggregation.params`` belongs to a rule given by import path (checked against
       its ``params["params"]`` dataclass)."""
     transforms = list(transforms)
@@ -173,6 +175,10 @@ def check_components(cfg: Config, method: Optional[type[Algorithm]] = None,
                           f"{cfg.algorithm.name!r} trains with a loss that couples the samples "
                           "of a batch beyond their mean, so a batch cannot be shared among the "
                           "ranks of a silo; use runtime.ranks_per_silo: 1")
+    if method is not None and method.spec_for(cfg).owns_evaluation and cfg.eval.cross_site:
+        raise ConfigError(f"config keys 'eval.cross_site' and 'algorithm.name': method "
+                          f"{cfg.algorithm.name!r} evaluates its resource levels itself (its "
+                          "clients train submodels, not models of the global model's kind)")
     if method is not None and method.spec_for(cfg).masked_upload:
         for tr in transforms:
             if tr.rewrites_update:
