@@ -165,9 +165,11 @@ def main() -> None:
                     mine = [p["round_seconds_median"] for p in result["runs"]
                             if p["setting"] == name and p["R"] == R]
                     result["summary"][f"{name}_R{R}_round_seconds"] = median(mine)
-                    result["summary"][f"{name}_R{R}_over_R1"] = (
-                        result["summary"][f"{name}_R{R}_round_seconds"]
-                        / result["summary"][f"{name}_R1_round_seconds"])
+                base = result["summary"].get(f"{name}_R1_round_seconds")
+                for R in args.silo_sizes:
+                    if R != 1 and base is not None:
+                        result["summary"][f"{name}_R{R}_over_R1"] = (
+                            result["summary"][f"{name}_R{R}_round_seconds"] / base)
     result["machine"]["load_end"] = os.getloadavg()
     result["machine"]["finished"] = time.strftime("%Y-%m-%d %H:%M")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

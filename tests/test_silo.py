@@ -213,6 +213,34 @@ def test_refusals_name_the_keys(capsys):
     assert len(err) == 1 and "'runtime.ranks_per_silo' and 'algorithm.name'" in err[0], err
 
 
+@pytest.mark.parametrize("nodes,R,needle", [
+    ([0] * 4, 2, "'runtime.ranks_per_silo' (2) must divide the 3 worker rank(s)"),
+    ([0, 0, 0, 0, 4, 4, 4, 4], 7, "config keys 'runtime.ranks_per_silo' and "
+                                  "'runtime.silo_placement': the node of rank 0 runs 3"),
+], ids=["not_dividing", "across_nodes"])
+def test_job_shapes_that_do_not_fit_exit_2_in_one_line(nodes, R, needle, monkeypatch, capsys,
+                                                        tmp_path):
+    """The job's layout as MPI would report it (world size, each rank's node), in process:
+    ``fedmpi run`` exits 2 with one line naming the keys before anything is written."""
+    import fedmpi.runtime.driver as driver
+    from fedmpi.cli import main
+
+    class Layout:   # rank 0 of a job of len(nodes) processes, before any split
+        rank, size = 0, len(nodes)
+        world_size = size
+
+        def node_ids(self):
+            return nodes
+
+    monkeypatch.setattr(driver, "Comm", lambda **kw: Layout())
+    out = tmp_path / "never"
+    assert main(["run", "configs/quickstart.yaml", "--set", f"runtime.ranks_per_silo={R}",
+                 "--set", "runtime.progress=false", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    assert not out.exists()
+
+
 # ----------------------------------------------------------------- MPI
 MLP = ["configs/quickstart.yaml", "--set", "model.name=mlp", "--set", "train.rounds=3",
        "--set", "runtime.progress=false", "--set", "runtime.round_timeout=120"]
@@ -372,7 +400,8 @@ def test_a_member_killed_mid_round_ends_the_job_named_and_the_run_resumes(one_ra
     """World rank 4 (the member of silo 2) stops before training its client in round 1
     and is killed once it said so (a Unix-socket handshake); without the launcher's
     clean-up the survivors end the job: rank 0 names rank 4 as not answering after
-    ``runtime.round_timeout``. The resumed run ends with the reference's model."""
+    ``runtime.round_timeout``. The run, resumed at ``-n 3`` with one-rank silos, ends with
+    the reference's model."""
     out, timeout = tmp_path / "killed", 10
     where = tmp_path / "stop.sock"
     args = ["run", *MLP, "--set", "runtime.ranks_per_silo=2", "--set",
@@ -402,6 +431,7 @@ def test_a_member_killed_mid_round_ends_the_job_named_and_the_run_resumes(one_ra
     errors = [line for line in err.splitlines() if line.startswith("fedmpi: error")]
     assert errors and f"rank 4 (host {socket.gethostname()}) did not answer" in errors[0], errors
     assert "rank 3" in errors[0] and "silo gradient Allreduce" in errors[0], errors
-    proc = _launch([*args, "--resume"], 5)
+    # the checkpoint is the one of R = 1 (per-client states by client id): resume there
+    proc = _launch([*args, "--set", "runtime.ranks_per_silo=1", "--resume"], 3)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _max_diff(out, one_rank_silos) <= 1e-5
