@@ -201,6 +201,21 @@ def test_silos_are_consecutive_node_local_ranks():
             silo_groups(nodes, R, True)
 
 
+def test_each_silo_gets_distinct_gpus_of_its_node():
+    """``/ranks/device``: a rank's GPU is its node-local rank mod the node's GPUs
+    (:func:`fedmpi.job.placement.gpu_for_local_rank`); silos of R ≤ GPUs ranks then hold R
+    distinct GPUs — one node of 4 or 8 GPUs, and two nodes of 4 GPUs with the aggregator
+    as the first node's one extra rank (as slurm/silo.sbatch starts it)."""
+    from fedmpi.job.placement import gpu_for_local_rank
+
+    for nodes, R, gpus in (([0] * 5, 2, 4), ([0] * 5, 2, 2), ([0] * 9, 4, 8), ([0] * 9, 2, 8), ([0] * 3, 2, 2),
+                           ([0] * 5 + [5] * 4, 4, 4), ([0] * 5 + [5] * 4, 2, 4)):
+        local = {r: sum(1 for q in range(r) if nodes[q] == nodes[r]) for r in range(len(nodes))}
+        for group in silo_groups(nodes, R, True):
+            devices = [(nodes[r], gpu_for_local_rank(local[r], gpus)) for r in group]
+            assert len(set(devices)) == R, (nodes, R, gpus, group, devices)
+
+
 def test_refusals_name_the_keys(capsys):
     from fedmpi.cli import main
 
