@@ -206,6 +206,11 @@ class Comm:
             return f"rank {rank} (host {self.hosts[rank]})"
         return f"rank {rank}"
 
+    def voice_name(self, rank: int) -> str:
+        """Federation rank ``rank`` in a message: ``rank r`` (a silo of several ranks:
+        ``silo r (ranks a, b, …)``, :class:`SiloComm`)."""
+        return f"rank {rank}"
+
     def _who_is_missing(self, what: str) -> str:
         """Rank 0, after ``what`` timed out: ping every worker, wait :data:`PING_GRACE`
         for the answers, and say which ranks did not answer (dead, hung or cut off) and
@@ -670,14 +675,21 @@ class SiloComm(Comm):
     its own world rank.
     """
 
-    def __init__(self, fed, group, world, fed_rank: int, fed_size: int, **settings: Any) -> None:
+    def __init__(self, fed, group, world, fed_rank: int, fed_size: int,
+                 silos: list[list[int]], **settings: Any) -> None:
         super().__init__(world, **settings)
+        self.silos = silos                    # world ranks of silo 1, 2, …, the leader first
         self.comm = fed                       # MPI.COMM_NULL on a member
         self.leads = fed != self.MPI.COMM_NULL
         self.rank, self.size = fed_rank, fed_size
         if group != self.MPI.COMM_NULL:
             self.group = group
             self.group_rank, self.group_size = group.Get_rank(), group.Get_size()
+
+    def voice_name(self, rank: int) -> str:
+        if rank == 0:
+            return "rank 0"
+        return f"silo {rank} (ranks {', '.join(map(str, self.silos[rank - 1]))})"
 
     def _relay(self, buf: Optional[np.ndarray], what: str) -> None:
         """The leader's ``buf`` to the members, after the federation collective ``what``
@@ -768,7 +780,7 @@ def silo_comm(base: Comm, groups: list[list[int]]) -> Comm:
     fed = world.Split(0 if leads else MPI.UNDEFINED, key=me)
     group = world.Split(mine if mine is not None else MPI.UNDEFINED,
                         key=groups[mine].index(me) if mine is not None else 0)
-    out = SiloComm(fed, group, world, 0 if mine is None else mine + 1, len(groups) + 1,
+    out = SiloComm(fed, group, world, 0 if mine is None else mine + 1, len(groups) + 1, groups,
                    timeout=base.timeout, max_sleep=base.max_sleep, spin=base.spin,
                    gather_reduce_bytes=base.gather_reduce_bytes,
                    max_message_bytes=base.max_message_bytes)

@@ -313,7 +313,7 @@ def test_two_rank_silos_train_the_same_model_as_one_rank_silos(one_rank_silos, t
                                                         "FEDMPI_STOP_HOW": "signal"})
     assert proc.returncode == 75, proc.stderr[-3000:]
     stopped = read(runs[3] / "log.h5")
-    assert stopped.num_rounds == 2 and any("SIGTERM on rank 1" in m
+    assert stopped.num_rounds == 2 and any("SIGTERM on silo 1 (ranks 1, 2)" in m
                                            for m in stopped.events["message"])
     proc = _launch([*exact, "--out", str(runs[3]), "--resume"], 3)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -245,7 +245,7 @@ class Federation:
         stopping = np.flatnonzero(up.signals)
         if stopping.size and self.stop_reason is None:
             r = int(stopping[0])
-            self.stop_reason = f"{signals.signal_name(int(up.signals[r]))} on rank {r}"
+            self.stop_reason = f"{signals.signal_name(int(up.signals[r]))} on {self.comm.voice_name(r)}"
             self.recorder.event(t, r, -1, f"stop requested ({self.stop_reason}); checkpoint and exit")
         failed = np.flatnonzero(up.mask & (up.status == STATUS_FAILED))
         if failed.size:
