@@ -350,8 +350,7 @@ for make in ways:
     assert torch.allclose(t, want) and float(one) == sum(range(comm.group_size)), (way, t)
     rows = way.gather(mine, "test")
     assert rows.shape == (comm.group_size, 5) and torch.equal(rows[r], mine)
-    if hasattr(way, "close"):   # one default process group per process at a time
-        way.close()
+    # no close(): a second TorchGroupReduce in one process replaces the first (two runs)
 print("ok", r)
 """
 

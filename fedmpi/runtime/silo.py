@@ -71,6 +71,9 @@ class MPIGroupReduce:
         return torch.from_numpy(rows.copy()).to(t.device)
 
 
+_open_group: Optional["TorchGroupReduce"] = None   # one default process group per process
+
+
 class TorchGroupReduce:
     """A silo's sums over one ``torch.distributed`` process group (NCCL on CUDA; gloo works
     on CPU tensors, which is how the tests reach this path): the leader opens a
@@ -80,6 +83,9 @@ class TorchGroupReduce:
                  backend: str = "nccl") -> None:
         import torch.distributed as dist
 
+        global _open_group
+        if _open_group is not None:   # the previous run's group in this process (fedmpi.run twice)
+            _open_group.close()
         self.dist, self.ordered = dist, ordered
         self.rank, self.size = comm.group_rank, comm.group_size
         address = np.zeros(ADDRESS_BYTES, dtype=np.uint8)
@@ -97,6 +103,7 @@ class TorchGroupReduce:
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.size,
                                 timeout=wait,
                                 device_id=device if device.type == "cuda" else None)
+        _open_group = self
 
     def sum_(self, tensors: list[torch.Tensor], what: str) -> None:
         for t in tensors:
@@ -111,7 +118,10 @@ class TorchGroupReduce:
         return out.view(self.size, *t.shape)
 
     def close(self) -> None:
-        self.dist.destroy_process_group()
+        global _open_group
+        if _open_group is self:
+            self.dist.destroy_process_group()
+            _open_group = None
 
 
 def distinct_gpus(comm: Comm, device: torch.device) -> bool:
