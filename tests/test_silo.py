@@ -399,16 +399,6 @@ def test_every_method_transform_rule_and_privacy_stage_on_a_silo_of_two(tmp_path
 
 
 @pytest.mark.mpi
-def test_a_silo_size_that_does_not_divide_the_workers_is_refused_in_one_line(tmp_path):
-    proc = _launch(["run", *MLP, "--set", "runtime.ranks_per_silo=2", "--out",
-                    str(tmp_path / "no")], 4, timeout=120)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("fedmpi: error")]
-    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
-    assert "'runtime.ranks_per_silo' (2) must divide the 3 worker rank(s)" in errors[0]
-    assert not (tmp_path / "no").exists()
-
-
-@pytest.mark.mpi
 def test_a_member_killed_mid_round_ends_the_job_named_and_the_run_resumes(one_rank_silos,
                                                                            tmp_path):
     """World rank 4 (the member of silo 2) stops before training its client in round 1
