@@ -3,10 +3,12 @@
 In process: the data-parallel gradient of R ranks (threads sharing a barrier stand in for
 the silo's collectives) against the full-batch gradient computed here with plain torch —
 the mean and class-weighted losses, SyncBatchNorm's statistics and backward, DP-SGD's
-per-sample clipped sums with the noise added once —, the silo layout, the refusals.
-Under MPI: ``-n 5`` with two-rank silos against ``-n 3`` with one-rank silos (MLP
-quickstart, 3 rounds), the exact reduction's bits for any number of silos, a member
-killed mid-round (named, the job ends) and the resume.
+per-sample clipped sums with the noise added once —, the silo layout and its GPUs, the
+refusals (the job's layout faked). Under MPI: ``-n 5`` with two-rank silos against ``-n 3``
+with one-rank silos (MLP quickstart, 3 rounds), the exact reduction's bits for any number
+of silos with a stop signal and a resume, the sums over MPI and torch.distributed, every
+method/transform/rule/privacy stage (tests/silo_matrix.py), a member killed mid-round
+(named, the job ends) and the resume with one-rank silos.
 """
 from __future__ import annotations
 
