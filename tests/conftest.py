@@ -191,8 +191,11 @@ def logged_rounds(out: Path) -> int:
 
 def wait_rounds(out: Path, n: int, proc: subprocess.Popen, timeout: float = 180) -> int:
     """Until the run writing ``out`` has logged ``n`` rounds (it is then mid-run)."""
-    return wait_for(lambda: (lambda r: r if r >= n else 0)(logged_rounds(out)),
-                    f"{n} rounds logged in {out}", timeout, proc, poll=0.1)
+    def logged() -> int:
+        rounds = logged_rounds(out)
+        return rounds if rounds >= n else 0
+
+    return wait_for(logged, f"{n} rounds logged in {out}", timeout, proc, poll=0.1)
 
 
 def wait_caught(pid: int, sig: int, timeout: float = 120) -> None:
