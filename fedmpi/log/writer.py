@@ -260,11 +260,11 @@ class LogWriter:
         """Number of rows of the round-axis datasets."""
         return len(self._series["rounds/round"])
 
-    @_writes
     def append_row(self, row: RoundRow) -> None:
         """Append one :class:`~fedmpi.log.row.RoundRow` (:meth:`append_round`)."""
         self.append_round(row.round, row.scalars, row.clients, row.arrays)
 
+    @_writes
     def append_round(self, round: int, scalars: Mapping[str, float],
                      per_client: Mapping[str, np.ndarray] = {},
                      arrays: Mapping[str, np.ndarray] = {}) -> None:
