@@ -617,9 +617,12 @@ def test_a_write_that_fails_anywhere_in_a_flush_leaves_the_log_of_the_last_flush
             assert f"({rounds} rounds)" in str(exc), exc
             assert path.read_bytes() == flushed, f"write {k}: not the log of the last flush"
             assert list(read(path).rounds["round"]) == list(range(rounds))
+            w.close()                           # closes the handle without writing
+            assert path.read_bytes() == flushed, f"write {k}: close wrote after the failure"
             k += 1
             continue
         monkeypatch.setattr(undo, "os", os)
+        w.close()
         break                    # no write from the k-th on needs new space: all tried
     assert k >= 3, k
 
