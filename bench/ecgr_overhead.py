@@ -9,7 +9,7 @@ seeds (identical training):
 
 * ``step_ms``: ``LocalTrainer.train`` time per local step (on: the
   recording ``step_hook``, one P-sized copy per step);
-* ``client_ms``: ``Algorithm.client_update`` time per client-round (on: also
+* ``client_ms``: the worker's client template (``Worker.train``) per client-round (on: also
   the Gram matrix, herding, the matvec and the rescale);
 * ``round_ms``: ``Federation.round`` wall time.
 
@@ -49,7 +49,7 @@ def make_fed(args, ecgr: bool) -> Federation:
          "ecgr": {"enabled": ecgr, "beta": 0.2}, "eval": {"every": 1000}}
     fed = Federation(config_from_dict(d), Comm())
     if ecgr and budget is None:   # just below fp32: forces bf16
-        e = fed.ecgr
+        e = fed.transforms.get("ecgr").engine
         d["ecgr"]["memory_budget"] = e.tau_max * e.P * 4 - 1
         fed = Federation(config_from_dict(d), Comm())
     elif ecgr:
@@ -93,8 +93,8 @@ def measure(feds: dict[str, Federation], repeats: int, rounds: int) -> dict[str,
             res[m]["client"].append(timed(
                 lambda: f.worker.train(task, theta, extras, out), f.device))
             hooks = f.algo.hooks(task, theta, extras)
-            if f.ecgr is not None:
-                hooks = f.ecgr.hooks(hooks, f.device)
+            if f.transforms.get("ecgr") is not None:
+                hooks = f.transforms.get("ecgr").engine.hooks(hooks, f.device)
             f.trainer.flat.load(theta)
             box = {}
             res[m]["step"].append(timed(lambda: box.setdefault("r", f.trainer.train(
@@ -106,7 +106,7 @@ def measure(feds: dict[str, Federation], repeats: int, rounds: int) -> dict[str,
     out = {m: {k + "_ms": 1e3 * float(np.median(v)) for k, v in r.items()} for m, r in res.items()}
     # ECGR's own work, timed directly: the recording hook per step, the finish per client
     f = feds["on"]
-    e = f.ecgr
+    e = f.transforms.get("ecgr").engine
     task, theta, extras, outs = tasks["on"]
     hooks = e.hooks(StepHooks(), f.device)
     b = f.trainer.momentum_buf
@@ -144,7 +144,7 @@ def main() -> None:
     feds["on"] = make_fed(args, True)
     res = measure(feds, args.repeats, args.rounds)
     off, on = res["off"], res["on"]
-    e = feds["on"].ecgr
+    e = feds["on"].transforms.get("ecgr").engine
     owned = [e._X, e._v] + ([e._chunk] if e._chunk is not None else [])
     ecgr_bytes = int(sum(t.nbytes for t in owned))
     for m in ("off", "on"):

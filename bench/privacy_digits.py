@@ -29,8 +29,8 @@ from dp_accounting import rdp  # noqa: E402
 from fedmpi.comm import Comm  # noqa: E402
 from fedmpi.config.schema import config_from_dict  # noqa: E402
 from fedmpi.privacy.accountant import client_round_event, record_step_event  # noqa: E402
-from fedmpi.privacy.dpsgd import poisson_rate
-from fedmpi.privacy.budget import Budget  # noqa: E402
+from fedmpi.training.loop import num_local_steps, sgd_config  # noqa: E402
+from fedmpi.privacy.dpsgd import poisson_rate  # noqa: E402
 from fedmpi.runtime.driver import run  # noqa: E402
 
 DELTA = 1e-5
@@ -75,7 +75,10 @@ def run_events(cfg_dict: dict) -> list:
 
     n = np.asarray(build_local(cfg, Comm(), list(range(K)), True, None,
                                needs=UserCode().data_needs(cfg)).num_samples)
-    steps = Budget.from_config(cfg, n).steps_of
+    sgd = sgd_config(cfg)
+
+    def steps(k: int) -> int:   # τ_k, as the accountant foresees it (fedmpi.privacy.budget)
+        return num_local_steps(int(n[k]), sgd)
     return [lambda s, k=k: dp_accounting.SelfComposedDpEvent(
         record_step_event(poisson_rate(int(n[k]), cfg.train.batch_size), s), R * steps(k))
         for k in range(K)]

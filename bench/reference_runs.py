@@ -47,7 +47,7 @@ RUNS: dict[str, tuple[int, str, list[str]]] = {
 }
 ROUNDS = 4
 SKIP_WORDS = ("seconds", "time", "host", "provenance", "started", "finished", "version",
-              "heartbeat", "pid", "python", "torch", "platform", "hostname", "run_info",
+              "heartbeat", "pid", "flushed_at", "python", "torch", "platform", "hostname", "run_info",
               "command", "argv", "cwd", "git", "date", "device", "lock")
 
 

@@ -1,4 +1,5 @@
-"""Command line: ``fedmpi run | check | info | report | compare | partition | export``.
+"""Command line: ``fedmpi run | check | info | report | compare | partition | export | runs |
+stats``.
 
 Bad input (a :class:`~fedmpi.errors.UserError`) prints one line
 ``fedmpi: error: ...`` naming the key or file, and exits with status 2; under
@@ -12,19 +13,19 @@ e.g. disk full) prints one line naming the file and exits with status 1.
 """
 from __future__ import annotations
 
-import argparse
-import os
-import platform
-import signal
-import sys
-from typing import Optional, Sequence
-
-from fedmpi._version import __version__
 from fedmpi.job import signals
 
-signals.install_early()   # before the heavy imports: a SIGTERM at start-up exits 75
+signals.install_early()   # first: a SIGTERM during the imports below exits 75
+import argparse  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+from typing import Optional, Sequence  # noqa: E402
+
+from fedmpi._version import __version__  # noqa: E402
 from fedmpi.errors import (EXIT_USAGE, RunFailed, RunInterrupted, UserCodeError, UserError,
-    show_traceback)
+    launch_rank, show_traceback)
 from fedmpi.job.outputs import EXIT_WRITE_FAILED, OutputError, quiet_h5py_errors
 
 
@@ -106,6 +107,34 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--overwrite", action="store_true",
                         help="replace an existing --csv FILE (without it nothing is replaced)")
 
+    runs = sub.add_parser("runs", help="the run directories under DIR: status, rounds, last and "
+                                       "best metric, whether --resume is possible, lock holder")
+    runs.add_argument("dir", nargs="?", default="runs",
+                      help="directory holding run directories, searched recursively "
+                           "(default runs/)")
+    runs.add_argument("--json", action="store_true",
+                      help="print a JSON list (one object per run directory) for scripts")
+
+    stats = sub.add_parser("stats", help="federated statistics of every site's data (counts, "
+                                         "labels, per-feature mean/std/range/missing): only "
+                                         "summaries leave a site; alone or under mpirun -n N")
+    stats.add_argument("config", help="YAML config file (the sites of its data.* keys)")
+    stats.add_argument("--set", dest="overrides", action="append", default=[],
+                       metavar="KEY=VALUE")
+    stats.add_argument("--out", default=None,
+                       help="output directory for stats.md and stats.json (default "
+                            "runtime.out_dir/<name>/stats)")
+    stats.add_argument("--overwrite", action="store_true",
+                       help="replace stats.md and stats.json existing in --out")
+    stats.add_argument("--epsilon", type=float, default=None, metavar="E",
+                       help="Gaussian noise on every site's summaries, (E, --delta)-DP per "
+                            "record (dp-accounting); needs --clip")
+    stats.add_argument("--delta", type=float, default=1e-5, metavar="D",
+                       help="δ of --epsilon (default 1e-5)")
+    stats.add_argument("--clip", type=float, nargs=2, default=None, metavar=("LO", "HI"),
+                       help="with --epsilon: every value is clipped to [LO, HI] before it is "
+                            "summed (the range the sensitivities assume)")
+
     part = sub.add_parser("partition", help="partition preview without training: class-count "
                                             "heatmap and client sizes")
     part.add_argument("config", help="YAML config file")
@@ -140,8 +169,6 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from fedmpi.usercode import check_config_paths
 
     cfg = load_config(args.config, args.overrides)
-    for old, new in cfg.renamed:
-        print(f"fedmpi: note: config key {old!r} is now {new!r}", file=sys.stderr)
     check_config_paths(cfg)
     if not args.dry_run:
         sys.stdout.write(cfg.to_yaml())
@@ -273,12 +300,13 @@ def _cmd_partition(args: argparse.Namespace) -> int:
         files = silo_files(cfg)
         if cfg.data.silos.loader is not None or all(Path(f).exists() for f in files):
             from fedmpi.comm import self_comm
-            from fedmpi.data.silos import build_local
+            from fedmpi.data.silos import build_local, site_names
 
             # the federation's own silos, read as a run reads them (one rank hosting all)
             local = build_local(cfg, self_comm(), range(cfg.data.num_clients), True,
                                 needs=UserCode().data_needs(cfg))
-            lines = partition_preview(local.partition, out, cfg.name, args.overwrite)
+            lines = partition_preview(local.partition, out, cfg.name, args.overwrite,
+                                      site_names(cfg))
             print(f"silos: {cfg.data.silos.loader or cfg.data.silos.path} "
                   f"({cfg.data.num_clients} clients; test {cfg.data.silos.test})")
             print("\n".join(lines))
@@ -300,6 +328,46 @@ def _cmd_partition(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_runs(args: argparse.Namespace) -> int:
+    import json
+
+    from fedmpi.compare.listing import entries_json, entries_table, list_runs
+
+    entries = list_runs(args.dir)
+    if args.json:
+        print(json.dumps(entries_json(entries), indent=1))
+    else:
+        sys.stdout.write(entries_table(entries, args.dir))
+    return 0
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fedmpi.comm import Comm
+    from fedmpi.config.schema import load_config
+    from fedmpi.consortium.noise import calibrate
+    from fedmpi.consortium.stats import collect_stats
+    from fedmpi.consortium.stats_files import claim_outputs, write_stats
+    from fedmpi.errors import ConfigError
+
+    if (args.epsilon is None) != (args.clip is None):
+        raise ConfigError("fedmpi stats: --epsilon and --clip LO HI go together (the noise's "
+                          "sensitivities rest on the declared range of the values)")
+    privacy = calibrate(args.epsilon, args.delta, args.clip) if args.epsilon is not None else None
+    cfg = load_config(args.config, args.overrides)
+    out = Path(args.out) if args.out is not None else \
+        Path(cfg.runtime.out_dir) / cfg.name / "stats"
+    comm = Comm(timeout=cfg.runtime.setup_timeout)
+    comm.timeout_key = "runtime.setup_timeout"
+    report = collect_stats(cfg, comm, privacy, before=lambda: claim_outputs(out, args.overwrite))
+    if report is None:
+        return 0
+    for path in write_stats(report, out, args.config, overwrite=args.overwrite):
+        print(path)
+    return 0
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from fedmpi.errors import ConfigError
     from fedmpi.log.trackers import export
@@ -314,21 +382,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"run": _cmd_run, "check": _cmd_check, "info": _cmd_info, "report": _cmd_report,
-            "compare": _cmd_compare, "partition": _cmd_partition, "export": _cmd_export}
+            "compare": _cmd_compare, "partition": _cmd_partition, "export": _cmd_export,
+            "runs": _cmd_runs, "stats": _cmd_stats}
 
 
 def one_line(exc: BaseException) -> str:
     """The message on one line (a library's multi-line text folded at its newlines)."""
     return " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
-
-
-def launch_rank() -> int:
-    """This process's rank as the MPI launcher announced it (0 when run alone)."""
-    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        value = os.environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -12,10 +12,12 @@ A method that needs a collective after a resume gets exactly one:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional
+from typing import TYPE_CHECKING, Callable, Literal, Mapping, Optional
 
 import numpy as np
 import torch
+
+from fedmpi.log.row import Reports
 
 if TYPE_CHECKING:  # imported for annotations only: no import cycle at run time
     from fedmpi.training.accel import Accel
@@ -23,55 +25,6 @@ if TYPE_CHECKING:  # imported for annotations only: no import cycle at run time
     from fedmpi.data.base import Dataset
     from fedmpi.data.partition import Partition
     from fedmpi.training.flat import FlatModel
-    from fedmpi.log.writer import LogWriter
-
-
-class LogSink:
-    """Where methods write static log content (attributes, static arrays, events).
-
-    Writes made before the run's log file is open (``setup`` runs before it) are
-    kept and replayed when :meth:`attach` opens it, so a method never has to
-    wonder whether the writer exists yet. On workers the sink discards writes:
-    only rank 0 writes the log.
-    """
-
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled
-        self._writer: Optional[LogWriter] = None
-        self._pending: list[tuple[str, tuple[Any, ...]]] = []
-
-    def attach(self, writer: Optional[LogWriter]) -> None:
-        """Start writing into ``writer`` (replays what was written before)."""
-        self._writer = writer
-        if writer is None:
-            return
-        pending, self._pending = self._pending, []
-        for op, args in pending:
-            getattr(writer, op)(*args)
-
-    @property
-    def writer(self) -> Optional[LogWriter]:
-        return self._writer
-
-    def _do(self, op: str, *args: Any) -> None:
-        if not self.enabled:
-            return
-        if self._writer is None:
-            self._pending.append((op, args))
-        else:
-            getattr(self._writer, op)(*args)
-
-    def set_attr(self, group: str, name: str, value: Any) -> None:
-        """HDF5 attribute ``name`` of group ``/group`` (e.g. ``/ecgr`` ``storage``)."""
-        self._do("set_attr", group, name, value)
-
-    def write_static(self, path: str, data: np.ndarray) -> None:
-        """A dataset written once (e.g. ``/submodel/levels``)."""
-        self._do("write_static", path, data)
-
-    def event(self, round: int, client: int, message: str) -> None:
-        """A row of ``/events`` from rank 0 (``client`` −1: not about one client)."""
-        self._do("event", round, 0, client, message)
 
 
 @dataclass(frozen=True)
@@ -91,7 +44,9 @@ class Context:
         forward: the model's forward (compiled when ``runtime.compile``).
         accel: the autocast/channels-last switches of the forward.
         data, partition: the rank's data and the client partition.
-        log: static log output (:class:`LogSink`).
+        reports: where this rank's components report what they log
+            (:class:`~fedmpi.log.row.Reports`; each component reports through its own
+            ``component.report``, set by :func:`fedmpi.component.start`).
         broadcast: the one collective a method may use (rank 0 → all, in place);
             every rank must call it the same number of times.
         participants: round t's participant mask (the same on every rank).
@@ -118,7 +73,7 @@ class Context:
     accel: Accel
     data: Dataset
     partition: Partition
-    log: LogSink = field(default_factory=LogSink)
+    reports: Reports = field(default_factory=Reports)
     broadcast: Callable[[np.ndarray, str], None] = field(default=lambda buf, what="": None)
     participants: Callable[[int], np.ndarray] = field(
         default=lambda t: np.zeros(0, dtype=bool))

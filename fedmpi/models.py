@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from fedmpi.errors import ConfigError
+from fedmpi.config.core import Config
 
 NormFactory = Callable[[int], nn.Module]
 
@@ -235,7 +236,7 @@ MODEL_NAMES = ("lenet", "cnn", "resnet18", "resnet34", "resnet50", "vit_s16", "v
 ModelSpec = Union[str, Callable[[tuple[int, ...], int], nn.Module]]
 
 
-def model_spec(cfg, model: Optional[Callable] = None) -> ModelSpec:
+def model_spec(cfg: Config, model: Optional[Callable] = None) -> ModelSpec:
     """What :func:`build_model` builds for ``cfg``: a factory given to :func:`fedmpi.run`
     (``model``), an import path's factory (:mod:`fedmpi.imports`), the MLP with
     ``model.mlp.hidden``, or a built-in name."""

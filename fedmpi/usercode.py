@@ -21,6 +21,7 @@ from fedmpi.errors import ConfigError
 from fedmpi.imports import is_import_path, model_factory, silo_loader, subclass
 from fedmpi.metrics import is_user_metric, user_metric
 from fedmpi.config.params import check_params
+from fedmpi.config.core import Config
 
 __all__ = ["UserCode", "check_config_paths"]
 
@@ -44,29 +45,29 @@ class UserCode:
     weighting: Optional[type] = None
     rule: Optional[type] = None
 
-    def algorithm_class(self, cfg: Any) -> Any:
+    def algorithm_class(self, cfg: Config) -> Any:
         """The method class: the one given, else ``algorithm.name``'s."""
         if self.algorithm is not None:
             return subclass(self.algorithm, Algorithm, "algorithm.name")
         return ALGORITHMS.lookup(cfg.algorithm.name)
 
-    def weighting_class(self, cfg: Any) -> Any:
+    def weighting_class(self, cfg: Config) -> Any:
         """The weighting class: the one given, else ``aggregation.weighting``'s."""
         if self.weighting is not None:
             return subclass(self.weighting, Weighting, "aggregation.weighting")
         return WEIGHTINGS.lookup(cfg.aggregation.weighting)
 
-    def rule_class(self, cfg: Any) -> Any:
+    def rule_class(self, cfg: Config) -> Any:
         """The server rule's class: the one given, else ``aggregation.rule``'s."""
         if self.rule is not None:
             return subclass(self.rule, ServerRule, "aggregation.rule")
         return RULES.lookup(cfg.aggregation.rule)
 
-    def build_weighting(self, cfg: Any, num_samples: Any) -> Any:
+    def build_weighting(self, cfg: Config, num_samples: Any) -> Any:
         """The weighting: the class given, else ``aggregation.weighting``'s."""
         return self.weighting_class(cfg)(num_samples)
 
-    def data_needs(self, cfg: Any) -> DataNeeds:
+    def data_needs(self, cfg: Config) -> DataNeeds:
         """What the selected components ask of the data, derived from their declarations:
         τ_k ≥ ``min_local_steps`` with ``train.local_epochs`` E is ⌈floor/E⌉ local batches
         per client (every client has one; with ``train.local_steps`` the config rule of
@@ -81,7 +82,7 @@ class UserCode:
                          min_batches_key=key if batches > 1 else "",
                          server_validation=any(cls.uses_server_validation(cfg) for _, cls in parts))
 
-    def check(self, cfg: Any) -> None:
+    def check(self, cfg: Config) -> None:
         """Every selected component's ``check`` and the combination rules, with the
         classes this run really uses (those by import path or given as objects too)."""
         check_components(cfg, self.algorithm_class(cfg), self.weighting_class(cfg),
@@ -89,7 +90,7 @@ class UserCode:
 
 
 # --------------------------------------------------------------- fedmpi check
-def check_config_paths(cfg: Any) -> None:
+def check_config_paths(cfg: Config) -> None:
     """Resolve and check every import path of ``cfg`` (``fedmpi check``); raises ConfigError."""
     if is_import_path(cfg.model.name):
         model_factory(cfg.model.name)
@@ -101,11 +102,6 @@ def check_config_paths(cfg: Any) -> None:
         if is_user_metric(metric):
             user_metric(metric)
     code = UserCode()
-    if cfg.privacy.secure_aggregation:
-        from fedmpi.privacy.secagg import refuse_per_client
-
-        refuse_per_client(cfg, bool(code.weighting_class(cfg).per_client),
-                          bool(code.rule_class(cfg).per_client), [])
     if is_import_path(cfg.algorithm.name):
         check_params(code.algorithm_class(cfg), cfg.algorithm.params)
     elif cfg.algorithm.params:

@@ -92,6 +92,25 @@ def run_mpi_script(code: str, n: int = 3, timeout: float = 180) -> subprocess.Co
     return proc
 
 
+#: The start of a script run under mpiexec (``script root config out``): every rank records
+#: the files it opens under ``root`` in ``opened`` (relative paths), through an audit hook.
+OPEN_AUDIT = r'''
+import json, os, sys
+from mpi4py import MPI
+root, config, out = sys.argv[1:4]
+rank = MPI.COMM_WORLD.Get_rank()
+opened = set()
+
+def hook(event, args):
+    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        path = os.path.abspath(os.fsdecode(args[0]))
+        if path.startswith(root):
+            opened.add(os.path.relpath(path, root))
+
+sys.addaudithook(hook)
+'''
+
+
 def set_dotted(d: dict, over: dict) -> dict:
     """Apply ``{"train.lr": 0.1, ...}`` overrides to a nested config dict (in place)."""
     for key, value in over.items():
@@ -156,6 +175,21 @@ def bare_context(cfg, flat, num_samples, role: str = "server", hosted: tuple = (
                    num_samples=ns, hosted=tuple(hosted), flat=flat, forward=flat.model,
                    accel=Accel("cpu"), data=fields.pop("data", None),
                    partition=fields.pop("partition", None), **fields)
+
+
+def server_parts(algo, weighting, num_samples, rule=None, stats=None, stages=()):
+    """The :class:`~fedmpi.runtime.server.ServerParts` of a server step outside a run:
+    the method's own uplink statistics unless ``stats``, the plain ``mean`` rule unless
+    ``rule``, no stages unless given."""
+    import numpy as np
+
+    from fedmpi.aggregation.rules import ServerRule
+    from fedmpi.runtime.server import ServerParts
+    from fedmpi.transforms.base import TransformChain
+
+    stats = tuple(algo.exchange().uplink if stats is None else stats)
+    return ServerParts(algo, weighting, rule if rule is not None else ServerRule(algo.cfg),
+                       TransformChain(list(stages)), stats, np.asarray(num_samples))
 
 
 # ------------------------------------------------- the shared checkpoint fake

@@ -15,7 +15,7 @@ from fedmpi.methods.fedavg import FedAvg
 
 
 def _slow_here() -> bool:
-    from fedmpi.cli import launch_rank
+    from fedmpi.errors import launch_rank
 
     return launch_rank() == int(os.environ.get("FEDMPI_SLOW_RANK", "-1"))
 
@@ -37,7 +37,7 @@ class SlowFedAvg(FedAvg):
 
     name = "slow_fedavg"
 
-    def client_update(self, task, trainer, state, extras, out, *args, **kwargs):
+    def hooks(self, task, state, extras):
         if task.round == int(os.environ.get("FEDMPI_SLOW_ROUND", "-1")) and _slow_here():
             _pause()
-        return super().client_update(task, trainer, state, extras, out, *args, **kwargs)
+        return super().hooks(task, state, extras)

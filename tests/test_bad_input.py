@@ -581,10 +581,10 @@ RUNTIME_CODE = """
 from fedmpi.methods.base import Algorithm
 
 class ClientFails(Algorithm):
-    def client_update(self, task, trainer, state, extras, out, transforms):
+    def hooks(self, task, state, extras):
         if task.round == 2:
             raise ValueError("client update exploded")
-        return super().client_update(task, trainer, state, extras, out, transforms)
+        return super().hooks(task, state, extras)
 
 class EveryRankFails(Algorithm):
     def begin_round(self, round, mask, state, extras):

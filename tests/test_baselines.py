@@ -15,7 +15,7 @@ from torch import nn
 import fedmpi.runtime.build as runtime_build
 from conftest import SMALL, TEST_DEVICE, bare_context, build_fed, run_fedmpi, set_dotted
 from fedmpi.methods import ALGORITHMS
-from fedmpi.methods.base import start
+from fedmpi.component import start
 from fedmpi.component import ClientTask, RoundInfo
 from fedmpi.methods.elastic import Elastic
 from fedmpi.comm import Comm
@@ -119,7 +119,7 @@ def test_fednova_unequal_steps_matches_formula(rule):
     for k in p:   # FedAvg clients give the raw Δ_k and τ_k
         task = ClientTask(k, 0, avg.client_idx[k], stream_seed(avg.cfg.seed, k, 0))
         out = {"delta": torch.zeros(avg.D, device=avg.device)}
-        res = avg.algo.client_update(task, avg.trainer, theta0, theta0[:0], out)
+        res = avg.worker.train(task, theta0, theta0[:0], out)
         deltas[k], steps[k] = out["delta"].double().cpu().numpy(), res.steps
     assert len(set(steps.values())) > 1, "the test needs unequal τ_k"
     if rule == "steps":
@@ -238,9 +238,11 @@ def test_feddyn_clip_and_weight_decay_config():
 
 
 # ------------------------------------------------------------ server optimizers
-def _server_algo(name: str, **alg):
+def _server_algo(name: str, server_lr=None, **block):
+    """Method ``name`` with ``algorithm.server_lr`` and the keys of its block
+    ``algorithm.<name>.*``."""
     layout = FlatModel(nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)))
-    cfg = config_from_dict({"algorithm": {"name": name, **alg}})
+    cfg = config_from_dict({"algorithm": {"name": name, "server_lr": server_lr, name: block}})
     algo = ALGORITHMS[name](cfg, layout, 4)
     start(algo, bare_context(cfg, layout, np.ones(4)))
     return algo, layout
@@ -351,7 +353,7 @@ def test_fedvg_composition_layout(name):
     reweighted; SCAFFOLD's δc, FedDyn's Δ for h, Elastic's sensitivities stay 'sum'."""
     algo = ALGORITHMS[name](config_from_dict({"algorithm": {"name": name}}),
                             FlatModel(nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))), 3)
-    layout = plan_uplink(algo.uplink_stats(), per_client_weighting=True)
+    layout = plan_uplink(list(algo.exchange().uplink), per_client_weighting=True)
     weighted = [s.name for s, _ in layout.gathered if s.combine == "weighted"]
     assert weighted == ["delta"]
     # FedNova's a_k travels per client (FedVG scores θ + a_k d_k), never combined

@@ -99,6 +99,7 @@ def test_early_stopping_under_mpi_exits_zero_on_every_rank(tmp_path):
 def test_resume_rebuilds_best_and_patience_without_writing():
     """AfterRound.replay (--resume): the best value and the patience count come back from the
     log's rows; best.pt is not rewritten and no callback is called for old rounds."""
+    from fedmpi.log.row import RoundRow
     from fedmpi.runtime.callbacks import AfterRound
     from fedmpi.config.schema import config_from_dict
 
@@ -111,8 +112,8 @@ def test_resume_rebuilds_best_and_patience_without_writing():
                   {"round": 2, "test_loss": 0.7}, {"round": 3, "test_loss": 0.6}])
     assert saved == [] and called == []
     assert after.best.track.best_round == 1 and after.early.wait == 2
-    assert after(4, {"test_loss": 0.4}, {}) is None and saved == [4]     # a new best: written
-    assert after(5, {"test_loss": 0.45}, {}) is None
-    assert after(6, {"test_loss": 0.41}, {}) is None
-    assert "early stopping" in after(7, {"test_loss": 0.9}, {})          # 3 without improvement
+    assert after(RoundRow(4, {"test_loss": 0.4})) is None and saved == [4]     # a new best: written
+    assert after(RoundRow(5, {"test_loss": 0.45})) is None
+    assert after(RoundRow(6, {"test_loss": 0.41})) is None
+    assert "early stopping" in after(RoundRow(7, {"test_loss": 0.9}))          # 3 without improvement
     assert called == [4, 5, 6, 7]

@@ -73,7 +73,7 @@ def test_combination_runs_and_logs_what_it_declares(name, weighting, ecgr, tmp_p
     assert final is not None and 0.0 <= final["test_accuracy"] <= 1.0
     fed = built[0]
     assert bool(torch.isfinite(fed.global_state).all())
-    declared = fed.algo.log_outputs() + fed.weighting.log_outputs() + fed.transforms.log_outputs()
+    declared = [p for _, part in fed.built.components for p in part.log_outputs()]
     with h5py.File(tmp_path / "out" / "log.h5", "r") as f:
         assert f.attrs["status"] == "completed"
         for path in declared:
@@ -98,13 +98,10 @@ class HalfStep(Algorithm):
 
     def server_update(self, state, agg, info):
         state.add_(agg["delta"], alpha=0.5)
-        self.last = info.weights.copy()
+        self.report.array("halfstep/weight_sum", np.array([info.weights.sum()]))
 
     def log_outputs(self):
         return ["halfstep/weight_sum"]
-
-    def log_arrays(self):
-        return {"halfstep/weight_sum": np.array([self.last.sum()])}
 
 
 register_method(HalfStep)

@@ -11,6 +11,7 @@ import yaml
 from fedmpi.config.schema import SCHEMA, config_from_dict, load_config
 from fedmpi.config.core import Config
 from fedmpi.config.fields import Field
+from fedmpi.config.framework import PartitionConfig
 from fedmpi.errors import ConfigError, UserError
 
 
@@ -42,8 +43,8 @@ def test_defaults_resolve_to_schema_defaults():
     assert cfg.train.lr == 0.05
     assert cfg.data.partition.alpha == 0.5
     assert cfg.train.clients_per_round is None
-    assert cfg.adversary.clients == []
-    assert cfg.aggregation.fedvg.eps == 1e-8
+    assert cfg.get("adversary.clients") == []
+    assert cfg.get("aggregation.fedvg.eps") == 1e-8
 
 
 def test_config_error_is_user_error():
@@ -54,8 +55,9 @@ def test_nested_access_and_get_agree():
     cfg = config_from_dict({"data": {"partition": {"alpha": 0.1}}, "train": {"lr": 0.2}})
     assert cfg.data.partition.alpha == 0.1 == cfg.get("data.partition.alpha")
     assert cfg.train.lr == 0.2 == cfg.get("train.lr")
-    assert cfg.data.get("partition.alpha") == 0.1
-    assert cfg.data.partition.to_dict()["alpha"] == 0.1
+    assert cfg.get("data").get("partition.alpha") == 0.1
+    assert cfg.get("data.partition").to_dict()["alpha"] == 0.1
+    assert isinstance(cfg.data.partition, PartitionConfig)
     with pytest.raises(AttributeError):
         cfg.train.lrr
     with pytest.raises(KeyError, match="train.lr"):
@@ -67,8 +69,14 @@ def test_config_is_immutable_and_lists_are_copies():
     cfg = config_from_dict({"adversary": {"clients": [1, 2]}})
     with pytest.raises(AttributeError):
         cfg.name = "x"
-    cfg.adversary.clients.append(3)
-    assert cfg.adversary.clients == [1, 2]
+    with pytest.raises(AttributeError):
+        cfg.train.lr = 0.1   # type: ignore[misc]
+    cfg.get("adversary.clients").append(3)
+    assert cfg.get("adversary.clients") == [1, 2]
+    cfg.train.betas.append(0.5)   # the typed sections' lists too
+    cfg.transforms.append("pkg.mod:T")
+    assert cfg.train.betas == [0.9, 0.999] and cfg.transforms == []
+    assert cfg.get("train.betas") == [0.9, 0.999]
 
 
 def test_yaml_file_and_override_precedence(tmp_path):
@@ -80,7 +88,7 @@ def test_yaml_file_and_override_precedence(tmp_path):
     cfg = load_config(path, ["train.lr=0.3", "adversary.clients=[1, 2]", "train.lr=0.4"])
     assert cfg.train.lr == 0.4  # override beats file; last override wins
     assert cfg.train.rounds == 5  # file beats default
-    assert cfg.adversary.clients == [1, 2]
+    assert cfg.get("adversary.clients") == [1, 2]
 
 
 def test_override_values_are_parsed_as_yaml():
@@ -92,7 +100,7 @@ def test_override_values_are_parsed_as_yaml():
     assert cfg.train.clients_per_round is None
     assert cfg.data.download is True
     assert cfg.train.grad_clip == 1.0 and isinstance(cfg.train.grad_clip, float)
-    assert cfg.aggregation.fedvg.eps == 1e-6  # exponent without '.' is a float, not a str
+    assert cfg.get("aggregation.fedvg.eps") == 1e-6  # exponent without '.' is a float, not a str
     assert cfg.runtime.device == "cuda:1"
     assert cfg.name == "2024"  # command-line text for a string key stays a string
     assert cfg.system.levels == [1.0, 0.25]
@@ -185,7 +193,7 @@ def test_boundary_values_accepted():
     cfg = config_from_dict({}, ["data.validation.fraction=0", "ecgr.beta=1", "seed=0",
                                 "train.local_steps=1", "system.levels=[1]",
                                 "system.allocation=[10]"])
-    assert cfg.data.validation.fraction == 0.0 and cfg.ecgr.beta == 1.0
+    assert cfg.data.validation.fraction == 0.0 and cfg.get("ecgr.beta") == 1.0
 
 
 def test_bad_choice_names_key_and_choices():
@@ -306,15 +314,15 @@ def test_a_component_brings_its_keys_and_rules(monkeypatch):
 
         @classmethod
         def check(cls, cfg):
-            if cfg.aggregation.toy_w.beta == 0.5 and cfg.seed == 1:
+            if cfg.get("aggregation.toy_w.beta") == 0.5 and cfg.seed == 1:
                 raise ConfigError("config keys 'aggregation.toy_w.beta' and 'seed' disagree")
 
     monkeypatch.setitem(WEIGHTINGS, "toy_w", Toy)
     monkeypatch.setattr(WEIGHTINGS, "version", WEIGHTINGS.version + 1)
     cfg = config_from_dict({"aggregation": {"weighting": "toy_w", "toy_w": {"beta": 0.5}}})
-    assert cfg.aggregation.toy_w.beta == 0.5
+    assert cfg.get("aggregation.toy_w.beta") == 0.5
     assert cfg.to_dict()["aggregation"]["toy_w"]["beta"] == 0.5
-    assert load_config(None).aggregation.toy_w.beta == 0.9
+    assert load_config(None).get("aggregation.toy_w.beta") == 0.9
     raises(["aggregation.toy_w.beta", "in [0, 1)"], config_from_dict, {},
            ["aggregation.toy_w.beta=1"])
     raises(["aggregation.toy_w.beta", "seed"], config_from_dict, {},
@@ -330,27 +338,33 @@ def test_field_type_names():
         Field(set, set())
 
 
-@pytest.mark.parametrize("old,method,new", [
-    ("algorithm.mu", "fedprox", "algorithm.fedprox.mu"),
-    ("algorithm.beta1", "fedyogi", "algorithm.fedyogi.beta1"),
-    ("algorithm.beta1", "fedadam", "algorithm.fedadam.beta1"),
-    ("algorithm.elastic_tau", "elastic", "algorithm.elastic.tau"),
-    ("algorithm.max_grad_norm", "feddyn", "algorithm.feddyn.max_grad_norm"),
-])
-def test_flat_method_keys_of_earlier_versions_point_to_their_block(old, method, new):
-    """Old flat keys still load, into the block of the chosen method, and say so."""
-    cfg = config_from_dict({}, [f"{old}=0.25", f"algorithm.name={method}"])
-    assert cfg.get(new) == 0.25 and cfg.renamed == [(old, new)]
-    raises([old, new], config_from_dict, {}, [f"{old}=0.25", f"{new}=0.5",
-                                              f"algorithm.name={method}"])
+#: The flat method keys of pre-release versions (``renamed_from``, removed) and the keys
+#: they became.
+OLD_KEYS = {"algorithm.mu": "algorithm.fedprox.mu", "algorithm.beta1": "algorithm.fedadam.beta1",
+            "algorithm.beta2": "algorithm.fedyogi.beta2", "algorithm.tau": "algorithm.fedadam.tau",
+            "algorithm.alpha": "algorithm.feddyn.alpha",
+            "algorithm.max_grad_norm": "algorithm.feddyn.max_grad_norm",
+            "algorithm.elastic_mu": "algorithm.elastic.mu",
+            "algorithm.elastic_tau": "algorithm.elastic.tau",
+            "algorithm.elastic_sample": "algorithm.elastic.sample",
+            "algorithm.server_momentum": "algorithm.fedavgm.server_momentum",
+            "algorithm.nesterov": "algorithm.fedavgm.nesterov"}
 
 
-def test_check_names_the_new_key(tmp_path, capsys):
+@pytest.mark.parametrize("old", sorted(OLD_KEYS))
+def test_flat_method_keys_of_earlier_versions_are_refused_naming_the_new_key(old):
+    raises([f"unknown config key {old!r}", "did you mean ", repr(OLD_KEYS[old])],
+           config_from_dict, {}, [f"{old}=0.25"])
+
+
+def test_check_refuses_an_old_key_in_one_line(tmp_path, capsys):
     from fedmpi.cli import main
 
     path = tmp_path / "c.yaml"
     path.write_text("algorithm:\n  name: fedprox\n  mu: 0.3\n")
-    assert main(["check", str(path)]) == 0
+    assert main(["check", str(path)]) == 2
     captured = capsys.readouterr()
-    assert "'algorithm.mu' is now 'algorithm.fedprox.mu'" in captured.err
-    assert "fedprox:\n    mu: 0.3" in captured.out
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and "'algorithm.mu'" in err[0] and \
+        "did you mean 'algorithm.fedprox.mu'" in err[0], err
+    assert captured.out == ""

@@ -192,7 +192,7 @@ def test_bf16_storage_and_chunks(monkeypatch):
 # --------------------------------------------------------------------------- in the runtime
 def test_client_update_records_steps_and_rewrites_params_only():
     fed = make_fed(**{"model.name": "cnn", "ecgr.beta": 0.2})
-    P, e = fed.flat.num_params, fed.ecgr
+    P, e = fed.flat.num_params, fed.transforms.get("ecgr").engine
     out, result = client_out(fed)
     tau = result.steps
     assert tau == 5 and e.storage == "fp32"
@@ -276,7 +276,7 @@ def test_partition_gives_two_batches_with_ecgr():
     fed = make_fed(**{"train.local_steps": None, "train.batch_size": 64,
                       "data.partition.alpha": 0.05, "data.partition.min_size": 1})
     steps = [num_local_steps(int(n), fed.algo.sgd) for n in fed.num_samples]
-    assert min(steps) >= 2 and fed.ecgr.tau_max == max(steps)
+    assert min(steps) >= 2 and fed.transforms.get("ecgr").engine.tau_max == max(steps)
     # the partitioner counts batches as the trainer forms them (n = B + 1 is one batch)
     for B in (1, 3, 16):
         for n in range(1, 60):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SMALL, run_fedmpi
+from conftest import server_parts, SMALL, run_fedmpi
 from fedmpi.component import Stat
 from fedmpi.aggregation.weighting import build_weighting
 from fedmpi.log.reader import read
@@ -173,7 +173,7 @@ def _fedavg_server(n_k: np.ndarray):
     from torch import nn
 
     from fedmpi.methods import ALGORITHMS
-    from fedmpi.methods.base import start
+    from fedmpi.component import start
     from fedmpi.config.schema import config_from_dict
     from fedmpi.training.flat import FlatModel
 
@@ -204,7 +204,7 @@ def test_server_step_sums_rows_of_a_reducible_weighting():
     d = np.random.default_rng(0).normal(size=(K, flat.size)).astype(np.float32)
     raw = n_k / n_k.sum()
     up = _uplink(d, raw, [STATUS_OK] * K, [1, 3, 0, 2])
-    server_step(flat.vector, up, algo, w, algo.uplink_stats(), n_k)
+    server_step(flat.vector, up, server_parts(algo, w, n_k))
     assert torch.equal(flat.vector, _fedavg_by_hand(theta, d, raw, range(K)))
 
 
@@ -222,7 +222,7 @@ def test_sum_on_arrival_is_refused_when_it_added_a_rejected_client():
     status = [STATUS_OK] * K
     status[3] = STATUS_NONFINITE
     assert np.isfinite(d[3]).all()
-    acc = ArrivalSum(algo.uplink_stats(), lambda k: float(raw[k]),
+    acc = ArrivalSum(list(algo.exchange().uplink), lambda k: float(raw[k]),
                      {"delta": torch.zeros(flat.size, dtype=torch.float64)})
     acc.start(np.ones(K, bool))
     for k in (4, 0, 3, 2, 1):
@@ -230,5 +230,5 @@ def test_sum_on_arrival_is_refused_when_it_added_a_rejected_client():
     up = _uplink(d, raw, status, [4, 0, 3, 2, 1])
     handed = acc.into(up)
     assert "delta" not in handed.reduced
-    server_step(flat.vector, handed, algo, w, algo.uplink_stats(), n_k)
+    server_step(flat.vector, handed, server_parts(algo, w, n_k))
     assert torch.equal(flat.vector, _fedavg_by_hand(theta, d, raw, [0, 1, 2, 4]))

@@ -52,7 +52,7 @@ def test_uniform_weighting_averages_client_models_equally():
         from fedmpi.training.loop import stream_seed
         task = ClientTask(k, 0, fed.client_idx[k], stream_seed(fed.cfg.seed, k, 0))
         out = {"delta": torch.zeros(fed.D, device=fed.device)}
-        fed.algo.client_update(task, fed.trainer, theta0, theta0[:0], out)
+        fed.worker.train(task, theta0, theta0[:0], out)
         deltas.append(out["delta"].clone())
     fed.round(0)
     torch.testing.assert_close(fed.global_state, theta0 + torch.stack(deltas).mean(0), atol=1e-6, rtol=0)

@@ -116,13 +116,13 @@ def test_prototype_aggregation_is_count_weighted_mean():
     sent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     finish = algo.finish_client
 
-    def record(task, trainer, state, extras, out, result):
-        finish(task, trainer, state, extras, out, result)
+    def record(task, state, extras, out, result):
+        finish(task, state, extras, out, result)
         sent[task.client] = (out["proto_sum"].clone().view(algo.C, -1), out["proto_count"].clone())
     algo.finish_client = record
     theta0 = fed.global_state.clone()
     model0 = copy.deepcopy(fed.flat.model)
-    extras = torch.zeros(algo.downlink_size(), device=fed.device)
+    extras = torch.zeros(algo.exchange().downlink, device=fed.device)
     algo.fill_downlink(extras, 0)
     assert extras[0] == 0          # no prototypes in round 0
     fed.round(0)
@@ -285,10 +285,10 @@ def test_evaluation_on_first_c_logits():
 
 def test_ablation_switches_and_errors():
     dyn = make_fed(**{"algorithm.fedgps.static": False})
-    assert dyn.flat.model.classifier.out_features == 10 and dyn.algo.downlink_size() == 0
-    assert [s.name for s in dyn.algo.uplink_stats()] == ["delta"]
+    assert dyn.flat.model.classifier.out_features == 10 and dyn.algo.exchange().downlink == 0
+    assert [s.name for s in list(dyn.algo.exchange().uplink)] == ["delta"]
     st = make_fed(**{"algorithm.fedgps.dynamic": False})
-    assert [s.name for s in st.algo.uplink_stats()] == ["delta", "proto_sum", "proto_count"]
+    assert [s.name for s in list(st.algo.exchange().uplink)] == ["delta", "proto_sum", "proto_count"]
     st.round(0)
     st.round(1)
     assert st.algo.last_delta == {}      # static only keeps no update history
@@ -466,7 +466,7 @@ def test_authors_surrogate_normalisation_and_crop_flip():
 def test_download_bytes_as_written():
     """Table 5: the download is θ^t + Δθ^t (+ prototypes) from round 1 on."""
     fed = make_fed()
-    a, P, E = fed.algo, fed.flat.num_params, fed.algo.downlink_size()
-    assert a.downlink_bytes(0, 0) == 4 * (fed.D + E)
-    assert a.downlink_bytes(0, 3) == 4 * (fed.D + E + P)
-    assert make_fed(**{"algorithm.fedgps.dynamic": False}).algo.downlink_bytes(0, 3) == 4 * (fed.D + E)
+    a, P, E = fed.algo, fed.flat.num_params, fed.algo.exchange().downlink
+    assert a.traffic(0, 0)[1] == 4 * (fed.D + E)
+    assert a.traffic(0, 3)[1] == 4 * (fed.D + E + P)
+    assert make_fed(**{"algorithm.fedgps.dynamic": False}).algo.traffic(0, 3)[1] == 4 * (fed.D + E)

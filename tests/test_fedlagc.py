@@ -251,7 +251,7 @@ def test_lambda_update_rule_and_pruned_entries_stay_zero():
         k = 2    # level 1/16
         before = algo._lam.get(k, torch.zeros(fed.flat.num_params, device=fed.device)).clone()
         task = ClientTask(k, rnd, fed.client_idx[k], stream_seed(1, k, rnd))
-        algo.client_update(task, fed.trainer, state, torch.zeros(0, device=fed.device), out)
+        fed.worker.train(task, state, torch.zeros(0, device=fed.device), out)
         sub = algo.submodel(state, 2, rnd)
         theta_after = fed.flat.vector.clone()
         assert bool((theta_after[sub.mask == 0] == 0).all())     # pruned entries stay 0
@@ -264,8 +264,8 @@ def test_lambda_update_rule_and_pruned_entries_stay_zero():
     # w/o GC: no λ at all
     fed2 = Federation(cfg(**{"algorithm.fedlagc.correction": False}), Comm())
     task = ClientTask(2, 0, fed2.client_idx[2], stream_seed(1, 2, 0))
-    fed2.algo.client_update(task, fed2.trainer, fed2.global_state.clone(),
-                            torch.zeros(0, device=fed2.device), out)
+    fed2.worker.train(task, fed2.global_state.clone(), torch.zeros(0, device=fed2.device),
+                      out)
     assert fed2.algo.client_state(2) == {}
 
 
@@ -433,23 +433,23 @@ def test_fiarse_training_path_end_to_end(rule):
     fed = _fiarse_fed(**{"algorithm.fiarse.below_threshold": rule})
     theta = fed.global_state.clone()
     batches, uploads = [], {}
-    orig_batches, orig_update = fed.trainer.batches, fed.algo.client_update
+    orig_batches, orig_update = fed.trainer.batches, fed.worker.train
 
-    def spy_batches(indices, sgd, gen):
-        for b in orig_batches(indices, sgd, gen):
+    def spy_batches(indices, sgd, gen, sampler=None):
+        for b in orig_batches(indices, sgd, gen, sampler):
             batches.append(b.clone())
             yield b
 
-    def spy_update(task, trainer, state, extras, out, transforms=None):
+    def spy_update(task, state, extras, out):
         batches.clear()
-        res = orig_update(task, trainer, state, extras, out, transforms)
+        res = orig_update(task, state, extras, out)
         data = fed.data
         uploads[task.client] = (out["delta"][: fed.flat.num_params].clone(),
                                 [(data.prepare(data.x_train[b], train=True), data.y_train[b])
                                  for b in batches])
         return res
 
-    fed.trainer.batches, fed.algo.client_update = spy_batches, spy_update
+    fed.trainer.batches, fed.worker.train = spy_batches, spy_update
     fed.round(0)
     for client, level in ((0, 1.0), (1, 0.25)):
         got, data = uploads[client]
@@ -630,7 +630,7 @@ def _heterofl_upload(scaler: bool, eps: float, level_client: int = 1) -> torch.T
     out = {"delta": torch.zeros(fed.D, device=fed.device)}
     k = level_client
     task = ClientTask(k, 0, fed.client_idx[k], stream_seed(1, k, 0))
-    fed.algo.client_update(task, fed.trainer, fed.global_state.clone(),
+    fed.worker.train(task, fed.global_state.clone(),
                            torch.zeros(0, device=fed.device), out)
     # after training no scaling is left on: the model computes what an unhooked copy does
     shape = tuple(fed.data.x_train.shape[1:])

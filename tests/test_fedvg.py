@@ -102,10 +102,10 @@ def test_weights_match_hand_formula_and_larger_norm_gets_smaller_weight():
     assert s.sum() == pytest.approx(1.0)
     order = np.argsort(gbar)                       # larger Ḡ → strictly smaller weight
     assert np.all(np.diff(s[order]) < 0)
-    logged = fed.weighting.log_arrays()["fedvg/grad_norm"]
+    logged = fed.reports.drain(0)[0].arrays["fedvg/grad_norm"]   # the round's reports
     assert np.isnan(logged[1]).all() and np.isfinite(logged[clients]).all()
     np.testing.assert_allclose(logged[clients], hand, rtol=1e-4, atol=1e-7)
-    assert np.isnan(fed.weighting.log_arrays()["fedvg/grad_norm"]).all()   # reset per round
+    assert "fedvg/grad_norm" not in fed.reports.drain(1)[0].arrays   # reported once, per round
 
 
 def test_fedvg_avg_mixes_sample_weights():
@@ -322,16 +322,15 @@ def _round0_norms(algo: str, **over) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _capture_log(fed: Federation) -> dict:
-    """The weighting's per-round arrays as the runtime logs them."""
+    """The per-round arrays of the rows the runtime logs."""
     logged: dict = {}
-    orig = fed.weighting.log_arrays
+    orig = fed.recorder.append
 
-    def spy():
-        out = orig()
-        logged.update(out)
-        return out
+    def spy(row):
+        logged.update(row.arrays)
+        return orig(row)
 
-    fed.weighting.log_arrays = spy
+    fed.recorder.append = spy
     return logged
 
 
@@ -545,8 +544,8 @@ def test_vit_and_resnet50_paper_models():
 ARRIVAL_SCRIPT = r"""
 import numpy as np, torch
 from fedmpi.comm import Comm
-from fedmpi.config import config_from_dict
-from fedmpi.runtime import Federation
+from fedmpi.config.schema import config_from_dict
+from fedmpi.runtime.federation import Federation
 from fedmpi.aggregation.fedvg import FedVG
 calls = []
 orig = FedVG.score

@@ -121,25 +121,12 @@ def test_summary_of_fedgps_shows_its_nested_keys_only(tmp_path):
                                                  "algorithm.elastic", "algorithm.fedprox"))}
 
 
-def test_summary_of_an_old_log_with_flat_method_keys(tmp_path):
-    """Logs of earlier versions hold algorithm.mu, algorithm.beta1, ... (flat)."""
-    old = ("name: old\nalgorithm:\n  name: fedprox\n  mu: 0.1\n  beta1: 0.9\n  elastic_mu: 0.95\n"
-           "  server_lr: null\naggregation:\n  weighting: samples\n")
-    with LogWriter(tmp_path / "log.h5", config_yaml=old, world_size=1, num_clients=K,
-                   num_samples=np.array([5, 6, 7]), class_counts=np.ones((K, 2), int),
-                   fedmpi_version="old") as w:
-        w.append_round(0, {"test_accuracy": 0.5}, {"selected": np.ones(K, bool)}, {})
-    s = summary_markdown(read(tmp_path / "log.h5"))
-    assert "| algorithm.mu | 0.1 |" in s
-    assert "beta1" not in s and "elastic_mu" not in s and "server_lr" not in s
-
-
 def test_round_numbering_is_one_convention(tmp_path):
     rows = [dict(test_accuracy=a) for a in (0.2, 0.6, 0.9)]
     path = _log(tmp_path / "log.h5", {}, rows)
     s = summary_markdown(read(path), target=0.5)
-    assert "| best test accuracy | 90.00% (round 2) |" in s     # the log's round index
-    assert "| rounds to 50.00% | 2 (first reached in round 1) |" in s
+    assert "| best test accuracy | 0.9000 (round 2) |" in s     # the log's round index
+    assert "| rounds to test accuracy 0.5000 | 2 (first reached in round 1) |" in s
     assert "numbered from 0 as in the log" in s
 
 

@@ -91,7 +91,7 @@ def test_sharded_metrics_logged_per_round_and_shown(tmp_path):
     from fedmpi.report.summary import summary_markdown
 
     summary = summary_markdown(log)
-    assert f"| final macro_f1 | {100 * log.rounds['macro_f1'][-1]:.2f}% |" in summary
+    assert f"| final macro_f1 | {log.rounds['macro_f1'][-1]:.4f} |" in summary
     table = compare([out / "log.h5"])
     assert "final balanced_accuracy (%)" in table.markdown().splitlines()[0]
     assert "macro_f1_mean" in table.csv().splitlines()[0]

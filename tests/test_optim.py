@@ -226,10 +226,10 @@ def test_nonfinite_kept_state_is_dropped():
     fed = build_fed(KEEP, **{"train.optimizer": "adam", "train.optimizer_state": "keep"})
     fed.round(0)
     k = int(fed.participants(0).nonzero()[0][0])
-    fed.algo.kept_optimizer.of(k, fed.device).exp_avg_sq[3] = float("inf")
-    assert fed.algo.kept_optimizer.drop_if_nonfinite(k)
+    fed.worker.kept.of(k, fed.device).exp_avg_sq[3] = float("inf")
+    assert fed.worker.kept.drop_if_nonfinite(k)
     assert not fed.algo.client_state(k)
-    assert float(fed.algo.kept_optimizer.of(k, fed.device).step) == 0   # fresh again
+    assert float(fed.worker.kept.of(k, fed.device).step) == 0   # fresh again
 
 
 @pytest.mark.parametrize("over", [

@@ -122,10 +122,10 @@ def test_abadi_moments_accountant_example():
 def test_clip_bounds_the_norm_and_keeps_the_direction():
     from types import SimpleNamespace
 
-    from fedmpi.transforms.dp_clip import ClientClip
+    from fedmpi.privacy.client_dp import ClientDP
 
     cfg = config_from_dict(small(**{"privacy.dp.noise_multiplier": 0.0}))
-    tr = ClientClip(cfg)
+    tr = ClientDP(cfg)
     rng = np.random.default_rng(0)
     for scale in (0.01, 1.0, 100.0):
         v = rng.normal(size=1000) * scale
@@ -184,33 +184,45 @@ def test_no_client_contribution_exceeds_clip_and_the_model_moves_by_their_mean(t
     assert float((model_vec(free.out_dir / "model.pt") - theta0).norm()) > 5 * clip
 
 
-def test_central_noise_has_std_sigma_c_on_the_sum():
-    from fedmpi.privacy.dp import ServerNoise
+def _aggregate(stage, mean: torch.Tensor, round: int, selected: int, accepted: int) -> list:
+    """The DP stage's aggregate half on ``mean`` (in place); the events it reported."""
+    from fedmpi.component import RoundInfo
+    from fedmpi.log.row import Reports
 
-    noise = ServerNoise(config_from_dict(small(**{"privacy.dp.noise_multiplier": 2.0})))
+    stage.report = Reports().reporter(stage.name)
+    info = RoundInfo(round=round, clients=np.arange(accepted), weights=np.ones(accepted) / accepted,
+                     num_samples=np.ones(accepted), steps=np.ones(accepted), num_clients=selected,
+                     num_selected=selected)
+    stage.on_aggregate({"delta": mean}, info)
+    return [e.message for e in stage.report.hub.drain(round)[1]]
+
+
+def test_central_noise_has_std_sigma_c_on_the_sum():
+    from fedmpi.privacy.client_dp import ClientDP
+
+    noise = ClientDP(config_from_dict(small(**{"privacy.dp.noise_multiplier": 2.0})))
     m, n = 3, 400_000
     mean = torch.zeros(n)
-    noise.apply(mean, round=5, selected=m, accepted=m)
+    _aggregate(noise, mean, round=5, selected=m, accepted=m)
     z = mean.double().numpy() * m   # the noise on the sum
     se = 2.0 * CLIP / math.sqrt(2 * n)   # std error of a sample std
     assert abs(z.std() - 2.0 * CLIP) < 5 * se
     assert abs(z.mean()) < 5 * 2.0 * CLIP / math.sqrt(n)
     # fixed denominator: (Σ over 2 accepted of 1) / 3 selected, no noise at σ = 0
-    quiet = ServerNoise(config_from_dict(small(**{"privacy.dp.noise_multiplier": 0.0})))
+    quiet = ClientDP(config_from_dict(small(**{"privacy.dp.noise_multiplier": 0.0})))
     ones = torch.ones(10)
-    quiet.apply(ones, round=0, selected=3, accepted=2)
+    _aggregate(quiet, ones, round=0, selected=3, accepted=2)
     torch.testing.assert_close(ones, torch.full((10,), 2 / 3))
 
 
 def test_distributed_noise_shares_sum_to_sigma_c_and_rank0_tops_up_an_excluded_share():
     from types import SimpleNamespace
 
-    from fedmpi.transforms.dp_clip import ClientClip
-    from fedmpi.privacy.dp import ServerNoise
+    from fedmpi.privacy.client_dp import ClientDP
 
     cfg = config_from_dict(small(**{"privacy.dp.noise_multiplier": 2.0,
                                     "privacy.dp.noise": "distributed"}))
-    tr, server = ClientClip(cfg), ServerNoise(cfg)
+    tr = server = ClientDP(cfg)
     n, m = 300_000, 3
     shares = []
     for k in range(m):
@@ -222,8 +234,8 @@ def test_distributed_noise_shares_sum_to_sigma_c_and_rank0_tops_up_an_excluded_s
     assert abs(np.sum(shares, 0).std() - 2.0 * CLIP) < 5 * se
     # client 2 excluded: rank 0 adds its share's variance, the sum keeps std σC
     mean = torch.tensor((shares[0] + shares[1]) / 2, dtype=torch.float32)
-    note = server.apply(mean, round=1, selected=m, accepted=2)
-    assert note is not None and "excluded" in note
+    notes = _aggregate(server, mean, round=1, selected=m, accepted=2)
+    assert len(notes) == 1 and "excluded" in notes[0]
     assert abs(mean.double().numpy().std() * m - 2.0 * CLIP) < 5 * se
     assert server.noise_std(m, m) == 0.0
 
@@ -293,7 +305,8 @@ def test_resume_reports_the_epsilon_of_an_uninterrupted_run(tmp_path, level):
     if level == "record":
         np.testing.assert_array_equal(resumed.clients["epsilon"], full.clients["epsilon"])
     ckpt = torch.load(part / "checkpoint.pt", weights_only=True)
-    assert int(ckpt["components"]["privacy"]["rounds"]) == (4 if level == "client" else 0)
+    stage = f"transform/{level}_dp"
+    assert int(ckpt["components"][stage]["rounds"]) == (4 if level == "client" else 0)
 
 
 # ------------------------------------------------------------ refused input

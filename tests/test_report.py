@@ -19,7 +19,7 @@ from fedmpi.report.summary import summary_markdown
 pytest.importorskip("matplotlib")
 
 K, C, L, V = 4, 3, 2, 3
-ACC = [0.25, 0.5, np.nan, 0.875, 0.75]      # best 87.50% at round 3; no evaluation in round 2
+ACC = [0.25, 0.5, np.nan, 0.875, 0.75]      # best 0.875 at round 3; no evaluation in round 2
 CONFIG = (f"name: synthetic\nseed: 3\ndata:\n  num_clients: {K}\n"
           f"aggregation:\n  weighting: fedvg\ntrain:\n  rounds: 6\n"
           f"eval:\n  metrics: [accuracy, balanced_accuracy]\n")
@@ -58,7 +58,15 @@ def writer(path: Path, rounds: int) -> LogWriter:
 @pytest.fixture
 def log_path(tmp_path) -> Path:
     path = tmp_path / "log.h5"
-    with writer(path, len(ACC)) as w:
+    with writer(path, len(ACC)) as w:   # a completed run with eval.cross_site
+        w.write_static("cross_site/sites", np.array([f"client {k}" for k in range(K)],
+                                                    dtype=object))
+        w.write_static("cross_site/models", np.array(["global model",
+                                                      *(f"client {k}" for k in range(K))],
+                                                     dtype=object))
+        for name in ("test_accuracy", "balanced_accuracy", "test_loss"):
+            w.write_static(f"cross_site/{name}",
+                           np.linspace(0, 1, K * (K + 1)).reshape(K, K + 1))
         w.set_status("completed")
     return path
 
@@ -71,12 +79,12 @@ def test_report_writes_every_plot_and_summary(log_path, tmp_path):
         data = f.read_bytes()
         assert data.startswith(PNG) and len(data) > 5000, f
     s = (out / "summary.md").read_text()
-    assert "| best test accuracy | 87.50% (round 3) |" in s
-    assert "| final test accuracy | 75.00% (round 4) |" in s
-    assert "| rounds to 50.00% | 2 (first reached in round 1) |" in s
+    assert "| best test accuracy | 0.8750 (round 3) |" in s
+    assert "| final test accuracy | 0.7500 (round 4) |" in s
+    assert "| rounds to test accuracy 0.5000 | 2 (first reached in round 1) |" in s
     assert "| mean time per round | 1.000 s (total 5.0 s) |" in s
     assert "local training (slowest worker) | 0.500 s (50.0%) |" in s
-    assert "| 1 | 1 | 1 |" in s                              # client 1 excluded once, round 1
+    assert "| client 1 | 1 | 1 |" in s                       # client 1 excluded once, round 1
     assert "update excluded: non-finite values" in s
     assert "| aggregation.weighting | fedvg |" in s and "status: **completed**" in s
 
@@ -106,7 +114,7 @@ def test_report_on_live_and_empty_log(tmp_path):
             w.append_round(t, {"test_accuracy": ACC[t]})
         s = summary_markdown(read(path))                    # writer still open
         assert "status: **running**, 2 of 6 rounds logged" in s
-        assert "| best test accuracy | 50.00% (round 1) |" in s
+        assert "| best test accuracy | 0.5000 (round 1) |" in s
     finally:
         w.close()
 
@@ -119,7 +127,7 @@ def test_report_on_failed_run(tmp_path):
     assert main(["report", str(path), "--target-accuracy", "0.9"]) == 0   # default --out
     s = (tmp_path / "report" / "summary.md").read_text()
     assert "status: **failed**, 2 of 6 rounds logged" in s
-    assert "| rounds to 90.00% | not reached |" in s
+    assert "| rounds to test accuracy 0.9000 | not reached |" in s
 
 
 def test_cli_report_truncated_and_foreign_files_exit_2(log_path, tmp_path, capsys):

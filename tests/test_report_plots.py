@@ -45,11 +45,36 @@ def test_uplink_and_downlink_are_both_visible(report):
     assert _share(png, "#1f77b4") > 0.03 and _share(png, "#ff7f0e") > 0.03
 
 
-def test_every_chosen_metric_and_the_site_spread_are_drawn(report):
+def drawn_figure(monkeypatch, plot, *args):
+    """The matplotlib figure ``plot(*args)`` saves (its text is not in the PNG's pixels)."""
+    from fedmpi.report import canvas
+
+    figures = []
+    save = canvas.save
+    monkeypatch.setattr(canvas, "save", lambda fig, path: (figures.append(fig), save(fig, path))[1])
+    assert plot(*args) is not None
+    return figures[-1]
+
+
+def test_every_chosen_metric_and_the_site_spread_are_drawn(report, monkeypatch, tmp_path):
     from fedmpi.log.reader import read
+    from fedmpi.report.curves import plot_metrics
 
     png = report["metrics.png"]
-    assert _share(png, "#d62728") > 0.002          # the sites' curve (C3)
+    assert _share(png, "#000000") > 0.002       # the combined and server curves (black)
+    log = read(png.parent.parent / "run" / "log.h5")
+    fig = drawn_figure(monkeypatch, plot_metrics, log, tmp_path / "m.png")
+    titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
+    assert titles == ["accuracy", "balanced accuracy", "AUROC"]
+    labels = [t.get_text() for t in fig.legends[0].texts]
+    for label in ("client 0", "client 1", "client 2", "client 3", "server test set",
+                  "sites combined: pooled (exact)", "sites combined: n-weighted mean",
+                  "4 sites: min–max"):
+        assert label in labels, label
+    # every site's curve in each panel, in its own colour
+    for ax in fig.axes[:3]:
+        colors = {line.get_label(): line.get_color() for line in ax.get_lines()}
+        assert len({colors[f"client {k}"] for k in range(4)}) == 4
     text = report["summary.md"].read_text()
     assert "metrics.png" in text
     log = read(png.parent.parent / "run" / "log.h5")

@@ -414,22 +414,24 @@ def test_open_run_takes_the_run_state_and_the_log_header(tmp_path):
 
     import h5py
 
-    from fedmpi.context import LogSink
+    from fedmpi.log.row import Reports
     from fedmpi.runtime.guard import LogHeader, open_run
 
     run = fake_run_state(num_clients=3, components={"rng": checkpoint.RngStreams()})
     theta = run.global_state.clone()
-    sink = LogSink()
-    sink.set_attr("toy", "built", 7)          # written during the build, before the log
-    sink.event(0, -1, "toy: set up")
+    reports = Reports()
+    toy = reports.reporter("toy")
+    toy.attr("toy", "built", 7)               # written during the build, before the log
+    toy.event("toy: set up", round=0)
     counts = np.array([[2, 1], [0, 3], [4, 0]])
     header = LogHeader(num_samples=counts.sum(1), class_counts=counts,
-                       run_info={"algorithm": {"name": "toy"}}, sink=sink)
+                       run_info={"algorithm": {"name": "toy"}}, reports=reports)
     out = tmp_path / "run"
     try:
         opened = open_run(run, header, out, resume=False, overwrite=False)
         assert opened.restored is None and opened.history == []
-        sink.event(0, -1, "after opening")    # the sink now writes into the open log
+        toy.event("after opening", round=0)   # reported after the log opened: with the next row
+        reports.flush_events()
         checkpoint.save(run, 0, checkpoint_path(out))
         opened.writer.set_status("interrupted")
         opened.writer.close()
@@ -448,7 +450,7 @@ def test_open_run_takes_the_run_state_and_the_log_header(tmp_path):
     run2 = fake_run_state(num_clients=3, components={"rng": checkpoint.RngStreams()})
     run2.global_state.zero_()
     try:
-        opened = open_run(run2, LogHeader(counts.sum(1), counts, {}, LogSink()), out,
+        opened = open_run(run2, LogHeader(counts.sum(1), counts, {}, Reports()), out,
                           resume=True, overwrite=False)
         assert opened.restored is not None and opened.restored.round == 0
         assert opened.history == [] and torch.equal(run2.global_state, theta)

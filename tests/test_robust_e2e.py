@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import fedmpi
+from fedmpi.component import RoundInfo
 from fedmpi.transforms.adversary import Adversary, alie_z
 from fedmpi.log.reader import read
 from fedmpi.report.summary import summary_markdown
@@ -46,7 +47,7 @@ def test_sign_flip_breaks_mean_not_robust_rules(tmp_path):
             np.testing.assert_array_equal(sel[:, :3], 0)
             np.testing.assert_array_equal(sel[:, 3:], 1)
             text = summary_markdown(log)
-            assert "## Server rule (multi_krum)" in text and "| 7 | 0, 1, 2 |" in text
+            assert "## Server rule (multi_krum)" in text and "| 7 | client 0, client 1, client 2 |" in text
         if rule == "fltrust":
             trust = log.arrays["rule/trust"]
             np.testing.assert_array_equal(trust[:, :3], 0)   # opposite to the server update
@@ -61,7 +62,9 @@ def test_alie_rows_written_from_benign_statistics():
     benign = rows.numpy()[[0, 2, 3, 5]].astype(np.float64)
     z = alie_z(7, 2)                                 # 7 participants, 2 attackers accepted
     expect = benign.mean(0) - z * benign.std(0)
-    assert adv.on_server_rows(clients, rows, 7) == [2, 7]
+    info = RoundInfo(round=0, clients=clients, weights=np.full(6, 1 / 6), num_samples=np.ones(6),
+                     steps=np.ones(6), num_clients=9, num_selected=7)
+    assert adv.on_rows(torch.zeros(d), {"delta": rows}, info) == [2, 7]
     np.testing.assert_allclose(rows.numpy()[1], expect, atol=1e-5)
     np.testing.assert_allclose(rows.numpy()[4], expect, atol=1e-5)
     np.testing.assert_allclose(rows.numpy()[[0, 2, 3, 5]], benign, atol=0)
@@ -142,11 +145,11 @@ def test_rule_composes_and_logs_its_column(rule, method, weighting, tmp_path):
 
 
 def test_alie_refused_under_secure_aggregation():
+    """Refused from the declarations alone (a ``sums_only`` stage and an attack that puts
+    rows on rank 0), when the config is built."""
     from fedmpi.config.schema import config_from_dict
     from fedmpi.errors import ConfigError
-    from fedmpi.privacy.secagg import check_config
 
-    cfg = config_from_dict({"privacy": {"secure_aggregation": True},
-                            "adversary": {"clients": [1], "kind": "alie"}})
     with pytest.raises(ConfigError, match="privacy.secure_aggregation.*adversary.kind"):
-        check_config(cfg)
+        config_from_dict({"privacy": {"secure_aggregation": True},
+                          "adversary": {"clients": [1], "kind": "alie"}})

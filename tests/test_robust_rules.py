@@ -12,6 +12,7 @@ import torch
 from fedmpi.aggregation.rules import build_rule
 from fedmpi.aggregation.rules import RuleInfo
 from fedmpi.config.schema import config_from_dict
+from fedmpi.log.row import Reports
 from fedmpi.errors import ConfigError
 
 K = 12
@@ -21,9 +22,22 @@ def make(rule: str, **params):
     cfg = config_from_dict({"data": {"num_clients": K},
                             "aggregation": {"rule": rule, **({rule: params} if params else {})}})
     r = build_rule(cfg)
+    r.report = Reports().reporter(r.name)   # what the rule reports, kept (rank 0's channel)
     if rule != "fltrust":            # FLTrust's setup trains on the server's data: replaced below
         r.setup(None)
     return r
+
+
+def logged(rule) -> dict:
+    """The arrays ``rule`` reported since the last call (its round's log row)."""
+    row, _ = rule.report.hub.drain(-1)
+    return row.arrays
+
+
+def events(rule) -> list:
+    """(round, client, message) of the events ``rule`` reported."""
+    _, evs = rule.report.hub.drain(-1)
+    return [(e.round, e.client, e.message) for e in evs]
 
 
 def info(clients, weights=None, d=0, rnd=3):
@@ -57,13 +71,13 @@ def test_median_rule_and_trim_log(n):
     out = agg(r, X, info(range(n)), extra=2 * X)
     np.testing.assert_allclose(out["delta"], np.median(X, 0), atol=1e-6)
     np.testing.assert_allclose(out["c_new"], np.median(2 * X, 0), atol=1e-6)   # each stat alone
-    col = r.log_arrays()["rule/trimmed"]
+    col = logged(r)["rule/trimmed"]
     lo = (n - 1) // 2
     ranks = np.argsort(np.argsort(X, axis=0, kind="stable"), axis=0, kind="stable")
     expect = ((ranks < lo) | (ranks >= n - lo)).mean(1)
     np.testing.assert_allclose(col[:n], expect)
     assert np.isnan(col[n:]).all()
-    assert np.isnan(r.log_arrays()["rule/trimmed"]).all()   # reset after each round
+    assert "rule/trimmed" not in logged(r)   # reported once, for its round
 
 
 def test_median_ignores_weights_and_skips_an_excluded_client():
@@ -73,7 +87,7 @@ def test_median_ignores_weights_and_skips_an_excluded_client():
     r = make("median")
     out = agg(r, X[clients], info(clients, [0.7, 0.1, 0.1, 0.1]))
     np.testing.assert_allclose(out["delta"], np.median(X[clients], 0), atol=1e-6)
-    assert np.isnan(r.log_arrays()["rule/trimmed"][2])
+    assert np.isnan(logged(r)["rule/trimmed"][2])
 
 
 @pytest.mark.parametrize("n,beta", [(10, 0.3), (7, 0.2), (6, 0.49), (5, 0.0)])
@@ -107,7 +121,7 @@ def test_krum_selects_lowest_reference_score_and_logs_it():
     best = int(np.argmin(ref_krum_scores(X, 2)))
     np.testing.assert_allclose(out["delta"], X[best], atol=1e-6)
     np.testing.assert_allclose(out["c_new"], 3 * X[best], atol=1e-5)   # same client's statistics
-    sel = r.log_arrays()["rule/selected"]
+    sel = logged(r)["rule/selected"]
     assert sel[best] == 1 and np.nansum(sel) == 1 and np.isnan(sel[7:]).all()
 
 
@@ -123,7 +137,7 @@ def test_multi_krum_weighted_average_of_selected():
     expect = (w[keep] / w[keep].sum()) @ X[keep].astype(np.float64)
     np.testing.assert_allclose(out["delta"], expect, atol=1e-5)
     assert 1 not in keep and 6 not in keep
-    sel = r.log_arrays()["rule/selected"]
+    sel = logged(r)["rule/selected"]
     np.testing.assert_array_equal(sel[keep + 2], 1)
     assert sel[3] == 0 and sel[8] == 0 and np.isnan(sel[:2]).all()
 
@@ -149,35 +163,20 @@ def test_krum_check_names_keys():
                       "aggregation": {"rule": "krum", "krum": {"f": 3}}})   # 9 > 2·3 + 2
 
 
-class _Log:
-    def __init__(self):
-        self.events = []
-
-    def event(self, rnd, client, msg):
-        self.events.append((rnd, client, msg))
-
-
-class _Ctx:
-    def __init__(self):
-        self.log = _Log()
-
-
 def test_krum_run_time_fallback_logs_an_event():
     r = make("multi_krum", f=3)
-    r.ctx = _Ctx()
     X = data(6, seed=8)                              # exclusions left 6 ≤ 2·3 + 2
     out = agg(r, X, info(range(6)))
     f2 = (6 - 3) // 2                                # = 1
     keep = np.sort(np.argsort(ref_krum_scores(X, f2), kind="stable")[: 6 - f2])
     np.testing.assert_allclose(out["delta"], X[keep].mean(0), atol=1e-6)
-    (rnd, client, msg), = r.ctx.log.events
+    (rnd, client, msg), = events(r)
     assert rnd == 3 and client == -1 and "uses f = 1" in msg and "aggregation.multi_krum.f = 3" in msg
     r2 = make("krum", f=1)
-    r2.ctx = _Ctx()
     w = np.array([0.25, 0.75])
     out = agg(r2, data(2), info([4, 9], w))          # n = 2: the weighted mean
     np.testing.assert_allclose(out["delta"], w @ data(2).astype(np.float64), atol=1e-6)
-    assert "weighted mean" in r2.ctx.log.events[0][2]
+    assert "weighted mean" in events(r2)[0][2]
 
 
 # --------------------------------------------------------- geometric median
@@ -192,7 +191,7 @@ def test_geometric_median_rule_against_weiszfeld_reference():
         beta = w / np.maximum(1e-12, np.linalg.norm(X - z, axis=1))
         z = beta @ X / beta.sum()
     np.testing.assert_allclose(out["delta"], z, atol=1e-4)
-    col = r.log_arrays()["rule/weight"][:6]
+    col = logged(r)["rule/weight"][:6]
     assert col[0] < 1e-3 and abs(col.sum() - 1) < 1e-9
 
 
@@ -210,7 +209,7 @@ def test_norm_clip_median_and_fixed_bound():
         c = np.minimum(1.0, tau / norms)
         np.testing.assert_allclose(out["delta"], (w * c) @ X.astype(np.float64), atol=1e-5)
         np.testing.assert_allclose(out["c_new"], (w * c) @ extra.astype(np.float64), atol=1e-5)
-        np.testing.assert_allclose(r.log_arrays()["rule/clip"][:5], c, rtol=1e-6)
+        np.testing.assert_allclose(logged(r)["rule/clip"][:5], c, rtol=1e-6)
 
 
 # ---------------------------------------------------------------- FLTrust
@@ -226,18 +225,17 @@ def test_fltrust_reference():
     expect = sum(ts[i] * np.linalg.norm(g) / np.linalg.norm(Xd[i]) * Xd[i] for i in range(5)) / ts.sum()
     np.testing.assert_allclose(out["delta"], expect, atol=1e-5)
     np.testing.assert_allclose(out["c_new"], (ts / ts.sum()) @ (2 * Xd), atol=1e-5)
-    np.testing.assert_allclose(r.log_arrays()["rule/trust"][:5], ts, atol=1e-6)
+    np.testing.assert_allclose(logged(r)["rule/trust"][:5], ts, atol=1e-6)
     assert ts[4] == 0
 
 
 def test_fltrust_no_trust_keeps_model_and_logs():
     X = np.abs(data(3, seed=13))
     r = make("fltrust")
-    r.ctx = _Ctx()
     r.server_update = lambda state, rnd: torch.tensor(-np.ones(X.shape[1], dtype=np.float32))
     out = agg(r, X, info(range(3)))
     np.testing.assert_array_equal(out["delta"], np.zeros(X.shape[1]))
-    assert "no client has a positive trust" in r.ctx.log.events[0][2]
+    assert "no client has a positive trust" in events(r)[0][2]
 
 
 def test_fltrust_check_needs_validation_data():

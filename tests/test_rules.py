@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, run_fedmpi
+from conftest import server_parts, ROOT, run_fedmpi
 from fedmpi.aggregation.rules import ServerRule, register_rule
 from fedmpi.aggregation.rules import RULES
 from fedmpi.config.schema import config_from_dict
@@ -57,7 +57,7 @@ def test_per_client_rule_gets_accepted_rows_and_weights_and_its_aggregate_is_app
     state = flat.vector.detach().clone()
     cfg = config_from_dict({"data": {"num_clients": K}})
     rule = median_rule(cfg)
-    res = server_step(state, up, algo, w, algo.uplink_stats(), N_K.astype(np.int64), rule=rule)
+    res = server_step(state, up, server_parts(algo, w, N_K.astype(np.int64), rule=rule))
     clients, weights, rows = median_rule.seen[0]
     np.testing.assert_array_equal(clients, ACC)
     np.testing.assert_allclose(weights, N_K[ACC] / N_K[ACC].sum())

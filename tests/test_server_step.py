@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import ROOT, bare_context
+from conftest import server_parts, ROOT, bare_context
 from fedmpi.methods import ALGORITHMS
-from fedmpi.methods.base import start
+from fedmpi.component import start
 from fedmpi.component import Stat
 from fedmpi.aggregation.weighting import build_weighting
 from fedmpi.config.schema import config_from_dict
@@ -87,7 +87,7 @@ def test_exclusion_and_reducible_weights(weighting, raw):
     theta = flat.vector.clone()
     d = deltas(flat.size)
     up = record(0, MASK, STATUS, raw, 3, {"delta": reduced_sum(d, raw)})
-    res = server_step(flat.vector, up, algo, w, algo.uplink_stats(), N_K)
+    res = server_step(flat.vector, up, server_parts(algo, w, N_K))
     s = raw[ACC] / raw[ACC].sum()
     assert res.accepted.tolist() == [0, 3, 4] and res.excluded.tolist() == [1]
     assert np.isnan(res.weights[2]) and res.weights[1] == 0.0
@@ -99,8 +99,7 @@ def test_exclusion_and_reducible_weights(weighting, raw):
 def test_server_lr_scales_the_average():
     algo, w, flat = setup("fedavg", server_lr=0.5)
     theta, d, raw = flat.vector.clone(), deltas(flat.size), N_K / N_K.sum()
-    server_step(flat.vector, record(0, MASK, STATUS, raw, 3, {"delta": reduced_sum(d, raw)}),
-                algo, w, algo.uplink_stats(), N_K)
+    server_step(flat.vector, record(0, MASK, STATUS, raw, 3, {"delta": reduced_sum(d, raw)}), server_parts(algo, w, N_K))
     s = raw[ACC] / raw[ACC].sum()
     np.testing.assert_allclose(flat.vector.numpy(), theta.numpy() + 0.5 * (s @ d[ACC]), atol=1e-6)
 
@@ -110,7 +109,7 @@ def test_no_accepted_client_leaves_the_model_unchanged():
     theta = flat.vector.clone()
     up = record(0, MASK, [STATUS_NONFINITE] * K, N_K / N_K.sum(), 3,
                 {"delta": torch.zeros(flat.size, dtype=torch.float64)})
-    res = server_step(flat.vector, up, algo, w, algo.uplink_stats(), N_K)
+    res = server_step(flat.vector, up, server_parts(algo, w, N_K))
     assert res.accepted.size == 0 and torch.equal(flat.vector, theta)
     assert (res.weights[np.array(MASK)] == 0).all()
 
@@ -123,7 +122,7 @@ def test_fedvg_delta_weights_from_rows():
     order = [0, 1, 3, 4]                       # participants, the row order of the record
     rows = {"delta": torch.as_tensor(d[order])}
     up = record(0, MASK, STATUS, 0.0, 3, rows=rows, row_clients=order)
-    res = server_step(flat.vector, up, algo, w, algo.uplink_stats(), N_K)
+    res = server_step(flat.vector, up, server_parts(algo, w, N_K))
     G = np.array([np.mean([np.abs(d[k, sl]).sum() for sl in param_slices(flat)]) for k in ACC])
     s = (1 / (G + 1e-8)) / (1 / (G + 1e-8)).sum()
     np.testing.assert_allclose(res.weights[ACC], s, rtol=1e-5)
@@ -137,8 +136,7 @@ def test_client_statistics_become_nan_padded_arrays():
     sel = torch.arange(12, dtype=torch.float32).view(4, 3)
     up = record(0, MASK, STATUS, raw, 3, {"delta": reduced_sum(d, raw)},
                 rows={"diag": sel}, row_clients=order)
-    res = server_step(flat.vector, up, algo, w, algo.uplink_stats() + [Stat("diag", 3, "client")],
-                      N_K)
+    res = server_step(flat.vector, up, server_parts(algo, w, N_K, stats=(*algo.exchange().uplink, Stat("diag", 3, "client"))))
     got = res.client_arrays["diag"]
     assert got.shape == (K, 3) and np.isnan(got[2]).all()
     np.testing.assert_array_equal(got[order], sel.numpy())
@@ -160,8 +158,7 @@ def test_fednova_tau_eff(rho):
     order = [0, 1, 3, 4]                                # a_k travels per client ("fednova/a")
     a_rows = {"fednova/a": torch.tensor(a[order], dtype=torch.float32)[:, None]}
     server_step(flat.vector, record(0, MASK, STATUS, raw, steps, {"delta": reduced_sum(d, raw)},
-                                    rows=a_rows, row_clients=order),
-                algo, w, algo.uplink_stats(), N_K)
+                                    rows=a_rows, row_clients=order), server_parts(algo, w, N_K))
     p = raw[ACC] / raw[ACC].sum()
     tau_eff = float(p @ a[ACC])
     P = flat.num_params
@@ -180,7 +177,7 @@ def test_scaffold_server_control_variate():
         d, dc = deltas(flat.size, seed=t), deltas(P, seed=10 + t)
         up = record(t, MASK, STATUS, raw, 3, {"delta": reduced_sum(d, raw),
                                               "dc": reduced_sum(dc, np.ones(K))})
-        server_step(flat.vector, up, algo, w, algo.uplink_stats(), N_K)
+        server_step(flat.vector, up, server_parts(algo, w, N_K))
         c += dc[ACC].sum(0) / K
         np.testing.assert_allclose(algo.c.numpy(), c, rtol=1e-6, atol=1e-6)
 
@@ -195,7 +192,7 @@ def test_feddyn_h_and_model():
         d = deltas(flat.size, seed=t)
         up = record(t, MASK, STATUS, raw, 3, {"delta": reduced_sum(d, raw),
                                               "dh": reduced_sum(d[:, :P], np.ones(K))})
-        server_step(flat.vector, up, algo, w, algo.uplink_stats(), N_K)
+        server_step(flat.vector, up, server_parts(algo, w, N_K))
         s = raw[ACC] / raw[ACC].sum()
         H += d[ACC, :P].sum(0)
         want = theta + s @ d[ACC]
@@ -214,8 +211,7 @@ def test_adaptive_server_moments(name):
     for t in range(3):
         theta = flat.vector.clone().numpy().astype(np.float64)
         d = deltas(flat.size, seed=t)
-        server_step(flat.vector, record(t, MASK, STATUS, raw, 3, {"delta": reduced_sum(d, raw)}),
-                    algo, w, algo.uplink_stats(), N_K)
+        server_step(flat.vector, record(t, MASK, STATUS, raw, 3, {"delta": reduced_sum(d, raw)}), server_parts(algo, w, N_K))
         s = raw[ACC] / raw[ACC].sum()
         g = s @ d[ACC].astype(np.float64)
         m = b1 * m + (1 - b1) * g[:P]
@@ -243,7 +239,7 @@ def test_submodel_coverage_averaging():
     assert not np.array_equal(masks[0], masks[4])              # two levels, two masks
     d = deltas(flat.size) * np.stack([masks[k] for k in range(K)])   # clients upload M⊙Δ
     up = record(0, MASK, STATUS, N_K / N_K.sum(), 3, {"delta": reduced_sum(d, np.ones(K))})
-    server_step(flat.vector, up, algo, w, algo.uplink_stats(), N_K)
+    server_step(flat.vector, up, server_parts(algo, w, N_K))
     cover = np.stack([masks[k] for k in ACC]).sum(0)
     want = theta.numpy() + d[ACC].sum(0) / np.maximum(cover, 1)
     np.testing.assert_allclose(flat.vector.numpy(), want, rtol=1e-6, atol=1e-6)

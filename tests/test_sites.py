@@ -16,27 +16,14 @@ import yaml
 from sklearn.metrics import (accuracy_score, balanced_accuracy_score, f1_score, log_loss,
                              roc_auc_score)
 
-from conftest import ROOT, mpiexec_path
+from conftest import OPEN_AUDIT, ROOT, mpiexec_path
 from fedmpi.config.schema import config_from_dict
 from fedmpi.errors import ConfigError
 
 K, HOLDOUT, SEED = 6, 0.2, 0
 
 # Every rank records the data files it opens under the federation's directory.
-AUDIT = r'''
-import json, os, sys
-from mpi4py import MPI
-root, config, out = sys.argv[1:4]
-rank = MPI.COMM_WORLD.Get_rank()
-opened = set()
-
-def hook(event, args):
-    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
-        path = os.path.abspath(os.fsdecode(args[0]))
-        if path.startswith(root):
-            opened.add(os.path.relpath(path, root))
-
-sys.addaudithook(hook)
+AUDIT = OPEN_AUDIT + r'''
 import fedmpi
 fedmpi.run(config, ["eval.where=clients", "eval.client_holdout=0.2", "train.rounds=3"], out=out)
 json.dump(sorted(opened), open(os.path.join(out, f"opened_{rank}.json"), "w"))
@@ -49,6 +36,20 @@ def held_out_positions(n: int, client: int) -> np.ndarray:
     m = min(max(int(np.floor(HOLDOUT * n + 0.5)), 1), n - 1)
     rng = np.random.default_rng(np.random.SeedSequence([SEED, 0xE7A1, client]))
     return np.sort(rng.permutation(n)[:m])
+
+
+def held_out_split(root) -> tuple[list[pd.DataFrame], list[pd.DataFrame], np.ndarray,
+                                   np.ndarray]:
+    """Each silo file's training and held-out rows (the documented rule) and the training
+    rows' per-feature mean and (population) standard deviation, the run's normalisation."""
+    train, test = [], []
+    for k in range(K):
+        frame = pd.read_csv(root / f"silo_{k}.csv")
+        pos = held_out_positions(len(frame), k)
+        test.append(frame.iloc[pos])
+        train.append(frame.drop(index=frame.index[pos]))
+    feats = pd.concat(train).drop(columns="label").to_numpy(dtype=np.float64)
+    return train, test, feats.mean(0), feats.std(0)
 
 
 def mlp_probs(state: dict, x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
@@ -88,14 +89,7 @@ def test_tabular_silos_clients_evaluate_at_n3_and_match_sklearn(tmp_path):
 
     # independent recomputation: the held-out rows of each silo, normalised by the
     # training rows' statistics, through the final model
-    silos = [pd.read_csv(root / f"silo_{k}.csv") for k in range(K)]
-    train, test = [], []
-    for k, frame in enumerate(silos):
-        pos = held_out_positions(len(frame), k)
-        test.append(frame.iloc[pos])
-        train.append(frame.drop(index=frame.index[pos]))
-    feats = pd.concat(train).drop(columns="label").to_numpy(dtype=np.float64)
-    mean, std = feats.mean(0), feats.std(0)
+    train, test, mean, std = held_out_split(root)
     state = torch.load(out / "model.pt", weights_only=True)
     probs = [mlp_probs(state, t.drop(columns="label").to_numpy(), mean, std) for t in test]
     labels = [t["label"].to_numpy() for t in test]
@@ -250,8 +244,8 @@ EVALUATE = r'''
 import json, sys
 from mpi4py import MPI
 from fedmpi.comm import Comm
-from fedmpi.config import config_from_dict
-from fedmpi.runtime import Federation
+from fedmpi.config.schema import config_from_dict
+from fedmpi.runtime.federation import Federation
 fed = Federation(config_from_dict(json.loads(sys.argv[1])), Comm())
 fed.round(0)
 got = fed.evaluate()

@@ -90,7 +90,7 @@ def _fed(**over) -> Federation:
     {"aggregation.weighting": "fedvg"},
     {"aggregation.weighting": "fedvg", "aggregation.fedvg.granularity": "layer"},
     {"ecgr.enabled": "true", "train.local_steps": 4},
-    {"algorithm.name": "fedprox", "algorithm.mu": 0.1},
+    {"algorithm.name": "fedprox", "algorithm.fedprox.mu": 0.1},
     {"algorithm.name": "scaffold"},
     {"runtime.channels_last": "true"},
     {"eval.metrics": "[accuracy,balanced_accuracy,macro_f1,auroc]"},
@@ -114,10 +114,10 @@ def test_fedprox_on_features_follows_its_gradient():
     one step FedProx and FedAvg agree; with two steps they differ (the term acts)."""
     a, b = _fed(**{"train.local_steps": 1}), _fed(**{"train.local_steps": 1,
                                                      "algorithm.name": "fedprox",
-                                                     "algorithm.mu": 1.0})
+                                                     "algorithm.fedprox.mu": 1.0})
     a.round(0), b.round(0)
     assert torch.equal(a.global_state, b.global_state)
-    c, d = _fed(), _fed(**{"algorithm.name": "fedprox", "algorithm.mu": 1.0})
+    c, d = _fed(), _fed(**{"algorithm.name": "fedprox", "algorithm.fedprox.mu": 1.0})
     c.round(0), d.round(0)
     assert not torch.equal(c.global_state, d.global_state)
 

@@ -52,10 +52,10 @@ def test_user_metrics_are_logged_like_builtins(tmp_path, monkeypatch):
     assert log.rounds["auprc"][-1] == pytest.approx(auprc, abs=1e-6)
     assert log.rounds["brier"][-1] == pytest.approx(brier, abs=1e-6)
     assert result.metrics["brier"] == log.rounds["brier"][-1]
-    # reported like the built-ins: summary.md, fedmpi compare (on their own scale, not in %)
+    # reported like the built-ins: summary.md (one format for every metric), fedmpi compare
     from fedmpi.compare import compare
     from fedmpi.report.summary import summary_markdown
-    assert f"| final brier | {brier:.6g} |" in summary_markdown(log)
+    assert f"| final brier | {brier:.4f} |" in summary_markdown(log)
     assert "| final auprc | final brier |" in compare([result.log_path]).markdown()
 
 

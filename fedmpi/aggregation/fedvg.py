@@ -51,7 +51,7 @@ Options (``aggregation.fedvg.*``):
 
 The client model (Eq. 4) is :math:`\theta_k = \theta + c_k u_k` with
 :math:`u_k` the uploaded ``delta`` and :math:`c_k` the method's
-:meth:`~fedmpi.methods.base.Algorithm.model_delta_scale` (1 for every method
+``MethodSpec.delta_scale`` (1 for every method
 that uploads :math:`\theta_k - \theta`; FedNova uploads :math:`\Delta_k/a_k`
 and declares :math:`c_k = a_k`), so FedVG scores the trained model whatever the
 method uploads; the weights then combine the uploads as they are (FedNova's
@@ -116,8 +116,9 @@ from torch import nn
 from fedmpi.training.accel import Accel
 from fedmpi.errors import ConfigError
 from fedmpi.training.flat import FlatModel, Segment
-from fedmpi.config.params import param
+from fedmpi.config.params import load_group, param
 from fedmpi.aggregation.weighting import Weighting
+from fedmpi.config.core import Config
 
 __all__ = ["FedVG", "FedVGAvg", "block_of", "layer_norms", "fedvg_scores"]
 
@@ -200,9 +201,10 @@ class FedVG(Weighting):
     mix_samples = False
 
     @classmethod
-    def check(cls, cfg) -> None:
+    def check(cls, cfg: Config) -> None:
         """bf16 scoring needs CUDA; scoring needs a server validation set (not for ``delta``)."""
-        c, part, val = cfg.aggregation.fedvg, cfg.data.partition, cfg.data.validation
+        c = load_group(cfg, "aggregation.fedvg", FedVGParams)
+        part, val = cfg.data.partition, cfg.data.validation
         if c.bf16 and cfg.runtime.device == "cpu":
             raise ConfigError("config key 'aggregation.fedvg.bf16' needs a CUDA scoring device "
                               "(runtime.device is 'cpu')")
@@ -220,9 +222,9 @@ class FedVG(Weighting):
                 "data.validation.source to an external dataset")
 
     @classmethod
-    def uses_server_validation(cls, cfg) -> bool:
+    def uses_server_validation(cls, cfg: Config) -> bool:
         """Every norm but ``delta`` scores on the server validation set."""
-        return bool(cfg.aggregation.fedvg.norm != "delta")
+        return bool(cfg.get("aggregation.fedvg.norm") != "delta")
 
     def setup(self, ctx) -> None:
         c = self.hparams("fedvg")
@@ -245,8 +247,6 @@ class FedVG(Weighting):
                               "with >= 2 dims and this model has none (set "
                               "aggregation.fedvg.spectral_1d=l2)")
         self._groups(flat)
-        self._norms = np.full((self.K, len(self.layers)), np.nan)
-        self._group_w = np.full((self.K, self.G), np.nan)
         self._S: Optional[np.ndarray] = None
         self._arrived: dict[int, torch.Tensor] = {}   # norms scored on arrival, this round
         # the same autocast switch as runtime.autocast, set separately for scoring
@@ -258,9 +258,9 @@ class FedVG(Weighting):
         self.val = None
         if not ctx.is_server:
             return
-        ctx.log.write_static("fedvg/layer_names", np.array(self.layer_names, dtype=object))
+        self.report.static("fedvg/layer_names", np.array(self.layer_names, dtype=object))
         if self.granularity != "model":
-            ctx.log.write_static("fedvg/group_names", np.array(self.group_names, dtype=object))
+            self.report.static("fedvg/group_names", np.array(self.group_names, dtype=object))
         self.scratch = FlatModel(copy.deepcopy(ctx.flat.model), ctx.device)
         for m in self.scratch.model.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
@@ -319,7 +319,8 @@ class FedVG(Weighting):
     # ------------------------------------------------------------ scoring
     def model_scales(self, rows) -> list[float]:
         """c_k of each client's statistics (name → [n, size]), from the method's
-        :meth:`Algorithm.model_delta_scale`: θ_k − θ = c_k·u_k on the parameters."""
+        ``spec.delta_scale`` (:attr:`fedmpi.context.Context.model_delta_scale`):
+        θ_k − θ = c_k·u_k on the parameters."""
         n = len(rows["delta"])
         scale = self.ctx.model_delta_scale
         return [float(scale({k: v[i] for k, v in rows.items()})) for i in range(n)]
@@ -364,7 +365,9 @@ class FedVG(Weighting):
             norms = torch.stack([arrived[int(k)] for k in clients]).double().cpu().numpy()
         else:
             norms = self.score(state, rows["delta"], self.model_scales(rows)).double().cpu().numpy()
-        self._norms[clients] = norms
+        full = np.full((self.K, len(self.layers)), np.nan)
+        full[clients] = norms
+        self.report.array("fedvg/grad_norm", full)
         S = fedvg_scores(np.where(self.scored, norms, 0.0) @ self.A, self.eps)   # [n, G]
         if not self.group_scored.all():   # groups with no scored layer: mean of the others
             S[:, ~self.group_scored] = S[:, self.group_scored].mean(1, keepdims=True)
@@ -372,7 +375,10 @@ class FedVG(Weighting):
             nk = self.num_samples[clients]
             S = 0.5 * (S + (nk / nk.sum())[:, None])
         self._S = S
-        self._group_w[clients] = S
+        if self.granularity != "model":
+            full = np.full((self.K, self.G), np.nan)
+            full[clients] = S
+            self.report.array("fedvg/group_weight", full)
         return S.mean(1)
 
     def combine(self, s: np.ndarray, rows: torch.Tensor) -> torch.Tensor:
@@ -394,15 +400,6 @@ class FedVG(Weighting):
     def log_outputs(self) -> list[str]:
         extra = ["fedvg/group_weight", "fedvg/group_names"] if self.granularity != "model" else []
         return ["fedvg/grad_norm", "fedvg/layer_names", *extra]
-
-    def log_arrays(self) -> dict[str, np.ndarray]:
-        out = {"fedvg/grad_norm": self._norms.copy()}
-        if self.granularity != "model":
-            out["fedvg/group_weight"] = self._group_w.copy()
-        self._norms.fill(np.nan)
-        self._group_w.fill(np.nan)
-        self._S = None
-        return out
 
 
 class FedVGAvg(FedVG):

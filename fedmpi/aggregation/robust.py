@@ -57,10 +57,11 @@ shared base, logging and fallbacks); their arithmetic is :mod:`~fedmpi.aggregati
 from __future__ import annotations
 
 import abc
-
 import copy
+import math
+from fractions import Fraction
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Mapping, Optional
+from typing import ClassVar, Mapping, Optional
 
 import numpy as np
 import torch
@@ -69,6 +70,7 @@ from fedmpi.errors import ConfigError
 from fedmpi.config.params import param
 from fedmpi.aggregation import robust_math as rm
 from fedmpi.aggregation.rules import RuleInfo, ServerRule, register_rule
+from fedmpi.config.core import Config
 
 __all__ = ["Median", "TrimmedMean", "Krum", "MultiKrum", "GeometricMedian", "NormClip", "FLTrust"]
 
@@ -82,11 +84,11 @@ class RobustRule(ServerRule):
     #: the per-round log column (``rule/<column>``), [K] per round
     column: ClassVar[str] = ""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
         self.ws = rm.Workspace()
         self._out: dict[str, torch.Tensor] = {}
-        self._col = np.full(int(cfg.data.num_clients), np.nan)
+        self.num_clients = int(cfg.data.num_clients)
 
     def out(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """The reused ``[size]`` output vector of statistic ``name``."""
@@ -96,19 +98,16 @@ class RobustRule(ServerRule):
         return buf
 
     def record(self, info: RuleInfo, values: np.ndarray) -> None:
-        self._col[info.clients] = values
+        """This round's ``rule/<column>``: ``values`` of the accepted clients, NaN elsewhere."""
+        col = np.full(self.num_clients, np.nan)
+        col[info.clients] = values
+        self.report.array(f"rule/{self.column}", col)
 
     def event(self, info: RuleInfo, message: str) -> None:
-        if self.ctx is not None:
-            self.ctx.log.event(info.round, -1, f"aggregation.rule {self.name}: {message}")
+        self.report.event(f"aggregation.rule {self.name}: {message}", round=info.round)
 
     def log_outputs(self) -> list[str]:
         return [f"rule/{self.column}"]
-
-    def log_arrays(self) -> dict[str, np.ndarray]:
-        out = {f"rule/{self.column}": self._col.copy()}
-        self._col.fill(np.nan)
-        return out
 
     def combine_all(self, rows: Rows, coef: np.ndarray) -> dict[str, torch.Tensor]:
         """:math:`\\sum_k c_k x_k` of every statistic with the same coefficients."""
@@ -179,11 +178,14 @@ class TrimmedMean(CoordinateRule):
         self.beta = self.hparams().beta
 
     def trim(self, n: int) -> int:
-        return int(np.floor(self.beta * n))
+        """b = ⌊βn⌋ of β as written: β's shortest decimal (``repr``) in exact rational
+        arithmetic, so β = 0.29, n = 100 trims 29 (the float product 0.29·100 is
+        28.999…, whose floor would trim one too few)."""
+        return math.floor(Fraction(repr(float(self.beta))) * n)
 
 
 # ------------------------------------------------------------------------ Krum
-def _participants(cfg) -> tuple[int, str]:
+def _participants(cfg: Config) -> tuple[int, str]:
     """Participants per round and the key that sets it."""
     if cfg.train.clients_per_round is not None:
         return int(cfg.train.clients_per_round), "train.clients_per_round"
@@ -214,7 +216,7 @@ class Krum(RobustRule):
     column = "selected"
 
     @classmethod
-    def check(cls, cfg) -> None:
+    def check(cls, cfg: Config) -> None:
         block = cfg.get(f"aggregation.{cls.name}")
         f, m = int(block.get("f")), block.get("m") if cls.name == "multi_krum" else None
         n, key = _participants(cfg)
@@ -360,13 +362,20 @@ class FLTrust(RobustRule):
 
     Other weighted statistics are combined with :math:`TS_k/\\sum_j TS_j`. When no client
     has a positive trust score the aggregate is zero (the model stays) and an event is
-    logged. Sample weights are not used. Logs ``rule/trust``."""
+    logged. Sample weights are not used. Logs ``rule/trust``.
+
+    :math:`g_0` depends on θ alone: with world size > 1 rank 0 computes it in
+    :meth:`begin_round`, while the workers train (as it evaluates the previous round's
+    model with ``eval.overlap``), and :meth:`aggregate` uses it; at world size 1 rank 0
+    trains the clients itself and computes it in :meth:`aggregate`. The same inputs and
+    RNG stream either way, so the same bits (docs/performance.md)."""
 
     name = "fltrust"
     column = "trust"
+    _early: Optional[tuple[int, torch.Tensor]] = None   # (round, g_0) from begin_round
 
     @classmethod
-    def check(cls, cfg) -> None:
+    def check(cls, cfg: Config) -> None:
         v = cfg.data.validation
         if v.source == "holdout" and v.fraction == 0 and cfg.data.silos.validation is None:
             raise ConfigError("config keys 'aggregation.rule' and 'data.validation.fraction': "
@@ -402,9 +411,15 @@ class FLTrust(RobustRule):
         self.trainer.train(self.indices, replace(self.sgd, lr=self._lr(round)), self._seed(round))
         return torch.sub(flat.vector, state, out=self.g0)
 
+    def begin_round(self, state: torch.Tensor, round: int) -> None:
+        """:math:`g_0` of round ``round`` now, while the workers train (class docstring)."""
+        self._early = (round, self.server_update(state, round))
+
     def aggregate(self, rows: Rows, info: RuleInfo) -> dict[str, torch.Tensor]:
         X = rows["delta"]
-        g0 = self.server_update(info.state, info.round)[: X.shape[1]]
+        early, self._early = self._early, None
+        g0 = (early[1] if early is not None and early[0] == info.round
+              else self.server_update(info.state, info.round))[: X.shape[1]]
         norms = torch.linalg.vector_norm(X, dim=1).double().cpu().numpy()
         dots = torch.mv(X, g0).double().cpu().numpy()
         g0_norm = float(torch.linalg.vector_norm(g0))

@@ -31,15 +31,13 @@ a built-in rule names its frozen parameter dataclasses by config block,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional
+from typing import ClassVar, Mapping, Optional
 
 import numpy as np
 import torch
 
 from fedmpi.component import Component, Registry
-
-if TYPE_CHECKING:
-    from fedmpi.context import Context
+from fedmpi.config.core import Config
 
 __all__ = ["RuleInfo", "ServerRule", "RULES", "register_rule", "rule_class_for", "build_rule"]
 
@@ -60,7 +58,7 @@ class ServerRule(Component):
     """``mean``: Σ_k s_k x_k, today's aggregation; the base of every rule.
 
     Lifecycle as for methods and weightings: constructed with the run's config,
-    then :func:`~fedmpi.methods.base.start` sets ``ctx``/``device`` and calls
+    then :func:`~fedmpi.component.start` sets ``ctx``/``device`` and calls
     :meth:`setup` (on every rank, after the method and the weighting).
     """
 
@@ -74,24 +72,19 @@ class ServerRule(Component):
     #: :meth:`aggregate` combines them; False: the workers pre-reduce the weighted mean
     per_client: ClassVar[bool] = False
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.ctx: Optional[Context] = None
-        self.device = torch.device("cpu")
 
-    def hparams(self, group: Optional[str] = None) -> Any:  # type: ignore[override]
-        """The validated, typed parameters of block ``aggregation.<group>`` (default:
-        the rule's only block); ``"params"`` is the block of a rule given by import
-        path (``aggregation.params``)."""
-        if group is None:
-            if len(self.params) != 1:
-                raise TypeError(f"rule {self.name!r} has {len(self.params)} parameter blocks; "
-                                "name one")
-            group = next(iter(self.params))
-        return super().hparams(group)
+    @classmethod
+    def per_client_reason(cls, cfg: Config) -> Optional[tuple[str, str]]:
+        if cls.per_client:
+            return "aggregation.rule", f"{cfg.aggregation.rule!r} needs every client's update on rank 0"
+        return None
 
-    def setup(self, ctx: Context) -> None:
-        """Prepare per-run state (rank 0 holds the server's validation data, if any)."""
+    def begin_round(self, state: torch.Tensor, round: int) -> None:
+        """Rank 0 with world size > 1, right after round ``round``'s state ``Bcast``,
+        while the workers train: work on θ^t (``state``, read only) alone, done there off
+        the round's critical path (FLTrust's server update). Default: nothing."""
 
     def aggregate(self, rows: Mapping[str, torch.Tensor], info: RuleInfo) -> dict[str, torch.Tensor]:
         """The aggregate of every weighted statistic from the accepted clients' rows.
@@ -102,21 +95,6 @@ class ServerRule(Component):
         """
         return {name: torch.as_tensor(info.weights, dtype=x.dtype, device=x.device) @ x
                 for name, x in rows.items()}
-
-    def log_outputs(self) -> list[str]:
-        """Log paths this rule writes every round (see :meth:`Weighting.log_outputs`)."""
-        return []
-
-    def log_arrays(self) -> dict[str, np.ndarray]:
-        """This round's arrays for :meth:`log_outputs` (e.g. ``rule/selected`` [K])."""
-        return {}
-
-    def state_dict(self) -> dict[str, Any]:
-        """State to checkpoint (tensors/arrays by name); stateless rules return ``{}``."""
-        return {}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
 
 
 #: ``aggregation.rule`` names → classes
@@ -136,7 +114,7 @@ def rule_class_for(name: str) -> type[ServerRule]:
     return RULES.lookup(name)
 
 
-def build_rule(cfg: Any, cls: Optional[type] = None) -> ServerRule:
+def build_rule(cfg: Config, cls: Optional[type] = None) -> ServerRule:
     """The run's rule (``cls`` given to :func:`fedmpi.run` replaces the config's name)."""
     rule_cls = cls if cls is not None else rule_class_for(cfg.aggregation.rule)
     return rule_cls(cfg)

@@ -10,15 +10,12 @@ Weightings that must see every client model on rank 0 (FedVG) set
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Mapping, Optional
+from typing import ClassVar, Mapping, Optional
 
 import numpy as np
 import torch
 
 from fedmpi.component import Component, Registry
-
-if TYPE_CHECKING:
-    from fedmpi.context import Context
 
 #: A per-client statistic by name: ``[n, size]`` rows (one per client) or one ``[size]`` row.
 Rows = Mapping[str, torch.Tensor]
@@ -28,7 +25,7 @@ class Weighting(Component):
     """``samples`` (s_k = n_k/Σn); the base of every weighting.
 
     Lifecycle as for methods: constructed with n_k of every client, then
-    :func:`~fedmpi.methods.base.start` sets ``ctx``/``device``/``cfg`` and
+    :func:`~fedmpi.component.start` sets ``ctx``/``device``/``cfg`` and
     calls :meth:`setup`. Parameter blocks are ``aggregation.<block>.*``
     (FedVG: ``aggregation.fedvg.*``).
     """
@@ -38,18 +35,19 @@ class Weighting(Component):
     per_client: ClassVar[bool] = False
 
     def __init__(self, num_samples: np.ndarray) -> None:
-        self.ctx: Optional[Context] = None
-        self.device = torch.device("cpu")
         # Normalising by the pool size keeps Σ w̃_k Δ_k at the scale of Δ in float32.
         self.num_samples = np.asarray(num_samples, dtype=np.float64)
         self._scale = 1.0 / max(1.0, float(self.num_samples.sum()))
 
+    @classmethod
+    def per_client_reason(cls, cfg) -> Optional[tuple[str, str]]:
+        if cls.per_client:
+            return "aggregation.weighting", f"{cls.name!r} scores every client's update on rank 0"
+        return None
+
     def raw(self, client: int) -> float:
         """Unnormalised weight w̃_k."""
         return float(self.num_samples[client]) * self._scale
-
-    def setup(self, ctx: Context) -> None:
-        """Prepare per-run state (rank 0 holds the validation set FedVG scores on)."""
 
     def on_arrival(self, state: torch.Tensor, client: int, row: Rows) -> None:
         """Rank 0, world size > 1: client ``client``'s statistics ``row`` (name → [size])
@@ -70,16 +68,6 @@ class Weighting(Component):
         every method goes through here.
         """
         return torch.as_tensor(s, dtype=rows.dtype, device=rows.device) @ rows
-
-    def log_outputs(self) -> list[str]:
-        """What this component writes to the HDF5 log, as paths: per-round arrays and
-        static datasets (``"submodel/levels"``) and group attributes (``"ecgr@storage"``).
-        The composition test checks every run's log holds what its parts declare."""
-        return []
-
-    def log_arrays(self) -> dict[str, "np.ndarray"]:
-        """Per-round arrays for the HDF5 log (e.g. ``fedvg/grad_norm``)."""
-        return {}
 
 
 class Uniform(Weighting):

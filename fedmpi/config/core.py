@@ -18,22 +18,37 @@ schema's cross-key rules. Every problem raises :class:`~fedmpi.errors.ConfigErro
 one-line message that names the dotted key (or the file) and says what is expected.
 
 One key and one value (types, ranges, the typing rules) are :mod:`fedmpi.config.fields`;
-the YAML dialect and reading a config file are :mod:`fedmpi.config.yaml_dialect`. Their public
-names are re-exported here.
+the YAML dialect and reading a config file are :mod:`fedmpi.config.yaml_dialect`.
+
+A :class:`Config` exposes the framework's sections as typed attributes (``cfg.train``: a
+frozen dataclass declared in :mod:`fedmpi.config.framework`, built from the validated
+values) so that ``mypy`` checks every read; the components' blocks are read by dotted key
+(``cfg.get("algorithm.fedprox")``, :func:`fedmpi.config.params.load_group`).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from fedmpi.config.fields import Field, check_value, describe_allowed, got_text, suggest
+from fedmpi.config.fields import (Field, check_value, deep_copy_mapping, describe_allowed,
+                                  got_text, plain, suggest)
+from fedmpi.config.params import CopyOnRead, build_group
 from fedmpi.config.yaml_dialect import YamlLoader, read_yaml
 from fedmpi.errors import ConfigError
+
+if TYPE_CHECKING:
+    # For the type checker a Config is also the framework's typed sections (declared above
+    # the components, in fedmpi.config.framework); at run time it gets them as attributes
+    # from its schema's ``typed`` dataclass, whichever that is (lists read as copies).
+    from fedmpi.config.framework import FrameworkConfig as _Typed
+else:
+    _Typed = CopyOnRead
 
 __all__ = ["Schema", "Section", "Config", "build_config", "config_from_dict", "load_config",
            "reference_markdown"]
@@ -51,15 +66,14 @@ class Schema:
         fields: dotted key → :class:`Field`, in the order :meth:`Config.to_dict` writes them.
         checks: cross-key rules, called in order with the built :class:`Config`;
             each raises :class:`ConfigError` naming the keys.
-        renamed: flat keys of earlier versions → the nested keys they became.
-        rename_target: picks which of those a given old key moves to (given the
-            flat dict of given values); default: the first.
+        typed: the frozen dataclass of the sections a :class:`Config` has as typed
+            attributes (their keys among ``fields``; :func:`fedmpi.config.params.build_group`),
+            or None.
     """
 
     fields: dict[str, Field]
     checks: Sequence[Callable[[Config], None]] = ()
-    renamed: dict[str, list[str]] = field(default_factory=dict)
-    rename_target: Callable[[Mapping[str, Any], str, list[str]], str] | None = None
+    typed: type | None = None
 
     def __post_init__(self) -> None:
         self.sections = {key.rsplit(".", i)[0] for key in self.fields
@@ -79,11 +93,16 @@ class Schema:
 # Flattening sources into dotted keys
 # --------------------------------------------------------------------------- #
 def _unknown_key(schema: Schema, key: str) -> ConfigError:
-    hint = suggest(key, list(schema.fields) + sorted(schema.sections))
-    if not hint:  # e.g. 'lr' -> 'train.lr': same last component in some section
-        last = key.rsplit(".", 1)[-1]
-        same = [k for k in schema.fields if k.rsplit(".", 1)[-1] == last]
-        hint = f" (did you mean {same[0]!r}?)" if same else ""
+    last = key.rsplit(".", 1)[-1]
+    same = [k for k in schema.fields if k.rsplit(".", 1)[-1] == last]
+    # the same name in another block of the same section: 'algorithm.mu' -> 'algorithm.<b>.mu'
+    near = [k for k in same if "." in key and k.split(".")[0] == key.split(".")[0]][:3]
+    if near:
+        hint = f" (did you mean {' or '.join(map(repr, near))}?)"
+    else:   # a misspelling, else e.g. 'lr' -> 'train.lr': same last component elsewhere
+        hint = suggest(key, list(schema.fields) + sorted(schema.sections))
+        if not hint and same:
+            hint = f" (did you mean {same[0]!r}?)"
     return ConfigError(f"unknown config key {key!r}{hint}")
 
 
@@ -93,15 +112,15 @@ def _flatten(schema: Schema, prefix: str, value: Any, out: dict[str, Any]) -> No
     ``prefix`` may be a leaf key, a section (then ``value`` must be a mapping,
     or null for an empty section) or ``""`` for the top level.
     """
-    if prefix in schema.fields or prefix in schema.renamed:
+    if prefix in schema.fields:
         out[prefix] = value
         return
     owner = _mapping_owner(schema, prefix)
     if owner is not None:   # an entry of a free-form mapping: --set algorithm.params.width=8
-        node = out[owner] = _deep_copy_mapping(out.get(owner) or {})
+        node = out[owner] = deep_copy_mapping(out.get(owner) or {})
         *parents, leaf = prefix[len(owner) + 1:].split(".")
         for p in parents:
-            child = _deep_copy_mapping(node[p]) if isinstance(node.get(p), Mapping) else {}
+            child = deep_copy_mapping(node[p]) if isinstance(node.get(p), Mapping) else {}
             node[p] = child
             node = child
         node[leaf] = value
@@ -128,10 +147,6 @@ def _mapping_owner(schema: Schema, key: str) -> str | None:
     return None
 
 
-def _deep_copy_mapping(m: Mapping) -> dict:
-    return {k: _deep_copy_mapping(v) if isinstance(v, Mapping) else v for k, v in m.items()}
-
-
 def _parse_override(schema: Schema, item: str, out: dict[str, Any]) -> None:
     """Apply one ``KEY=VALUE`` item (VALUE parsed as YAML) to the flat dict ``out``."""
     if not isinstance(item, str) or "=" not in item:
@@ -153,41 +168,21 @@ def _parse_override(schema: Schema, item: str, out: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- #
 # Config objects
 # --------------------------------------------------------------------------- #
-def _plain(value: Any) -> Any:
-    """A caller's copy of a stored value: tuples as lists, mappings copied."""
-    if isinstance(value, tuple):
-        return list(value)
-    return _deep_copy_mapping(value) if isinstance(value, Mapping) else value
+class _Values:
+    """Read-only access by dotted key to the values of one section of a config (``""``:
+    all of it)."""
 
+    _values: Mapping[str, Any]
+    _prefix: str
+    _schema: Schema
 
-class Section:
-    """Read-only view of one section of a :class:`Config` (``cfg.data.partition``).
-
-    Attribute access returns a leaf value or a nested :class:`Section`; list
-    values come back as fresh lists.
-    """
-
-    def __init__(self, values: Mapping[str, Any], prefix: str = "", schema: Schema | None = None
-                 ) -> None:
+    def __init__(self, values: Mapping[str, Any], prefix: str, schema: Schema) -> None:
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_prefix", prefix)
         object.__setattr__(self, "_schema", schema)
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        try:
-            return self.get(name)
-        except KeyError as exc:
-            raise AttributeError(exc.args[0]) from None
-
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("config objects are immutable; use Config.replace()")
-
-    def __dir__(self) -> list[str]:
-        start = self._prefix + "." if self._prefix else ""
-        names = {k[len(start):].split(".")[0] for k in self._schema.fields if k.startswith(start)}
-        return sorted(set(super().__dir__()) | names)
 
     def get(self, dotted: str, default: Any = ...) -> Any:
         """Value (or :class:`Section`) at ``dotted``, relative to this section.
@@ -197,7 +192,7 @@ class Section:
         """
         key = f"{self._prefix}.{dotted}" if self._prefix else dotted
         if key in self._schema.fields:
-            return _plain(self._values[key])
+            return plain(self._values[key])
         if key in self._schema.sections:
             return Section(self._values, key, self._schema)
         if default is not ...:
@@ -215,39 +210,67 @@ class Section:
             node = out
             for p in parents:
                 node = node.setdefault(p, {})
-            node[leaf] = _plain(value)
+            node[leaf] = plain(value)
         return out
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Section):
+        if not isinstance(other, _Values):
             return NotImplemented
         return self.to_dict() == other.to_dict()
 
     __hash__ = None  # type: ignore[assignment]
 
+
+class Section(_Values):
+    """Read-only view of one section of a :class:`Config` by its dotted key, as
+    ``cfg.get("algorithm.fedprox")`` returns it: a component's block, whose keys depend on
+    the registered components (read them with :func:`fedmpi.config.params.load_group`).
+
+    Attribute access returns a leaf value or a nested :class:`Section`; list
+    values come back as fresh lists.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self.get(name)
+        except KeyError as exc:
+            raise AttributeError(exc.args[0]) from None
+
+    def __dir__(self) -> list[str]:
+        start = self._prefix + "." if self._prefix else ""
+        names = {k[len(start):].split(".")[0] for k in self._schema.fields if k.startswith(start)}
+        return sorted(set(super().__dir__()) | names)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._prefix or 'root'}: {self.to_dict()!r})"
 
 
-class Config(Section):
+class Config(_Typed, _Values):
     """A resolved, validated run configuration.
 
-    Build one with :func:`load_config` or :func:`config_from_dict`. Access
-    values as attributes (``cfg.train.lr``, ``cfg.data.partition.alpha``) or
-    by dotted key (``cfg.get("train.lr")``).
+    Build one with :func:`load_config` or :func:`config_from_dict`. The framework's
+    sections are typed attributes (``cfg.train.lr``, ``cfg.data.partition.alpha``: frozen
+    dataclasses of :mod:`fedmpi.config.framework`); every key, components' blocks included,
+    is also read by dotted key (``cfg.get("train.lr")``, ``cfg.get("algorithm.fedprox.mu")``).
     """
+
+    _base_dir: str | os.PathLike | None
 
     def __init__(self, values: Mapping[str, Any], schema: Schema,
                  base_dir: str | os.PathLike | None = None):
         """Internal: ``values`` must already be complete and validated; see :func:`build_config`."""
-        super().__init__(dict(values), "", schema)
+        _Values.__init__(self, dict(values), "", schema)
         object.__setattr__(self, "_base_dir", base_dir)
-        #: (old flat key, new nested key) pairs the sources used (see :mod:`fedmpi.config.params`)
-        object.__setattr__(self, "renamed", [])
+        if schema.typed is not None:
+            typed = build_group(schema.typed, "", lambda key: plain(self._values[key]))
+            for f in dataclasses.fields(typed):
+                object.__setattr__(self, f.name, getattr(typed, f.name))
 
     def to_flat_dict(self) -> dict[str, Any]:
         """All values keyed by dotted name, in schema order."""
-        return {k: _plain(v) for k, v in self._values.items()}
+        return {k: plain(v) for k, v in self._values.items()}
 
     def to_yaml(self) -> str:
         """The full config (defaults filled in) as YAML; loads back to an equal config."""
@@ -277,30 +300,13 @@ def _resolve_files(schema: Schema, values: dict[str, Any],
 
 
 
-def _resolve_renamed(schema: Schema, given: dict[str, Any]) -> list[tuple[str, str]]:
-    """Move values given under an old flat key to its new nested key
-    (``algorithm.mu`` → ``algorithm.fedprox.mu``); returns (old, new) pairs."""
-    moved = []
-    for old in [k for k in given if k in schema.renamed]:
-        targets = schema.renamed[old]
-        new = schema.rename_target(given, old, targets) if schema.rename_target else targets[0]
-        if new in given:
-            raise ConfigError(f"config key {old!r} is the old name of {new!r}; give only {new!r}")
-        given[new] = given.pop(old)
-        moved.append((old, new))
-    return moved
-
-
 def build_config(schema: Schema, given: Mapping[str, Any],
                  base_dir: str | os.PathLike | None) -> Config:
     """Fill defaults, validate every field, resolve file paths, run the cross-key rules."""
-    given = dict(given)
-    renamed = _resolve_renamed(schema, given)
     values = {key: check_value(key, f, given[key]) if key in given else
               check_value(key, f, f.default) for key, f in schema.fields.items()}
     _resolve_files(schema, values, base_dir)
     cfg = Config(values, schema, base_dir)
-    object.__setattr__(cfg, "renamed", renamed)
     for check in schema.checks:
         check(cfg)
     return cfg

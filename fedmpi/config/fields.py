@@ -21,7 +21,8 @@ from typing import Any
 
 from fedmpi.errors import ConfigError
 
-__all__ = ["Field", "check_value", "describe_allowed", "got_text", "suggest"]
+__all__ = ["Field", "check_value", "deep_copy_mapping", "describe_allowed", "got_text", "plain",
+           "suggest"]
 
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
                dict: "a mapping"}
@@ -115,6 +116,19 @@ class Field:
             or (self.le is not None and not x <= self.le)
             or (self.lt is not None and not x < self.lt)
         )
+
+
+def deep_copy_mapping(m: Mapping) -> dict:
+    """``m`` as a plain dict, nested mappings copied too."""
+    return {k: deep_copy_mapping(v) if isinstance(v, Mapping) else v for k, v in m.items()}
+
+
+def plain(value: Any) -> Any:
+    """A caller's copy of a stored value: lists and tuples as fresh lists, mappings copied;
+    anything else as it is."""
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return deep_copy_mapping(value) if isinstance(value, Mapping) else value
 
 
 def _fmt(x: float) -> str:

@@ -1,4 +1,5 @@
-"""Component parameters declared as frozen dataclasses, one group per config block.
+"""Config parameters declared as frozen dataclasses: components' blocks and the framework's
+sections alike.
 
 A component (method, weighting, update transform, server rule) declares its
 parameters next to its code — a frozen dataclass whose fields are
@@ -11,8 +12,9 @@ transforms, so ECGR's block ``ecgr`` gives ``ecgr.*``). :mod:`fedmpi.config.sche
 assembles its schema from these (types from the annotations, bounds and help
 from :func:`param`), ``fedmpi check`` validates them and docs/configuration.md
 lists them. At run time ``component.hparams(block)`` returns the validated,
-typed instance. ``renamed_from`` names the flat key of earlier versions; it is
-still accepted and pointed to the new name.
+typed instance. The framework's own sections (``train.*``, ``data.partition.*``, ...;
+:mod:`fedmpi.config.framework`) are declared the same way, a nested section being a
+field whose type is another such dataclass (:func:`section`).
 
 A component given by import path (``algorithm.name: pkg.mod:Class``) has no
 generated keys; its block ``params`` is read from the free-form mapping
@@ -21,26 +23,59 @@ generated keys; its block ``params`` is read from the free-form mapping
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
-from collections.abc import Mapping
-from typing import Any, Iterable
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable
 
-from fedmpi.config.fields import Field, check_value, suggest
+from fedmpi.config.fields import Field, check_value, plain, suggest
 from fedmpi.errors import ConfigError
 
-__all__ = ["param", "group_fields", "block_key", "block_fields", "load_group", "check_params"]
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
+
+__all__ = ["CopyOnRead", "param", "section", "group_fields", "block_key", "block_fields",
+           "section_fields", "build_group", "load_group", "check_params"]
 
 
 def param(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
           le: float | None = None, lt: float | None = None,
-          choices: tuple[str, ...] | None = None, renamed_from: str | None = None) -> Any:
-    """A dataclass field carrying its config declaration (help, bounds, choices, old name).
-    A list default is copied per instance."""
+          choices: tuple[str, ...] | None = None, pattern: str | None = None,
+          pattern_help: str | None = None, file: bool = False,
+          registry: Callable[[], Iterable[str]] | None = None) -> Any:
+    """A dataclass field carrying its config declaration: help, bounds, choices, pattern
+    (see :class:`~fedmpi.config.fields.Field` for each). A list or mapping default is
+    copied per instance."""
     meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices,
-            "renamed_from": renamed_from}
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
+            "pattern": pattern, "pattern_help": pattern_help, "file": file, "registry": registry}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+#: what :func:`param` declares besides the help, by :class:`Field` argument
+_DECLARATION = ("ge", "gt", "le", "lt", "choices", "pattern", "pattern_help", "file", "registry")
+
+
+def section(cls: type) -> Any:
+    """A nested section: a dataclass field whose type ``cls`` is another parameters
+    dataclass, its keys ``<this section>.<field name>.*``."""
+    return dataclasses.field(default_factory=cls)
+
+
+class CopyOnRead:
+    """Base of the framework's sections (and of :class:`~fedmpi.config.core.Config`): a
+    list or mapping attribute is read as a fresh copy, as ``Config.get`` returns it, so
+    nothing read from a validated config can change it."""
+
+    __slots__ = ()
+
+    if not TYPE_CHECKING:   # for mypy a __getattribute__ would make every attribute valid
+        def __getattribute__(self, name: str) -> Any:
+            value = object.__getattribute__(self, name)
+            if isinstance(value, (list, dict)) and not name.startswith("_"):
+                return plain(value)
+            return value
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -49,9 +84,18 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default
 
 
+@functools.cache
+def _hints(params_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(params_cls)
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
 def group_fields(params_cls: type) -> Iterable[tuple[str, Any, Any, dict]]:
     """(name, type, default, metadata) of every field of a parameters dataclass."""
-    hints = typing.get_type_hints(params_cls)
+    hints = _hints(params_cls)
     for f in dataclasses.fields(params_cls):
         yield f.name, hints[f.name], _default(f), dict(f.metadata)
 
@@ -61,25 +105,41 @@ def block_key(prefix: str, block: str) -> str:
     return f"{prefix}.{block}" if prefix else block
 
 
-def block_fields(prefix: str, block: str, params_cls: type,
-                 renamed: dict[str, list[str]] | None = None) -> dict[str, Field]:
-    """The config keys ``<prefix>.<block>.*`` of a parameters dataclass; old flat names
-    (``renamed_from``) are added to ``renamed``."""
+def section_fields(params_cls: type, key: str = "") -> dict[str, Field]:
+    """The config keys ``<key>.*`` a parameters dataclass declares (nested sections
+    flattened in place), in field order; ``key=""``: at the top level."""
     out: dict[str, Field] = {}
     for name, tp, default, meta in group_fields(params_cls):
-        key = f"{block_key(prefix, block)}.{name}"
-        out[key] = Field(tp, default, meta["help"], choices=meta["choices"], ge=meta["ge"],
-                         gt=meta["gt"], le=meta["le"], lt=meta["lt"])
-        if renamed is not None and meta["renamed_from"]:
-            renamed.setdefault(meta["renamed_from"], []).append(key)
+        dotted = f"{key}.{name}" if key else name
+        if _is_section(tp):
+            out.update(section_fields(tp, dotted))
+            continue
+        if typing.get_origin(tp) is dict:   # dict[str, Any]: a free-form mapping
+            tp = dict
+        out[dotted] = Field(tp, default, meta["help"],
+                            **{k: v for k, v in meta.items() if k in _DECLARATION})
     return out
 
 
-def load_group(cfg, section: str, params_cls: type) -> Any:
-    """The typed parameters of block ``section`` (e.g. ``"algorithm.fedprox"``, ``"ecgr"``)
+def block_fields(prefix: str, block: str, params_cls: type) -> dict[str, Field]:
+    """The config keys ``<prefix>.<block>.*`` of a parameters dataclass."""
+    return section_fields(params_cls, block_key(prefix, block))
+
+
+def build_group(params_cls: type, key: str, get: Callable[[str], Any]) -> Any:
+    """An instance of ``params_cls`` whose field ``f`` is ``get("<key>.<f>")`` (nested
+    sections built the same way); ``key=""``: fields at the top level."""
+    values = {}
+    for name, tp, *_ in group_fields(params_cls):
+        dotted = f"{key}.{name}" if key else name
+        values[name] = build_group(tp, dotted, get) if _is_section(tp) else get(dotted)
+    return params_cls(**values)
+
+
+def load_group(cfg: Config, key: str, params_cls: type) -> Any:
+    """The typed parameters of block ``key`` (e.g. ``"algorithm.fedprox"``, ``"ecgr"``)
     of a validated config."""
-    values = cfg.get(section)
-    return params_cls(**{name: values.get(name) for name, *_ in group_fields(params_cls)})
+    return build_group(params_cls, key, cfg.get)
 
 
 def check_params(cls: type, given: Mapping[str, Any], key: str = "algorithm.params") -> Any:

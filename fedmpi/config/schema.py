@@ -4,8 +4,8 @@
 validated, and knows no key. This module assembles the run's
 :class:`~fedmpi.config.core.Schema`, layered above the components (:mod:`fedmpi.methods`, :mod:`fedmpi.aggregation`, :mod:`fedmpi.transforms`):
 
-* the framework's own keys and their cross-key rules
-  (:data:`~fedmpi.config.framework.FRAMEWORK`,
+* the framework's own keys, typed sections of every config, and their cross-key rules
+  (:class:`~fedmpi.config.framework.FrameworkConfig`,
   :func:`~fedmpi.config.framework.framework_checks`: run name and seed, ``data.*``,
   ``model.*``, ``train.*``, the component selectors ``algorithm.name``,
   ``aggregation.weighting``, ``transforms``, ``system.*``, ``eval.*``,
@@ -34,18 +34,19 @@ from fedmpi.config import core as config_core
 from fedmpi.methods import ALGORITHMS
 from fedmpi.aggregation.rules import RULES, ServerRule
 from fedmpi.transforms.base import TRANSFORMS, UpdateTransform
+import fedmpi.privacy  # noqa: F401  (registers the privacy stages after the transforms)
 from fedmpi.aggregation.weighting import WEIGHTINGS, Weighting
 from fedmpi.methods.base import Algorithm
 from fedmpi.component import Component, Registry
 from fedmpi.config.core import Config, Schema
 from fedmpi.config.fields import Field
-from fedmpi.config.framework import FRAMEWORK, framework_checks
+from fedmpi.config.framework import FRAMEWORK, FrameworkConfig, framework_checks
 from fedmpi.errors import ConfigError
 from fedmpi.imports import is_import_path
 from fedmpi.config.params import block_fields, check_params
 
 __all__ = ["SCHEMA", "load_config", "config_from_dict", "check_components", "keyed_components",
-           "local_steps_floor", "reference_markdown", "renamed_to", "schema"]
+           "local_steps_floor", "reference_markdown", "schema"]
 
 #: Each component kind: its registry and the key its blocks follow.
 _KINDS: tuple[tuple[Registry, str], ...] = (
@@ -55,29 +56,18 @@ _KINDS: tuple[tuple[Registry, str], ...] = (
 
 def _assemble() -> Schema:
     """The schema of the framework keys and every registered component's blocks."""
-    renamed: dict[str, list[str]] = {}
     after: dict[str, dict[str, Field]] = {}
     for registry, anchor in _KINDS:
         blocks = after.setdefault(anchor, {})
         for cls in registry.values():
             for block, params_cls in cls.blocks().items():
-                for key, f in block_fields(cls.prefix, block, params_cls, renamed).items():
+                for key, f in block_fields(cls.prefix, block, params_cls).items():
                     blocks.setdefault(key, f)   # a block shared by several classes: once
-    for targets in renamed.values():
-        targets[:] = list(dict.fromkeys(targets))
     fields: dict[str, Field] = {}
     for key, f in FRAMEWORK.items():
         fields[key] = f
         fields.update(after.get(key, {}))
-    return Schema(fields, checks=(framework_checks, _selected_checks), renamed=renamed,
-                  rename_target=_rename_target)
-
-
-def _rename_target(given: Mapping[str, Any], old: str, targets: list[str]) -> str:
-    """An old flat key moves to the block of the chosen method when it has one
-    (``algorithm.<key>`` → ``algorithm.<method>.<key>`` for the chosen method)."""
-    method = given.get("algorithm.name", FRAMEWORK["algorithm.name"].default)
-    return next((t for t in targets if t.split(".")[1] == method), targets[0])
+    return Schema(fields, checks=(framework_checks, _selected_checks), typed=FrameworkConfig)
 
 
 def _versions() -> tuple[int, ...]:
@@ -89,12 +79,6 @@ def schema() -> Schema:
     if _current[0] != _versions():
         _current[:] = [_versions(), _assemble()]
     return _current[1]
-
-
-def renamed_to(old_key: str) -> list[str]:
-    """The nested keys a flat key of earlier versions became (e.g. ``algorithm.mu`` →
-    ``["algorithm.fedprox.mu"]``); empty for a current key. For reading old logs."""
-    return list(schema().renamed.get(old_key, ()))
 
 
 # --------------------------------------------------------------------------- #
@@ -141,11 +125,16 @@ def check_components(cfg: Config, method: Optional[type[Algorithm]] = None,
     """Each component's own ``check(cfg)``, then the rules derived from declarations:
 
     * a transform that rewrites the whole update (``rewrites_update``, ECGR) does not
-      compose with a method whose uploads are masked (``masked_upload``, the submodel
-      family);
+      compose with a method whose uploads are masked (``spec.masked_upload``, the
+      submodel family);
     * a per-client server rule (``per_client``) needs the method's update as a
-      weighted statistic (``weighted_update``; not the submodel family's coverage sums);
+      weighted statistic (``spec.weighted_update``; not the submodel family's coverage
+      sums);
+    * a stage that lets rank 0 hold only sums (``sums_only``: secure aggregation) refuses
+      every component that puts one client's statistics there (``per_client_reason``);
     * ``train.local_steps`` is at least every component's ``min_local_steps`` (ECGR: 2);
+    * a method that evaluates itself (``spec.owns_evaluation``, the submodel family)
+      takes neither per-site evaluation nor cross-site validation;
     * ``aggregation.params`` belongs to a rule given by import path (checked against
       its ``params["params"]`` dataclass)."""
     transforms = list(transforms)
@@ -156,7 +145,7 @@ def check_components(cfg: Config, method: Optional[type[Algorithm]] = None,
             raise ConfigError("config key 'aggregation.params' is for a rule given by import "
                               f"path; {cfg.aggregation.rule!r} takes its parameters from its own "
                               "keys")
-        if method is not None and rule.per_client and not getattr(method, "weighted_update", True):
+        if method is not None and rule.per_client and not method.spec_for(cfg).weighted_update:
             raise ConfigError(f"config keys 'aggregation.rule' and 'algorithm.name': rule "
                               f"{cfg.aggregation.rule!r} combines per-client weighted updates; "
                               f"method {cfg.algorithm.name!r} aggregates its update otherwise "
@@ -169,13 +158,23 @@ def check_components(cfg: Config, method: Optional[type[Algorithm]] = None,
         raise ConfigError(f"config key 'train.local_steps' must be >= {steps} for {key} "
                           f"({name!r} needs {steps} local steps per client), got "
                           f"{cfg.train.local_steps}")
-    if method is not None and method.owns_evaluation and cfg.eval.where != "server":
+    sums = next((key for key, cls in parts if getattr(cls, "sums_only", False)), None)
+    if sums is not None:   # rank 0 may hold only sums: nothing may send it one client's
+        for _, cls in parts:
+            why = cls.per_client_reason(cfg)
+            if why is not None:
+                raise ConfigError(f"config keys {sums!r} and {why[0]!r}: {why[1]}")
+    if method is not None and method.spec_for(cfg).owns_evaluation and cfg.eval.where != "server":
         raise ConfigError(f"config key 'eval.where' must be 'server' for algorithm.name "
                           f"{cfg.algorithm.name!r} (the method evaluates its resource levels "
                           "itself)")
-    if method is not None and getattr(method, "masked_upload", False):
+    if method is not None and method.spec_for(cfg).owns_evaluation and cfg.eval.cross_site:
+        raise ConfigError(f"config keys 'eval.cross_site' and 'algorithm.name': method "
+                          f"{cfg.algorithm.name!r} evaluates its resource levels itself (its "
+                          "clients train submodels, not models of the global model's kind)")
+    if method is not None and method.spec_for(cfg).masked_upload:
         for tr in transforms:
-            if getattr(tr, "rewrites_update", False):
+            if tr.rewrites_update:
                 raise ConfigError(
                     f"config key {tr.enable_key!r}: transform {tr.name!r} rewrites the whole "
                     f"update and does not compose with algorithm.name={cfg.algorithm.name!r} "

@@ -9,6 +9,7 @@ from typing import Any, Optional
 from fedmpi.data.base import Dataset
 from fedmpi.data.partition import Partition, make_partition
 from fedmpi.errors import DataError
+from fedmpi.config.core import Config
 
 __all__ = ["DataNeeds", "build_partition", "load_pool"]
 
@@ -29,7 +30,7 @@ class DataNeeds:
     server_validation: bool = False
 
 
-def load_pool(cfg: Any, data: Optional[Any] = None) -> Dataset:
+def load_pool(cfg: Config, data: Optional[Any] = None) -> Dataset:
     """The pooled dataset of ``cfg``: ``data`` when given (a :class:`Dataset`, a
     ``(train, test)`` pair or a zero-argument callable, from :func:`fedmpi.run`),
     else ``data.dataset``: an import path, ``tabular`` (``data.tabular.*`` files),
@@ -57,7 +58,7 @@ def load_pool(cfg: Any, data: Optional[Any] = None) -> Dataset:
                         image_size=d.image_size)
 
 
-def build_partition(cfg: Any, dataset: Dataset, needs: DataNeeds) -> Partition:
+def build_partition(cfg: Config, dataset: Dataset, needs: DataNeeds) -> Partition:
     """:func:`~fedmpi.data.partition.make_partition` of ``dataset``'s training pool
     with the ``data.partition.*`` and ``data.validation.fraction`` keys of ``cfg``
     (``data.partition.seed``, or the top-level ``seed`` when it is null) and the
@@ -79,7 +80,7 @@ def build_partition(cfg: Any, dataset: Dataset, needs: DataNeeds) -> Partition:
 _BN_MODELS = ("cnn", "resnet18", "resnet34", "resnet50")
 
 
-def _check_batchnorm_sizes(cfg: Any, part: Partition) -> None:
+def _check_batchnorm_sizes(cfg: Config, part: Partition) -> None:
     """BatchNorm cannot normalise a training batch of one sample, so a one-sample
     client would fail in local training; refuse it here, naming the client."""
     if cfg.model.norm not in ("bn", "static_bn") or cfg.model.name not in _BN_MODELS:

@@ -9,7 +9,7 @@ samples, in the same order, as the pooled run with the same partition.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -17,11 +17,12 @@ from fedmpi.data.base import Dataset
 from fedmpi.data.partition import Partition
 from fedmpi.data.tabular import write_table
 from fedmpi.errors import ConfigError
+from fedmpi.config.core import Config
 
 __all__ = ["Export", "export_silos", "plan_export", "pooled_config", "silo_files"]
 
 
-def pooled_config(cfg: Any) -> Any:
+def pooled_config(cfg: Config) -> Config:
     """``cfg`` with a pooled partition method: ``data.silos.split`` for a silo config
     (what ``--export`` cuts ``data.dataset`` with), ``cfg`` itself otherwise."""
     if cfg.data.partition.method != "silos":
@@ -29,7 +30,7 @@ def pooled_config(cfg: Any) -> Any:
     return cfg.replace(**{"data.partition.method": cfg.data.silos.split})
 
 
-def silo_files(cfg: Any) -> list[str]:
+def silo_files(cfg: Config) -> list[str]:
     """The files a silos config reads: ``data.silos.path`` for every client, the test
     file and the validation file (those set)."""
     s = cfg.data.silos
@@ -40,7 +41,7 @@ def silo_files(cfg: Any) -> list[str]:
 Export = list[tuple[Path, np.ndarray, np.ndarray]]
 
 
-def export_silos(cfg: Any, data: Dataset, partition: Partition,
+def export_silos(cfg: Config, data: Dataset, partition: Partition,
                  directory: Optional[str] = None, overwrite: bool = False) -> list[Path]:
     """Write the silo files of ``partition`` of ``data`` (:func:`plan_export`); returns
     their paths."""
@@ -49,7 +50,7 @@ def export_silos(cfg: Any, data: Dataset, partition: Partition,
             for path, xs, ys in plan_export(cfg, data, partition, directory, overwrite)]
 
 
-def plan_export(cfg: Any, data: Dataset, partition: Partition,
+def plan_export(cfg: Config, data: Dataset, partition: Partition,
                 directory: Optional[str] = None, overwrite: bool = False) -> Export:
     """The silo tables of ``partition`` of ``data`` as ``(path, x, y)``, checked to be writable.
 

@@ -17,16 +17,15 @@ held out of :math:`n_k` samples; the client trains on the other
 """
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from fedmpi.data.partition import Partition
+from fedmpi.config.core import Config
 
 __all__ = ["holdout_positions", "split_partition", "holdout_seed"]
 
 
-def holdout_seed(cfg: Any) -> int:
+def holdout_seed(cfg: Config) -> int:
     """The split's seed: ``data.partition.seed``, or the top-level ``seed`` when null."""
     p = cfg.data.partition
     return int(cfg.seed if p.seed is None else p.seed)

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from fedmpi.data.base import Dataset
 from fedmpi.data.partition import stratified_holdout
 from fedmpi.errors import ConfigError, DataError
+from fedmpi.config.core import Config
 
 __all__ = [
     "CIFAR10_CLASSES", "CIFAR100_CLASSES", "STL10_CLASSES", "CLASS_MAPS", "DEFAULT_PER_CLASS",
@@ -197,7 +198,7 @@ def _external(source: str, data: Dataset, per_class: Optional[int], rng: np.rand
     return x.contiguous(), y
 
 
-def build_validation(cfg, data: Dataset, validation_indices: np.ndarray, device: torch.device,
+def build_validation(cfg: Config, data: Dataset, validation_indices: np.ndarray, device: torch.device,
                      loader: Optional[Callable[..., Dataset]] = None) -> ValidationSet:
     """Build :math:`D_{val}` from ``cfg.data.validation`` (see module docstring).
 

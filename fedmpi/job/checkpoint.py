@@ -1,4 +1,4 @@
-"""Checkpoints and resume (operations, issue 5; DESIGN.md §3 step 6).
+"""Checkpoints and resume (operations, issue 5).
 
 A checkpoint is taken *between* rounds, so everything in it belongs to the
 same point of the run: "rounds 0 … r−1 are done". It holds
@@ -43,6 +43,7 @@ from fedmpi.job.checkpoint_file import (FORMAT, VERSION, checkpoint_path, digest
     read_checkpoint)
 from fedmpi.job.client_states import (gather_client_states,
     scatter_client_states)
+from fedmpi.config.core import Config
 from fedmpi.errors import ReportedElsewhere
 from fedmpi.job.outputs import save_atomic  # noqa: F401 - the checkpoint writer (re-exported)
 from fedmpi.job.rundir import check_same_run, fingerprint
@@ -113,7 +114,7 @@ class RunState:
     ``global_state`` is θ on rank 0, restored in place; ``after_resume(round)``
     runs collectively on every rank after a restore."""
 
-    cfg: Any
+    cfg: Config
     comm: Any
     num_clients: int
     host: np.ndarray

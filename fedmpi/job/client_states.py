@@ -1,5 +1,5 @@
 """Per-client states between ranks, without pickle: the byte layout and the collectives
-that move it (operations, issue 5; DESIGN.md §3 step 6).
+that move it (operations, issue 5).
 
 Client states live on the worker that hosts the client. :func:`fedmpi.job.checkpoint.save`
 brings them to rank 0 without pickle: each state dict is serialised to bytes in the

@@ -10,7 +10,8 @@ the report, ``compare`` and ``partition`` truthful:
   transforms as they ran — built-in name or import path (``module:qualname``), each one's
   own parameters (its ``params`` blocks as instantiated, e.g. ``{"params": {"mu": 0.1}}``
   for a user method), and for silo data every file read with its SHA-256 (each hashed
-  on the rank that read it, :mod:`fedmpi.data.silos`).
+  on the rank that read it, :mod:`fedmpi.data.silos`) and the sites' names
+  (:func:`fedmpi.data.silos.site_names`, what every per-site plot and table shows).
 * :func:`unused_keys` — the config keys whose values took no part in a run, from the
   config alone (and ``run_info`` where the log has it): what report tables and
   ``compare`` groups leave out.
@@ -21,6 +22,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any, Optional, Sequence
+from fedmpi.config.core import Config
 
 __all__ = ["RUN_INFO_ATTR", "method_params", "run_info", "unused_keys"]
 
@@ -54,7 +56,7 @@ def method_params(algo: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def run_info(cfg: Any, algo: Any, weighting: Any, transforms: Sequence[Any],
+def run_info(cfg: Config, algo: Any, weighting: Any, transforms: Sequence[Any],
              model: Any = None, files: Sequence[tuple[str, str, str]] = (),
              rule: Any = None) -> dict[str, Any]:
     """The ``run_info`` record of the module docstring. ``model``: the factory given to
@@ -83,7 +85,10 @@ def run_info(cfg: Any, algo: Any, weighting: Any, transforms: Sequence[Any],
     data: dict[str, Any] = {"num_clients": cfg.data.num_clients,
                             "partition": cfg.data.partition.method}
     if silos:
+        from fedmpi.data.silos import site_names
+
         data["silos"] = {"path": cfg.data.silos.path, "loader": cfg.data.silos.loader,
+                         "names": site_names(cfg),
                          "files": [{"role": r, "path": p, "sha256": h} for r, p, h in files]}
     else:
         data["dataset"] = str(cfg.data.dataset)

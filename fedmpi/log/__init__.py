@@ -1,6 +1,6 @@
 """HDF5 run log: :class:`LogWriter` (rank 0 only) and :func:`read`.
 
-Layout, ``schema_version`` "1" (R rounds, K clients; DESIGN.md section 5)::
+Layout, ``schema_version`` "1" (R rounds, K clients; docs/hdf5-log.md)::
 
     / attrs                  schema_version, fedmpi_version, config_yaml, world_size,
                              status (running|completed|failed|interrupted),
@@ -10,7 +10,8 @@ Layout, ``schema_version`` "1" (R rounds, K clients; DESIGN.md section 5)::
                              fingerprint (run-defining config hash, fedmpi.job.rundir),
                              writer_host, writer_pid, flushed_at (Unix time of the
                              last flush; issue 18), run_info (JSON: the model, data
-                             and silo files with SHA-256, method and its parameters,
+                             and silo files with SHA-256, the sites' names, method and
+                             its parameters,
                              weighting, transforms as they ran; fedmpi.job.provenance)
     /rounds/round            [R]        int64
     /rounds/<name>           [R]        int64 for ``bytes_*``, float64 otherwise

@@ -63,6 +63,8 @@ class RunLog:
     clients: dict[str, np.ndarray]
     arrays: dict[str, np.ndarray]
     events: dict[str, np.ndarray]
+    #: the keys of :attr:`arrays` that have a round axis (the others are static)
+    per_round: frozenset[str] = frozenset()
 
     @property
     def num_rounds(self) -> int:
@@ -170,7 +172,7 @@ def _read_file(f: h5py.File, path: str) -> RunLog:
         name: np.empty(0, dtype=object if name == "message" else np.int64)
         for name in EVENT_DTYPES}
     return RunLog(path=path, attrs=attrs, config=config, rounds=rounds, clients=clients,
-                  arrays=arrays, events=events)
+                  arrays=arrays, events=events, per_round=frozenset(k for k in arrays if k in series))
 
 
 def _check_shapes(path: str, rounds: dict[str, np.ndarray], clients: dict[str, np.ndarray],

@@ -12,6 +12,7 @@ from __future__ import annotations
 from fedmpi.component import Registry
 from fedmpi.methods import (base, elastic, fedavg, fedavgm, feddyn, fedgps, fedlagc, fednova,
                             fedopt, fedprox, fedrolex, fiarse, heterofl, scaffold, scalefl)
+from fedmpi.config.core import Config
 
 #: ``algorithm.name`` names → method classes
 ALGORITHMS: Registry = Registry(base.Algorithm, "algorithm.name")
@@ -29,11 +30,11 @@ for _cls in _BUILTIN:
     register_method(_cls)
 
 
-def algorithm_class(cfg) -> type[base.Algorithm]:
+def algorithm_class(cfg: Config) -> type[base.Algorithm]:
     """The class of ``algorithm.name``: registered, or ``pkg.module:Class``
     (ConfigError naming the key otherwise)."""
     return ALGORITHMS.lookup(cfg.algorithm.name)
 
 
-def build_algorithm(cfg, layout, num_clients: int) -> base.Algorithm:
+def build_algorithm(cfg: Config, layout, num_clients: int) -> base.Algorithm:
     return algorithm_class(cfg)(cfg, layout, num_clients)

@@ -41,29 +41,26 @@ import torch
 import torch.nn.functional as F
 
 from fedmpi.config.params import param
-from fedmpi.training.loop import LocalTrainer, TrainResult
-from fedmpi.methods.base import Algorithm
+from fedmpi.training.loop import StepHooks, TrainResult
+from fedmpi.methods.base import Algorithm, Exchange
 from fedmpi.component import ClientTask, RoundInfo, Stat
-from fedmpi.transforms.base import TransformChain
+from fedmpi.config.core import Config
 
 SENSITIVITY_STREAM = 0xE1A57C
 
 
 @dataclass(frozen=True)
 class ElasticParams:
-    mu: float = param(0.95, "Elastic sensitivity EMA decay mu", ge=0, lt=1,
-                      renamed_from="algorithm.elastic_mu")
-    tau: float = param(0.5, "Elastic zeta = 1 + tau - s_agg/s_max", ge=0,
-                       renamed_from="algorithm.elastic_tau")
-    sample: float = param(0.3, "Elastic share of client data measured per round", gt=0, le=1,
-                          renamed_from="algorithm.elastic_sample")
+    mu: float = param(0.95, "Elastic sensitivity EMA decay mu", ge=0, lt=1)
+    tau: float = param(0.5, "Elastic zeta = 1 + tau - s_agg/s_max", ge=0)
+    sample: float = param(0.3, "Elastic share of client data measured per round", gt=0, le=1)
 
 
 class Elastic(Algorithm):
     name = "elastic"
     params = {"elastic": ElasticParams}
 
-    def __init__(self, cfg, layout, num_clients: int) -> None:
+    def __init__(self, cfg: Config, layout, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
         a = self.hparams("elastic")
         self.mu, self.tau, self.sample = float(a.mu), float(a.tau), float(a.sample)
@@ -73,14 +70,15 @@ class Elastic(Algorithm):
         self.last_zeta: np.ndarray = np.ones(self.L)
         self.device = torch.device("cpu")
 
-    def uplink_stats(self) -> list[Stat]:
-        return [Stat("delta", self.state_size, "weighted"),
-                Stat("sensitivity", self.num_clients * self.L, "sum")]
+    def exchange(self) -> Exchange:
+        return Exchange((Stat("delta", self.state_size, "weighted"),
+                         Stat("sensitivity", self.num_clients * self.L, "sum")))
 
     # ----------------------------------------------------------------- client
-    def measure(self, task: ClientTask, trainer: LocalTrainer, state: torch.Tensor) -> torch.Tensor:
+    def measure(self, task: ClientTask, state: torch.Tensor) -> torch.Tensor:
         """Update and return s_k: the EMA of per-tensor ‖∇ℓ‖² over sampled batches at θ."""
-        flat, data = trainer.flat, trainer.data
+        assert self.ctx is not None, "started"
+        flat, data = self.ctx.flat, self.ctx.data
         s_k = self.sens_local.vector(task.client, state.device)
         n = task.indices.numel()
         m = min(n, max(2, int(n * self.sample)))
@@ -109,14 +107,20 @@ class Elastic(Algorithm):
         flat.zero_grad()
         return s_k
 
-    def client_update(self, task: ClientTask, trainer: LocalTrainer, state: torch.Tensor,
-                      extras: torch.Tensor, out: dict[str, torch.Tensor], transforms: TransformChain = TransformChain()) -> TrainResult:
-        s_k = self.measure(task, trainer, state)
-        result = super().client_update(task, trainer, state, extras, out, transforms)
+    def hooks(self, task: ClientTask, state: torch.Tensor, extras: torch.Tensor) -> StepHooks:
+        """s_k is measured at θ before local training; the model is left at θ."""
+        self.measure(task, state)
+        assert self.ctx is not None, "started"
+        self.ctx.flat.load(state)   # measuring moved BatchNorm's running statistics
+        return StepHooks()
+
+    def finish_client(self, task: ClientTask, state: torch.Tensor, extras: torch.Tensor,
+                      out: dict[str, torch.Tensor], result: TrainResult) -> None:
+        """Client k's sensitivities into its slots of the summed ``sensitivity`` vector."""
         slots = out["sensitivity"]
         slots.zero_()
-        slots[task.client * self.L:(task.client + 1) * self.L].copy_(s_k)
-        return result
+        slots[task.client * self.L:(task.client + 1) * self.L].copy_(
+            self.sens_local.vector(task.client, state.device))
 
     # ----------------------------------------------------------------- server
     def zeta(self, sens: torch.Tensor, weights: np.ndarray) -> torch.Tensor:
@@ -135,6 +139,7 @@ class Elastic(Algorithm):
             np.asarray(info.clients, dtype=np.int64), device=state.device)]
         zeta = self.zeta(sens, info.weights)
         self.last_zeta = zeta.cpu().numpy()
+        self.report.array("elastic/zeta", self.last_zeta.astype(np.float64))
         delta = agg["delta"]
         for s, z in zip(self.segments, self.last_zeta):
             state[s.slice].add_(delta[s.slice], alpha=self.server_lr * float(z))
@@ -143,6 +148,3 @@ class Elastic(Algorithm):
 
     def log_outputs(self) -> list[str]:
         return ["elastic/zeta"]
-
-    def log_arrays(self) -> dict[str, np.ndarray]:
-        return {**super().log_arrays(), "elastic/zeta": self.last_zeta.astype(np.float64)}

@@ -5,9 +5,9 @@ method extends; this module only names it.
 """
 from __future__ import annotations
 
-from fedmpi.methods.base import Algorithm
+from fedmpi.methods.base import Algorithm, MethodSpec
 
 
 class FedAvg(Algorithm):
     name = "fedavg"
-    record_dp = True   # plain SGD local step (docs/privacy.md)
+    spec = MethodSpec(record_dp=True)   # plain SGD local step (docs/privacy.md)

@@ -22,22 +22,21 @@ import torch
 
 from fedmpi.config.params import param
 from fedmpi.methods.server_opt import ServerOptAlgorithm, ServerSGD
+from fedmpi.config.core import Config
 
 
 @dataclass(frozen=True)
 class FedAvgMParams:
-    server_momentum: float = param(0.9, "FedAvgM server SGD momentum", ge=0, lt=1,
-                                   renamed_from="algorithm.server_momentum")
+    server_momentum: float = param(0.9, "FedAvgM server SGD momentum", ge=0, lt=1)
     nesterov: bool | None = param(None, "FedAvgM Nesterov momentum; null = on with weighting "
-                                  "fedvg/fedvg_avg (FedVG code), else off",
-                                  renamed_from="algorithm.nesterov")
+                                  "fedvg/fedvg_avg (FedVG code), else off")
 
 
 class FedAvgM(ServerOptAlgorithm):
     name = "fedavgm"
     params = {"fedavgm": FedAvgMParams}
 
-    def __init__(self, cfg, layout, num_clients: int) -> None:
+    def __init__(self, cfg: Config, layout, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
         a = self.hparams("fedavgm")
         self.momentum = float(a.server_momentum)

@@ -40,26 +40,26 @@ import torch
 
 from fedmpi.training.flat import FlatModel
 from fedmpi.config.params import param
-from fedmpi.training.loop import LocalTrainer, SGDConfig, StepHooks, TrainResult
-from fedmpi.methods.base import Algorithm
+from fedmpi.training.loop import SGDConfig, StepHooks, TrainResult
+from fedmpi.methods.base import Algorithm, Exchange, MethodSpec
 from fedmpi.component import ClientTask, RoundInfo, Stat
+from fedmpi.config.core import Config
 
 
 @dataclass(frozen=True)
 class FedDynParams:
-    alpha: float = param(0.1, "FedDyn regularisation alpha", gt=0, renamed_from="algorithm.alpha")
+    alpha: float = param(0.1, "FedDyn regularisation alpha", gt=0)
     max_grad_norm: float | None = param(10.0, "FedDyn local gradient clip (official code: 10); "
-                                        "null = train.grad_clip", gt=0,
-                                        renamed_from="algorithm.max_grad_norm")
+                                        "null = train.grad_clip", gt=0)
 
 
 class FedDyn(Algorithm):
-    optimizers = ("sgd", "adam")   # alpha_k enters as coupled weight decay, not AdamW's
     name = "feddyn"
-    record_dp = True   # plain SGD local step (docs/privacy.md)
+    # alpha_k enters as coupled weight decay, not AdamW's; the local step is plain SGD
+    spec = MethodSpec(optimizers=("sgd", "adam"), record_dp=True)
     params = {"feddyn": FedDynParams}
 
-    def __init__(self, cfg, layout, num_clients: int) -> None:
+    def __init__(self, cfg: Config, layout, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
         p = self.hparams("feddyn")
         self.alpha = float(p.alpha)
@@ -83,8 +83,9 @@ class FedDyn(Algorithm):
         rel = n * len(n) / max(n.sum(), 1.0)
         return np.where(rel > 0, alpha / np.maximum(rel, 1e-300), alpha)
 
-    def uplink_stats(self) -> list[Stat]:
-        return [Stat("delta", self.state_size, "weighted"), Stat("dh", self.num_params, "sum")]
+    def exchange(self) -> Exchange:
+        return Exchange((Stat("delta", self.state_size, "weighted"),
+                         Stat("dh", self.num_params, "sum")))
 
     # ----------------------------------------------------------------- client
     def local_sgd(self, task: ClientTask) -> SGDConfig:
@@ -104,8 +105,8 @@ class FedDyn(Algorithm):
 
         return StepHooks(grad_hook=linear_term)
 
-    def finish_client(self, task: ClientTask, trainer: LocalTrainer, state: torch.Tensor,
-                      extras: torch.Tensor, out: dict[str, torch.Tensor], result: TrainResult) -> None:
+    def finish_client(self, task: ClientTask, state: torch.Tensor, extras: torch.Tensor,
+                      out: dict[str, torch.Tensor], result: TrainResult) -> None:
         dh = out["dh"]
         dh.copy_(out["delta"][: self.num_params])
         if bool(torch.isfinite(dh).all()):

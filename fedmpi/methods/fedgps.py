@@ -144,7 +144,7 @@ Table 7 says 0.2).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from functools import partial
 from typing import TYPE_CHECKING, Any, Optional, cast
@@ -155,13 +155,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedmpi.errors import ConfigError
-from fedmpi.config.params import param
+from fedmpi.config.params import load_group, param
 from fedmpi.training.flat import FlatModel
-from fedmpi.training.loop import LocalTrainer, StepHooks, TrainResult
+from fedmpi.training.loop import StepHooks, TrainResult
 from fedmpi.data.augment import random_crop_flip
-from fedmpi.methods.base import Algorithm
+from fedmpi.methods.base import Algorithm, Exchange, MethodSpec
 from fedmpi.component import ClientTask, RoundInfo, Stat
 from fedmpi.methods.fedgps_presets import AUTHORS_MEAN, AUTHORS_STD, resolve_options
+from fedmpi.config.core import Config
 
 if TYPE_CHECKING:
     from fedmpi.data.surrogate import SurrogateData
@@ -236,26 +237,29 @@ class FedGPSParams:
 
 
 class FedGPS(Algorithm):
-    own_loss = True   # the surrogate objective at the perturbed point
     """FedGPS: surrogate alignment + non-self-gradient rectification (module docstring)."""
 
     name = "fedgps"
     params = {"fedgps": FedGPSParams}
+    spec = MethodSpec(own_loss=True)   # the surrogate objective at the perturbed point
 
     @classmethod
-    def check(cls, cfg) -> None:
+    def check(cls, cfg: Config) -> None:
         """At least one of the two objectives (both off is FedAvg)."""
-        gps = cfg.algorithm.fedgps
+        gps = load_group(cfg, "algorithm.fedgps", FedGPSParams)
         if not (gps.static or gps.dynamic):
             raise ConfigError("config keys 'algorithm.fedgps.static' and 'algorithm.fedgps.dynamic' "
                               "are both false: that is FedAvg (use algorithm.name=fedavg)")
 
     @classmethod
-    def num_outputs(cls, cfg, num_classes: int) -> int:
-        """2C outputs with the static objective (surrogate class c → label C + c)."""
-        return 2 * num_classes if cfg.algorithm.fedgps.static else num_classes
+    def spec_for(cls, cfg) -> MethodSpec:
+        """2C outputs with the static objective (surrogate class c → label C + c), evaluated
+        on the C real classes unless the options say all."""
+        g = load_group(cfg, "algorithm.fedgps", FedGPSParams)
+        return replace(cls.spec, outputs_per_class=2 if g.static else 1,
+                       evaluate_all_outputs=resolve_options(g)["eval_logits"] == "all")
 
-    def __init__(self, cfg, layout: FlatModel, num_clients: int) -> None:
+    def __init__(self, cfg: Config, layout: FlatModel, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
         g = self.hparams("fedgps")
         # static and dynamic both off is refused by check() (that is FedAvg)
@@ -291,9 +295,6 @@ class FedGPS(Algorithm):
         self._P = P
 
     # ---------------------------------------------------------------- setup
-    def eval_logits(self) -> Optional[int]:
-        return None if (self.eval_all or not self.static) else self.C
-
     def setup(self, ctx) -> None:
         from fedmpi.data.surrogate import make_surrogate
 
@@ -324,21 +325,20 @@ class FedGPS(Algorithm):
             self._saved = torch.zeros(P, device=dev)    # θ while the model sits at θ + e
 
     # ----------------------------------------------------------- declarations
-    def uplink_stats(self) -> list[Stat]:
-        stats = super().uplink_stats()
-        if self.static:
-            stats += [Stat("proto_sum", self.C * self.feat_dim, "sum"),
-                      Stat("proto_count", self.C, "sum")]
-        return stats
+    def exchange(self) -> Exchange:
+        """Prototype sums and counts up (static objective), the global prototypes down."""
+        up = super().exchange().uplink
+        if not self.static:
+            return Exchange(up)
+        return Exchange((*up, Stat("proto_sum", self.C * self.feat_dim, "sum"),
+                         Stat("proto_count", self.C, "sum")), 1 + self.C * self.feat_dim)
 
-    def downlink_size(self) -> int:
-        return 1 + self.C * self.feat_dim if self.static else 0
-
-    def downlink_bytes(self, client: int, round: int) -> int:
+    def traffic(self, client: int, round: int) -> tuple[int, int]:
         """FedGPS as written (Table 5): θ^t, prototypes and, from round 1 on, the
         global update Δθ^t over the P parameters (# Comm 2M + C·d)."""
         extra = 4 * self._P if self.dynamic and round > 0 else 0
-        return super().downlink_bytes(client, round) + extra
+        up, down = super().traffic(client, round)
+        return up, down + extra
 
     # ------------------------------------------------------- non-self gradient
     def begin_round(self, round: int, mask: np.ndarray, state: torch.Tensor,
@@ -480,8 +480,8 @@ class FedGPS(Algorithm):
             self._pcount += torch.bincount(ys, minlength=self.C).to(torch.float64)
         return loss
 
-    def finish_client(self, task: ClientTask, trainer: LocalTrainer, state: torch.Tensor,
-                      extras: torch.Tensor, out: dict[str, torch.Tensor], result: TrainResult) -> None:
+    def finish_client(self, task: ClientTask, state: torch.Tensor, extras: torch.Tensor,
+                      out: dict[str, torch.Tensor], result: TrainResult) -> None:
         """Uplink the prototype sums/counts; keep Δ_k for the next non-self gradient."""
         if self.static:
             out["proto_sum"].copy_(self._psum.view(-1))

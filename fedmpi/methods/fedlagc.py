@@ -36,6 +36,7 @@ import torch
 
 from fedmpi.component import ClientTask
 from fedmpi.methods.submodel import FedLAGCParams, SubmodelMethod, SubmodelParams
+from fedmpi.config.core import Config
 
 
 class FedLAGC(SubmodelMethod):
@@ -44,7 +45,7 @@ class FedLAGC(SubmodelMethod):
     rule = "layer_adaptive"
     use_ste = True
 
-    def __init__(self, cfg, layout, num_clients: int) -> None:
+    def __init__(self, cfg: Config, layout, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
         a = self.hparams("fedlagc")
         self.use_correction = bool(a.correction)
@@ -66,8 +67,8 @@ class FedLAGC(SubmodelMethod):
             return None, 0.0
         return self._lam.vector(task.client, self._flat.device), self.h(task.round)
 
-    def finish_client(self, task, trainer, state, extras, out, result) -> None:
-        super().finish_client(task, trainer, state, extras, out, result)
+    def finish_client(self, task, state, extras, out, result) -> None:
+        super().finish_client(task, state, extras, out, result)
         if self.use_correction:   # out["delta"] is already (θ_n − θ⊙M) ⊙ M
             self._lam.vector(task.client, out["delta"].device).add_(out["delta"][: self.P],
                                                                 alpha=self.beta)

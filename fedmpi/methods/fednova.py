@@ -20,7 +20,7 @@ logged as ``/fednova/a``). The server, with p_k = s_k from
 With equal τ_k this is FedAvg (up to float rounding of /a·a). FedVG
 substitutes p_k (Table A.8 does not list FedNova; the composition is the
 natural one) and scores the client model θ + a_k d_k = θ_k (FedVG Eq. 4, via
-:meth:`FedNova.model_delta_scale`), never θ + d_k. η_g = ``algorithm.server_lr`` (1).
+``spec.delta_scale``), never θ + d_k. η_g = ``algorithm.server_lr`` (1).
 
 Deviations: the normalisation covers the parameters; float buffers (BN
 running statistics) take the plain weighted average. The FedProx variant of
@@ -34,10 +34,9 @@ import numpy as np
 import torch
 
 from fedmpi.config.params import param
-from fedmpi.training.loop import LocalTrainer, TrainResult
-from fedmpi.methods.base import Algorithm
+from fedmpi.training.loop import TrainResult
+from fedmpi.methods.base import Algorithm, Exchange, MethodSpec
 from fedmpi.component import ClientTask, RoundInfo, Stat
-from fedmpi.transforms.base import TransformChain
 
 A_STAT = "fednova/a"
 
@@ -58,14 +57,15 @@ class FedNovaParams:
 
 
 class FedNova(Algorithm):
-    optimizers = ("sgd",)   # a_k normalises SGD steps (with momentum rho)
-    fresh_optimizer = True   # a_k assumes the momentum buffer starts at 0 each round
     name = "fednova"
-    record_dp = True   # plain SGD local step (docs/privacy.md)
+    # a_k normalises SGD steps (with momentum rho) from a zero momentum buffer each round;
+    # θ_k − θ = a_k d_k on the parameters (FedVG scores θ_k, not θ + d_k)
+    spec = MethodSpec(optimizers=("sgd",), fresh_optimizer=True, record_dp=True,
+                      delta_scale=A_STAT)
     params = {"fednova": FedNovaParams}
 
-    def uplink_stats(self) -> list[Stat]:
-        return super().uplink_stats() + [Stat(A_STAT, 1, "client")]
+    def exchange(self) -> Exchange:
+        return Exchange((*super().exchange().uplink, Stat(A_STAT, 1, "client")))
 
     def client_normaliser(self, steps: int, momentum: float) -> float:
         """a_k of ``algorithm.fednova.normaliser`` (module docstring)."""
@@ -73,18 +73,12 @@ class FedNova(Algorithm):
             return float(steps)
         return float(normaliser(steps, momentum))
 
-    def client_update(self, task: ClientTask, trainer: LocalTrainer, state: torch.Tensor,
-                      extras: torch.Tensor, out: dict[str, torch.Tensor],
-                      transforms: TransformChain = TransformChain()) -> TrainResult:
-        result = super().client_update(task, trainer, state, extras, out, transforms)
+    def finish_client(self, task: ClientTask, state: torch.Tensor, extras: torch.Tensor,
+                      out: dict[str, torch.Tensor], result: TrainResult) -> None:
+        """Upload d_k = Δ_k / a_k on the parameters, and a_k."""
         a_k = max(self.client_normaliser(result.steps, self.local_sgd(task).momentum), 1e-12)
         out["delta"][: self.num_params].div_(a_k)
         out[A_STAT].fill_(a_k)
-        return result
-
-    def model_delta_scale(self, stats: dict[str, torch.Tensor]) -> float:
-        """θ_k − θ = a_k d_k on the parameters (FedVG scores θ_k, not θ + d_k)."""
-        return float(stats[A_STAT][0])
 
     def server_update(self, state: torch.Tensor, agg: dict[str, torch.Tensor],
                       info: RoundInfo) -> None:

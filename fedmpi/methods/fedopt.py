@@ -18,29 +18,29 @@ step acts on parameters only, BN running statistics are averaged.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from fedmpi.config.params import param
 from fedmpi.methods.server_opt import ServerAdam, ServerOptAlgorithm
+from fedmpi.config.core import Config
 
 
 @dataclass(frozen=True)
 class AdaptiveParams:
-    beta1: float = param(0.9, "first-moment decay beta1", ge=0, lt=1, renamed_from="algorithm.beta1")
-    beta2: float = param(0.99, "second-moment decay beta2", ge=0, lt=1,
-                         renamed_from="algorithm.beta2")
-    tau: float = param(1e-3, "adaptivity tau (also v_0 = tau^2)", gt=0, renamed_from="algorithm.tau")
+    beta1: float = param(0.9, "first-moment decay beta1", ge=0, lt=1)
+    beta2: float = param(0.99, "second-moment decay beta2", ge=0, lt=1)
+    tau: float = param(1e-3, "adaptivity tau (also v_0 = tau^2)", gt=0)
 
 
 class FedAdam(ServerOptAlgorithm):
     name = "fedadam"
     params = {"fedadam": AdaptiveParams}
-    default_server_lr = 0.01
+    spec = replace(ServerOptAlgorithm.spec, default_server_lr=0.01)
     yogi = False
 
-    def __init__(self, cfg, layout, num_clients: int) -> None:
+    def __init__(self, cfg: Config, layout, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
         a = self.hparams(self.name)
         self.beta1, self.beta2, self.tau = float(a.beta1), float(a.beta2), float(a.tau)

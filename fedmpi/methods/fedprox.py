@@ -16,27 +16,23 @@ import torch
 from fedmpi.training.flat import FlatModel
 from fedmpi.config.params import param
 from fedmpi.training.loop import StepHooks
-from fedmpi.methods.base import Algorithm
+from fedmpi.methods.base import Algorithm, MethodSpec
 from fedmpi.component import ClientTask
 
 
 @dataclass(frozen=True)
 class FedProxParams:
-    mu: float = param(0.01, "FedProx proximal coefficient", ge=0, renamed_from="algorithm.mu")
+    mu: float = param(0.01, "FedProx proximal coefficient", ge=0)
 
 
 class FedProx(Algorithm):
     name = "fedprox"
-    record_dp = True   # plain SGD local step (docs/privacy.md)
+    spec = MethodSpec(record_dp=True)   # plain SGD local step (docs/privacy.md)
     params = {"fedprox": FedProxParams}
-
-    def __init__(self, cfg, layout, num_clients: int) -> None:
-        super().__init__(cfg, layout, num_clients)
-        self.mu = self.hparams("fedprox").mu
-        self._diff: torch.Tensor | None = None   # P-sized scratch on the worker
+    _diff: torch.Tensor | None = None   # P-sized scratch on the worker
 
     def hooks(self, task: ClientTask, state: torch.Tensor, extras: torch.Tensor) -> StepHooks:
-        P, mu = self.num_params, self.mu
+        P, mu = self.num_params, self.hparams().mu
         anchor = state[:P]
         if self._diff is None:
             self._diff = torch.empty(P, device=state.device)

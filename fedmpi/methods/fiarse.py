@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from fedmpi.config.params import param
 from fedmpi.methods.submodel import SubmodelMethod, SubmodelParams
+from fedmpi.config.core import Config
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class FIARSE(SubmodelMethod):
     use_ste = True
     dynamic_mask = True
 
-    def __init__(self, cfg, layout, num_clients: int) -> None:
+    def __init__(self, cfg: Config, layout, num_clients: int) -> None:
         self.cfg = cfg   # hparams before the base sets up the extractor with self.keep
         f = self.hparams("fiarse")
         self.keep = f.always_keep

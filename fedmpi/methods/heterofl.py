@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from fedmpi.config.params import param
 from fedmpi.methods.submodel import SubmodelMethod, SubmodelParams
+from fedmpi.config.core import Config
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class HeteroFL(SubmodelMethod):
     params = {"submodel": SubmodelParams, "heterofl": HeteroFLParams}
     rule = "nested"
 
-    def __init__(self, cfg, layout, num_clients: int) -> None:
+    def __init__(self, cfg: Config, layout, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
         p = self.hparams("heterofl")
         self.masked_ce = bool(p.masked_ce)

@@ -44,9 +44,10 @@ import torch
 
 from fedmpi.training.flat import FlatModel
 from fedmpi.config.params import param
-from fedmpi.training.loop import LocalTrainer, StepHooks, TrainResult
-from fedmpi.methods.base import Algorithm
+from fedmpi.training.loop import StepHooks, TrainResult
+from fedmpi.methods.base import Algorithm, Exchange, MethodSpec
 from fedmpi.component import ClientTask, RoundInfo, Stat
+from fedmpi.config.core import Config
 
 
 @dataclass(frozen=True)
@@ -57,13 +58,13 @@ class ScaffoldParams:
 
 
 class Scaffold(Algorithm):
-    optimizers = ("sgd",)   # option II: c_k from the SGD displacement / (K_k lr)
-    fresh_optimizer = True   # ... of this round's steps only (no carried momentum)
     name = "scaffold"
-    record_dp = True   # plain SGD local step (docs/privacy.md)
+    # option II: c_k from the SGD displacement / (K_k lr) of this round's steps only (no
+    # carried momentum); the local step is plain SGD (docs/privacy.md)
+    spec = MethodSpec(optimizers=("sgd",), fresh_optimizer=True, record_dp=True)
     params = {"scaffold": ScaffoldParams}
 
-    def __init__(self, cfg, layout, num_clients: int) -> None:
+    def __init__(self, cfg: Config, layout, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
         self.c_local = self.client_store("c", self.num_params)   # c_k of hosted clients (worker)
         self.c: torch.Tensor | None = None             # server variate (rank 0)
@@ -72,14 +73,11 @@ class Scaffold(Algorithm):
         self.weighted_c = self.hparams("scaffold").server_c == "weighted"
         self._dc: torch.Tensor | None = None
 
-    def uplink_stats(self) -> list[Stat]:
-        if self.weighted_c:
-            return [Stat("delta", self.state_size, "weighted"),
-                    Stat("c_new", self.num_params, "weighted")]
-        return [Stat("delta", self.state_size, "weighted"), Stat("dc", self.num_params, "sum")]
-
-    def downlink_size(self) -> int:
-        return self.num_params
+    def exchange(self) -> Exchange:
+        """Δ_k and c_k⁺ (weighted) or δc_k (summed) up; the server variate c down."""
+        c = (Stat("c_new", self.num_params, "weighted") if self.weighted_c
+             else Stat("dc", self.num_params, "sum"))
+        return Exchange((Stat("delta", self.state_size, "weighted"), c), self.num_params)
 
     def setup(self, ctx) -> None:
         if ctx.is_server:
@@ -96,8 +94,8 @@ class Scaffold(Algorithm):
 
         return StepHooks(grad_hook=correct)
 
-    def finish_client(self, task: ClientTask, trainer: LocalTrainer, state: torch.Tensor,
-                      extras: torch.Tensor, out: dict[str, torch.Tensor], result: TrainResult) -> None:
+    def finish_client(self, task: ClientTask, state: torch.Tensor, extras: torch.Tensor,
+                      out: dict[str, torch.Tensor], result: TrainResult) -> None:
         P = self.num_params
         c_k = self.c_local.vector(task.client, state.device)
         scale = 1.0 / (max(result.steps, 1) * (result.lr or self.local_sgd(task).lr))

@@ -64,5 +64,5 @@ class ScaleFL(SubmodelMethod):
         """Also records when the model allows no depth scaling."""
         super().setup(ctx)
         if not self.extractor.skippable:
-            ctx.log.event(0, -1, f"scalefl: model {ctx.cfg.model.name!r} has no identity "
+            self.report.event(f"scalefl: model {ctx.cfg.model.name!r} has no identity "
                           "residual blocks; depth scaling off, width only")

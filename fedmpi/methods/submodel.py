@@ -24,11 +24,11 @@ from torch import nn
 from fedmpi.errors import ConfigError
 from fedmpi.training.flat import FlatModel
 from fedmpi.config.params import param
-from fedmpi.training.loop import StepHooks
-from fedmpi.methods.base import Algorithm
+from fedmpi.training.loop import StepHooks, TrainResult
+from fedmpi.methods.base import Algorithm, Exchange, MethodSpec
 from fedmpi.component import ClientTask, RoundInfo, Stat
 from fedmpi.methods.extraction import (NORM_LAYERS, Extractor, Submodel, ste_factor)
-from fedmpi.transforms.base import TransformChain
+from fedmpi.config.core import Config
 
 __all__ = ["FedLAGCParams", "Scaler", "SubmodelMethod", "SubmodelParams", "client_levels"]
 
@@ -98,9 +98,6 @@ class SubmodelParams:
 
 
 class SubmodelMethod(Algorithm):
-    optimizers = ("sgd",)   # masks re-applied after every SGD step (step_hook)
-    fresh_optimizer = True   # pruned entries stay 0 only from a zero momentum buffer
-    own_loss = True         # masked cross-entropy where the method uses it
     """Clients train level-sized submodels; rank 0 aggregates overlap-aware.
 
     Client n at level r in round t (every rank derives M = M(θ^t, r, t) itself):
@@ -130,17 +127,19 @@ class SubmodelMethod(Algorithm):
     ``dynamic_mask``, ``frozen_below``, ``masked_ce``, :meth:`extractor_options`
     (options of its rule) and :meth:`correction` (a gradient correction). The
     family's config rules come with the class (:meth:`check`: resource levels;
-    ``masked_upload`` and ``weighted_update = False``: no ECGR, no per-client
+    ``spec.masked_upload`` and ``spec.weighted_update = False``: no ECGR, no per-client
     server rule).
     """
 
-    weighted_update = False   # coverage averaging sums masked updates (a `sum` statistic)
-
+    #: masks re-applied after every SGD step, so SGD only, from a zero momentum buffer
+    #: (pruned entries stay 0); a masked cross-entropy where the method uses it; coverage
+    #: averaging sums masked updates (a ``sum`` statistic, not a weighted one); uploads
+    #: masked to the client's submodel (ECGR's whole-update rewrite does not compose); the
+    #: method evaluates every resource level itself
+    spec = MethodSpec(optimizers=("sgd",), fresh_optimizer=True, own_loss=True,
+                      weighted_update=False, masked_upload=True, owns_evaluation=True)
     rule = "layer_adaptive"
     params: ClassVar[dict[str, type]] = {"submodel": SubmodelParams}
-    #: uploads are masked to the client's submodel: a transform that rewrites the whole
-    #: update (``UpdateTransform.rewrites_update``, ECGR) does not compose (fedmpi.config.schema)
-    masked_upload: ClassVar[bool] = True
     use_ste = False
     dynamic_mask = False
     #: FIARSE: entries below θ̃ during local training get zero gradient (Bern.backward)
@@ -154,7 +153,7 @@ class SubmodelMethod(Algorithm):
     #: HeteroFL's Scaler (norm inputs ÷ width rate in local training; :class:`Scaler`)
     scaler = False
 
-    def __init__(self, cfg, layout: FlatModel, num_clients: int) -> None:
+    def __init__(self, cfg: Config, layout: FlatModel, num_clients: int) -> None:
         super().__init__(cfg, layout, num_clients)
         self.levels = [float(r) for r in (cfg.system.levels or [])]
         self.client_level = client_levels(cfg.system.levels, cfg.system.allocation, num_clients,
@@ -173,11 +172,10 @@ class SubmodelMethod(Algorithm):
         self._kept_round = -1
         self._kept_entries = np.zeros(V, dtype=np.int64)
         self._keep_ratio = np.full((V, L), np.nan)
-        self._level_acc = np.full(V, np.nan)
         self._eval_round = 0
 
     @classmethod
-    def check(cls, cfg) -> None:
+    def check(cls, cfg: Config) -> None:
         """Resource levels are required (``system.levels`` with ``system.allocation``)."""
         if cfg.system.levels is None:
             raise ConfigError(f"config key 'system.levels' must be set for algorithm.name "
@@ -199,17 +197,15 @@ class SubmodelMethod(Algorithm):
             self._cache[key] = self.extractor.extract(state, self.levels[level], round)
         return self._cache[key]
 
-    def uplink_stats(self) -> list[Stat]:
-        return [Stat("delta", self.state_size, "sum")]
-
-    owns_evaluation = True
+    def exchange(self) -> Exchange:
+        return Exchange((Stat("delta", self.state_size, "sum"),))
 
     def setup(self, ctx) -> None:
         if ctx.is_server:
-            ctx.log.write_static("submodel/levels", np.array(self.levels, dtype=np.float64))
-            ctx.log.write_static("submodel/layer_names",
+            self.report.static("submodel/levels", np.array(self.levels, dtype=np.float64))
+            self.report.static("submodel/layer_names",
                                  np.array(self.extractor.layer_names, dtype=object))
-            ctx.log.write_static("clients/level", self.client_level)
+            self.report.static("clients/level", self.client_level)
 
     def begin_round(self, round: int, mask: np.ndarray, state: torch.Tensor,
                     extras: torch.Tensor) -> None:
@@ -218,22 +214,19 @@ class SubmodelMethod(Algorithm):
             self._record(state, round)
 
     # ----------------------------------------------------------------- client
-    def client_update(self, task: ClientTask, trainer, state: torch.Tensor,
-                      extras: torch.Tensor, out: dict[str, torch.Tensor], transforms: TransformChain = TransformChain()):
-        """Train θ^t ⊙ M through the shared local loop (base client_update)."""
+    def trained(self, task: ClientTask, state: torch.Tensor) -> torch.Tensor:
+        """θ^t ⊙ M of the client's level (HeteroFL's Scaler set to its width rate until
+        :meth:`finish_client`)."""
         self._sub = self.submodel(state, int(self.client_level[task.client]), task.round)
         if self._masked is None:
             self._masked = torch.empty_like(state)
         torch.mul(state, self._sub.mask, out=self._masked)
-        self._flat = trainer.flat
-        if not self.scaler:
-            return super().client_update(task, trainer, self._masked, extras, out, transforms)
-        self._scaler.install(trainer.flat.model)
-        self._scaler.rate = math.sqrt(self.levels[int(self.client_level[task.client])])
-        try:
-            return super().client_update(task, trainer, self._masked, extras, out, transforms)
-        finally:
-            self._scaler.rate = 1.0
+        assert self.ctx is not None, "started"
+        self._flat = self.ctx.flat
+        if self.scaler:
+            self._scaler.install(self._flat.model)
+            self._scaler.rate = math.sqrt(self.levels[int(self.client_level[task.client])])
+        return self._masked
 
     def correction(self, task: ClientTask) -> tuple[Optional[torch.Tensor], float]:
         """(λ_n, h(t)) of the gradient correction; none for the baselines."""
@@ -296,12 +289,14 @@ class SubmodelMethod(Algorithm):
             return F.cross_entropy(flat.model(x).masked_fill(~present, 0.0), y)
         return loss
 
-    def finish_client(self, task, trainer, state, extras, out, result) -> None:
+    def finish_client(self, task: ClientTask, state: torch.Tensor, extras: torch.Tensor,
+                      out: dict[str, torch.Tensor], result: TrainResult) -> None:
         """Upload M ⊙ Δ (FIARSE: Δ of the full values, not the re-masked ones)."""
+        self._scaler.rate = 1.0
         delta = out["delta"]
         if self.dynamic_mask:
             torch.sub(self._shadow, state[: self.P], out=delta[: self.P])
-            trainer.flat.params.copy_(self._shadow)
+            self._flat.params.copy_(self._shadow)
         delta.mul_(self._sub.mask)
 
     # ----------------------------------------------------------------- server
@@ -322,6 +317,7 @@ class SubmodelMethod(Algorithm):
             self._kept_entries[v] = sub.num_kept
             self._keep_ratio[v] = sub.kept / seg_sizes
         self._kept_round = round
+        self.report.array("submodel/keep_ratio", self._keep_ratio.copy())
 
     def server_update(self, state: torch.Tensor, agg: dict[str, torch.Tensor],
                       info: RoundInfo) -> None:
@@ -331,13 +327,11 @@ class SubmodelMethod(Algorithm):
         state.add_(agg["delta"] / count.clamp_min(1.0), alpha=self.server_lr)
         self._eval_round = info.round + 1
 
-    def uplink_bytes(self, client: int, round: int) -> int:
-        """4 bytes per kept entry of the client's submodel (masks of round ``round``,
-        recorded by :meth:`begin_round` on rank 0)."""
-        return 4 * int(self._kept_entries[self.client_level[client]])
-
-    def downlink_bytes(self, client: int, round: int) -> int:
-        return self.uplink_bytes(client, round)
+    def traffic(self, client: int, round: int) -> tuple[int, int]:
+        """4 bytes per kept entry of the client's submodel, both ways (masks of round
+        ``round``, recorded by :meth:`begin_round` on rank 0)."""
+        kept = 4 * int(self._kept_entries[self.client_level[client]])
+        return kept, kept
 
     # ------------------------------------------------------------- evaluation
     def evaluate(self, ctx, state: torch.Tensor) -> tuple[float, float]:
@@ -348,15 +342,9 @@ class SubmodelMethod(Algorithm):
             loss, correct, n = ctx.test(state * sub.mask)
             losses.append(loss / n)
             accs.append(correct / n)
-        self._level_acc = np.array(accs)
+        self.report.array("submodel/level_accuracy", np.array(accs))
         return float(np.mean(losses)), float(np.mean(accs))
 
     def log_outputs(self) -> list[str]:
         return ["submodel/level_accuracy", "submodel/keep_ratio", "submodel/levels",
                 "submodel/layer_names", "clients/level"]
-
-    def log_arrays(self) -> dict[str, np.ndarray]:
-        out = {"submodel/level_accuracy": self._level_acc.copy(),
-               "submodel/keep_ratio": self._keep_ratio.copy()}
-        self._level_acc[:] = np.nan
-        return out

@@ -35,15 +35,18 @@ run reports the very ε of an uninterrupted one.
 """
 from __future__ import annotations
 
-import logging
 import math
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
 
 from fedmpi.errors import ConfigError
+from fedmpi.privacy import absl_quiet
 from fedmpi.privacy.dpsgd import poisson_rate   # the sampler's own rate: accounted = sampled
+
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
 
 EXTRA_HINT = "pip install 'fedmpi[privacy]'"
 
@@ -55,6 +58,7 @@ def dp_accounting() -> Any:
     except ImportError:
         raise ConfigError(f"config key 'privacy.dp.level' needs the dp-accounting package "
                           f"({EXTRA_HINT})") from None
+    absl_quiet.install()   # its harmless RDP non-convergence warning only
     return dpa
 
 
@@ -97,9 +101,10 @@ class Accountant:
         self.rounds = 0                                   # client level: rounds composed
         self.steps = np.zeros(self.K, dtype=np.int64)     # record level: steps per silo
         self._cache: dict[tuple[int, int], float] = {}
+        self._curves: dict[str, tuple[np.ndarray, np.ndarray]] = {}   # RDP of one event
 
     @classmethod
-    def from_config(cls, cfg, num_samples: np.ndarray) -> "Accountant":
+    def from_config(cls, cfg: Config, num_samples: np.ndarray) -> "Accountant":
         d = cfg.privacy.dp
         K = cfg.data.num_clients
         rates = np.array([poisson_rate(int(n), cfg.train.batch_size) for n in num_samples])
@@ -117,18 +122,28 @@ class Accountant:
             from dp_accounting import pld
 
             acc: Any = pld.PLDAccountant(self._relation(dpa))
-        else:
-            from dp_accounting import rdp
-
-            acc = rdp.RdpAccountant(neighboring_relation=self._relation(dpa))
-        acc.compose(event, count)
-        absl = logging.getLogger("absl")   # RDP orders it cannot evaluate are skipped, with a warning
-        level = absl.level
-        absl.setLevel(logging.ERROR)
-        try:
+            acc.compose(event, count)
             return float(acc.get_epsilon(self.delta))
-        finally:
-            absl.setLevel(level)
+        from dp_accounting import rdp
+
+        # RDP composes additively: ``RdpAccountant.compose(event, count)`` adds count × the
+        # event's RDP curve. The curve (the costly part: fractional orders of a subsampled
+        # Gaussian) is computed once per event and scaled here by the library's own
+        # conversion (``compute_epsilon``), which gives the very bits of composing anew.
+        key = repr(event)
+        curve = self._curves.get(key)
+        if curve is None:
+            acc = rdp.RdpAccountant(neighboring_relation=self._relation(dpa))
+            acc.compose(event, 1)
+            orders, one = getattr(acc, "_orders", None), getattr(acc, "_rdp", None)
+            if orders is None or one is None:   # a dp-accounting without them: compose anew
+                acc = rdp.RdpAccountant(neighboring_relation=self._relation(dpa))
+                acc.compose(event, count)
+                return float(acc.get_epsilon(self.delta))
+            curve = self._curves[key] = (np.asarray(orders), np.asarray(one, dtype=np.float64))
+        orders, one = curve
+        eps, _ = rdp.rdp_privacy_accountant.compute_epsilon(orders, count * one, self.delta)
+        return float(eps)
 
     def _relation(self, dpa: Any) -> Any:
         rel = dpa.NeighboringRelation
@@ -182,5 +197,7 @@ class Accountant:
         if steps.shape != (self.K,):
             raise ValueError(f"privacy accountant: {steps.shape[0]} silos in the checkpoint, "
                              f"{self.K} in this run")
+        if int(state["rounds"]) < 0 or (steps < 0).any():
+            raise ValueError("privacy accountant: negative counts")
         self.rounds = int(state["rounds"])
         self.steps = steps

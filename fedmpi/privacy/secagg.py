@@ -24,7 +24,10 @@ f fractional bits. The pairwise masks
 over the round's accepted participants A_t sum to 0 mod 2^b, so rank 0 gets
 Σ_r E_r = Σ_r enc(S_r) mod 2^b and decodes the centred value ÷ 2^f. Each E_r is
 uniformly distributed in the ring for anyone without the pair secrets s_kj,
-i.e. rank 0 only ever holds the sum over all accepted clients.
+i.e. rank 0 only ever holds the sum over all accepted clients. Within Σ_{k∈r} m_k
+the terms of two clients both on rank r cancel, so a rank draws only the pairs
+that cross to another rank (:meth:`SecureAggregator.seal`): a worker sees its own
+clients in the clear anyway.
 
 **Keys and PRG** (the ``cryptography`` package, extra ``.[privacy]``): every client
 holds an X25519 key pair made at start-up; the public keys travel to every rank
@@ -39,20 +42,27 @@ coordinate (W ranks that hold clients) before the division by Σ w̃_k.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 import torch
 
 from fedmpi.errors import ConfigError
+from fedmpi.transforms.base import UpdateTransform
+
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
 
 RING_BITS = 48
+#: the fewest accepted updates whose sum rank 0 may open: with fewer (exclusions) no rank
+#: sends its masked sum and the round's update is withheld (docs/secure-aggregation.md)
+MIN_ACCEPTED = 2
 MOD = 1 << RING_BITS
 _MASK = MOD - 1
 KEY_WORDS = 4   # an X25519 public key: 32 bytes = 4 int64 words
 
-__all__ = ["RING_BITS", "MOD", "KEY_WORDS", "SecureAggregator", "encode", "decode", "limit",
-           "check_config", "refuse_per_client"]
+__all__ = ["RING_BITS", "MOD", "KEY_WORDS", "SecureAggregator", "SecureAggregation", "encode",
+           "decode", "limit"]
 
 
 def _crypto() -> Any:
@@ -106,6 +116,28 @@ class SecureAggregator:
         self._pair: dict[tuple[int, int], bytes] = {}
         self._zeros = np.zeros(0, dtype=np.uint8)        # keystream scratch (_stream)
         self._scratch = np.zeros(0, dtype=np.uint8)
+        self.range_limit = float("inf")
+        self._float = torch.zeros(0, dtype=torch.float64)  # encode/decode scratch
+        self.refused_because = "outside the secure-aggregation range (privacy.secagg.scale_bits)"
+        self.min_accepted = MIN_ACCEPTED
+        self.withheld_because = (f"withheld: fewer than {MIN_ACCEPTED} updates were accepted, "
+                                 "and secure aggregation never opens one client's update")
+
+    # ------------------------------------------------------------- codec
+    def handshake(self) -> np.ndarray:
+        """The key exchange's contribution: this rank's clients' public keys."""
+        return self.public_words()
+
+    def on_handshake(self, words: np.ndarray) -> None:
+        self.set_public(words)
+
+    def begin(self, participants: int) -> None:
+        """A round with ``participants`` clients: each may contribute up to :func:`limit`."""
+        self.range_limit = limit(self.scale_bits, participants)
+
+    def accepts(self, x: torch.Tensor, weight: float) -> bool:
+        """Whether ``weight·x`` decodes without wrapping (refused otherwise, never wrapped)."""
+        return not x.numel() or float(x.abs().max()) * weight <= self.range_limit
 
     # ------------------------------------------------------------- keys
     def public_words(self) -> np.ndarray:
@@ -152,10 +184,10 @@ class SecureAggregator:
         np.bitwise_and(raw, np.uint64(_MASK), out=raw)
         return raw.view(np.int64)
 
-    def _add_mask(self, out: np.ndarray, k: int, t: int, accepted: Sequence[int]) -> None:
-        """``out ← out + m_k (mod 2^b)`` in place, m_k = Σ_{j∈accepted, j≠k} ±PRG(s_kj, t)
-        (+ for k < j, − for k > j)."""
-        for j in accepted:
+    def _add_mask(self, out: np.ndarray, k: int, t: int, peers: Sequence[int]) -> None:
+        """``out ← out ± PRG(s_kj, t) (mod 2^b)`` in place for every j in ``peers``
+        (+ for k < j, − for k > j; j = k is skipped)."""
+        for j in peers:
             if j == k:
                 continue
             s = self._stream(self._secret(k, int(j)), t, out.size)
@@ -167,7 +199,7 @@ class SecureAggregator:
 
     def mask(self, k: int, t: int, accepted: Sequence[int], size: int) -> np.ndarray:
         """m_k of client ``k`` in round ``t`` among the ``accepted`` participants (int64
-        in [0, 2^b)); Σ_{k∈accepted} m_k ≡ 0 (mod 2^b)."""
+        in [0, 2^b)), every pair drawn; Σ_{k∈accepted} m_k ≡ 0 (mod 2^b)."""
         out = np.zeros(size, dtype=np.int64)
         self._add_mask(out, k, t, accepted)
         return out
@@ -175,43 +207,68 @@ class SecureAggregator:
     def seal(self, partial: torch.Tensor, t: int, mine: Sequence[int], accepted: Sequence[int],
              out: np.ndarray) -> None:
         """E_r = enc(S_r) + Σ_{k∈mine} m_k (mod 2^b) into the int64 send buffer ``out``;
-        ``partial`` is the float64 S_r of this rank's accepted clients ``mine``."""
-        out[:] = encode(partial.detach().cpu(), self.scale_bits).numpy()
-        for k in mine:
-            self._add_mask(out, int(k), t, accepted)
+        ``partial`` is the float64 S_r of this rank's accepted clients ``mine``.
+
+        Only the pairs with j ∉ ``mine`` are drawn: the terms ±PRG(s_kj) and ±PRG(s_jk)
+        of two clients on this rank cancel inside the sum, so E_r is the same ring element,
+        bit for bit, and what this rank computes grows with the clients on *other* ranks
+        (none at all when one rank hosts every accepted client, e.g. ``-n 1``)."""
+        v = partial.detach().cpu()
+        q = self._float_scratch(v.numel())
+        q.copy_(v).mul_(float(1 << self.scale_bits)).round_()     # = encode(), in place
+        e = torch.from_numpy(out)
+        e.copy_(q)                            # integral values: the conversion is exact
+        e.bitwise_and_(_MASK)
+        own = {int(k) for k in mine}
+        others = [int(j) for j in accepted if int(j) not in own]
+        for k in own:
+            self._add_mask(out, k, t, others)
 
     def open(self, total: np.ndarray) -> torch.Tensor:
-        """Σ_k w̃_k x_k (float64) from Σ_r E_r."""
-        return decode(torch.from_numpy(total), self.scale_bits)
+        """Σ_k w̃_k x_k (float64) from Σ_r E_r: :func:`decode`, computed in place in
+        ``total`` (overwritten) and a float64 buffer kept between rounds (the returned
+        tensor, valid until the next call)."""
+        r = torch.from_numpy(total)
+        # the centred representative: ((r + 2^{b-1}) mod 2^b) − 2^{b-1}
+        r.add_(MOD // 2).bitwise_and_(_MASK).sub_(MOD // 2)
+        out = self._float_scratch(r.numel())
+        out.copy_(r)
+        return out.div_(float(1 << self.scale_bits))
+
+    def _float_scratch(self, size: int) -> torch.Tensor:
+        if self._float.numel() != size:
+            self._float = torch.empty(size, dtype=torch.float64)
+        return self._float
 
 
-def check_config(cfg: Any) -> None:
-    """Secure aggregation hands rank 0 only sums over the accepted clients: anything that
-    needs one client's update on the server is refused (exit 2 naming both keys)."""
-    if not cfg.privacy.secure_aggregation:
-        return
-    if cfg.runtime.reduction == "exact":
-        raise ConfigError("config keys 'privacy.secure_aggregation' and 'runtime.reduction': the "
-                          "exact reduction sends every client's update to rank 0 as a row")
-    if cfg.ecgr.enabled:
-        raise ConfigError("config keys 'privacy.secure_aggregation' and 'ecgr.enabled': ECGR sends "
-                          "per-client selection statistics to rank 0")
-    if cfg.adversary.clients and cfg.adversary.kind == "alie":
-        raise ConfigError("config keys 'privacy.secure_aggregation' and 'adversary.kind': the "
-                          "simulated alie attack rewrites the attackers' rows on rank 0")
+class SecureAggregation(UpdateTransform):
+    """``privacy.secure_aggregation: true``: the uplink sums travel pairwise-masked
+    (:class:`SecureAggregator` is the codec), and rank 0 holds only sums over the accepted
+    clients (:attr:`sums_only`: every part that needs one client's statistics on rank 0 is
+    refused, from its own declaration)."""
 
+    name = "secure_aggregation"
+    enable_key = "privacy.secure_aggregation"
+    sums_only = True
 
-def refuse_per_client(cfg: Any, weighting_rows: bool, rule_rows: bool,
-                      client_stats: Sequence[str]) -> None:
-    """The run's components, once built: none may need one client's statistic on rank 0."""
-    check_config(cfg)
-    if weighting_rows:
-        raise ConfigError("config keys 'privacy.secure_aggregation' and 'aggregation.weighting': "
-                          f"{cfg.aggregation.weighting!r} scores every client's update on rank 0")
-    if rule_rows:
-        raise ConfigError("config keys 'privacy.secure_aggregation' and 'aggregation.rule': "
-                          f"{cfg.aggregation.rule!r} needs every client's update on rank 0")
-    if client_stats:
-        raise ConfigError("config keys 'privacy.secure_aggregation' and 'algorithm.name': "
-                          f"{cfg.algorithm.name!r} sends per-client statistics "
-                          f"({', '.join(client_stats)}) to rank 0")
+    @classmethod
+    def enabled(cls, cfg: Config) -> bool:
+        return bool(cfg.privacy.secure_aggregation)
+
+    @classmethod
+    def check(cls, cfg: Config) -> None:
+        """At least :data:`MIN_ACCEPTED` participants per round (one participant's sum is
+        its update), and no exact reduction (it sends every update to rank 0 as a row)."""
+        n = cfg.data.num_clients
+        m = cfg.train.clients_per_round or n
+        if m < MIN_ACCEPTED:
+            key = "train.clients_per_round" if cfg.train.clients_per_round else "data.num_clients"
+            raise ConfigError(f"config keys 'privacy.secure_aggregation' and {key!r}: secure "
+                              f"aggregation needs at least {MIN_ACCEPTED} participants per round "
+                              f"(got {m}): rank 0 would decode one client's update")
+        if cfg.runtime.reduction == "exact":
+            raise ConfigError("config keys 'privacy.secure_aggregation' and 'runtime.reduction': "
+                              "the exact reduction sends every client's update to rank 0 as a row")
+
+    def codec(self, hosted: Sequence[int], num_clients: int) -> SecureAggregator:
+        return SecureAggregator(hosted, num_clients, int(self.cfg.privacy.secagg.scale_bits))

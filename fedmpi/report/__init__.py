@@ -8,7 +8,8 @@ x axis are the round numbers of the log, counted from 0):
 ``metrics.png``            one panel per ``eval.metrics`` entry (accuracy,
                            balanced accuracy, macro-F1, AUROC, user metrics) vs
                            round; with per-site evaluation (``eval.where``) also
-                           each site's curve (up to 10 sites), the spread across
+                           each site's curve (up to 10 sites, named in the
+                           legend), the spread across
                            sites (min–max band, interquartile band) and, with
                            ``both``, the server's and the sites' combined value
 ``client_weights.png``     aggregation weight :math:`s_k` of every client in every
@@ -26,6 +27,9 @@ x axis are the round numbers of the log, counted from 0):
                            communication + other, aggregation, evaluation
 ``bytes_per_round.png``    bytes sent per round, uplink and downlink in separate
                            panels on one scale, and the cumulative traffic
+``cross_site.png``         the cross-site validation (``eval.cross_site``): per
+                           metric, the sites' held-out data down, the global
+                           model and each site's local model across
 =========================  =====================================================
 
 One module per job; every name is importable from ``fedmpi.report``:
@@ -34,6 +38,7 @@ One module per job; every name is importable from ``fedmpi.report``:
 - :mod:`~fedmpi.report.curves` — accuracy, metrics and level-accuracy curves;
 - :mod:`~fedmpi.report.heatmaps` — client weights, gradient norms, partition;
 - :mod:`~fedmpi.report.costs` — time and bytes per round;
+- :mod:`~fedmpi.report.cross_site` — the cross-site validation's heatmaps and tables;
 - :mod:`~fedmpi.report.derived` — what plots and summary both show (the round's
   time split :func:`time_split`, titles, level labels);
 - :mod:`~fedmpi.report.canvas` — matplotlib (the ``plot`` extra, Agg canvas only);
@@ -53,8 +58,9 @@ from fedmpi.job.safefile import refuse_links, write_text
 
 from fedmpi.report.canvas import PLOT_HINT, have_matplotlib
 from fedmpi.report.costs import plot_bytes, plot_time
+from fedmpi.report.cross_site import plot_cross_site
 from fedmpi.report.curves import plot_accuracy, plot_level_accuracy, plot_metrics
-from fedmpi.report.derived import run_title
+from fedmpi.report.derived import run_title, site_labels
 from fedmpi.report.heatmaps import plot_client_weights, plot_grad_norm, plot_partition
 from fedmpi.report.summary import summary_markdown
 
@@ -62,7 +68,7 @@ from fedmpi.report.summary import summary_markdown
 #: File names of the plots, in the order the summary lists them.
 PLOTS: tuple[str, ...] = ("accuracy.png", "metrics.png", "client_weights.png", "fedvg_grad_norm.png",
                           "partition.png", "level_accuracy.png", "time_per_round.png",
-                          "bytes_per_round.png")
+                          "bytes_per_round.png", "cross_site.png")
 
 
 def write_report(log: RunLog | PathLike, out_dir: str | os.PathLike | None = None,
@@ -104,11 +110,13 @@ def write_report(log: RunLog | PathLike, out_dir: str | os.PathLike | None = Non
         "client_weights.png": lambda p: plot_client_weights(log, p),
         "fedvg_grad_norm.png": lambda p: plot_grad_norm(log, p),
         "partition.png": lambda p: (plot_partition(log.arrays["partition/class_counts"], p,
-                                                   f"{run_title(log)}: partition")
+                                                   f"{run_title(log)}: partition",
+                                                   site_names=site_labels(log))
                                     if "partition/class_counts" in log.arrays else None),
         "level_accuracy.png": lambda p: plot_level_accuracy(log, p),
         "time_per_round.png": lambda p: plot_time(log, p),
         "bytes_per_round.png": lambda p: plot_bytes(log, p),
+        "cross_site.png": lambda p: plot_cross_site(log, p),
     }
     for name in PLOTS:
         path = out / name

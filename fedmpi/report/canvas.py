@@ -56,10 +56,13 @@ def save(fig, path: Path) -> Path:
     return path
 
 
-def client_ticks(ax, k: int, axis: str = "y") -> None:
+def client_ticks(ax, k: int, names: list[str] | None = None, axis: str = "y") -> None:
+    """Ticks on the client axis (at most 25), labelled with the sites' names if given."""
     step = max(1, math.ceil(k / 25))
     ticks = np.arange(0, k, step)
-    (ax.set_yticks if axis == "y" else ax.set_xticks)(ticks)
+    (ax.set_yticks if axis == "y" else ax.set_xticks)(
+        ticks, [names[i] for i in ticks] if names is not None else None,
+        fontsize=8 if names is not None else None)
 
 
 def round_axis(ax) -> None:

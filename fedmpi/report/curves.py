@@ -14,9 +14,10 @@ from fedmpi.log.schema import PathLike
 from fedmpi.log.reader import RunLog, as_run_log
 
 from fedmpi.report import canvas
-from fedmpi.report.derived import level_labels, logged_array, run_components, run_title
+from fedmpi.report.derived import (METRIC_LABELS, level_labels, logged_array, metric_names,
+    run_components, run_title, site_labels)
 
-__all__ = ["plot_accuracy", "plot_level_accuracy", "plot_metrics"]
+__all__ = ["MAX_SITE_CURVES", "plot_accuracy", "plot_level_accuracy", "plot_metrics"]
 
 
 def plot_accuracy(log: RunLog | PathLike, path: Path,
@@ -65,47 +66,46 @@ def plot_accuracy(log: RunLog | PathLike, path: Path,
     return canvas.save(fig, path)
 
 
-_METRIC_LABELS = {"test_accuracy": "accuracy", "balanced_accuracy": "balanced accuracy",
-                  "macro_f1": "macro-F1", "auroc": "AUROC"}
-
-
-def _metric_names(log: RunLog) -> list[str]:
-    """The ``/rounds`` names of the run's ``eval.metrics`` (accuracy is ``test_accuracy``)."""
-    from fedmpi.metrics import metric_name
-
-    chosen = config_value(log.config, "eval.metrics", None) or ["accuracy"]
-    return ["test_accuracy" if m == "accuracy" else metric_name(m) for m in chosen]
+#: Per-site curves are drawn one by one (each in its colour, named in the legend) up to
+#: this many sites; beyond it only their spread is drawn.
+MAX_SITE_CURVES = 10
 
 
 def plot_metrics(log: RunLog | PathLike, path: Path) -> Path | None:
     """One panel per chosen metric vs round, with the per-site curves and their spread when
     the clients evaluated (``/clients/<metric>`` [R, K]); written when there is more to show
-    than ``accuracy.png`` (another metric, or per-site values)."""
+    than ``accuracy.png`` (another metric, or per-site values). Each site's curve has its
+    own colour and its site's name (:func:`~fedmpi.report.derived.site_labels`) in the
+    figure's legend, shared by every panel."""
     log = as_run_log(log)
     from fedmpi.metrics import metric_name, score_metrics
 
     r = log.rounds.get("round")
-    names = [n for n in _metric_names(log) if n in log.rounds and np.isfinite(log.rounds[n]).any()
+    names = [n for n in metric_names(log) if n in log.rounds and np.isfinite(log.rounds[n]).any()
              or f"clients_{n}" in log.rounds]
     sites = {n: log.clients[n] for n in names
              if n in log.clients and np.ndim(log.clients[n]) == 2 and np.isfinite(log.clients[n]).any()}
     if r is None or not names or (len(names) == 1 and not sites):
         return None
     where = str(config_value(log.config, "eval.where", "server"))
-    scored = {n for n in names if n == "auroc" or n not in _METRIC_LABELS} | {
+    scored = {n for n in names if n == "auroc" or n not in METRIC_LABELS} | {
         metric_name(m) for m in score_metrics(config_value(log.config, "eval.metrics", None) or [])}
+    labels = site_labels(log)
+    colors = canvas.mpl().colormaps["tab10"]
     cols = min(len(names), 3)
     rows = math.ceil(len(names) / cols)
-    fig = canvas.figure(4.2 * cols + 0.5, 3.4 * rows + 0.9)
+    fig = canvas.figure(4.2 * cols + 0.5, 3.4 * rows + 1.6)
     axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False).ravel())
+    legend: dict[str, object] = {}
     for ax, name in zip(axes, names):
-        combined = ("sites: n-weighted mean" if name in scored else "sites pooled (exact)")
-        curves = []
+        # pooled (exact) solid, n-weighted mean dotted, the server's test set dashed: one
+        # legend serves every panel
+        combined = (("sites combined: n-weighted mean", ":") if name in scored
+                    else ("sites combined: pooled (exact)", "-"))
         if where == "both":
-            curves = [(name, "server test set", "C0"), (f"clients_{name}", combined, "C3")]
+            curves = [(name, "server test set", "--"), (f"clients_{name}", *combined)]
         else:
-            curves = [(name, "server test set" if where == "server" else combined,
-                       "C0" if where == "server" else "C3")]
+            curves = [(name, *(("server test set", "-") if where == "server" else combined))]
         per_site = sites.get(name)
         if per_site is not None:
             k = per_site.shape[1]
@@ -113,28 +113,33 @@ def plot_metrics(log: RunLog | PathLike, path: Path) -> Path | None:
             with np.errstate(all="ignore"), warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
                 q = np.nanpercentile(per_site[ok], [0, 25, 75, 100], axis=1)
-            ax.fill_between(r[ok], q[0], q[3], color="C3", alpha=0.12,
+            ax.fill_between(r[ok], q[0], q[3], color="0.55", alpha=0.15, lw=0,
                             label=f"{k} sites: min–max")
-            ax.fill_between(r[ok], q[1], q[2], color="C3", alpha=0.25, label="sites: 25–75 %")
-            if k <= 10:
+            ax.fill_between(r[ok], q[1], q[2], color="0.55", alpha=0.3, lw=0,
+                            label="sites: 25–75 %")
+            if k <= MAX_SITE_CURVES:
                 for j in range(k):
                     good = np.isfinite(per_site[:, j])
-                    ax.plot(r[good], per_site[good, j], color="C3", lw=0.6, alpha=0.5,
-                            label="each site" if j == 0 else None)
-        for key, label, color in curves:
+                    ax.plot(r[good], per_site[good, j], color=colors(j), lw=1.1, alpha=0.9,
+                            marker="." if good.sum() <= 40 else None, ms=3, label=labels[j])
+        for key, label, style in curves:
             v = log.rounds.get(key)
             if v is None or not np.isfinite(v).any():
                 continue
             good = np.isfinite(v)
-            ax.plot(r[good], v[good], color=color, lw=2, marker="o" if good.sum() <= 40 else None,
-                    ms=3, label=label)
-        ax.set(xlabel="round", ylabel=_METRIC_LABELS.get(name, name),
-               title=_METRIC_LABELS.get(name, name))
+            ax.plot(r[good], v[good], color="black", ls=style, lw=2.2,
+                    marker="o" if good.sum() <= 40 else None, ms=3, label=label)
+        ax.set(xlabel="round", ylabel=METRIC_LABELS.get(name, name),
+               title=METRIC_LABELS.get(name, name))
         canvas.round_axis(ax)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
     for ax in axes[len(names):]:
         ax.set_visible(False)
+    if legend:
+        fig.legend(list(legend.values()), list(legend.keys()), loc="outside lower center",
+                   ncol=min(len(legend), 4), fontsize=8, frameon=False)
     fig.suptitle(f"{run_title(log)}: test metrics\n{run_components(log)}", fontsize=10)
     return canvas.save(fig, path)
 

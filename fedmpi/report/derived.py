@@ -12,6 +12,7 @@ the wall time.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,8 @@ from fedmpi.log.schema import PathLike
 from fedmpi.log.reader import RunLog, as_run_log
 
 __all__ = ["OVERLAPPED", "TIME_PARTS", "byte_unit", "level_labels", "logged_array",
-           "run_components", "run_title", "time_split"]
+           "METRIC_LABELS", "clean_label", "metric_names", "metric_text", "run_components",
+           "run_title", "site_labels", "time_split"]
 
 
 def logged_array(log: RunLog, name: str, ndim: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -66,6 +68,53 @@ def run_components(log: RunLog) -> str:
             f"{f' + {weighting}' if weighting not in (None, 'samples') else ''} · "
             f"{opt} lr {get('train.lr')} · {part}, {get('data.num_clients')} clients · "
             f"evaluated on the {where}")
+
+
+#: How the plots and tables name the built-in metrics (user metrics keep their own name).
+METRIC_LABELS = {"test_accuracy": "accuracy", "balanced_accuracy": "balanced accuracy",
+                 "macro_f1": "macro-F1", "auroc": "AUROC", "test_loss": "test loss"}
+
+
+def metric_text(x: float | None) -> str:
+    """Every metric value of the summary (accuracy, AUROC, user metrics, losses) in one
+    format: four decimals, as the log holds it (a fraction, not a percentage); ``—``
+    where there is none."""
+    return "—" if x is None or not math.isfinite(x) else f"{x:.4f}"
+
+
+def metric_names(log: RunLog) -> list[str]:
+    """The ``/rounds`` names of the run's ``eval.metrics`` (accuracy is ``test_accuracy``)."""
+    from fedmpi.metrics import metric_name
+
+    chosen = config_value(log.config, "eval.metrics", None) or ["accuracy"]
+    return ["test_accuracy" if m == "accuracy" else metric_name(m) for m in chosen]
+
+
+def site_labels(log: RunLog) -> list[str]:
+    """The name of every client's site, in client order: the names the run recorded in
+    its ``run_info`` (``data.silos.names``, or the client's part of the silo file names:
+    :func:`fedmpi.data.silos.site_names`), else ``client k``. A log is untrusted input:
+    a name is cut to 64 characters, control characters and ``|`` become spaces (a name
+    goes into Markdown tables and plot labels as it is)."""
+    from fedmpi.job.provenance import read_run_info
+
+    k = log.num_clients
+    info = read_run_info(log.attrs) or {}
+    data = info.get("data")
+    silos = data.get("silos") if isinstance(data, dict) else None
+    names = silos.get("names") if isinstance(silos, dict) else None
+    if not (isinstance(names, list) and len(names) == k and all(isinstance(n, str) and n
+                                                                for n in names)):
+        return [f"client {j}" for j in range(k)]
+    return [clean_label(n) for n in names]
+
+
+def clean_label(name: str) -> str:
+    """A name read from a log, safe in a Markdown table cell and a plot label: cut to 64
+    characters, control characters and ``|`` as spaces."""
+    import re
+
+    return re.sub(r"[\x00-\x1f\x7f|]", " ", name)[:64]
 
 
 def level_labels(log: RunLog, n: int) -> list[str]:

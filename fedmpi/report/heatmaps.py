@@ -15,7 +15,7 @@ from fedmpi.log.schema import PathLike
 from fedmpi.log.reader import RunLog, as_run_log
 
 from fedmpi.report import canvas
-from fedmpi.report.derived import logged_array, run_title
+from fedmpi.report.derived import logged_array, run_title, site_labels
 
 __all__ = ["plot_client_weights", "plot_grad_norm", "plot_partition"]
 
@@ -39,8 +39,8 @@ def plot_client_weights(log: RunLog | PathLike, path: Path) -> Path | None:
         rr, kk = np.nonzero(exc)
         ax.plot(r[rr], kk, "x", color="red", ms=6, mew=1.5, label="update excluded")
         ax.legend(loc="upper right", fontsize=8, framealpha=0.8)
-    canvas.client_ticks(ax, k)
-    ax.set(xlabel="round", ylabel="client")
+    canvas.client_ticks(ax, k, site_labels(log))
+    ax.set(xlabel="round", ylabel="site")
     canvas.round_axis(ax)
     ax.set_title(f"{run_title(log)}: aggregation weights ({_weighting(log)} weighting)\n"
                  "grey = client not selected", fontsize=10)
@@ -79,17 +79,19 @@ def plot_grad_norm(log: RunLog | PathLike, path: Path) -> Path | None:
         step = max(1, math.ceil(n_layers / 30))
         ax.set_xticks(np.arange(0, n_layers, step))
         ax.set_xticklabels(names[::step], rotation=90, fontsize=7)
-        canvas.client_ticks(ax, k)
+        canvas.client_ticks(ax, k, site_labels(log))
         ax.set(title=f"round {r[i]}", xlabel="layer")
-    axes[0].set_ylabel("client")
+    axes[0].set_ylabel("site")
     fig.colorbar(im, ax=list(axes), label="validation-gradient norm" + (" (log)" if norm else ""))
     fig.suptitle(f"{run_title(log)}: per-layer gradient norms (grey = not selected)")
     return canvas.save(fig, path)
 
 
 def plot_partition(class_counts: np.ndarray, path: str | os.PathLike, title: str = "",
-                   class_names: Sequence[str] | None = None) -> Path:
-    """Class counts of every client (heatmap, FedVG Fig. A.2) and client sizes (bars).
+                   class_names: Sequence[str] | None = None,
+                   site_names: Sequence[str] | None = None) -> Path:
+    """Class counts of every client (heatmap, FedVG Fig. A.2) and client sizes (bars);
+    the client axis labelled with ``site_names`` where given.
 
     Used by ``fedmpi report`` (from ``/partition/class_counts``) and by
     ``fedmpi partition`` (from the config, without training).
@@ -109,8 +111,9 @@ def plot_partition(class_counts: np.ndarray, path: str | os.PathLike, title: str
     ax_h.set_xticks(np.arange(0, c, step))
     if class_names is not None:
         ax_h.set_xticklabels(list(class_names)[::step], rotation=90, fontsize=7)
-    canvas.client_ticks(ax_h, k)
-    ax_h.set(xlabel="class", ylabel="client", title="Samples per class")
+    canvas.client_ticks(ax_h, k, list(site_names) if site_names is not None else None)
+    ax_h.set(xlabel="class", ylabel="site" if site_names is not None else "client",
+             title="Samples per class")
     fig.colorbar(im, ax=ax_h, label="samples of the class", location="bottom", shrink=0.6,
                  aspect=40)
     sizes = counts.sum(axis=1)

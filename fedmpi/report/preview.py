@@ -2,10 +2,12 @@
 ``partition.csv`` and the per-client lines to print."""
 from __future__ import annotations
 
+import csv
+import io
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -18,13 +20,16 @@ __all__ = ["partition_preview"]
 
 
 def partition_preview(partition: Any, out_dir: str | os.PathLike, name: str = "",
-                      overwrite: bool = False) -> list[str]:
+                      overwrite: bool = False, site_names: Sequence[str] | None = None
+                      ) -> list[str]:
     """``fedmpi partition``: write ``partition.png`` and ``partition.csv`` into
     ``out_dir`` and return the lines to print (per-client sizes, hold-out, files).
 
     ``partition`` is a :class:`fedmpi.data.Partition` (from
-    :func:`fedmpi.data.build_partition`, the function a run uses).
-    ``partition.csv`` has one row per client: ``client, size, class_0, ...``.
+    :func:`fedmpi.data.build_partition`, the function a run uses); ``site_names``: the
+    sites' names (:func:`fedmpi.data.silos.site_names`), else ``client k``.
+    ``partition.csv`` has one row per client: ``client, size, class_0, ...`` and, with
+    ``site_names``, ``site``.
     """
     from fedmpi.job.outputs import claim
 
@@ -35,18 +40,25 @@ def partition_preview(partition: Any, out_dir: str | os.PathLike, name: str = ""
     counts = np.asarray(partition.class_counts, dtype=np.int64)
     sizes = counts.sum(axis=1)
     k, c = counts.shape
+    names = list(site_names) if site_names is not None else [f"client {i}" for i in range(k)]
     png = plot_partition(counts, out / "partition.png",
                          f"{name + ': ' if name else ''}partition of {int(sizes.sum())} samples "
-                         f"into {k} clients ({len(partition.validation_indices)} held out)")
+                         f"into {k} clients ({len(partition.validation_indices)} held out)",
+                         site_names=names)
     csv_path = out / "partition.csv"
-    rows = ["client,size," + ",".join(f"class_{j}" for j in range(c))]
-    rows += [f"{i},{sizes[i]}," + ",".join(map(str, counts[i])) for i in range(k)]
-    write_text(csv_path, "\n".join(rows) + "\n")
+    text = io.StringIO()
+    table = csv.writer(text, lineterminator="\n")
+    site = ["site"] if site_names is not None else []
+    table.writerow(["client", "size", *(f"class_{j}" for j in range(c)), *site])
+    table.writerows([i, sizes[i], *counts[i], *([names[i]] if site else [])] for i in range(k))
+    write_text(csv_path, text.getvalue())
     present = (counts > 0).sum(axis=1)
-    lines = ["client  size  classes  largest class share"]
+    width = max(4, *(len(n) for n in names)) if site else 0
+    label = (lambda text: f"{text:<{width}}  ") if site else (lambda text: "")  # noqa: E731
+    lines = [f"{label('site')}client  size  classes  largest class share"]
     for i in range(k):
         share = counts[i].max() / sizes[i] if sizes[i] else math.nan
-        lines.append(f"{i:6d}  {sizes[i]:4d}  {present[i]:7d}  {share:.2f}")
+        lines.append(f"{label(names[i])}{i:6d}  {sizes[i]:4d}  {present[i]:7d}  {share:.2f}")
     lines += [f"clients: {k}, samples: {int(sizes.sum())} (min {sizes.min()}, max {sizes.max()}, "
               f"mean {sizes.mean():.1f}), server hold-out: {len(partition.validation_indices)}",
               str(png), str(csv_path)]

@@ -16,13 +16,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fedmpi.compare.runs import config_value, is_percent, run_config, run_metrics
+from fedmpi.compare.runs import config_value, run_config, run_metrics
 from fedmpi.log.schema import PathLike
 from fedmpi.log.reader import RunLog, as_run_log
 
-from fedmpi.report.derived import OVERLAPPED, TIME_PARTS, byte_unit, level_labels, time_split
+from fedmpi.report.cross_site import cross_site_lines
+from fedmpi.report.derived import (METRIC_LABELS, OVERLAPPED, TIME_PARTS, byte_unit, level_labels,
+    metric_names, metric_text, site_labels, time_split)
 
-__all__ = ["DIGEST_KEYS", "RULE_COLUMNS", "relevant_keys", "summary_markdown"]
+__all__ = ["DIGEST_KEYS", "RULE_COLUMNS", "relevant_keys", "set_keys", "summary_markdown"]
 
 _MAX_EVENTS = 50
 
@@ -41,13 +43,11 @@ def relevant_keys(flat: dict[str, Any]) -> list[str]:
     """The config keys that matter for this run, in summary order: :data:`DIGEST_KEYS`,
     ``algorithm.server_lr``, the parameter blocks the method declares
     (``Algorithm.params``: ``algorithm.<group>.*``, e.g. ``algorithm.fedprox.*``) or that
-    carry its name, in logs of earlier versions the flat keys that became them (e.g.
-    ``algorithm.mu``), the resource levels (``system.*``, with ``algorithm.submodel.*``);
+    carry its name, the resource levels (``system.*``, with ``algorithm.submodel.*``);
     then FedVG's keys with FedVG weighting, ECGR's when
     enabled, the lr schedule when it decays, the adversary when there is one. Unset
     (None) values and partition parameters of other partition methods are left out."""
     from fedmpi.methods import ALGORITHMS
-    from fedmpi.config.schema import renamed_to
 
     def under(*prefixes: str) -> list[str]:
         return [k for k in flat if any(k == p or (p.endswith(".") and k.startswith(p))
@@ -61,12 +61,11 @@ def relevant_keys(flat: dict[str, Any]) -> list[str]:
                                            "params"]))
     if flat.get("system.levels"):      # a resource-level (submodel) run
         groups += ("algorithm.submodel.",)
-    legacy = [k for k in flat if any(new.startswith(groups) for new in renamed_to(k))]
     method = flat.get("data.partition.method")
     skip = {"data.partition.alpha": method not in (None, "dirichlet"),
             "data.partition.classes_per_client": method not in (None, "shards")}
     keys = [k for k in DIGEST_KEYS if k in flat]
-    keys += [*under("algorithm.server_lr", *groups), *legacy, *under("system.")]
+    keys += [*under("algorithm.server_lr", *groups), *under("system.")]
     if flat.get("aggregation.weighting") in ("fedvg", "fedvg_avg"):
         keys += under("aggregation.fedvg.", "data.validation.")
     if flat.get("ecgr.enabled"):
@@ -87,8 +86,21 @@ def relevant_keys(flat: dict[str, Any]) -> list[str]:
     return out
 
 
-def _pct(x: float) -> str:
-    return "—" if x is None or not math.isfinite(x) else f"{100 * x:.2f}%"
+def set_keys(flat: dict[str, Any]) -> list[str]:
+    """The keys of the flat config whose value is not the schema default: every key the
+    run's config (file, ``--set``, API) set to something else, in config order. Keys the
+    schema does not know (a user method's ``algorithm.params.*``, the flat keys of an
+    older release) are :func:`relevant_keys`' business."""
+    from fedmpi.config.schema import SCHEMA
+
+    def default(key: str) -> Any:
+        d = SCHEMA[key].default
+        return list(d) if isinstance(d, tuple) else d
+
+    def plain(v: Any) -> Any:
+        return list(v) if isinstance(v, tuple) else v
+
+    return [k for k, v in flat.items() if k in SCHEMA and plain(v) != default(k)]
 
 
 def summary_markdown(log: RunLog | PathLike, target: float | None = None,
@@ -112,22 +124,27 @@ def summary_markdown(log: RunLog | PathLike, target: float | None = None,
            "counts completed rounds",
            "", "## Configuration", "",
            f"Config digest `sha256:{digest}` (of the resolved YAML stored in the log); the keys "
-           "that matter for this run's method (all: `config.yaml`, or `config_yaml` in the log).",
+           "that matter for this run's method and every key set away from its default (all: "
+           "`config.yaml`, or `config_yaml` in the log).",
            "", "| key | value |", "|---|---|"]
-    for key in relevant_keys(flat):
-        out.append(f"| {key} | {flat[key]} |")
+    shown = relevant_keys(flat)
+    shown += [k for k in set_keys(flat) if k not in shown]
+    for key in shown:
+        out.append(f"| {key} | {_cell(flat[key])} |")
     out += _ran_lines(log)
 
-    out += ["", "## Results", "", "| metric | value |", "|---|---|"]
-    out.append(f"| final test accuracy | {_pct(m.final_accuracy)}"
+    out += ["", "## Results", "",
+            "Metrics as the log holds them: fractions (accuracy 0.9667 is 96.67 %), four "
+            "decimals.", "", "| metric | value |", "|---|---|"]
+    out.append(f"| final test accuracy | {metric_text(m.final_accuracy)}"
                + (f" (round {m.final_round})" if m.final_round is not None else "") + " |")
-    out.append(f"| best test accuracy | {_pct(m.best_accuracy)}"
+    out.append(f"| best test accuracy | {metric_text(m.best_accuracy)}"
                + (f" (round {m.best_round})" if m.best_round is not None else "") + " |")
     for name, value in m.final_metrics.items():   # further eval.metrics of the log
-        out.append(f"| final {name} | {_pct(value) if is_percent(name) else f'{value:.6g}'} |")
+        out.append(f"| final {name} | {metric_text(value)} |")
     if target is not None:
         tau = m.rounds_to_target
-        out.append(f"| rounds to {_pct(target)} | "
+        out.append(f"| rounds to test accuracy {metric_text(target)} | "
                    + (f"{int(tau)} (first reached in round {int(tau) - 1})" if math.isfinite(tau)
                       else "not reached") + " |")
     if m.epsilon is not None:
@@ -137,11 +154,11 @@ def summary_markdown(log: RunLog | PathLike, target: float | None = None,
                    f"{int(log.rounds['round'][-1])}" + (f"; {stop}" if stop else "") + " |")
     loss = log.rounds.get("test_loss")
     if loss is not None and np.isfinite(loss).any():
-        out.append(f"| final test loss | {loss[np.isfinite(loss)][-1]:.4f} |")
+        out.append(f"| final test loss | {metric_text(loss[np.isfinite(loss)][-1])} |")
     la = log.arrays.get("submodel/level_accuracy")
     if la is not None and la.ndim == 2 and np.isfinite(la).any():
         last = [np.flatnonzero(np.isfinite(la[:, v])) for v in range(la.shape[1])]
-        cells = [f"{name}: {_pct(la[idx[-1], v])}" if idx.size else f"{name}: —"
+        cells = [f"{name}: {metric_text(la[idx[-1], v])}" if idx.size else f"{name}: —"
                  for v, (name, idx) in enumerate(zip(level_labels(log, la.shape[1]), last))]
         out.append(f"| final accuracy per submodel level | {'; '.join(cells)} |")
     out += _time_lines(log)
@@ -151,9 +168,10 @@ def summary_markdown(log: RunLog | PathLike, target: float | None = None,
             unit, scale = byte_unit(total)
             out.append(f"| {label} bytes (total) | {total / scale:.3g} {unit} |")
 
-    out += ["", "## Clients", ""]
+    out += ["", "## Sites", ""]
     out += _client_lines(log)
     out += _rule_lines(log)
+    out += cross_site_lines(log)
     out += ["", "## Events", ""]
     out += _event_lines(log)
     if plots or plots_note:
@@ -210,7 +228,11 @@ def _ran_lines(log: RunLog) -> list[str]:
     files = data.get("silos", {}).get("files", []) if isinstance(data.get("silos"), dict) else []
     if files:
         out += ["", "| silo file | path | SHA-256 |", "|---|---|---|"]
-        out += [f"| {f.get('role')} | `{f.get('path')}` | `{f.get('sha256')}` |" for f in files]
+        names = site_labels(log)
+        roles = {f"client {k}": f"{n} (client {k})" if n != f"client {k}" else n
+                 for k, n in enumerate(names)}
+        out += [f"| {roles.get(str(f.get('role')), _cell(f.get('role')))} | "
+                f"`{_cell(f.get('path'))}` | `{_cell(f.get('sha256'))}` |" for f in files]
     return out
 
 
@@ -235,8 +257,22 @@ def _time_lines(log: RunLog) -> list[str]:
     return lines
 
 
+def _cell(value: Any) -> str:
+    """A value as one Markdown table cell (``|`` escaped, on one line)."""
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _last(a: np.ndarray) -> float:
+    """The last finite value of a per-round column (NaN if none)."""
+    good = np.flatnonzero(np.isfinite(a))
+    return float(a[good[-1]]) if good.size else math.nan
+
+
 def _client_lines(log: RunLog) -> list[str]:
+    """Sizes and selections in two lines, the per-site table (:func:`_site_table`), the
+    excluded updates by site."""
     lines = []
+    names = site_labels(log)
     sel = log.clients.get("selected")
     exc = log.clients.get("excluded")
     n = log.clients["num_samples"]
@@ -246,18 +282,60 @@ def _client_lines(log: RunLog) -> list[str]:
         never = np.flatnonzero(~sel.any(axis=0))
         counts = sel.sum(axis=0)
         lines.append(f"Selected {counts.min()}–{counts.max()} times per client"
-                     + (f"; never selected: {never.tolist()}." if never.size else "."))
+                     + (f"; never selected: {', '.join(names[k] for k in never)}."
+                        if never.size else "."))
+    lines += ["", *_site_table(log, names)]
     if exc is not None and exc.any():
         lines += ["", "Excluded updates (non-finite or rejected):", "",
-                  "| client | times excluded | rounds |", "|---|---|---|"]
+                  "| site | times excluded | rounds |", "|---|---|---|"]
         r = log.rounds["round"]
         for k in np.flatnonzero(exc.any(axis=0)):
             rounds = r[exc[:, k]].tolist()
             shown = ", ".join(map(str, rounds[:20])) + (" …" if len(rounds) > 20 else "")
-            lines.append(f"| {k} | {len(rounds)} | {shown} |")
+            lines.append(f"| {names[k]} | {len(rounds)} | {shown} |")
     else:
+        lines.append("")
         lines.append("No client update was excluded.")
     return lines
+
+
+def _site_table(log: RunLog, names: list[str]) -> list[str]:
+    """One row per site: its name and client index, training samples n_k, class counts
+    (up to 10 classes), times selected and excluded, mean aggregation weight when
+    selected, and with per-site evaluation (``eval.where``) its held-out samples and its
+    last evaluated value of every metric."""
+    k = log.num_clients
+    cols: list[tuple[str, list[str]]] = [
+        ("training samples", [str(int(v)) for v in log.clients["num_samples"]])]
+    cc = log.arrays.get("partition/class_counts")
+    if cc is not None and cc.ndim == 2 and cc.shape[0] == k and 1 < cc.shape[1] <= 10:
+        cols.append(("per class", [" / ".join(str(int(v)) for v in row) for row in cc]))
+    for key, label in (("selected", "selected"), ("excluded", "excluded")):
+        a = log.clients.get(key)
+        if a is not None and a.ndim == 2 and a.shape[1] == k and a.shape[0]:
+            cols.append((label, [str(int(v)) for v in a.sum(0)]))
+    w = log.clients.get("weight")
+    if w is not None and w.ndim == 2 and w.shape[1] == k and np.isfinite(w).any():
+        seen = np.isfinite(w)
+        mean = np.where(seen.any(0), np.nansum(w, 0) / np.maximum(seen.sum(0), 1), np.nan)
+        cols.append(("mean weight", [f"{v:.4f}" if math.isfinite(v) else "—" for v in mean]))
+    per_round = {name: a for name, a in log.clients.items()
+                 if a.ndim == 2 and a.shape == (log.num_rounds, k)}
+    if "test_samples" in per_round:
+        cols.append(("held-out samples", [f"{_last(per_round['test_samples'][:, j]):.0f}"
+                                          for j in range(k)]))
+    for name in [*metric_names(log), "test_loss"]:
+        if name in per_round:
+            cols.append((METRIC_LABELS.get(name, name),
+                         [metric_text(_last(per_round[name][:, j])) for j in range(k)]))
+    head = ["site", "client", *(c for c, _ in cols)]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join([_cell(names[j]), str(j), *(v[j] for _, v in cols)]) + " |"
+            for j in range(k)]
+    if any(name in per_round for name in metric_names(log)):
+        out += ["", "Per-site metrics: each site's last evaluated value, on its own held-out "
+                    "samples (`/clients/<metric>`)."]
+    return out
 
 
 #: Per-client columns a server rule logs (fedmpi.aggregation.robust): what the value is, and
@@ -285,8 +363,10 @@ def _rule_lines(log: RunLog) -> list[str]:
             lines += ["", f"## Server rule ({rule})", ""]
         seen = np.isfinite(a)
         mean = np.where(seen.any(0), np.nansum(a, 0) / np.maximum(seen.sum(0), 1), np.nan)
-        lines += [f"| client | rounds seen | {label} |", "|---|---|---|"]
-        lines += [f"| {k} | {int(seen[:, k].sum())} | {mean[k]:.3g} |"
+        names = site_labels(log) if a.shape[1] == log.num_clients else \
+            [f"client {k}" for k in range(a.shape[1])]
+        lines += [f"| site | rounds seen | {label} |", "|---|---|---|"]
+        lines += [f"| {names[k]} | {int(seen[:, k].sum())} | {mean[k]:.3g} |"
                   for k in range(a.shape[1]) if seen[:, k].any()]
         if zero is None:
             continue
@@ -294,7 +374,8 @@ def _rule_lines(log: RunLog) -> list[str]:
                     for i in range(a.shape[0])]
         left_out = [(t, ks) for t, ks in left_out if ks.size]
         lines += ["", f"Clients {zero} per round:", "", f"| round | {zero} |", "|---|---|"]
-        lines += [f"| {t} | {', '.join(map(str, ks.tolist()))} |" for t, ks in left_out[:_MAX_EVENTS]]
+        lines += [f"| {t} | {', '.join(names[k] for k in ks.tolist())} |"
+                  for t, ks in left_out[:_MAX_EVENTS]]
         if not left_out:
             lines.append("| — | none |")
         elif len(left_out) > _MAX_EVENTS:
@@ -307,12 +388,14 @@ def _event_lines(log: RunLog) -> list[str]:
     n = len(ev.get("round", []))
     if n == 0:
         return ["No events."]
-    lines = ["| round | rank | client | message |", "|---|---|---|---|"]
+    names = site_labels(log)
+    lines = ["| round | rank | site | message |", "|---|---|---|---|"]
     for i in range(min(n, _MAX_EVENTS)):
         client = int(ev["client"][i])
-        msg = str(ev["message"][i]).replace("|", "\\|").replace("\n", " ")
+        site = names[client] if 0 <= client < len(names) else \
+            (str(client) if client >= 0 else "—")
         lines.append(f"| {int(ev['round'][i])} | {int(ev['rank'][i])} | "
-                     f"{client if client >= 0 else '—'} | {msg} |")
+                     f"{site} | {_cell(ev['message'][i])} |")
     if n > _MAX_EVENTS:
         lines.append(f"\n… {n - _MAX_EVENTS} more events (`fedmpi.log.read(path).events`).")
     return lines

@@ -17,14 +17,17 @@ import numpy as np
 import torch
 
 from fedmpi.training.accel import Accel, set_deterministic
-from fedmpi.methods.base import Algorithm, start
-from fedmpi.component import Stat
+from fedmpi.component import Component, Stat, start
+from fedmpi.log.row import Reports
+from fedmpi.methods.base import Algorithm
+from fedmpi.runtime.server import ServerParts
+from fedmpi.transforms.base import RunParts
 from fedmpi.aggregation.rules import ServerRule, build_rule
 from fedmpi.transforms.base import TransformChain, build_transforms
 from fedmpi.aggregation.weighting import Weighting
 from fedmpi.comm import Comm
 from fedmpi.config.core import Config
-from fedmpi.context import Context, LogSink
+from fedmpi.context import Context
 from fedmpi.data.base import Dataset
 from fedmpi.data.partition import Partition
 from fedmpi.data.silos import build_local
@@ -34,7 +37,6 @@ from fedmpi.imports import blame
 from fedmpi.usercode import UserCode
 from fedmpi.models import build_model, model_spec
 from fedmpi.job.placement import default_threads, gpu_for_local_rank
-from fedmpi.privacy.policy import check_build as check_privacy
 from fedmpi.job.provenance import run_info
 from fedmpi.runtime.evaluation import test_state
 
@@ -80,17 +82,18 @@ def check_training_keys(cfg: Config, algo_class: type[Algorithm], num_classes: i
     """``train.optimizer`` among the method's ``optimizers``, ``train.loss`` and its
     options only for methods without their own loss, one class weight per class."""
     t, name = cfg.train, cfg.algorithm.name
-    if t.optimizer not in algo_class.optimizers:
+    spec = algo_class.spec_for(cfg)
+    if t.optimizer not in spec.optimizers:
         raise ConfigError(f"config keys 'train.optimizer' and 'algorithm.name': {name!r} "
-                          f"assumes {' or '.join(algo_class.optimizers)} steps in its math, got "
+                          f"assumes {' or '.join(spec.optimizers)} steps in its math, got "
                           f"train.optimizer {t.optimizer!r}")
-    if algo_class.fresh_optimizer and t.optimizer_state == "keep" and carries_state(t):
+    if spec.fresh_optimizer and t.optimizer_state == "keep" and carries_state(t):
         raise ConfigError(f"config keys 'train.optimizer_state' and 'train.momentum': {name!r} "
                           "needs a fresh optimizer every client-round (its math uses this "
                           "round's steps from a zero momentum buffer); set "
                           "train.optimizer_state: reset or train.momentum: 0")
     plain = t.loss == "cross_entropy" and t.class_weights is None and t.label_smoothing == 0
-    if algo_class.own_loss and not plain:
+    if spec.own_loss and not plain:
         raise ConfigError(f"config keys 'train.loss' and 'algorithm.name': {name!r} trains with "
                           "its own loss; leave train.loss, train.class_weights and "
                           "train.label_smoothing at their defaults")
@@ -120,22 +123,22 @@ class Built:
     host: np.ndarray             # rank of each client
     hosted: list[int]            # clients of this rank
     ctx: Context
-    log: LogSink
-    stats: list[Stat]            # the method's uplink statistics, then the transforms'
+    reports: Reports
+    server: ServerParts          # the parts the server step runs, and their statistics
     num_outputs: int = 0         # the model's output width the method needs (C; FedGPS: 2C)
     run_info: dict = field(default_factory=dict)   # what ran (fedmpi.job.provenance), for the log
 
     @property
-    def rows_needed(self) -> bool:
-        """Weighted statistics reach rank 0 as per-client rows (FedVG's weighting, a
-        per-client server rule, the omniscient adversary) instead of the workers' pre-reduced sums."""
-        return self.weighting.per_client or self.rule.per_client or self.tampered
+    def stats(self) -> tuple[Stat, ...]:
+        """The method's uplink statistics, then the transforms'."""
+        return self.server.stats
 
     @property
-    def tampered(self) -> bool:
-        """The omniscient adversary (``alie``) rewrites rows on rank 0 (simulation only)."""
-        adversary = self.transforms.get("adversary")
-        return bool(getattr(adversary, "needs_rows", False))
+    def components(self) -> list[tuple[str, Component]]:
+        """Every component of the run with its checkpoint name, in start order."""
+        return [("algorithm", self.algo), ("weighting", self.weighting),
+                *((f"transform/{tr.name}", tr) for tr in self.transforms),
+                ("rule", self.rule)]
 
 
 def setup_process(cfg: Config, comm: Comm) -> tuple[torch.device, int, int]:
@@ -197,7 +200,7 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
     algo_class = code.algorithm_class(cfg)
     check_training_keys(cfg, algo_class, data.num_classes)
     with blame("algorithm.name", algo_class):
-        outputs = algo_class.num_outputs(cfg, data.num_classes)  # FedGPS: 2C
+        outputs = algo_class.spec_for(cfg).num_outputs(data.num_classes)  # FedGPS: 2C
     flat = FlatModel(build_model(model_spec(cfg, code.model), data.input_shape, outputs,
                                  cfg.model.norm), device)
     accel = Accel.from_config(cfg.runtime, device)
@@ -212,47 +215,67 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
     rule_cls = code.rule_class(cfg)
     with blame("aggregation.rule", rule_cls):
         rule = build_rule(cfg, rule_cls)
-    log = LogSink(enabled=rank == 0)
+    reports = Reports(enabled=rank == 0, rank=rank)
     for name, column in (ranks or {}).items():
-        log.write_static(f"ranks/{name}", column)
+        reports.reporter("ranks").static(f"ranks/{name}", column)
 
     def broadcast(buf: np.ndarray, what: str = "method Bcast") -> None:
         comm.broadcast(buf, what=what)
 
+    eval_logits = algo_class.spec_for(cfg).eval_logits(data.num_classes)
+
     def test(state: torch.Tensor, part: slice = slice(None),
              collect=None) -> tuple[float, float, float]:
-        return test_state(flat, forward, data, accel, cfg.eval.batch_size, algo.eval_logits(),
+        return test_state(flat, forward, data, accel, cfg.eval.batch_size, eval_logits,
                           state, part, collect)
+
+    scale_stat = algo_class.spec_for(cfg).delta_scale
+
+    def delta_scale(stats) -> float:
+        return float(stats[scale_stat][0]) if scale_stat is not None else 1.0
 
     ctx = Context(cfg=cfg, device=device, role="server" if rank == 0 else "worker", rank=rank,
                   world_size=size, num_samples=num_samples, hosted=tuple(hosted), flat=flat,
-                  forward=forward, accel=accel, data=data, partition=partition, log=log,
+                  forward=forward, accel=accel, data=data, partition=partition, reports=reports,
                   broadcast=broadcast,
                   participants=plan, test=test,
                   client_weight=None if weighting.per_client else weighting.raw,
-                  model_delta_scale=algo.model_delta_scale)
+                  model_delta_scale=delta_scale)
+    for key, part in (("algorithm.name", algo), ("aggregation.weighting", weighting),
+                      *((tr.enable_key, tr) for tr in transforms), ("aggregation.rule", rule)):
+        with blame(key, part):
+            start(part, ctx)
+            reports.declare_clients(list(part.client_values))
     with blame("algorithm.name", algo):
-        start(algo, ctx)
-    with blame("aggregation.weighting", weighting):
-        start(weighting, ctx)
-    with blame("transforms", None):
-        transforms.setup(ctx)
-    with blame("aggregation.rule", rule):
-        start(rule, ctx)
-    with blame("algorithm.name", algo):
-        stats = algo.uplink_stats() + transforms.stats()
-    check_privacy(cfg, algo, stats, flat.model)
-    if not any(s.name == "delta" and s.combine == "weighted" for s in stats):
-        for key, part in (("aggregation.weighting", weighting), ("aggregation.rule", rule)):
+        stats = (*algo.exchange().uplink, *transforms.stats())
+    server = ServerParts(algo, weighting, rule, transforms, stats, num_samples)
+    check_parts(cfg, server, flat.model, size)
+    info = run_info(cfg, algo, weighting, list(transforms), code.model, local.files, rule)
+    return Built(cfg, rank, size, device, data, partition, num_samples, flat, accel, forward, algo,
+                 weighting, transforms, rule, host, hosted, ctx, reports, server,
+                 num_outputs=outputs, run_info=info)
+
+
+def check_parts(cfg: Config, server: ServerParts, model: torch.nn.Module, world_size: int) -> None:
+    """The rules that span the built parts, derived from their declarations: each
+    transform's ``validate``; a per-client weighting or rule needs ``delta`` as a weighted
+    statistic; a ``sums_only`` stage (secure aggregation) refuses ``client`` statistics,
+    which reach rank 0 one client at a time."""
+    stages = server.stages
+    parts = RunParts(cfg, server.algo, server.weighting, server.rule, tuple(stages),
+                     server.stats, model, world_size)
+    for tr in stages:
+        with blame(tr.enable_key, tr):
+            tr.validate(parts)
+    if not any(s.name == "delta" and s.combine == "weighted" for s in server.stats):
+        for key, part in (("aggregation.weighting", server.weighting),
+                          ("aggregation.rule", server.rule)):
             if part.per_client:
                 raise ConfigError(f"config key {key!r}: {part.name!r} needs the 'delta' uplink of "
                                   f"algorithm {cfg.algorithm.name!r} as a weighted statistic")
-    if cfg.privacy.secure_aggregation:
-        from fedmpi.privacy.secagg import refuse_per_client
-
-        refuse_per_client(cfg, weighting.per_client, rule.per_client,
-                          [s.name for s in stats if s.combine == "client"])
-    info = run_info(cfg, algo, weighting, list(transforms), code.model, local.files, rule)
-    return Built(cfg, rank, size, device, data, partition, num_samples, flat, accel, forward, algo,
-                 weighting, transforms, rule, host, hosted, ctx, log, stats, num_outputs=outputs,
-                 run_info=info)
+    private = next((tr for tr in stages if tr.sums_only), None)
+    per_client = [s.name for s in server.stats if s.combine == "client"]
+    if private is not None and per_client:
+        raise ConfigError(f"config keys {private.enable_key!r} and 'algorithm.name': "
+                          f"{cfg.algorithm.name!r} sends per-client statistics "
+                          f"({', '.join(per_client)}) to rank 0")

@@ -1,12 +1,13 @@
 """What rank 0 does after each logged round: callbacks, early stopping, the best model.
 
-After the log row of round t is written, rank 0 hands the round's scalars
-(the ``/rounds`` row: ``test_accuracy``, ``test_loss``, the other
-``eval.metrics``, ``train_loss``, timing and bytes; NaN where not evaluated) to
-every listener, in this order: the best model (``checkpoint.keep_best``), the
-experiment trackers (``logging.*``, :mod:`fedmpi.log.trackers`), early stopping
-(``train.early_stopping``), then the user's callbacks
-(:func:`fedmpi.run` ``callbacks=[...]``).
+After the log row of round t is written, rank 0 hands the round's row
+(:class:`~fedmpi.log.row.RoundRow`: the ``/rounds`` scalars ``test_accuracy``,
+``test_loss``, the other ``eval.metrics``, ``train_loss``, timing, bytes and every
+component's scalars such as ``epsilon``, NaN where not evaluated; the per-client values
+and arrays) to every listener, in this order: the best model (``checkpoint.keep_best``),
+the experiment trackers (``logging.*``, :mod:`fedmpi.log.trackers`: the whole row),
+early stopping (``train.early_stopping``), then the user's callbacks
+(:func:`fedmpi.run` ``callbacks=[...]``, which get the scalars).
 
 A **callback** is any callable ``cb(round: int, metrics: Mapping[str, float])``;
 returning ``True`` or a non-empty string (the reason) requests a clean stop:
@@ -34,7 +35,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+
+from fedmpi.log.row import RoundRow
+
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
 
 __all__ = ["AfterRound", "BestModel", "Callback", "EarlyStopping", "Improvement", "stop_reason"]
 
@@ -122,10 +128,8 @@ class AfterRound:
     """Rank 0's listeners of one run, called by the round recorder after each row
     (module docstring); returns the first stop request."""
 
-    def __init__(self, cfg: Any, save_best: Optional[Callable[[int, float], None]] = None,
+    def __init__(self, cfg: Config, save_best: Optional[Callable[[int, float], None]] = None,
                  trackers: Sequence[Any] = (), callbacks: Sequence[Callback] = ()) -> None:
-        from fedmpi.metrics import extra_names
-
         kb, es = cfg.checkpoint.keep_best, cfg.train.early_stopping
         self.best = BestModel(kb.metric, kb.mode, save_best) \
             if kb.metric is not None and save_best is not None else None
@@ -133,17 +137,13 @@ class AfterRound:
             if es.metric is not None else None
         self.trackers = list(trackers)
         self.callbacks = list(callbacks)
-        self.site_names = {"test_loss", "test_accuracy", "test_samples",
-                           *extra_names(cfg.eval.metrics)}
 
-    def __call__(self, t: int, scalars: Mapping[str, float],
-                 per_client: Mapping[str, Any]) -> Optional[str]:
-        metrics = dict(scalars)
+    def __call__(self, row: RoundRow) -> Optional[str]:
+        t, metrics = row.round, dict(row.scalars)
         if self.best is not None:
             self.best(t, metrics)
-        sites = {k: v for k, v in per_client.items() if k in self.site_names}
         for tracker in self.trackers:
-            tracker.log(t, metrics, sites)
+            tracker.log(row)
         reasons = []
         if self.early is not None:
             reasons.append(stop_reason(self.early(t, metrics), "early stopping"))

@@ -1,6 +1,6 @@
 """The round's communication: the only user of :mod:`fedmpi.comm` in the runtime.
 
-Per round, in order (DESIGN.md §3):
+Per round, in order:
 
 1. ``Bcast`` of the int64 header [4 + K]: command, round, flags, participant mask;
 2. ``Bcast`` of the flat global state θ with the method's downlink extras appended;
@@ -10,15 +10,17 @@ Per round, in order (DESIGN.md §3):
    callback (FedVG scores it while later clients train) — or one ``Gatherv``
    after training (world size 1, or a row longer than one message);
 4. ``Allreduce`` of the per-client metadata rows [K, F] (status word, raw weight,
-   loss, samples, steps, time) plus one stop-signal slot per rank: it completes
+   loss, samples, steps, time, then the components' declared per-client values) plus
+   one stop-signal slot per rank: it completes
    only when every rank has finished local training, so every rank knows the
    statuses; a ``Gather`` of a fixed-size error text per rank only in a round
    where a client failed;
 5. ``Reduce`` of the pre-reduced statistics Σ_k w̃_k x_k in float64 (none with
-   ``runtime.reduction: exact``: every statistic is a row of step 3); with
-   ``privacy.secure_aggregation`` each rank's partial sum travels as pairwise-masked
-   int64 ring elements (:mod:`fedmpi.privacy.secagg`), the masks drawn between the
-   participants the metadata ``Allreduce`` of step 4 showed accepted.
+   ``runtime.reduction: exact``: every statistic is a row of step 3); when an update
+   transform encodes the sums (its :class:`~fedmpi.transforms.base.UplinkCodec`, e.g.
+   secure aggregation's pairwise-masked int64 ring elements) each rank's partial sum is
+   sealed by the codec for the participants the metadata ``Allreduce`` of step 4 showed
+   accepted, summed as int64 and opened on rank 0.
 
 Steps 1 and 4 are *patient* waits (they wait for other ranks' computation and
 sleep); everything else moves data between ranks that are already there.
@@ -36,10 +38,10 @@ import torch
 from fedmpi.component import Stat
 from fedmpi.comm import Comm
 from fedmpi.runtime.server import (META_FIELDS, M_STATUS, STATUS_FAILED, STATUS_OK, STATUS_RANGE,
-    Uplink, is_summed)
+                                   STATUS_WITHHELD, Uplink, is_summed)
 
 if TYPE_CHECKING:
-    from fedmpi.privacy.secagg import SecureAggregator
+    from fedmpi.transforms.base import UplinkCodec
 
 HEADER = 4
 ERR_BYTES = 1024
@@ -115,7 +117,8 @@ class Channel:
 
     def __init__(self, comm: Comm, plan: UplinkPlan, state_size: int, extras_size: int,
                  num_clients: int, max_local: int, max_rows: int, host: np.ndarray,
-                 device: torch.device, secagg: Optional[SecureAggregator] = None) -> None:
+                 device: torch.device, codec: Optional[UplinkCodec] = None,
+                 meta_fields: int = len(META_FIELDS)) -> None:
         self.comm = comm
         self.rank, self.size = comm.rank, comm.size
         self.is_server = self.rank == 0
@@ -123,11 +126,12 @@ class Channel:
         self.header = np.zeros(HEADER + num_clients, dtype=np.int64)
         self.state = Mirror((state_size + extras_size,), torch.float32, device)
         # metadata rows [K, F] + one stop-signal slot per rank, summed by one Allreduce
-        nmeta = num_clients * len(META_FIELDS)
+        self.meta_fields = meta_fields
+        nmeta = num_clients * meta_fields
         self.up_send = np.zeros(nmeta + self.size, dtype=np.float64)
         self.up_recv = np.zeros_like(self.up_send)
-        self.meta_send = self.up_send[:nmeta].reshape(num_clients, len(META_FIELDS))
-        self.meta_recv = self.up_recv[:nmeta].reshape(num_clients, len(META_FIELDS))
+        self.meta_send = self.up_send[:nmeta].reshape(num_clients, meta_fields)
+        self.meta_recv = self.up_recv[:nmeta].reshape(num_clients, meta_fields)
         self.signal_send, self.signal_recv = self.up_send[nmeta:], self.up_recv[nmeta:]
         self.err_send = np.zeros(ERR_BYTES, dtype=np.uint8)
         self.err_recv = np.zeros((self.size, ERR_BYTES), dtype=np.uint8)
@@ -135,12 +139,11 @@ class Channel:
         # result, which is what makes the global model independent of world size.
         self.red_send = Mirror((plan.reduce_size,), torch.float64, device)
         self.red_recv = Mirror((plan.reduce_size,), torch.float64, device) if self.is_server else None
-        # secure aggregation: the masked ring elements that travel instead (host only)
-        self.secagg = secagg if plan.reduce_size else None
-        self.sealed_send = np.zeros(plan.reduce_size if self.secagg else 0, dtype=np.int64)
+        # an encoded uplink (secure aggregation): the int64 codes that travel instead
+        self.codec = codec if plan.reduce_size else None
+        self.sealed_send = np.zeros(plan.reduce_size if self.codec else 0, dtype=np.int64)
         self.sealed_recv = np.zeros_like(self.sealed_send) if self.is_server else None
-        self.range_limit = float("inf")
-        self._keys_ready = False
+        self._handshake_done = False
         self.rows_send = Mirror((max_local, plan.row_size), torch.float32, device)
         self.rows_recv = (Mirror((max_rows, plan.row_size), torch.float32, device)
                           if self.is_server and plan.row_size else None)
@@ -154,9 +157,10 @@ class Channel:
     # ------------------------------------------------------------- downlink
     def exchange_header(self, t: int) -> tuple[int, int, np.ndarray]:
         """``Bcast`` of the header rank 0 filled: (command, flags, participant mask).
-        The first one of a run is preceded by the secure-aggregation key exchange."""
-        if self.secagg is not None and not self._keys_ready:
-            self.exchange_keys()
+        The first one of a run is preceded by the codec's handshake (secure aggregation's
+        key exchange)."""
+        if self.codec is not None and not self._handshake_done:
+            self.handshake()
         self.comm.broadcast(self.header, what=f"round {t} header Bcast")
         return int(self.header[0]), int(self.header[2]), self.header[HEADER:].astype(bool)
 
@@ -185,22 +189,20 @@ class Channel:
         return recv if self.is_server else None
 
     # --------------------------------------------------------- worker side
-    def exchange_keys(self) -> None:
-        """Secure aggregation: every client's X25519 public key to every rank (one
-        ``Allreduce``; each row of the [K, 4] int64 array has exactly one owner)."""
-        if self.secagg is None:
+    def handshake(self) -> None:
+        """The codec's one ``Allreduce`` before the first round (secure aggregation: every
+        client's public key to every rank; each row of the array has exactly one owner)."""
+        if self.codec is None:
             return
-        send = self.secagg.public_words()
+        send = self.codec.handshake()
         recv = np.zeros_like(send)
-        self.comm.allreduce_sum(send, recv, what="secure-aggregation key Allreduce")
-        self.secagg.set_public(recv)
-        self._keys_ready = True
+        self.comm.allreduce_sum(send, recv, what="uplink codec handshake Allreduce")
+        self.codec.on_handshake(recv)
+        self._handshake_done = True
 
     def begin_uplink(self, participants: int = 1) -> None:
-        if self.secagg is not None:
-            from fedmpi.privacy.secagg import limit
-
-            self.range_limit = limit(self.secagg.scale_bits, participants)
+        if self.codec is not None:
+            self.codec.begin(participants)
         self.up_send.fill(0.0)
         self.err_send.fill(0)
         if self.plan.reduce_size:
@@ -211,7 +213,7 @@ class Channel:
         """Client ``client``'s statistics: add to the reduce buffer (if finite), fill
         its row (streamed at once when rows stream) and its metadata row."""
         self.meta_send[client] = meta
-        if accepted and self.secagg is not None and not self._in_range(stats, raw_weight):
+        if accepted and self.codec is not None and not self._encodable(stats, raw_weight):
             self.meta_send[client, M_STATUS] = STATUS_RANGE   # refused, never wrapped
             accepted = False
         if accepted:
@@ -223,14 +225,12 @@ class Channel:
         if self.stream_rows:
             self._send_row(row, client)
 
-    def _in_range(self, stats: dict[str, torch.Tensor], raw_weight: float) -> bool:
-        """Every coordinate of this client's contribution decodes without wrapping."""
-        for stat, _ in self.plan.reduced:
-            x = stats[stat.name]
-            if x.numel() and float(x.abs().max()) * (raw_weight if stat.combine == "weighted"
-                                                     else 1.0) > self.range_limit:
-                return False
-        return True
+    def _encodable(self, stats: dict[str, torch.Tensor], raw_weight: float) -> bool:
+        """The codec can sum every coordinate of this client's contribution."""
+        assert self.codec is not None
+        return all(self.codec.accepts(stats[stat.name],
+                                      raw_weight if stat.combine == "weighted" else 1.0)
+                   for stat, _ in self.plan.reduced)
 
     def put_failure(self, row: int, client: int, text: str) -> None:
         """A client raised: its error text, status FAILED and (streaming) a zero row."""
@@ -265,8 +265,8 @@ class Channel:
         if failed:
             self.comm.gather_fixed(self.err_send, self.err_recv, what=f"round {t} error Gather",
                                    patient=False)
-        if self.plan.reduce_size and self.secagg is not None:
-            self._secure_reduce(t, mask)
+        if self.plan.reduce_size and self.codec is not None:
+            self._encoded_reduce(t, mask)
         elif self.plan.reduce_size:
             self.red_send.pull()
             self.comm.reduce_sum(self.red_send.host, self.red_recv.host if self.red_recv else None,
@@ -282,18 +282,21 @@ class Channel:
             return None
         return self._record(t, mask, failed)
 
-    def _secure_reduce(self, t: int, mask: np.ndarray) -> None:
-        """Step 5 under secure aggregation: seal this rank's partial sum with its accepted
-        clients' masks, sum the sealed buffers on rank 0 and decode the total there."""
-        assert self.secagg is not None
+    def _encoded_reduce(self, t: int, mask: np.ndarray) -> None:
+        """Step 5 under a codec: seal this rank's partial sum for the accepted clients,
+        sum the int64 codes on rank 0 and open the total there."""
+        assert self.codec is not None
         accepted = np.flatnonzero(mask & (self.meta_recv[:, M_STATUS] == STATUS_OK))
+        if accepted.size < self.codec.min_accepted:   # every rank sees the same statuses
+            self.meta_recv[accepted, M_STATUS] = STATUS_WITHHELD
+            return
         mine = [int(k) for k in accepted if self.host[k] == self.rank]
         self.red_send.pull()
-        self.secagg.seal(self.red_send.host_t, t, mine, accepted.tolist(), self.sealed_send)
+        self.codec.seal(self.red_send.host_t, t, mine, accepted.tolist(), self.sealed_send)
         self.comm.reduce_sum(self.sealed_send, self.sealed_recv,
-                             what=f"round {t} secure statistics Reduce", patient=False)
+                             what=f"round {t} encoded statistics Reduce", patient=False)
         if self.red_recv is not None and self.sealed_recv is not None:
-            self.red_recv.host_t.copy_(self.secagg.open(self.sealed_recv))
+            self.red_recv.host_t.copy_(self.codec.open(self.sealed_recv))
 
     def _record(self, t: int, mask: np.ndarray, failed: bool) -> Uplink:
         meta = self.meta_recv

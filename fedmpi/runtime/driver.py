@@ -15,7 +15,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -29,9 +29,13 @@ from fedmpi.imports import run_objects, runtime_error_line
 from fedmpi.usercode import UserCode
 from fedmpi.job.outputs import OutputError, write_model
 from fedmpi.runtime import guard
+from fedmpi.runtime.evaluation import FinalEvaluation
 from fedmpi.runtime.federation import CMD_ABORT, CMD_ROUND, Federation
 from fedmpi.runtime.probe import dry_run
 from fedmpi.job.lock import heartbeat, release
+
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
 
 
 #: How long a worker whose round raised waits before it reports and aborts the job
@@ -44,7 +48,7 @@ def _finish_pending_quietly(fed: Federation) -> None:
 
     The run is failing already, so a second error here is reported, not raised:
     the first one is the one the job exits with."""
-    t = fed.recorder.pending[0] if fed.recorder.pending is not None else -1
+    t = fed.recorder.pending.round if fed.recorder.pending is not None else -1
     try:
         fed.finish_pending_row()
     except Exception as exc:  # noqa: BLE001 - reported; the original failure propagates
@@ -68,7 +72,7 @@ def _close_quietly(after: Optional[AfterRound], status: str) -> None:
         print(f"fedmpi: error: closing the trackers failed too: {exc}", file=sys.stderr, flush=True)
 
 
-def run_comm(cfg) -> Comm:
+def run_comm(cfg: Config) -> Comm:
     """The world communicator of a run: start-up collectives wait up to
     ``runtime.setup_timeout`` (data loading), rounds ``runtime.round_timeout`` (the
     driver switches after the start-up)."""
@@ -77,10 +81,11 @@ def run_comm(cfg) -> Comm:
     return comm
 
 
-def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
+def run(cfg: Config, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
         resume: bool = False, overwrite: bool = False,
         code: Optional[UserCode] = None,
-        callbacks: Sequence[Callback] = ()) -> Optional[dict[str, float]]:
+        callbacks: Sequence[Callback] = (),
+        final: Sequence[FinalEvaluation] = ()) -> Optional[dict[str, float]]:
     """Run a whole experiment on this rank; returns on rank 0 the final metrics
     (``test_accuracy`` and the other ``eval.metrics`` of the last evaluated round),
     None elsewhere. ``code``: objects replacing the config's names (:func:`fedmpi.run`).
@@ -93,12 +98,14 @@ def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
     :data:`fedmpi.job.signals.EXIT_INTERRUPTED` (75). ``overwrite`` replaces a previous
     run in the output directory (:mod:`fedmpi.job.rundir`: lock, fingerprint, conventions).
     ``callbacks``: called on rank 0 after each logged round (:mod:`fedmpi.runtime.callbacks`).
+    ``final``: evaluations of the completed run, on every rank (:func:`fedmpi.run` passes
+    the config's: :func:`fedmpi.consortium.cross_site.final_evaluations`).
     """
     signals.install()
     try:
         comm = comm or run_comm(cfg)
         with comm.answering_pings():   # a timeout names the ranks that do not answer
-            return _run(cfg, out_dir, comm, resume, overwrite, code, callbacks)
+            return _run(cfg, out_dir, comm, resume, overwrite, code, callbacks, final)
     except KeyboardInterrupt:   # a second Ctrl-C: stop now, without a checkpoint
         if comm is None or comm.size == 1:
             raise
@@ -112,7 +119,7 @@ def run(cfg, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
         release()
 
 
-def set_up(cfg, comm: Comm, out: Optional[Path] = None, code: Optional[UserCode] = None,
+def set_up(cfg: Config, comm: Comm, out: Optional[Path] = None, code: Optional[UserCode] = None,
            open_dir: Optional[Callable[[Federation], Optional[checkpoint.Restored]]] = None,
            dry: bool = True) -> tuple[Federation, Optional[checkpoint.Restored]]:
     """Collective: build this rank, run the dry run (``dry``; :mod:`.probe`) and, on
@@ -144,7 +151,7 @@ def set_up(cfg, comm: Comm, out: Optional[Path] = None, code: Optional[UserCode]
     return fed, restored
 
 
-def check(cfg, comm: Optional[Comm] = None) -> str:
+def check(cfg: Config, comm: Optional[Comm] = None) -> str:
     """``fedmpi check --dry-run``: :func:`set_up` without a run directory; returns (on
     every rank) the line saying what was built and checked."""
     comm = comm or run_comm(cfg)
@@ -158,12 +165,10 @@ def check(cfg, comm: Optional[Comm] = None) -> str:
             f"weighting {cfg.aggregation.weighting}; transforms {list(cfg.transforms) or 'none'}")
 
 
-def _run(cfg, out_dir: Optional[str | Path], comm: Comm, resume: bool,
+def _run(cfg: Config, out_dir: Optional[str | Path], comm: Comm, resume: bool,
          overwrite: bool = False, code: Optional[UserCode] = None,
-         callbacks: Sequence[Callback] = ()) -> Optional[dict[str, float]]:
-    if comm.rank == 0:
-        for old, new in getattr(cfg, "renamed", ()):
-            print(f"fedmpi: note: config key {old!r} is now {new!r}", file=sys.stderr, flush=True)
+         callbacks: Sequence[Callback] = (),
+         finals: Sequence[FinalEvaluation] = ()) -> Optional[dict[str, float]]:
     out = Path(out_dir) if out_dir else Path(cfg.runtime.out_dir) / cfg.name
     after: Optional[AfterRound] = None
 
@@ -172,6 +177,8 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Comm, resume: bool,
         trackers and the after-round hooks (best model, early stopping, callbacks)."""
         nonlocal after
         check_trackers(cfg)   # a missing extra is bad input before anything is written
+        for evaluation in finals:
+            evaluation.claim(out, resume, overwrite)
         opened = guard.open_run(fed.run_state(), fed.log_header(), out, resume, overwrite)
         fed.use_log(opened)
         try:
@@ -220,6 +227,9 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Comm, resume: bool,
             status = "failed"
         elif fed.stop_reason is not None and t < cfg.train.rounds:
             status = "interrupted"
+        else:   # every rank knows the status from the headers: a collective is safe
+            for evaluation in finals:
+                evaluation.run(fed, t)
     except OutputError as exc:   # disk full: one line naming the file, exit 1
         guard.write_failed(fed.writer, comm, exc, t)
     except KeyboardInterrupt:   # a second Ctrl-C: the log must not stay "running"
@@ -286,7 +296,9 @@ def _run(cfg, out_dir: Optional[str | Path], comm: Comm, resume: bool,
                              log_path=str(out / "log.h5"))
     names = ("test_accuracy", *metrics.extra_names(cfg.eval.metrics))
     final: dict = next((h for h in reversed(fed.history) if not np.isnan(h["test_accuracy"])), {})
-    out = {n: float(final.get(n, float("nan"))) for n in names}
-    if fed.budget is not None:   # ε at privacy.dp.delta after the last round run
-        out["epsilon"] = fed.budget.accountant.epsilon
-    return out
+    result = {n: float(final.get(n, float("nan"))) for n in names}
+    last = fed.history[-1] if fed.history else {}
+    for _, part in fed.built.components:   # the components' own final numbers (ε)
+        for name in part.final_scalars:
+            result[name] = float(last.get(name, float("nan")))
+    return result

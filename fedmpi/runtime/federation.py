@@ -1,4 +1,4 @@
-"""One rank of a run and its round loop (DESIGN.md §3).
+"""One rank of a run and its round loop.
 
 Rank 0 is the aggregator; with W = world_size − 1 ≥ 1 workers, client c lives on
 rank 1 + c mod W; with world size 1 rank 0 hosts every client itself. Every
@@ -14,28 +14,28 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional, cast
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
 
-from fedmpi.job import checkpoint, signals
-from fedmpi.transforms.adversary import Adversary
 from fedmpi.comm import Comm
+from fedmpi.job import checkpoint, signals
+from fedmpi.job.checkpoint_file import checkpoint_path
 from fedmpi.job.outputs import write_model
-from fedmpi.usercode import UserCode
-from fedmpi.training.loop import LocalTrainer
+from fedmpi.runtime import guard
 from fedmpi.runtime.build import build, participants
 from fedmpi.runtime.channel import Channel, plan_uplink
-from fedmpi.runtime import guard
 from fedmpi.runtime.evaluation import Evaluation
 from fedmpi.runtime.record import RoundRecorder
-from fedmpi.runtime.server import (EXCLUDED_BECAUSE, M_STEPS, STATUS_FAILED, ArrivalSum,
-    is_summed, server_step)
+from fedmpi.runtime.server import (EXCLUDED_BECAUSE, META_FIELDS, STATUS_FAILED, STATUS_RANGE,
+                                   STATUS_WITHHELD, ArrivalSum, is_summed, server_step)
 from fedmpi.runtime.worker import Worker
-from fedmpi.privacy.budget import Budget
-from fedmpi.privacy.dp import ServerNoise
-from fedmpi.job.checkpoint_file import checkpoint_path
+from fedmpi.training.loop import LocalTrainer
+from fedmpi.usercode import UserCode
+
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
 
 CMD_ROUND, CMD_STOP, CMD_ABORT = 0, 1, 2
 # header[2] flags: checkpoint before acting on the command; the stop is an interruption
@@ -45,33 +45,29 @@ FLAG_CHECKPOINT, FLAG_INTERRUPTED = 1, 2
 class Federation:
     """Sets up one rank of a run and executes rounds (see module docstring)."""
 
-    def __init__(self, cfg, comm: Comm, out_dir: Optional[Path] = None,
+    def __init__(self, cfg: Config, comm: Comm, out_dir: Optional[Path] = None,
                  code: Optional[UserCode] = None) -> None:
         self.cfg, self.comm, self.out_dir = cfg, comm, out_dir
         self.rank, self.size = comm.rank, comm.size
         self.is_server = self.rank == 0
+        self.K = cfg.data.num_clients
+        self.m = cfg.train.clients_per_round or self.K
         b = build(cfg, comm, plan=lambda t: self.participants(t), code=code)
         self.built = b
         self.ctx, self.device, self.data, self.partition = b.ctx, b.device, b.data, b.partition
         self.flat, self.accel, self.forward = b.flat, b.accel, b.forward
         self.algo, self.weighting, self.transforms, self.stats = b.algo, b.weighting, b.transforms, b.stats
-        self.rule = b.rule
-        # adversary.kind: alie — rows rewritten on rank 0 (simulation shortcut)
-        self.omniscient: Optional[Adversary] = (
-            cast(Adversary, b.transforms.get("adversary")) if b.tampered else None)
+        self.rule, self.server, self.reports = b.rule, b.server, b.reports
         self.num_samples, self.host, self.my_clients = b.num_samples, b.host, b.hosted
-        self.K, self.D = cfg.data.num_clients, self.flat.size
-        self.m = cfg.train.clients_per_round or self.K
+        self.D = self.flat.size
         exact = cfg.runtime.reduction == "exact" and self.size > 1
-        self.uplink_plan = plan_uplink(self.stats, b.rows_needed, exact)
-        secagg = None
-        if cfg.privacy.secure_aggregation:
-            from fedmpi.privacy.secagg import SecureAggregator
-
-            secagg = SecureAggregator(self.my_clients, self.K, cfg.privacy.secagg.scale_bits)
-        self.channel = Channel(comm, self.uplink_plan, self.D, self.algo.downlink_size(), self.K,
-                               max_local=min(self.m, len(self.my_clients)), max_rows=self.m,
-                               host=self.host, device=self.device, secagg=secagg)
+        rows_needed = self.server.rows_needed
+        self.uplink_plan = plan_uplink(list(self.stats), rows_needed, exact)
+        self.codec = self.transforms.codec(self.my_clients, self.K)
+        self.channel = Channel(comm, self.uplink_plan, self.D, self.algo.exchange().downlink,
+                               self.K, max_local=min(self.m, len(self.my_clients)), max_rows=self.m,
+                               host=self.host, device=self.device, codec=self.codec,
+                               meta_fields=len(META_FIELDS) + len(self.reports.client_columns))
         self.state = self.channel.state
         if self.is_server:
             self.state.dev[: self.D].copy_(self.flat.vector)
@@ -80,28 +76,23 @@ class Federation:
         self.trainer = (LocalTrainer(self.flat, self.data, self.accel, self.forward)
                         if self.my_clients else None)
         self.scratch = {s.name: torch.zeros(s.size, device=self.device) for s in self.stats}
-        self.worker = Worker(cfg.seed, self.rank, self.algo, self.weighting, self.transforms,
-                             self.trainer, self.client_idx, self.scratch, self.device)
+        self.worker = Worker(cfg, self.rank, self.algo, self.weighting, self.transforms,
+                             self.trainer, self.client_idx, self.scratch, self.reports)
         tests = self.partition.client_test_indices
-        self.evals = Evaluation(cfg, self.rank, self.size, self.algo.owns_evaluation,
+        self.evals = Evaluation(cfg, self.rank, self.size, self.algo.spec_for(cfg).owns_evaluation,
                                 {k: torch.as_tensor(tests[k], device=self.device)
                                  for k in self.my_clients} if tests else None)
-        self.recorder = RoundRecorder(self.host, self.size)
-        summed = [s for s in self.stats if is_summed(s, b.rows_needed)]
+        self.recorder = RoundRecorder(self.host, self.size, self.reports)
+        summed = [s for s in self.stats if is_summed(s, rows_needed)]
         self.agg_bufs = ({s.name: torch.zeros(s.size, device=self.device)
                           for s in summed} if self.is_server else {})
         self.sum_bufs = ({s.name: torch.zeros(s.size, dtype=torch.float64, device=self.device)
                           for s in summed} if self.is_server and exact else {})
         # runtime.reduction: exact — rank 0 adds the rows in client-id order as they arrive
-        self.arrival_sum = (ArrivalSum(self.stats, self.weighting.raw, self.sum_bufs)
+        self.arrival_sum = (ArrivalSum(list(self.stats), self.weighting.raw, self.sum_bufs)
                             if self.sum_bufs and self.channel.stream_rows else None)
         self.stop_reason: Optional[str] = None   # set by a signal (fedmpi.job.signals)
         self.finished_early: Optional[str] = None   # a completed stop before train.rounds (budget)
-        level = cfg.privacy.dp.level
-        # rank 0: the privacy accountant and, at client level, DP-FedAvg's server noise
-        self.budget = (Budget.from_config(cfg, self.num_samples)
-                       if self.is_server and level != "none" else None)
-        self.dp_noise = ServerNoise(cfg) if self.is_server and level == "client" else None
         self.checkpoint_round = 0                 # rounds < this are in the newest checkpoint
         self.failure: Optional[str] = None
         self.rounds_without_update = 0            # runtime.max_rounds_without_update
@@ -127,33 +118,22 @@ class Federation:
         b = self.built
         return guard.LogHeader(num_samples=self.num_samples,
                                class_counts=self.partition.class_counts, run_info=b.run_info,
-                               sink=b.log)
+                               reports=b.reports)
 
     def use_log(self, opened: guard.OpenedRun) -> None:
         """Rank 0: record rounds into the log :func:`~fedmpi.runtime.guard.open_run`
         opened, after the rounds it has logged already (resume)."""
-        self.recorder.writer, self.recorder.history = opened.writer, opened.history
+        self.recorder.history = opened.history
 
     @property
     def stream_rows(self) -> bool:
         return self.channel.stream_rows
 
-    @property
-    def ecgr(self):
-        """The ECGR engine when ``ecgr.enabled`` (None otherwise)."""
-        tr = self.transforms.get("ecgr")
-        return tr.engine if tr is not None else None
-
     def run_state(self) -> checkpoint.RunState:
         """What a checkpoint saves and restores (:class:`fedmpi.job.checkpoint.RunState`):
-        θ, the named components (method, weighting, transforms, privacy accountant, RNG
-        streams) and the per-client states of the hosted clients."""
-        parts: dict[str, checkpoint.StateOwner] = {"algorithm": self.algo,
-                                                   "weighting": self.weighting}
-        parts.update({f"transform/{tr.name}": tr for tr in self.transforms})
-        parts["rule"] = self.rule
-        if self.budget is not None:   # the accountant's counts: resume reports the same ε
-            parts["privacy"] = self.budget
+        θ, the named components (method, weighting, transforms — the privacy accountant is
+        one —, server rule, RNG streams) and the per-client states of the hosted clients."""
+        parts: dict[str, checkpoint.StateOwner] = dict(self.built.components)
         parts["rng"] = checkpoint.RngStreams()
         return checkpoint.RunState(
             cfg=self.cfg, comm=self.comm, num_clients=self.K, host=self.host,
@@ -184,6 +164,8 @@ class Federation:
         self.algo.begin_round(t, mask, state, extras)
         if self.is_server:   # evaluate round t − 1 while the workers train round t
             self.recorder.finish_pending(self._evaluate)
+            if self.size > 1:   # and the server rule's work on θ^t alone (FLTrust's g_0)
+                self.rule.begin_round(state, t)
         t_train = time.perf_counter()
         if self.arrival_sum is not None:
             self.arrival_sum.start(mask)
@@ -215,8 +197,8 @@ class Federation:
         elif (self.stop_reason is not None or self.recorder.stop_request is not None
               or self.finished_early or t >= self.cfg.train.rounds):   # a signal, early stopping/a callback, the end
             cmd = CMD_STOP
-        elif self.budget is not None:
-            self.finished_early = self.budget.exceeded_by(self.participants(t))
+        else:   # a stage may end the run before this round (a privacy budget)
+            self.finished_early = self.transforms.plan_round(t, self.participants(t))
             if self.finished_early:
                 cmd = CMD_STOP
                 self.recorder.event(t, 0, -1, f"run completed before round {t}: {self.finished_early}")
@@ -224,7 +206,7 @@ class Federation:
                     self.writer.set_attr("", "stop_reason", self.finished_early)
         flags = self._flags(cmd, t)
         self.channel.set_header(cmd, t, flags, self.participants(t) if cmd == CMD_ROUND else None)
-        if cmd == CMD_ROUND and self.algo.downlink_size():
+        if cmd == CMD_ROUND and self.channel.state.dev.numel() > self.D:
             self.algo.fill_downlink(self.state.dev[self.D:], t)
         if cmd != CMD_ROUND or flags & FLAG_CHECKPOINT:
             self.recorder.finish_pending(self._evaluate)   # the log holds every round a checkpoint covers
@@ -272,16 +254,16 @@ class Federation:
             self.evals.join(t, self.global_state, self.ctx, self.algo, self.channel)  # workers wait
             return
         t_agg = time.perf_counter()
-        result = server_step(self.global_state, up, self.algo, self.weighting, self.stats,
-                             self.num_samples, self.agg_bufs, self.sum_bufs, rule=self.rule,
-                             tamper=None if self.omniscient is None else
-                             lambda c, rows: self._tamper(up, c, rows),
-                             dp_noise=self.dp_noise)
-        for note in result.events:
-            self.recorder.event(t, 0, -1, note)
+        self.reports.round = t
+        result = server_step(self.global_state, up, self.server, self.agg_bufs, self.sum_bufs)
+        self.reports.flush_events()   # what the stages and the rule reported, in order
         for k in result.excluded:
-            self.recorder.event(t, int(self.host[k]), int(k), "update excluded: "
-                                + EXCLUDED_BECAUSE.get(int(up.status[k]), "status " + str(up.status[k])))
+            status = int(up.status[k])
+            why = EXCLUDED_BECAUSE.get(status, f"status {status}")
+            if self.codec is not None and status in (STATUS_RANGE, STATUS_WITHHELD):
+                why = (self.codec.refused_because if status == STATUS_RANGE
+                       else self.codec.withheld_because)
+            self.recorder.event(t, int(self.host[k]), int(k), "update excluded: " + why)
         if result.accepted.size == 0:
             self.recorder.event(t, 0, -1, "no update accepted; global model unchanged")
         self.rounds_without_update = 0 if result.accepted.size else self.rounds_without_update + 1
@@ -300,35 +282,17 @@ class Federation:
         evals = self.evals.none() if overlapped else self._evaluate(t)
         t_end = t_eval if overlapped else time.perf_counter()
         sel = [int(k) for k in np.flatnonzero(up.mask)]
-        arrays = {**self.algo.log_arrays(), **self.weighting.log_arrays(), **self.transforms.log_arrays(),
-                  **self.rule.log_arrays()}
+        traffic = [self.algo.traffic(k, t) for k in sel]
         row = self.recorder.row(up, result, {"start": t_start, "agg": t_agg, "eval": t_eval,
                                              "end": t_end, "arrival": self.channel.exposed_arrival_seconds},
-                                sum(self.algo.uplink_bytes(k, t) for k in sel),
-                                sum(self.algo.downlink_bytes(k, t) for k in sel), arrays)
+                                sum(u for u, _ in traffic), sum(d for _, d in traffic))
         self.channel.exposed_arrival_seconds = 0.0
-        row[1].update(evals)
-        row[2].update(self.evals.take_sites())   # /clients/<metric> of a per-site evaluation
-        if self.budget is not None:   # every participant trained, accepted or not: all spent
-            eps, eps_clients = self.budget.record_round(up.mask, up.meta[:, M_STEPS])
-            row[1].update(eps)
-            row[2].update(eps_clients)
+        row.scalars.update(evals)
+        row.clients.update(self.evals.take_sites())   # /clients/<metric> of a per-site evaluation
         if overlapped:
             self.recorder.pending = row
         else:
             self.recorder.append(row)
-
-    def _tamper(self, up, clients: np.ndarray, rows: dict[str, torch.Tensor]) -> None:
-        """Rank 0, simulation only: the omniscient adversary writes its rows from the benign
-        ones (:meth:`Adversary.on_server_rows`); a per-client weighting that scored the
-        honest rows on arrival scores the rewritten ones."""
-        assert self.omniscient is not None
-        hit = self.omniscient.on_server_rows(clients, rows["delta"], int(up.mask.sum()))
-        if self.weighting.per_client:
-            where = {int(k): i for i, k in enumerate(clients)}
-            for k in hit:
-                self.weighting.on_arrival(self.global_state, k,
-                                          {n: x[where[k]] for n, x in rows.items()})
 
     def save_best(self, t: int, value: float) -> None:
         """Rank 0: the global model of round ``t`` (best in ``checkpoint.keep_best``) to

@@ -41,10 +41,12 @@ from fedmpi.job import checkpoint, rundir
 from fedmpi._version import __version__
 from fedmpi.errors import ReportedElsewhere, RunFailed, UserError
 from fedmpi.job.outputs import OutputError, quiet_h5py_errors
-from fedmpi.context import LogSink
+from fedmpi.log.row import Reports
 from fedmpi.job.safefile import write_text
 from fedmpi.job.checkpoint_file import checkpoint_path
 from fedmpi.job.lock import release
+from fedmpi.component import Component
+from fedmpi.job.state_check import CheckpointError
 
 if TYPE_CHECKING:  # annotations only: the log (h5py) is imported when rank 0 opens it
     from fedmpi.log.writer import LogWriter
@@ -54,14 +56,14 @@ if TYPE_CHECKING:  # annotations only: the log (h5py) is imported when rank 0 op
 class LogHeader:
     """What rank 0's log records about the run before its first round, besides what
     the :class:`~fedmpi.job.checkpoint.RunState` holds (config, world size, K): the
-    :class:`~fedmpi.log.LogWriter`'s header, the run information, and ``sink``, the
-    writes the build made for the log before the file existed (the rank table, the
+    :class:`~fedmpi.log.writer.LogWriter`'s header, the run information, and ``reports``,
+    where the build's writes for the log wait until the file exists (the rank table, the
     components' attributes and events), replayed into it when it opens."""
 
     num_samples: np.ndarray       # n_k of every client
     class_counts: np.ndarray      # [K, C] training samples per client and class
     run_info: dict                # what ran (fedmpi.job.provenance)
-    sink: LogSink
+    reports: Reports
 
 
 @dataclass(frozen=True)
@@ -87,13 +89,18 @@ def open_run(run: checkpoint.RunState, header: LogHeader, out: Path, resume: boo
     if resume:
         restored = checkpoint.load_server_side(run, checkpoint_path(out))
         history = rundir.resume_history(out / "log.h5", restored.path, restored.round, cfg)
+        for name, part in run.components.items():   # restored state against round and log
+            why = part.check_restored(restored.round, history) \
+                if isinstance(part, Component) else None
+            if why is not None:
+                raise CheckpointError(f"{restored.path}: entry {name!r}: {why}")
     writer = LogWriter(out / "log.h5", config_yaml=cfg.to_yaml(), world_size=run.size,
                        num_clients=run.num_clients, num_samples=header.num_samples,
                        class_counts=header.class_counts, fedmpi_version=__version__,
                        resume=restored is not None,
                        resume_rounds=restored.round if restored else None,
                        fingerprint=owned.fingerprint)
-    header.sink.attach(writer)
+    header.reports.attach(writer)
     writer.set_run_info(json.dumps(header.run_info, sort_keys=True))
     if owned.stale_lock:
         writer.event(restored.round if restored else 0, 0, -1,

@@ -17,13 +17,16 @@ exit 2) agreed on by every rank, and no run directory exists yet.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fedmpi.errors import ConfigError
 from fedmpi.imports import blame, code_path
 from fedmpi.runtime.build import Built
+
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
 
 __all__ = ["check_outputs", "dry_run", "probe_loss"]
 
@@ -55,7 +58,7 @@ def check_outputs(out: object, batch: int, want: int, num_classes: int, model: s
                       f"for the last layer){hint}")
 
 
-def probe_loss(out: torch.Tensor, y: torch.Tensor, cfg) -> torch.Tensor:
+def probe_loss(out: torch.Tensor, y: torch.Tensor, cfg: Config) -> torch.Tensor:
     """The training loss of the dry run's batch: ``train.loss`` as local training computes
     it (:func:`fedmpi.training.optim.training_loss`, without class weights)."""
     from fedmpi.training.optim import training_loss

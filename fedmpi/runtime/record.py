@@ -1,10 +1,13 @@
 """Log rows of a round and its timing (rank 0).
 
-One HDF5 row per round (DESIGN.md §5): scalars (test metrics, train loss,
-timing split, bytes), per-client arrays (selected, weight, excluded, loss,
-steps, time) and the method's, weighting's and transforms' arrays. With
-overlapped evaluation a round's row is *pending* until its evaluation ran
-during the next round; :meth:`RoundRecorder.finish_pending` completes it.
+One :class:`~fedmpi.log.row.RoundRow` per round: the framework's scalars (test metrics,
+train loss, timing split, bytes), its per-client arrays (selected, weight, excluded,
+loss, steps, time, and the components' declared per-client values from the metadata
+rows) and everything the components reported through their reporters
+(:mod:`fedmpi.log.row`). With overlapped evaluation a round's row is *pending* until
+its evaluation ran during the next round; :meth:`RoundRecorder.finish_pending` completes
+it. A finished row goes to the HDF5 log and to every listener (the best model, the
+trackers, early stopping, the user's callbacks: :mod:`fedmpi.runtime.callbacks`).
 
 Timing: ``wall_seconds`` runs from the round's start to the end of its
 aggregation (and of its evaluation unless overlapped); ``train_seconds`` is the
@@ -13,44 +16,47 @@ the last client arrived; ``overhead_seconds`` is the rest.
 """
 from __future__ import annotations
 
-import sys
 import time
 from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 
-from fedmpi.runtime.server import M_LOSS, M_SEEN, M_STEPS, M_TIME, ServerResult, Uplink
+from fedmpi.log.row import Event, Reports, RoundRow
+from fedmpi.runtime.server import (META_FIELDS, M_LOSS, M_SEEN, M_STEPS, M_TIME, ServerResult,
+                                   Uplink)
 
 if TYPE_CHECKING:  # annotations only: h5py is imported when rank 0 opens the log
     from fedmpi.log.writer import LogWriter
-
-Row = tuple[int, dict, dict, dict]
 
 
 class RoundRecorder:
     """Builds, defers and appends the log rows; keeps the run's history."""
 
-    def __init__(self, host: np.ndarray, world_size: int) -> None:
-        self.host, self.size = host, world_size
-        self.writer: Optional[LogWriter] = None    # opened by the driver (rank 0)
+    def __init__(self, host: np.ndarray, world_size: int, reports: Reports) -> None:
+        self.host, self.size, self.reports = host, world_size, reports
         self.history: list[dict] = []
-        self.pending: Optional[Row] = None
-        #: rank 0's listeners (fedmpi.runtime.callbacks.AfterRound): (round, scalars, per-client)
-        #: -> a stop request or None
-        self.after: Optional[Callable[[int, dict, dict], Optional[str]]] = None
+        self.pending: Optional[RoundRow] = None
+        #: rank 0's listener (fedmpi.runtime.callbacks.AfterRound): row -> a stop request or None
+        self.after: Optional[Callable[[RoundRow], Optional[str]]] = None
         self.stop_request: Optional[str] = None
 
+    @property
+    def writer(self) -> Optional[LogWriter]:
+        return self.reports.writer
+
+    @writer.setter
+    def writer(self, writer: Optional[LogWriter]) -> None:
+        self.reports.attach(writer)
+
     def event(self, t: int, rank: int, client: int, message: str, echo: bool = True) -> None:
-        """Log an event (and print it, unless ``echo`` is False: a failure whose one
+        """Log an event now (and print it, unless ``echo`` is False: a failure whose one
         error line the driver prints)."""
-        if self.writer is not None:
-            self.writer.event(t, rank, client, message)
-        if echo:
-            print(f"fedmpi: round {t}: client {client}: {message}", file=sys.stderr, flush=True)
+        self.reports.emit(Event(t, rank, client, message, echo))
 
     def row(self, up: Uplink, result: ServerResult, times: dict[str, float],
-            bytes_up: int, bytes_down: int, arrays: dict) -> Row:
-        """Round ``up.round``'s row; ``times`` has start, agg, eval, end and exposed arrival."""
+            bytes_up: int, bytes_down: int) -> RoundRow:
+        """Round ``up.round``'s row with the components' reports of the round; ``times``
+        has start, agg, eval, end and exposed arrival."""
         meta, mask, accepted = up.meta, up.mask, result.accepted
         seen = meta[accepted, M_SEEN].sum()
         per_worker = np.bincount(self.host, weights=meta[:, M_TIME], minlength=self.size)
@@ -75,18 +81,24 @@ class RoundRecorder:
             "local_steps": np.where(mask, meta[:, M_STEPS], np.nan),
             "train_seconds": np.where(mask, meta[:, M_TIME], np.nan),
         }
-        return up.round, scalars, per_client, {**arrays, **result.client_arrays}
+        for j, name in enumerate(self.reports.client_columns, start=len(META_FIELDS)):
+            per_client[name] = np.where(mask, meta[:, j], np.nan)
+        row = RoundRow(up.round, scalars, per_client, dict(result.client_arrays))
+        reported, events = self.reports.drain(up.round)
+        row.merge(reported)
+        for e in events:
+            self.reports.emit(e)
+        return row
 
-    def append(self, row: Row) -> None:
-        t, scalars, per_client, arrays = row
-        self.history.append({"round": t, **scalars})
+    def append(self, row: RoundRow) -> None:
+        self.history.append({"round": row.round, **row.scalars})
         if self.writer is not None:
-            self.writer.append_round(t, scalars, per_client, arrays)
+            self.writer.append_row(row)
         if self.after is not None:
-            reason = self.after(t, scalars, per_client)
+            reason = self.after(row)
             if reason and self.stop_request is None:
                 self.stop_request = reason
-                self.event(t, 0, -1, f"stop requested ({reason}); checkpoint and finish")
+                self.event(row.round, 0, -1, f"stop requested ({reason}); checkpoint and finish")
 
     def finish_pending(self, evaluate: Callable[[int], dict[str, float]]) -> None:
         """Evaluate the pending round's model and append its row. The state still holds
@@ -94,8 +106,7 @@ class RoundRecorder:
         ``wall_seconds`` of that round excludes this evaluation; ``eval_seconds`` is it."""
         if self.pending is None:
             return
-        t, scalars, per_client, arrays = self.pending
-        self.pending = None
+        row, self.pending = self.pending, None
         t0 = time.perf_counter()
-        scalars.update(evaluate(t), eval_seconds=time.perf_counter() - t0)
-        self.append((t, scalars, per_client, arrays))
+        row.scalars.update(evaluate(row.round), eval_seconds=time.perf_counter() - t0)
+        self.append(row)

@@ -5,6 +5,10 @@ No MPI and no dataset here: :func:`server_step` takes the round's
 
 1. **excludes** every participant whose status is not OK (non-finite update,
    or a failed client — a failure stops the job before this step);
+1b. runs the update transforms' **per-client server half** on the accepted clients' rows
+   (:meth:`~fedmpi.transforms.base.UpdateTransform.on_rows`: the omniscient ALIE attack),
+   in the reverse order of their client halves; rewritten rows are scored again by a
+   per-client weighting;
 2. computes the **weights** s_k of the accepted clients — reducible weightings
    (``samples``: n_k/Σn, ``uniform``: 1/|S|) from the raw weights w̃_k the
    workers sent, s_k = w̃_k / Σ_{j accepted} w̃_j; per-client weightings (FedVG)
@@ -19,32 +23,36 @@ No MPI and no dataset here: :func:`server_step` takes the round's
    non-participants. The float64 sums arrive pre-summed by the workers
    (``runtime.reduction: default``) or as per-client rows that
    :func:`ordered_sum` adds up in client-id order (``exact``);
+3b. runs the transforms' **aggregate half** on the combined aggregate
+   (:meth:`~fedmpi.transforms.base.UpdateTransform.on_aggregate`: DP-FedAvg's noise and
+   fixed denominator), reversed;
 4. applies the **method's server rule** ``Algorithm.server_update(θ, agg, info)``
    in place (FedAvg θ ← θ + η_g Σ s_k Δ_k; FedNova τ_eff; SCAFFOLD c; FedDyn h;
-   FedAdam/FedYogi moments; submodel coverage averaging).
+   FedAdam/FedYogi moments; submodel coverage averaging);
+5. hands the round to the transforms' ``after_round`` (privacy accounting), also when
+   no update was accepted: every participant trained.
 
 This is where a round's weights are computed.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
-from fedmpi.methods.base import Algorithm
-from fedmpi.component import RoundInfo, Stat
 from fedmpi.aggregation.rules import RuleInfo, ServerRule
 from fedmpi.aggregation.weighting import Weighting
+from fedmpi.component import RoundInfo, Stat
+from fedmpi.methods.base import Algorithm
+from fedmpi.transforms.base import TransformChain
 
-if TYPE_CHECKING:
-    from fedmpi.privacy.dp import ServerNoise
-
-STATUS_IDLE, STATUS_OK, STATUS_NONFINITE, STATUS_FAILED, STATUS_RANGE = 0, 1, 2, 3, 4
+STATUS_IDLE, STATUS_OK, STATUS_NONFINITE, STATUS_FAILED, STATUS_RANGE, STATUS_WITHHELD = range(6)
 #: why a participant's update was excluded, by status word (the log's event text)
 EXCLUDED_BECAUSE = {STATUS_NONFINITE: "non-finite values",
-                    STATUS_RANGE: "outside the secure-aggregation range (privacy.secagg.scale_bits)"}
+                    STATUS_RANGE: "outside the range its uplink encoding can sum",
+                    STATUS_WITHHELD: "withheld: too few accepted updates for the uplink encoding"}
 META_FIELDS = ("status", "raw_weight", "loss_sum", "samples_seen", "steps", "train_seconds")
 M_STATUS, M_RAW, M_LOSS, M_SEEN, M_STEPS, M_TIME = range(len(META_FIELDS))
 
@@ -172,27 +180,39 @@ class ServerResult:
     excluded: np.ndarray                 # ids of participants left out (non-finite)
     weights: np.ndarray                  # [K]: s_k, 0 for excluded, NaN for non-participants
     client_arrays: dict[str, np.ndarray]  # "client" statistics [K, size] for the log
-    events: list[str] = field(default_factory=list)   # notes for the log (DP noise top-up)
 
 
-def server_step(state: torch.Tensor, up: Uplink, algo: Algorithm, weighting: Weighting,
-                stats: list[Stat], num_samples: np.ndarray,
+@dataclass(frozen=True)
+class ServerParts:
+    """The components the server step runs: the method, the weighting, the server rule,
+    the update transforms' server halves, and what they share (the uplink statistics and
+    every client's n_k)."""
+
+    algo: Algorithm
+    weighting: Weighting
+    rule: ServerRule
+    stages: TransformChain
+    stats: tuple[Stat, ...]
+    num_samples: np.ndarray
+
+    @property
+    def rows_needed(self) -> bool:
+        """Weighted statistics reach rank 0 as per-client rows: a per-client weighting
+        (FedVG) or rule (robust aggregation), or a stage that rewrites rows (ALIE)."""
+        return self.weighting.per_client or self.rule.per_client or self.stages.needs_rows
+
+
+def server_step(state: torch.Tensor, up: Uplink, parts: ServerParts,
                 out: Optional[dict[str, torch.Tensor]] = None,
-                sums: Optional[dict[str, torch.Tensor]] = None,
-                rule: Optional[ServerRule] = None,
-                tamper: Optional[Callable[[np.ndarray, dict[str, torch.Tensor]], None]] = None,
-                dp_noise: Optional[ServerNoise] = None) -> ServerResult:
-    """Exclusion, weights, combination and the method's server rule (module docstring).
+                sums: Optional[dict[str, torch.Tensor]] = None) -> ServerResult:
+    """Exclusion, the stages' per-client half, weights, combination, the stages' aggregate
+    half and the method's server rule, then the stages' ``after_round`` (module docstring).
 
-    ``state`` is θ (parameters and float buffers) and is updated in place; ``rule``
-    is the ``aggregation.rule`` component (None: ``mean``). ``tamper(clients, rows)``
-    (simulation only: the omniscient ``adversary.kind: alie``) rewrites the accepted
-    clients' rows in place before the weights and the rule see them; it needs rows.
-    ``out`` may hold preallocated float32 buffers for the summed statistics and
-    ``sums`` float64 ones for :func:`ordered_sum` (no model-sized allocation per round).
-    ``dp_noise`` (client-level DP): the Gaussian noise and fixed denominator of DP-FedAvg
-    on the ``delta`` mean, before the method's server rule (:mod:`fedmpi.privacy.dp`).
+    ``state`` is θ (parameters and float buffers) and is updated in place. ``out`` may
+    hold preallocated float32 buffers for the summed statistics and ``sums`` float64 ones
+    for :func:`ordered_sum` (no model-sized allocation per round).
     """
+    algo, weighting, rule, stages = parts.algo, parts.weighting, parts.rule, parts.stages
     K = up.mask.shape[0]
     status = up.status
     accepted = np.flatnonzero(up.mask & (status == STATUS_OK))
@@ -201,7 +221,12 @@ def server_step(state: torch.Tensor, up: Uplink, algo: Algorithm, weighting: Wei
     weights[up.mask] = 0.0
     client_arrays: dict[str, np.ndarray] = {}
     agg: dict[str, torch.Tensor] = {}
-    kinds = {s.name: s for s in stats}
+    kinds = {s.name: s for s in parts.stats}
+    steps = up.meta[:, M_STEPS]
+    info = RoundInfo(round=up.round, clients=accepted, weights=np.zeros(0),
+                     num_samples=parts.num_samples[accepted], steps=steps[accepted],
+                     num_clients=K, num_selected=int(up.mask.sum()), participants=up.mask.copy(),
+                     participant_steps=np.where(up.mask, steps, 0))
 
     for name, rows in up.rows.items():   # per-client diagnostics: [K, size], NaN rows elsewhere
         if kinds[name].combine == "client":
@@ -211,23 +236,26 @@ def server_step(state: torch.Tensor, up: Uplink, algo: Algorithm, weighting: Wei
             agg[name] = full
             client_arrays[name] = full.cpu().numpy()
     if accepted.size == 0:
+        stages.after_round(info)
         return ServerResult(accepted, excluded, weights, client_arrays)
 
     raw = up.meta[accepted, M_RAW]
-    per_client_rule = rule is not None and rule.per_client
-    rows_needed = weighting.per_client or per_client_rule or tamper is not None
+    rows_needed = parts.rows_needed
     acc_rows = up.rows_of(accepted) if rows_needed else {}
-    if tamper is not None:
-        tamper(accepted, acc_rows)
+    if stages.needs_rows:   # rows rewritten on rank 0 are scored again by the weighting
+        for k in stages.on_rows(state, acc_rows, info):
+            if weighting.per_client:
+                i = int(np.flatnonzero(accepted == k)[0])
+                weighting.on_arrival(state, k, {n: x[i] for n, x in acc_rows.items()})
     if weighting.per_client:
         s = np.asarray(weighting.weights(state, accepted, acc_rows), dtype=np.float64)
     else:
         s = raw / raw.sum()
+    info = replace(info, weights=s)
     weighted_rows = {n: x for n, x in acc_rows.items() if kinds[n].combine == "weighted"}
-    if per_client_rule:
-        assert rule is not None
+    if rule.per_client:
         agg.update(rule.aggregate(weighted_rows, RuleInfo(
-            round=up.round, clients=accepted, weights=s, num_samples=num_samples[accepted],
+            round=up.round, clients=accepted, weights=s, num_samples=info.num_samples,
             num_clients=K, state=state)))
     else:
         for name, x in weighted_rows.items():
@@ -244,13 +272,8 @@ def server_step(state: torch.Tensor, up: Uplink, algo: Algorithm, weighting: Wei
             buf = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         torch.div(v, total_raw if kinds[name].combine == "weighted" else 1.0, out=buf)
         agg[name] = buf
-    events = []
-    if dp_noise is not None:
-        note = dp_noise.apply(agg["delta"], up.round, int(up.mask.sum()), int(accepted.size))
-        events += [note] if note else []
-    info = RoundInfo(round=up.round, clients=accepted, weights=s, num_samples=num_samples[accepted],
-                     steps=up.meta[accepted, M_STEPS], num_clients=K,
-                     num_selected=int(up.mask.sum()))
+    stages.on_aggregate(agg, info)
     algo.server_update(state, agg, info)
+    stages.after_round(info)
     weights[accepted] = s
-    return ServerResult(accepted, excluded, weights, client_arrays, events)
+    return ServerResult(accepted, excluded, weights, client_arrays)

@@ -1,51 +1,88 @@
-"""Local work of one rank: client task → local update → transforms → status → uplink.
+"""Local work of one rank: the client template, and the uplink of each participant.
 
-Each hosted participant trains with its own RNG stream (seed, client, round),
-so results do not depend on the rank layout. A client that raises is reported
-(its error text travels to rank 0 and the job stops); a client whose upload is
-non-finite is marked so and never enters a sum.
+The worker owns the client template; a method and the update transforms plug into it,
+none of them runs the local loop or passes the trainer on:
+
+1. the transforms' ``before_training`` (the task may change: label flipping; or raise);
+2. the method's optimizer (``local_sgd``) and what it trains (``trained``: the start
+   point, θ unless the method trains a submodel), loaded into the rank's model;
+3. the method's ``hooks`` wrapped by the transforms' ``wrap_hooks``, and the shared
+   local loop (:class:`~fedmpi.training.loop.LocalTrainer`) from the start point, with
+   the client's own optimizer state under ``train.optimizer_state: keep``;
+4. Δ_k = θ_k − start, then the transforms' ``on_delta``;
+5. the method's ``finish_client`` (per-client state, further statistics);
+6. the transforms' ``on_upload`` (the final rewrite of what is uploaded);
+7. the upload: status (ok / non-finite), metadata row (with the components' declared
+   per-client values) and the statistics into the channel.
+
+Each hosted participant trains with its own RNG stream (seed, client, round), so
+results do not depend on the rank layout. A client that raises is reported (its error
+text travels to rank 0 and the job stops); a client whose upload is non-finite is marked
+so and never enters a sum.
 """
 from __future__ import annotations
 
 import time
 import traceback
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
 
-from fedmpi.methods.base import Algorithm
-from fedmpi.component import ClientTask
-from fedmpi.transforms.base import TransformChain
 from fedmpi.aggregation.weighting import Weighting
+from fedmpi.component import ClientTask
 from fedmpi.errors import show_traceback
 from fedmpi.imports import run_objects, runtime_error_line
-from fedmpi.training.loop import LocalTrainer, TrainResult, stream_seed
+from fedmpi.log.row import Reports
+from fedmpi.methods.base import Algorithm
 from fedmpi.runtime.channel import Channel
 from fedmpi.runtime.server import M_TIME, STATUS_NONFINITE, STATUS_OK
+from fedmpi.training.loop import LocalTrainer, TrainResult, stream_seed
+from fedmpi.training.optim import KeptStates
+from fedmpi.transforms.base import TransformChain
+
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
 
 
 class Worker:
     """Trains this rank's participants of a round and fills the uplink buffers."""
 
-    def __init__(self, seed: int, rank: int, algo: Algorithm, weighting: Weighting,
-                 transforms: TransformChain, trainer: LocalTrainer | None,
+    def __init__(self, cfg: Config, rank: int, algo: Algorithm, weighting: Weighting,
+                 transforms: TransformChain, trainer: Optional[LocalTrainer],
                  client_idx: dict[int, torch.Tensor], scratch: dict[str, torch.Tensor],
-                 device: torch.device) -> None:
-        self.seed, self.rank = seed, rank
+                 reports: Reports) -> None:
+        self.seed, self.rank = int(cfg.seed), rank
         self.algo, self.weighting, self.transforms = algo, weighting, transforms
-        self.trainer, self.client_idx, self.scratch, self.device = trainer, client_idx, scratch, device
+        self.trainer, self.client_idx, self.scratch = trainer, client_idx, scratch
+        self.reports = reports
+        # train.optimizer_state: keep — each hosted client's optimizer state, kept in the
+        # method's per-client stores so checkpoints carry it (fedmpi.training.optim)
+        self.kept = (KeptStates(cfg.train.optimizer, cfg.train.momentum, algo.num_params,
+                                algo.client_store)
+                     if cfg.train.optimizer_state == "keep" else None)
 
     def task(self, client: int, t: int) -> ClientTask:
         return ClientTask(client, t, self.client_idx[client], stream_seed(self.seed, client, t))
 
     def train(self, task: ClientTask, state: torch.Tensor, extras: torch.Tensor,
               out: dict[str, torch.Tensor]) -> TrainResult:
-        """One client's update: transforms before training, the method's hooked local
-        loop (with the transforms' hooks), and the transforms' rewrite of the upload."""
-        task = self.transforms.before_training(task)
-        assert self.trainer is not None, "only a rank hosting clients trains"
-        result = self.algo.client_update(task, self.trainer, state, extras, out, self.transforms)
-        self.transforms.on_upload(task, out)
+        """One client's update through the client template (module docstring, 1–6)."""
+        trainer, algo, stages = self.trainer, self.algo, self.transforms
+        assert trainer is not None, "only a rank hosting clients trains"
+        task = stages.before_training(task)
+        sgd = algo.local_sgd(task)
+        start = algo.trained(task, state)
+        trainer.flat.load(start)
+        hooks = stages.wrap_hooks(algo.hooks(task, start, extras), task)
+        kept = self.kept.of(task.client, state.device) if self.kept is not None else None
+        result = trainer.train(task.indices, sgd, task.seed, hooks, task.flip_labels, kept)
+        if self.kept is not None:
+            self.kept.drop_if_nonfinite(task.client)
+        torch.sub(trainer.flat.vector, start, out=out["delta"])
+        stages.on_delta(task, out)
+        algo.finish_client(task, start, extras, out, result)
+        stages.on_upload(task, out)
         return result
 
     def run(self, t: int, mask: np.ndarray, hosted: list[int], state: torch.Tensor,
@@ -70,8 +107,8 @@ class Worker:
                          for v in self.scratch.values())
             raw_w = self.weighting.raw(k)
             meta = (STATUS_OK if finite else STATUS_NONFINITE, raw_w, result.loss_sum,
-                    result.samples, result.steps, 0.0)
+                    result.samples, result.steps, 0.0, *self.reports.take_client_values(k))
             channel.put_client(row, k, self.scratch, meta, raw_w, finite)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            if state.device.type == "cuda":
+                torch.cuda.synchronize(state.device)
             channel.meta_send[k, M_TIME] = time.perf_counter() - t0

@@ -30,10 +30,13 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import TYPE_CHECKING, Callable, ContextManager
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from fedmpi.config.framework import RuntimeConfig
 
 AUTOCAST_DTYPES = {"off": None, "bf16": torch.bfloat16}
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -50,13 +53,11 @@ class Accel:
     compile_mode: str = "default"
 
     @classmethod
-    def from_config(cls, runtime, device: torch.device) -> "Accel":
-        """From the ``runtime`` config section (missing keys = off)."""
-        return cls(device_type=device.type,
-                   autocast=getattr(runtime, "autocast", "off"),
-                   channels_last=bool(getattr(runtime, "channels_last", False)),
-                   compile=bool(getattr(runtime, "compile", False)),
-                   compile_mode=getattr(runtime, "compile_mode", "default"))
+    def from_config(cls, runtime: RuntimeConfig, device: torch.device) -> "Accel":
+        """From the ``runtime`` config section."""
+        return cls(device_type=device.type, autocast=runtime.autocast,
+                   channels_last=runtime.channels_last, compile=runtime.compile,
+                   compile_mode=runtime.compile_mode)
 
     @property
     def enabled(self) -> bool:

@@ -18,7 +18,7 @@ keep`` b is the client's own buffer (:class:`~fedmpi.training.optim.KeptState`) 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -27,12 +27,16 @@ import torch.nn.functional as F
 from fedmpi.training.accel import OFF, Accel
 from fedmpi.data.base import Dataset
 from fedmpi.training.flat import FlatModel
-from fedmpi.privacy.dpsgd import RecordDP, clipped_grad_sum, poisson_batch, poisson_rate
 from fedmpi.training.optim import AdaptiveOptimizer, KeptState, training_loss
+
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
 
 GradHook = Callable[[FlatModel], None]
 StepHook = Callable[[torch.Tensor, float], None]
 LossFn = Callable[[FlatModel, torch.Tensor, torch.Tensor], torch.Tensor]
+Sampler = Callable[[torch.Tensor, int, torch.Generator], Iterator[torch.Tensor]]
+GradientFn = Callable[[FlatModel, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -46,11 +50,18 @@ class StepHooks:
                                records ``lr·b``. SGD only: a method with one declares
                                ``optimizers = ("sgd",)``.
     loss_fn(flat, x, y):       replaces cross-entropy (FedGPS).
+    sampler(indices, steps, gen): replaces the batch order: yields ``steps`` index
+                               batches drawn with ``gen`` (record-level DP: Poisson batches).
+    gradient(flat, x, y):      replaces the backward pass: writes the batch gradient into
+                               ``flat.grad`` and returns the batch's summed loss
+                               (record-level DP: the clipped, noised DP-SGD gradient).
     """
 
     grad_hook: Optional[GradHook] = None
     step_hook: Optional[StepHook] = None
     loss_fn: Optional[LossFn] = None
+    sampler: Optional[Sampler] = None
+    gradient: Optional[GradientFn] = None
 
 
 @dataclass
@@ -82,8 +93,6 @@ class SGDConfig:
         """Unweighted, unsmoothed cross-entropy (the loss the methods' papers use)."""
         return (self.loss == "cross_entropy" and self.class_weights is None
                 and self.label_smoothing == 0.0)
-    #: record-level DP (``privacy.dp.level: record``): DP-SGD steps on Poisson batches
-    dp: Optional[RecordDP] = None
 
 
 def epoch_bounds(n: int, batch_size: int) -> list[int]:
@@ -158,16 +167,14 @@ class LocalTrainer:
             self._adaptive.carry(kept, cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
         return self._adaptive
 
-    def batches(self, indices: torch.Tensor, cfg: SGDConfig, gen: torch.Generator):
-        """Yield index batches: fresh permutation per epoch, last batch partial; under
-        record-level DP τ_k Poisson batches of expected size B instead
-        (:func:`~fedmpi.privacy.dpsgd.poisson_batch`, the sampling its accountant assumes)."""
+    def batches(self, indices: torch.Tensor, cfg: SGDConfig, gen: torch.Generator,
+                sampler: Optional[Sampler] = None):
+        """Yield τ_k index batches: fresh permutation per epoch, last batch partial; a
+        ``sampler`` (:class:`StepHooks`) draws them instead."""
         n = indices.numel()
         steps = num_local_steps(n, cfg)
-        if cfg.dp is not None:
-            q = poisson_rate(n, cfg.batch_size)
-            for _ in range(steps):
-                yield poisson_batch(indices, q, gen)
+        if sampler is not None:
+            yield from sampler(indices, steps, gen)
             return
         bounds = epoch_bounds(n, cfg.batch_size)
         done = 0
@@ -205,17 +212,14 @@ class LocalTrainer:
         adaptive = self._optimizer(cfg, kept) if cfg.optimizer != "sgd" else None
         loss_total = torch.zeros((), device=self.device)  # summed on device: no sync per step
         num_classes = data.num_classes
-        noise_gen = None
-        if cfg.dp is not None:   # its own stream: the batches stay those of the seed
-            noise_gen = torch.Generator(device=self.device).manual_seed(seed ^ 0x0D95_6D1A)
-        for batch in self.batches(indices, cfg, gen):
+        for batch in self.batches(indices, cfg, gen, hooks.sampler):
             x = accel.input(data.prepare(data.x_train[batch], train=True, generator=self._device_gen))
             y = data.y_train[batch]
             if flip_labels:
                 y = num_classes - 1 - y
             flat.zero_grad()
-            if cfg.dp is not None:
-                batch_loss = self._private_grad(x, y, cfg, hooks, noise_gen)
+            if hooks.gradient is not None:
+                batch_loss = hooks.gradient(flat, x, y)
             else:
                 with accel.autocast_context():
                     if hooks.loss_fn is not None:
@@ -265,27 +269,6 @@ class LocalTrainer:
         result.loss_sum = float(loss_total)
         return result
 
-    def _private_grad(self, x: torch.Tensor, y: torch.Tensor, cfg: SGDConfig, hooks: StepHooks,
-                      noise_gen: Optional[torch.Generator]) -> torch.Tensor:
-        """DP-SGD gradient into ``flat.grad``: (Σ_i clip_C(g_i) + N(0, σ²C²)) / B
-        (:mod:`fedmpi.privacy.dpsgd`); returns the batch's summed loss."""
-        dp, flat = cfg.dp, self.flat
-        assert dp is not None and noise_gen is not None
-        if hooks.loss_fn is not None:
-            raise RuntimeError("record-level DP computes the plain cross-entropy per sample; "
-                               "this method replaces the loss (StepHooks.loss_fn)")
-        segments = flat.param_segments
-        loss = torch.zeros((), device=self.device)
-        if y.numel():
-            loss = clipped_grad_sum(flat.model, [s.name for s in segments], x, y, dp.clip,
-                                    [flat.grad[s.slice] for s in segments])
-        with torch.no_grad():
-            if dp.noise_multiplier > 0:
-                flat.grad.add_(torch.randn(flat.grad.shape, generator=noise_gen,
-                                           device=self.device), alpha=dp.noise_multiplier * dp.clip)
-            flat.grad.div_(cfg.batch_size)
-        return loss
-
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: Dataset, x: torch.Tensor, y: torch.Tensor,
@@ -323,12 +306,12 @@ def stream_seed(*keys: int) -> int:
     return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(1, np.uint64)[0] >> 1)
 
 
-def sgd_config(cfg) -> SGDConfig:
-    t, d = cfg.train, cfg.privacy.dp
-    dp = RecordDP(d.clip, d.noise_multiplier) if d.level == "record" else None
+def sgd_config(cfg: Config) -> SGDConfig:
+    """The client optimizer of the ``train.*`` keys."""
+    t = cfg.train
     weights = tuple(t.class_weights) if t.class_weights is not None else None
     return SGDConfig(lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay,
                      grad_clip=t.grad_clip, batch_size=t.batch_size,
                      local_epochs=t.local_epochs, local_steps=t.local_steps,
                      optimizer=t.optimizer, betas=(t.betas[0], t.betas[1]), eps=t.eps,
-                     loss=t.loss, class_weights=weights, label_smoothing=t.label_smoothing, dp=dp)
+                     loss=t.loss, class_weights=weights, label_smoothing=t.label_smoothing)

@@ -33,7 +33,7 @@ record) declares ``optimizers = ("sgd",)`` and refuses the others.
   Adam/AdamW, allocated at each client's first participation. SGD without
   momentum has no state (``keep`` = ``reset``). A state that turned non-finite is
   dropped: the client's next participation starts fresh. Methods whose math
-  needs a fresh optimizer per round (``Algorithm.fresh_optimizer``) refuse it.
+  needs a fresh optimizer per round (``MethodSpec.fresh_optimizer``) refuse it.
 
 **Loss** (``train.loss``), with class weights w (``train.class_weights``) and
 label smoothing ε (``train.label_smoothing``), over a batch of B samples and C

@@ -1,14 +1,14 @@
-"""Update transforms: client-side rewrites composed around any method
-(:mod:`~fedmpi.transforms.base`): ECGR (:mod:`~fedmpi.transforms.ecgr`), the simulated
-adversary (:mod:`~fedmpi.transforms.adversary`) and client-level DP's clip
-(:mod:`~fedmpi.transforms.dp_clip`).
+"""Update transforms: stages composed around any method, with a client half on the worker
+and a server half on rank 0 (:mod:`~fedmpi.transforms.base`): ECGR
+(:mod:`~fedmpi.transforms.ecgr`) and the simulated adversary
+(:mod:`~fedmpi.transforms.adversary`); the privacy stages live in :mod:`fedmpi.privacy`.
 
-Importing the package registers them, in the order they apply: ECGR first (an adversary
-corrupts the real upload), client-level DP's clip last.
+Importing the package registers them, in the order they apply: ECGR first, so an
+adversary corrupts the real upload.
 """
 from __future__ import annotations
 
-from fedmpi.transforms import adversary, base, dp_clip, ecgr
+from fedmpi.transforms import adversary, base, ecgr
 
-for _t in (ecgr.EcgrTransform, adversary.Adversary, dp_clip.ClientClip):
+for _t in (ecgr.EcgrTransform, adversary.Adversary):
     base.register_transform(_t)

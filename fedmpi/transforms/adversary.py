@@ -27,22 +27,27 @@ exactly what the client would send.
 real colluding attacker would gather them (or estimate them from its own
 silos); the simulation takes a shortcut and writes the attackers' rows on rank
 0 after the uplink, from the benign rows it holds, before any weighting or
-rule sees them (:meth:`Adversary.on_server_rows`). Every weighted statistic
-then travels as per-client rows (:attr:`Adversary.needs_rows`), whatever the
-rule; only ``delta`` is attacked, the attackers' other statistics stay honest.
+rule sees them: the transform's server half (:meth:`Adversary.on_rows`). Every
+weighted statistic then travels as per-client rows (:attr:`Adversary.needs_rows`),
+whatever the rule; only ``delta`` is attacked, the attackers' other statistics stay
+honest.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from statistics import NormalDist
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
 
 from fedmpi.errors import ConfigError
 from fedmpi.config.params import load_group, param
+from fedmpi.component import RoundInfo
 from fedmpi.transforms.base import UpdateTransform
+
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
 
 __all__ = ["Adversary", "alie_z"]
 
@@ -81,7 +86,7 @@ class Adversary(UpdateTransform):
         self.z = z
 
     @classmethod
-    def build(cls, cfg) -> Adversary:
+    def build(cls, cfg: Config) -> Adversary:
         """From the block ``adversary.*``."""
         p = load_group(cfg, "adversary", AdversaryParams)
         adversary = cls(p.clients, p.kind, p.factor, p.alie_z)
@@ -89,13 +94,13 @@ class Adversary(UpdateTransform):
         return adversary
 
     @classmethod
-    def enabled(cls, cfg) -> bool:
-        return bool(cfg.adversary.clients)
+    def enabled(cls, cfg: Config) -> bool:
+        return bool(cfg.get("adversary.clients"))
 
     @classmethod
-    def check(cls, cfg) -> None:
+    def check(cls, cfg: Config) -> None:
         """Listed clients exist and are listed once."""
-        n, clients = cfg.data.num_clients, cfg.adversary.clients
+        n, clients = cfg.data.num_clients, cfg.get("adversary.clients")
         for c in clients:
             if not 0 <= c < n:
                 raise ConfigError(f"config key 'adversary.clients' has client id {c} outside "
@@ -103,9 +108,15 @@ class Adversary(UpdateTransform):
         if len(set(clients)) != len(clients):
             raise ConfigError(f"config key 'adversary.clients' lists a client twice: {clients}")
 
+    @classmethod
+    def per_client_reason(cls, cfg: Config) -> Optional[tuple[str, str]]:
+        if cfg.get("adversary.clients") and cfg.get("adversary.kind") == "alie":
+            return "adversary.kind", "the simulated alie attack rewrites the attackers' rows on rank 0"
+        return None
+
     @property
     def needs_rows(self) -> bool:
-        """Whether rank 0 must hold every client's weighted statistics as rows (``alie``)."""
+        """``alie`` rewrites the attackers' rows on rank 0 (module docstring)."""
         return self.kind == "alie"
 
     def before_training(self, task):
@@ -136,13 +147,14 @@ class Adversary(UpdateTransform):
             gen = torch.Generator(device=delta.device).manual_seed(seed)
             delta.normal_(0.0, sigma, generator=gen)
 
-    def on_server_rows(self, clients: np.ndarray, delta: torch.Tensor,
-                       num_participants: int) -> list[int]:
+    def on_rows(self, state: torch.Tensor, rows: dict[str, torch.Tensor],
+                info: RoundInfo) -> list[int]:
         """Rank 0, ``alie`` only (simulation shortcut, see module docstring): overwrite the
-        attackers' rows of ``delta`` (``[n, d]``, row i of client ``clients[i]``) in place
-        with μ − z·σ of the other rows. Returns the clients rewritten."""
+        attackers' rows of ``delta`` (``[n, d]``, row i of client ``info.clients[i]``) in
+        place with μ − z·σ of the other rows. Returns the clients rewritten."""
         if self.kind != "alie":
             return []
+        clients, delta, num_participants = info.clients, rows["delta"], info.num_selected
         bad = np.array([int(k) in self.clients for k in clients])
         if not bad.any() or bad.all():
             return []

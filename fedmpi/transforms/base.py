@@ -1,44 +1,109 @@
-"""Update transforms: client-side rewrites composed around any method.
+"""Update transforms: stages composed around any method, with a client and a server half.
 
-A transform sees a client's work at four points of the one local-training path
-(:meth:`~fedmpi.methods.base.Algorithm.client_update`), in this order:
+A transform sees a client's work at four points of the worker's client template
+(:class:`fedmpi.runtime.worker.Worker`), in this order:
 
 1. :meth:`UpdateTransform.before_training` — the task may be changed (label
    flipping) or refused (a simulated crash raises);
-2. :meth:`UpdateTransform.wrap_hooks` — hooks inside the local loop
-   (ECGR records every step);
-3. :meth:`UpdateTransform.on_delta` — right after Δ_k = θ_k − θ is formed,
-   before the method's ``finish_client`` (ECGR's herding selection);
-4. :meth:`UpdateTransform.on_upload` — on the final upload, after the method
-   wrote every statistic (ECGR's re-aggregated update; an adversary's
-   corruption).
+2. :meth:`UpdateTransform.wrap_hooks` — hooks inside the local loop (ECGR records
+   every step; record-level DP replaces the batch sampler and the gradient);
+3. :meth:`UpdateTransform.on_delta` — right after Δ_k = θ_k − θ is formed, before the
+   method's ``finish_client`` (ECGR's herding selection);
+4. :meth:`UpdateTransform.on_upload` — on the final upload, after the method wrote
+   every statistic (ECGR's re-aggregated update; an adversary's corruption;
+   client-level DP's clip).
+
+Its server half runs on rank 0, in the *reverse* order of the client halves (the stage
+that touched the upload last sees the aggregate first, as pfl-research's
+postprocessors do):
+
+5. :meth:`UpdateTransform.plan_round` — before a round is started: a reason to end the
+   run instead (a privacy budget that the round would exceed);
+6. :meth:`UpdateTransform.on_rows` — the per-client half, on the accepted clients' rows
+   before the weighting and the server rule see them (the omniscient ALIE attack);
+   a transform that needs it declares :meth:`UpdateTransform.needs_rows`;
+7. :meth:`UpdateTransform.on_aggregate` — on the combined aggregate, before the
+   method's server rule (DP-FedAvg's noise and fixed denominator);
+8. :meth:`UpdateTransform.after_round` — after the server step, every round a client
+   trained in (privacy accounting).
+
+A transform may also encode the uplink sum (:meth:`UpdateTransform.codec`: secure
+aggregation's masked ring elements), declare that rank 0 may hold only sums
+(:attr:`UpdateTransform.sums_only`), and refuse what it cannot be combined with
+(:meth:`UpdateTransform.validate`, given the run's built parts).
 
 Each transform declares its own uplink statistics (:meth:`stats`, e.g. ECGR's
-``ecgr/selected`` row) and log output (:meth:`log_arrays`, and static
-attributes through ``ctx.log`` in :meth:`setup`), its config block (a top-level
-section named after it: ``ecgr.*``, ``adversary.*``) and whether a config turns
-it on (:meth:`UpdateTransform.enabled`). A transform is one class registered in
-:data:`TRANSFORMS`; the runtime builds the enabled ones in registration order
-(ECGR before the adversary, so an attack corrupts what would really be
-uploaded), then those listed by import path in ``transforms``.
+``ecgr/selected`` row), reports what it logs through ``self.report``, owns its config
+block (a top-level section named after it: ``ecgr.*``, ``adversary.*``; the privacy
+stages read ``privacy.*``) and says whether a config turns it on
+(:meth:`UpdateTransform.enabled`). A transform is one class registered in
+:data:`TRANSFORMS`; the runtime builds the enabled ones in registration order (ECGR
+before the adversary, so an attack corrupts what would really be uploaded; the privacy
+stages last), then those listed by import path in ``transforms``.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Optional, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
 
+from fedmpi.component import ClientTask, Component, Registry, RoundInfo, Stat
 from fedmpi.training.loop import StepHooks
-from fedmpi.component import Component, Registry
 
 if TYPE_CHECKING:
-    from fedmpi.context import Context
-    from fedmpi.component import ClientTask, Stat
+    from fedmpi.config.core import Config
+
+
+class UplinkCodec(Protocol):
+    """How the summed uplink statistics travel when a transform encodes them (secure
+    aggregation): each rank seals its float64 partial sum into an int64 buffer, the
+    buffers are summed by one ``Reduce``, rank 0 opens the total.
+
+    ``handshake``/``on_handshake``: one ``Allreduce`` of an int64 array before the first
+    round (secure aggregation's public keys). ``begin(participants)``: a new round with
+    that many participants; ``accepts(x, weight)``: whether a client's contribution
+    ``weight·x`` decodes without wrapping (refused clients are excluded, never wrapped, and
+    logged with ``refused_because``). With fewer than ``min_accepted`` accepted clients no
+    rank seals anything: the clients' updates are withheld (``withheld_because``) and the
+    round leaves the model unchanged.
+    """
+
+    refused_because: str
+    min_accepted: int
+    withheld_because: str
+
+    def handshake(self) -> np.ndarray: ...
+
+    def on_handshake(self, words: np.ndarray) -> None: ...
+
+    def begin(self, participants: int) -> None: ...
+
+    def accepts(self, x: torch.Tensor, weight: float) -> bool: ...
+
+    def seal(self, partial: torch.Tensor, t: int, mine: Sequence[int], accepted: Sequence[int],
+             out: np.ndarray) -> None: ...
+
+    def open(self, total: np.ndarray) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """The run's built parts, for the rules that span them (:meth:`UpdateTransform.validate`)."""
+
+    cfg: Config
+    algorithm: Any               # the method (fedmpi.methods.base.Algorithm)
+    weighting: Any               # fedmpi.aggregation.weighting.Weighting
+    rule: Any                    # fedmpi.aggregation.rules.ServerRule
+    transforms: tuple[Any, ...]  # the enabled UpdateTransforms, in order
+    stats: tuple[Stat, ...]      # every uplink statistic (the method's, then the transforms')
+    model: torch.nn.Module
+    world_size: int
 
 
 class UpdateTransform(Component):
-    """Base of a client-side update transform (every hook is optional).
+    """Base of an update transform (every hook is optional; see the module docstring).
 
     Built with the run's config, ``cls(cfg)``. Its block ``<name>`` gives the
     top-level keys ``<name>.*``.
@@ -49,29 +114,44 @@ class UpdateTransform(Component):
     #: True: the transform rewrites the whole update after the method's ``finish_client``
     #: (ECGR), so it cannot run with a method whose upload is masked (the submodel family)
     rewrites_update: ClassVar[bool] = False
+    #: True: rank 0 may hold only sums over the accepted clients (secure aggregation);
+    #: every part that needs one client's statistics on rank 0 is refused
+    sums_only: ClassVar[bool] = False
     #: the key that turns it on (named in errors about combinations)
     enable_key: ClassVar[str] = "transforms"
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
 
     @classmethod
-    def enabled(cls, cfg) -> bool:
+    def enabled(cls, cfg: Config) -> bool:
         """Whether ``cfg`` turns this registered transform on (ECGR: ``ecgr.enabled``)."""
         return False
 
     @classmethod
-    def build(cls, cfg) -> UpdateTransform:
+    def build(cls, cfg: Config) -> UpdateTransform:
         """The transform of this run (default ``cls(cfg)``)."""
         return cls(cfg)
 
-    def setup(self, ctx: Context) -> None:
-        """Called once on every rank with the run's context, before the uplink is planned."""
+    @property
+    def needs_rows(self) -> bool:
+        """Whether rank 0 must hold every accepted client's weighted statistics as rows
+        (:meth:`on_rows` rewrites them). Default: no."""
+        return False
+
+    def validate(self, parts: RunParts) -> None:
+        """Refuse (:class:`~fedmpi.errors.ConfigError` naming the keys) a combination of
+        the run's built parts this transform cannot work with. Default: none."""
+
+    def codec(self, hosted: Sequence[int], num_clients: int) -> Optional[UplinkCodec]:
+        """The encoding of the uplink sums this transform imposes (None: plain float64)."""
+        return None
 
     def stats(self) -> list[Stat]:
         """Uplink statistics this transform adds (after the method's own)."""
         return []
 
+    # ------------------------------------------------------------- client half
     def before_training(self, task: ClientTask) -> ClientTask:
         return task
 
@@ -84,19 +164,30 @@ class UpdateTransform(Component):
     def on_upload(self, task: ClientTask, out: dict[str, torch.Tensor]) -> None:
         """Every statistic of ``out`` is final; rewrite what is uploaded."""
 
-    def log_outputs(self) -> list[str]:
-        """What this component writes to the HDF5 log, as paths: per-round arrays and
-        static datasets (``"submodel/levels"``) and group attributes (``"ecgr@storage"``).
-        The composition test checks every run's log holds what its parts declare."""
+    # ------------------------------------------------------------- server half
+    def plan_round(self, round: int, participants: np.ndarray) -> Optional[str]:
+        """Rank 0, before round ``round`` with these participants: a reason to end the run
+        (completed) instead of starting it, or None."""
+        return None
+
+    def on_rows(self, state: torch.Tensor, rows: dict[str, torch.Tensor],
+                info: RoundInfo) -> list[int]:
+        """Rank 0, when :attr:`needs_rows`: rewrite the accepted clients' weighted rows
+        (name → ``[n, size]``, row i of ``info.clients[i]``) in place before the weighting
+        and the server rule see them; returns the clients whose rows changed."""
         return []
 
-    def log_arrays(self) -> dict[str, np.ndarray]:
-        """Per-round arrays for the HDF5 log (rank 0)."""
-        return {}
+    def on_aggregate(self, agg: dict[str, torch.Tensor], info: RoundInfo) -> None:
+        """Rank 0: the round's combined aggregate (name → ``[size]``), in place, before the
+        method's server rule applies it."""
+
+    def after_round(self, info: RoundInfo) -> None:
+        """Rank 0, after the server step of a round in which clients trained (accepted or
+        not: ``info.participants``)."""
 
 
 class TransformChain:
-    """The enabled transforms of a run, applied in order at each point."""
+    """The enabled transforms of a run: client halves in order, server halves reversed."""
 
     def __init__(self, transforms: Sequence[UpdateTransform] = ()) -> None:
         self.transforms = list(transforms)
@@ -106,10 +197,6 @@ class TransformChain:
 
     def __bool__(self) -> bool:
         return bool(self.transforms)
-
-    def setup(self, ctx: Context) -> None:
-        for tr in self.transforms:
-            tr.setup(ctx)
 
     def stats(self) -> list[Stat]:
         return [s for tr in self.transforms for s in tr.stats()]
@@ -132,11 +219,38 @@ class TransformChain:
         for tr in self.transforms:
             tr.on_upload(task, out)
 
-    def log_outputs(self) -> list[str]:
-        return [p for tr in self.transforms for p in tr.log_outputs()]
+    @property
+    def needs_rows(self) -> bool:
+        return any(tr.needs_rows for tr in self.transforms)
 
-    def log_arrays(self) -> dict[str, np.ndarray]:
-        return {k: v for tr in self.transforms for k, v in tr.log_arrays().items()}
+    def codec(self, hosted: Sequence[int], num_clients: int) -> Optional[UplinkCodec]:
+        codecs = [c for c in (tr.codec(hosted, num_clients) for tr in self.transforms)
+                  if c is not None]
+        assert len(codecs) <= 1, "one transform encodes the uplink sums"
+        return codecs[0] if codecs else None
+
+    def plan_round(self, round: int, participants: np.ndarray) -> Optional[str]:
+        for tr in reversed(self.transforms):
+            reason = tr.plan_round(round, participants)
+            if reason:
+                return reason
+        return None
+
+    def on_rows(self, state: torch.Tensor, rows: dict[str, torch.Tensor],
+                info: RoundInfo) -> list[int]:
+        changed: list[int] = []
+        for tr in reversed(self.transforms):
+            if tr.needs_rows:
+                changed += [k for k in tr.on_rows(state, rows, info) if k not in changed]
+        return changed
+
+    def on_aggregate(self, agg: dict[str, torch.Tensor], info: RoundInfo) -> None:
+        for tr in reversed(self.transforms):
+            tr.on_aggregate(agg, info)
+
+    def after_round(self, info: RoundInfo) -> None:
+        for tr in reversed(self.transforms):
+            tr.after_round(info)
 
     def get(self, name: str) -> Optional[UpdateTransform]:
         return next((tr for tr in self.transforms if tr.name == name), None)
@@ -152,7 +266,7 @@ def register_transform(cls: type[UpdateTransform]) -> type[UpdateTransform]:
     return TRANSFORMS.register(cls)
 
 
-def enabled_transforms(cfg) -> list[type[UpdateTransform]]:
+def enabled_transforms(cfg: Config) -> list[type[UpdateTransform]]:
     """The classes of the transforms ``cfg`` enables, in order: registered ones whose
     :meth:`~UpdateTransform.enabled` is true, then the ``transforms`` import paths."""
     chain = [cls for cls in TRANSFORMS.values() if cls.enabled(cfg)]
@@ -160,6 +274,6 @@ def enabled_transforms(cfg) -> list[type[UpdateTransform]]:
                     for i, path in enumerate(cfg.transforms)]
 
 
-def build_transforms(cfg) -> TransformChain:
+def build_transforms(cfg: Config) -> TransformChain:
     """The transforms ``cfg`` enables, built with the config (:func:`enabled_transforms`)."""
     return TransformChain([cls.build(cfg) for cls in enabled_transforms(cfg)])

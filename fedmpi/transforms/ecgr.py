@@ -22,7 +22,7 @@ learning rate), so the *local gradient set* is ``g_s = η_s b_s`` and
    entries after the P parameters) come from the final local model.
 
 Composition (DESIGN §4; one implementation for every method). The runtime's
-one training path :meth:`~fedmpi.methods.base.Algorithm.client_update`
+one client template (:class:`~fedmpi.runtime.worker.Worker`)
 chains :meth:`ECGR.hooks` (a ``step_hook`` recording b_s, η_s) with the
 method's own hooks — FedProx's proximal term and SCAFFOLD's correction are
 therefore inside the recorded steps (Algorithms 2 and 4, "store the
@@ -80,8 +80,8 @@ Deviations from the paper / official code (all recorded here):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -92,6 +92,9 @@ from fedmpi.training.loop import SGDConfig, StepHooks, num_local_steps
 from fedmpi.training.loop import sgd_config
 from fedmpi.component import Stat
 from fedmpi.transforms.base import UpdateTransform
+
+if TYPE_CHECKING:
+    from fedmpi.config.core import Config
 
 
 @dataclass(frozen=True)
@@ -241,7 +244,7 @@ class ECGR:
             lrs[s] = lr
             self._steps = s + 1
 
-        return StepHooks(grad_hook=inner.grad_hook, step_hook=record, loss_fn=inner.loss_fn)
+        return replace(inner, step_hook=record)
 
     def _blocks(self, tau: int):
         """(column slice, float32 [τ, cols] view) over the recorded directions."""
@@ -312,16 +315,16 @@ class EcgrTransform(UpdateTransform):
     rewrites_update = True
     min_local_steps = MIN_LOCAL_STEPS
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
         self.engine: Optional[ECGR] = None
 
     @classmethod
-    def enabled(cls, cfg) -> bool:
-        return bool(cfg.ecgr.enabled)
+    def enabled(cls, cfg: Config) -> bool:
+        return bool(cfg.get("ecgr.enabled"))
 
     @classmethod
-    def check(cls, cfg) -> None:
+    def check(cls, cfg: Config) -> None:
         """Plain SGD steps (the recorded b_s); τ_k ≥ 2 is :attr:`min_local_steps`."""
         if cfg.train.optimizer != "sgd":
             raise ConfigError(f"config keys 'ecgr.enabled' and 'train.optimizer': ECGR rewrites "
@@ -338,8 +341,12 @@ class EcgrTransform(UpdateTransform):
         self.engine.setup(ctx.device)
         info = self.engine.describe()
         for key, value in info.items():
-            ctx.log.set_attr("ecgr", key, value)
-        ctx.log.event(0, -1, "ecgr: step buffer " + ", ".join(f"{k}={v}" for k, v in info.items()))
+            self.report.attr("ecgr", key, value)
+        self.report.event("ecgr: step buffer " + ", ".join(f"{k}={v}" for k, v in info.items()))
+
+    @classmethod
+    def per_client_reason(cls, cfg: Config) -> Optional[tuple[str, str]]:
+        return "ecgr.enabled", "ECGR sends per-client selection statistics to rank 0"
 
     def stats(self) -> list:
         return [Stat(SELECTED_STAT, self.engine.stat_size(), "client")]
