@@ -3,15 +3,19 @@
 
     python bench/paper_direction.py [--suite direction|issue|ablation|search|all]
                                     [--seeds 0 1 2] [--quick] [--out runs/paper_direction]
-                                    [--only KEY ...] [--summary-only]
+                                    [--only KEY ...] [--summary-only] [--rekey-cache]
 
 A *suite* is a list of comparisons; a comparison is one setting (a config plus ``--set``
 overrides) with a baseline arm and one or more method arms. Every (arm, seed) is one
 in-process ``fedmpi.run`` at world size 1 (results do not depend on the world size) with
 ``runtime.threads=1``, run sequentially. Each run's accuracy curve is cached as
-``<out>/cache/<hash>.json`` (the hash covers the resolved configuration, every key after the
-overrides), so an interrupted sweep resumes where it stopped, a changed setting is re-run,
-and one setting reached from two suites runs once. ``--quick`` caps every run at 3 rounds and the first seed, into
+``<out>/cache/<hash>.json``. The hash covers every key of the resolved configuration whose
+value differs from its default (the name left out), so an interrupted sweep resumes where it
+stopped, a changed setting is re-run, one setting reached from two suites runs once, and a
+key that fedmpi adds later with a default does not invalidate the cache (a changed *default*
+is not seen: re-run a spot check after such a change). ``--rekey-cache`` renames the entries
+of an older cache (keyed by the full resolved configuration) from the config and overrides
+each one stores. ``--quick`` caps every run at 3 rounds and the first seed, into
 ``<out>/quick`` (a smoke test of the whole pipeline, not a measurement).
 
 Per comparison and arm, over the seeds: final test accuracy, the mean of the last 5 rounds
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import hashlib
 import json
 import sys
@@ -260,14 +265,61 @@ def run_sets(comp: Comparison, arm: Arm, seed: int, quick: bool) -> list[str]:
     return sets + [f"train.rounds={QUICK_ROUNDS}"] if quick else sets
 
 
-def run_key(config: str, sets: list[str]) -> str:
-    """Hash of the resolved configuration (every key after the overrides, the name left
-    out): the same setting reached from two configs or suites is one cached run."""
+def _flat(d: dict, prefix: str = "") -> dict:
+    out: dict = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _defaults() -> dict[str, str]:
     from fedmpi.api import resolve_config
 
-    d = resolve_config(config, sets).to_dict()
-    d.pop("name", None)
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return {k: json.dumps(v, default=str) for k, v in _flat(resolve_config({}).to_dict()).items()}
+
+
+def changed_keys(config: str, sets: list[str]) -> dict:
+    """The resolved configuration's keys (dotted) whose value differs from the default, the
+    run's name left out."""
+    from fedmpi.api import resolve_config
+
+    flat = _flat(resolve_config(config, sets).to_dict())
+    flat.pop("name", None)
+    dflt = _defaults()
+    return {k: v for k, v in flat.items() if dflt.get(k) != json.dumps(v, default=str)}
+
+
+def run_key(config: str, sets: list[str]) -> str:
+    """Hash of the keys that differ from their defaults: the same setting reached from two
+    configs or suites is one cached run, and a key added later with a default leaves it."""
+    changed = json.dumps(changed_keys(config, sets), sort_keys=True, default=str)
+    return hashlib.sha256(changed.encode()).hexdigest()[:16]
+
+
+def rekey_cache(out: Path) -> None:
+    """Rename each ``<out>/cache/*.json`` to its key under :func:`run_key`, recomputed from the
+    config and overrides the entry stores (its log folder follows)."""
+    moved = 0
+    for path in sorted((out / "cache").glob("*.json")):
+        entry = json.loads(path.read_text())
+        key = run_key(entry["config"], entry["sets"])
+        if key == path.stem:
+            continue
+        target = path.with_name(f"{key}.json")
+        if target.exists():
+            raise SystemExit(f"{path}: {target.name} exists (two entries, one setting)")
+        entry["changed"] = changed_keys(entry["config"], entry["sets"])
+        target.write_text(json.dumps(entry, default=str))
+        path.unlink()
+        log = out / "logs" / path.stem
+        if log.is_dir() and not (out / "logs" / key).exists():
+            log.rename(out / "logs" / key)
+        moved += 1
+    print(json.dumps({"rekeyed": moved, "cache": str(out / "cache")}))
 
 
 def one_run(comp: Comparison, arm: Arm, seed: int, out: Path, quick: bool,
@@ -295,8 +347,9 @@ def one_run(comp: Comparison, arm: Arm, seed: int, out: Path, quick: bool,
     acc = np.asarray(read(res.log_path).rounds["test_accuracy"], dtype=float)
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps({"config": comp.config, "sets": sets, "seed": seed,
+                                 "changed": changed_keys(comp.config, sets),
                                  "seconds": round(time.perf_counter() - t0, 1),
-                                 "test_accuracy": acc.tolist()}))
+                                 "test_accuracy": acc.tolist()}, default=str))
     print(json.dumps({"comparison": comp.key, "arm": arm.key, "seed": seed,
                       "final": round(float(acc[-1]), 4),
                       "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
@@ -328,7 +381,8 @@ def summarize(cells: list[Cell], base: Cell, also: tuple[tuple[str, str], ...] =
     def common(*cs: Cell) -> list[int]:
         return sorted(set.intersection(*(set(c.curves) for c in cs)))
 
-    rows = [paired_row(c, base, common(c, base), c is base) for c in [base, *cells]]
+    rows = [paired_row(c, base, common(c, base), c is base) for c in [base, *cells]
+            if common(c, base)]   # an arm with no cached or finished run is left out
     by_key = {c.arm.key: c for c in cells}
     for a, b in also:
         if a in by_key and b in by_key and common(by_key[a], by_key[b]):
@@ -423,7 +477,12 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "runs" / "paper_direction"))
     ap.add_argument("--only", nargs="+", default=None, help="comparison keys to run")
     ap.add_argument("--summary-only", action="store_true", help="tables from the cache only")
+    ap.add_argument("--rekey-cache", action="store_true",
+                    help="rename an older cache's entries to the current keys, then stop")
     args = ap.parse_args()
+    if args.rekey_cache:
+        rekey_cache(Path(args.out))
+        return
     if args.seeds is None:
         args.seeds = [0] if args.quick else [0, 1, 2]
     out = Path(args.out) / ("quick" if args.quick else "")
