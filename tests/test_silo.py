@@ -406,8 +406,8 @@ def test_a_member_killed_mid_round_ends_the_job_named_and_the_run_resumes(one_ra
     """World rank 4 (the member of silo 2) stops before training its client in round 1
     and is killed once it said so (a Unix-socket handshake); without the launcher's
     clean-up the survivors end the job: rank 0 names rank 4 as not answering after
-    ``runtime.round_timeout``. The run, resumed at ``-n 3`` with one-rank silos, ends with
-    the reference's model."""
+    ``runtime.round_timeout`` (or MPI's own failure detection ends it sooner). The run,
+    resumed at ``-n 3`` with one-rank silos, ends with the reference's model."""
     out, timeout = tmp_path / "killed", 10
     where = tmp_path / "stop.sock"
     args = ["run", *MLP, "--set", "runtime.ranks_per_silo=2", "--set",
@@ -435,8 +435,12 @@ def test_a_member_killed_mid_round_ends_the_job_named_and_the_run_resumes(one_ra
     assert proc.returncode not in (0, 75), err[-3000:]
     assert took < timeout + 15, took
     errors = [line for line in err.splitlines() if line.startswith("fedmpi: error")]
-    assert errors and f"rank 4 (host {socket.gethostname()}) did not answer" in errors[0], errors
-    assert "rank 3" in errors[0] and "silo gradient Allreduce" in errors[0], errors
+    # MPICH may notice the dead process first and end the job at once, without a line (as
+    # for a one-rank worker: tests/test_resume.py); else the round_timeout names it
+    if errors or took > timeout:
+        assert errors and f"rank 4 (host {socket.gethostname()}) did not answer" in errors[0], \
+            err[-3000:]
+        assert "rank 3" in errors[0] and "silo gradient Allreduce" in errors[0], errors
     # the checkpoint is the one of R = 1 (per-client states by client id): resume there
     proc = _launch([*args, "--set", "runtime.ranks_per_silo=1", "--resume"], 3)
     assert proc.returncode == 0, proc.stderr[-3000:]
