@@ -210,8 +210,8 @@ def test_each_silo_gets_distinct_gpus_of_its_node():
     as the first node's one extra rank (as slurm/silo.sbatch starts it)."""
     from fedmpi.job.placement import gpu_for_local_rank
 
-    for nodes, R, gpus in (([0] * 5, 2, 4), ([0] * 5, 2, 2), ([0] * 9, 4, 8), ([0] * 9, 2, 8), ([0] * 3, 2, 2),
-                           ([0] * 5 + [5] * 4, 4, 4), ([0] * 5 + [5] * 4, 2, 4)):
+    for nodes, R, gpus in (([0] * 5, 2, 4), ([0] * 5, 2, 2), ([0] * 9, 4, 8), ([0] * 9, 2, 8),
+                           ([0] * 3, 2, 2), ([0] * 5 + [5] * 4, 4, 4), ([0] * 5 + [5] * 4, 2, 4)):
         local = {r: sum(1 for q in range(r) if nodes[q] == nodes[r]) for r in range(len(nodes))}
         for group in silo_groups(nodes, R, True):
             devices = [(nodes[r], gpu_for_local_rank(local[r], gpus)) for r in group]
