@@ -350,11 +350,13 @@ class Comm:
         self.traffic.add("bcast", sent, time.perf_counter() - t0)
 
     def reduce_sum(self, sendbuf: Optional[np.ndarray], recvbuf: np.ndarray | None,
-                   root: int = 0, what: str = "Reduce", patient: bool = True) -> None:
+                   root: int = 0, what: str = "Reduce", patient: bool = True,
+                   count: Optional[int] = None, dtype: Optional[np.dtype | type] = None) -> None:
         r"""``recvbuf = Σ_ranks sendbuf`` on ``root`` (``recvbuf`` ignored elsewhere), each
         element summed in rank order from +0.0: (((+0.0 + x_0) + x_1) + x_2) + … (the bits
         of ``numpy.sum`` over a [ranks, n] array). ``sendbuf`` None: this rank contributes
-        zeros (rank 0 of a run hosts no client) without holding them.
+        zeros (a rank that hosts no client) without holding them; a non-root rank then
+        names ``count`` and ``dtype``.
 
         A chain of point-to-point pieces (:meth:`chunk` elements each): rank 1 sends x_1
         to rank 0, which forms s_1 = x_0 + x_1; rank j ≥ 2 receives s_{j−1}, adds x_j and
@@ -374,10 +376,13 @@ class Comm:
         t0 = time.perf_counter()
         send = sendbuf.reshape(-1) if sendbuf is not None else None
         recv = recvbuf.reshape(-1) if self.rank == root else None
-        ref = send if send is not None else recv
-        assert ref is not None, "a rank without a send buffer is the root"
-        self._chain_reduce(send, recv, ref.size, ref.dtype, root, what, patient)
-        self.traffic.add("reduce", 0 if self.rank == root else ref.nbytes,
+        if count is None:
+            ref = send if send is not None else recv
+            assert ref is not None, "a rank without a buffer names the count and dtype"
+            count, dtype = ref.size, ref.dtype
+        assert dtype is not None
+        self._chain_reduce(send, recv, count, np.dtype(dtype), root, what, patient)
+        self.traffic.add("reduce", 0 if self.rank == root else count * np.dtype(dtype).itemsize,
                          time.perf_counter() - t0)
 
     def _chain_reduce(self, send: Optional[np.ndarray], recv: Optional[np.ndarray], n: int,
@@ -396,9 +401,14 @@ class Comm:
         tag = TOTAL_TAG if r == last else PART_TAG
         pieces = list(self._chunks(n, dtype))
         if source is None:   # rank 1: its own pieces, straight from its buffer
-            assert send is not None, "only the root may contribute nothing"
-            self._stream(pieces, lambda s: chain.Isend(send[s], dest=dest, tag=PART_TAG),
-                         what, patient)
+            if send is None:   # it hosts nothing: zeros
+                zero = self._slot_buffers(dtype, pieces[0].stop - pieces[0].start)[0]
+                zero.fill(0)
+                self._stream(pieces, lambda s: chain.Isend(zero[: s.stop - s.start], dest=dest,
+                                                           tag=PART_TAG), what, patient)
+            else:
+                self._stream(pieces, lambda s: chain.Isend(send[s], dest=dest, tag=PART_TAG),
+                             what, patient)
         else:
             in_place = r == root and dest is None   # the sum lands in recv itself
             slots = [] if in_place else self._slot_buffers(dtype, pieces[0].stop - pieces[0].start)
@@ -418,8 +428,8 @@ class Comm:
                 piece = land(i, s)
                 if send is not None:
                     np.add(piece, send[s], out=piece)
-                if r == 0:   # the sum starts from +0.0, as numpy's does: -0.0 + -0.0 → +0.0
-                    np.add(piece, 0, out=piece)
+                if r == 0 or send is None:   # the sum starts from +0.0, as numpy's does
+                    np.add(piece, 0, out=piece)   # (-0.0 + -0.0 → +0.0); or adds zeros
                 if dest is not None:
                     outgoing[i % DEPTH] = chain.Isend(piece, dest=dest, tag=tag)
 

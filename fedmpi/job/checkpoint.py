@@ -171,7 +171,9 @@ def save(run: RunState, round: int, path: Path) -> Optional[Path]:
         "algorithm": str(run.cfg.algorithm.name), "num_clients": int(run.num_clients),
         "state_size": int(run.global_state.numel()), "world_size": int(run.size),
         "config_yaml": run.cfg.to_yaml(), "fingerprint": fingerprint(run.cfg),
-        "global_state": run.global_state.detach().to("cpu", copy=True),
+        # no copy on the CPU (a model may be most of the memory): the file holds θ's
+        # buffer, which also has the round's downlink extras after θ
+        "global_state": run.global_state.detach().cpu(),
         "components": {name: _to_cpu(dict(c.state_dict())) for name, c in run.components.items()},
         "clients": clients,
     }

@@ -75,7 +75,8 @@ class Federation:
                            for k in self.my_clients}
         self.trainer = (LocalTrainer(self.flat, self.data, self.accel, self.forward)
                         if self.my_clients else None)
-        self.scratch = {s.name: torch.zeros(s.size, device=self.device) for s in self.stats}
+        self.scratch = ({s.name: torch.zeros(s.size, device=self.device) for s in self.stats}
+                        if self.my_clients else {})   # one client's uplink, where clients train
         self.worker = Worker(cfg, self.rank, self.algo, self.weighting, self.transforms,
                              self.trainer, self.client_idx, self.scratch, self.reports)
         tests = self.partition.client_test_indices
@@ -84,8 +85,6 @@ class Federation:
                                  for k in self.my_clients} if tests else None)
         self.recorder = RoundRecorder(self.host, self.size, self.reports)
         summed = [s for s in self.stats if is_summed(s, rows_needed)]
-        self.agg_bufs = ({s.name: torch.zeros(s.size, device=self.device)
-                          for s in summed} if self.is_server else {})
         self.sum_bufs = ({s.name: torch.zeros(s.size, dtype=torch.float64, device=self.device)
                           for s in summed} if self.is_server and exact else {})
         # runtime.reduction: exact — rank 0 adds the rows in client-id order as they arrive
@@ -253,7 +252,7 @@ class Federation:
             return
         t_agg = time.perf_counter()
         self.reports.round = t
-        result = server_step(self.global_state, up, self.server, self.agg_bufs, self.sum_bufs)
+        result = server_step(self.global_state, up, self.server, self.sum_bufs)
         self.reports.flush_events()   # what the stages and the rule reported, in order
         for k in result.excluded:
             status = int(up.status[k])
@@ -328,3 +327,10 @@ class Federation:
 
     def finish_pending_row(self) -> None:
         self.recorder.finish_pending(self._evaluate)
+
+    def release(self) -> None:
+        """After the last round: drop the round's model-sized buffers (the channel's
+        uplink, the exact reduction's sums), keeping θ and the model."""
+        self.channel.release()
+        self.sum_bufs.clear()
+        self.arrival_sum = None

@@ -39,6 +39,7 @@ from fedmpi.runtime.channel import Channel
 from fedmpi.runtime.server import M_TIME, STATUS_NONFINITE, STATUS_OK
 from fedmpi.training.loop import LocalTrainer, TrainResult, stream_seed
 from fedmpi.training.optim import KeptStates
+from fedmpi.training.vecops import all_finite
 from fedmpi.transforms.base import TransformChain
 
 if TYPE_CHECKING:
@@ -102,9 +103,7 @@ class Worker:
                     traceback.print_exc()
                 channel.put_failure(row, k, text)
                 continue
-            # A float64 sum is non-finite iff some entry is (no [P] bool temporary).
-            finite = all(bool(torch.isfinite(v.sum(dtype=torch.float64)))
-                         for v in self.scratch.values())
+            finite = all(all_finite(v) for v in self.scratch.values())
             raw_w = self.weighting.raw(k)
             meta = (STATUS_OK if finite else STATUS_NONFINITE, raw_w, result.loss_sum,
                     result.samples, result.steps, 0.0, *self.reports.take_client_values(k))

@@ -18,6 +18,7 @@ so that
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -54,7 +55,8 @@ class FlatModel:
         self.size = self.num_params + sum(b.numel() for _, b in buffers)
         self.device = torch.device(device)
         self.vector = torch.empty(self.size, dtype=dtype, device=self.device)
-        self.grad = torch.zeros(self.num_params, dtype=dtype, device=self.device)
+        self._grad: Optional[torch.Tensor] = None   # made on first use (:attr:`grad`)
+        self._params = [p for _, p in params]
         segments: list[Segment] = []
         offset = 0
         with torch.no_grad():
@@ -63,7 +65,6 @@ class FlatModel:
                 view = self.vector[offset:offset + n].view_as(p)
                 view.copy_(p)
                 p.data = view
-                p.grad = self.grad[offset:offset + n].view_as(p)
                 segments.append(Segment(name, offset, n, tuple(p.shape), True))
                 offset += n
             for name, b in buffers:
@@ -89,6 +90,17 @@ class FlatModel:
     def load(self, state: torch.Tensor) -> None:
         """Copy a flat state vector (size D) into the model."""
         self.vector.copy_(state[: self.size], non_blocking=True)
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """The flat gradient; every parameter's ``.grad`` is a view into it. Made on first
+        use (a rank that never trains, such as the aggregator, never holds it); the local
+        loop touches it (``zero_grad``) before any backward pass."""
+        if self._grad is None:
+            self._grad = torch.zeros(self.num_params, dtype=self.vector.dtype, device=self.device)
+            for p, s in zip(self._params, self.param_segments):
+                p.grad = self._grad[s.slice].view_as(p)
+        return self._grad
 
     def zero_grad(self) -> None:
         self.grad.zero_()
