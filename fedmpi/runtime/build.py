@@ -127,6 +127,7 @@ class Built:
     server: ServerParts          # the parts the server step runs, and their statistics
     num_outputs: int = 0         # the model's output width the method needs (C; FedGPS: 2C)
     run_info: dict = field(default_factory=dict)   # what ran (fedmpi.job.provenance), for the log
+    frozen_digest: str = ""      # SHA-256 of the frozen parameters (the same on every rank)
 
     @property
     def stats(self) -> tuple[Stat, ...]:
@@ -203,6 +204,7 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
         outputs = algo_class.spec_for(cfg).num_outputs(data.num_classes)  # FedGPS: 2C
     flat = FlatModel(build_model(model_spec(cfg, code.model), data.input_shape, outputs,
                                  cfg.model.norm), device)
+    frozen_digest = same_frozen(comm, flat)
     accel = Accel.from_config(cfg.runtime, device)
     forward = accel.wrap(flat.model)   # compiled once, shared by training and evaluation
 
@@ -253,7 +255,22 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
     info = run_info(cfg, algo, weighting, list(transforms), code.model, local.files, rule)
     return Built(cfg, rank, size, device, data, partition, num_samples, flat, accel, forward, algo,
                  weighting, transforms, rule, host, hosted, ctx, reports, server,
-                 num_outputs=outputs, run_info=info)
+                 num_outputs=outputs, run_info=info, frozen_digest=frozen_digest)
+
+
+def same_frozen(comm: Comm, flat: FlatModel) -> str:
+    """Collective where the model has frozen parameters (``requires_grad=False``): they
+    never travel, so every rank must have built the same ones (the seed, the same weight
+    files); refused otherwise. Returns their digest ("" without any)."""
+    digest = flat.frozen_digest()
+    if digest and comm.size > 1:
+        mine = int(digest[:15], 16)   # 60 bits: an int64 for one Allreduce each way
+        if comm.max_int(mine) != -comm.max_int(-mine):
+            raise ConfigError(f"config key 'model.name': the model's {flat.frozen.numel():,} "
+                              "frozen parameters (requires_grad=False) differ between ranks; "
+                              "they never travel, so every rank must build them identically "
+                              "(from the seed or the same weight files)")
+    return digest
 
 
 def check_parts(cfg: Config, server: ServerParts, model: torch.nn.Module, world_size: int) -> None:

@@ -59,7 +59,8 @@ class Federation:
         self.algo, self.weighting, self.transforms, self.stats = b.algo, b.weighting, b.transforms, b.stats
         self.rule, self.server, self.reports = b.rule, b.server, b.reports
         self.num_samples, self.host, self.my_clients = b.num_samples, b.host, b.hosted
-        self.D = self.flat.size
+        self.D = self.flat.size   # the exchanged state: trainable parameters + float buffers
+        self.frozen_digest = b.frozen_digest
         exact = cfg.runtime.reduction == "exact" and self.size > 1
         rows_needed = self.server.rows_needed
         self.uplink_plan = plan_uplink(list(self.stats), rows_needed, exact)
@@ -138,7 +139,8 @@ class Federation:
             cfg=self.cfg, comm=self.comm, num_clients=self.K, host=self.host,
             hosted=self.my_clients, device=self.device, global_state=self.global_state,
             components=parts, clients=self.algo,
-            after_resume=lambda t: self.algo.after_resume(self.ctx, t), out_dir=self.out_dir)
+            after_resume=lambda t: self.algo.after_resume(self.ctx, t), out_dir=self.out_dir,
+            frozen_digest=self.frozen_digest)
 
     def participants(self, t: int) -> np.ndarray:
         """Boolean mask of S_t: m of K clients without replacement, RNG (seed, t)."""
