@@ -248,6 +248,7 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
         with blame(key, part):
             start(part, ctx)
             reports.declare_clients(list(part.client_values))
+    transforms.client_stores(algo.client_store)   # checkpointed with the method's
     with blame("algorithm.name", algo):
         stats = (*algo.exchange().uplink, *transforms.stats())
     server = ServerParts(algo, weighting, rule, transforms, stats, num_samples)

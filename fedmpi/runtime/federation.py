@@ -281,7 +281,7 @@ class Federation:
         evals = self.evals.none() if overlapped else self._evaluate(t)
         t_end = t_eval if overlapped else time.perf_counter()
         sel = [int(k) for k in np.flatnonzero(up.mask)]
-        traffic = [self.algo.traffic(k, t) for k in sel]
+        traffic = [self.transforms.traffic(*self.algo.traffic(k, t)) for k in sel]
         row = self.recorder.row(up, result, {"start": t_start, "agg": t_agg, "eval": t_eval,
                                              "end": t_end, "arrival": self.channel.exposed_arrival_seconds},
                                 sum(u for u, _ in traffic), sum(d for _, d in traffic))
