@@ -139,3 +139,35 @@ def test_ranks_must_build_the_same_frozen_parameters():
     torch.manual_seed(1)
     with pytest.raises(ConfigError, match="'model.name'.*2,080 frozen parameters"):
         same_frozen(TwoRanks(FlatModel(Backbone(10))), mine)
+
+
+def huge(input_shape, num_classes):
+    """68.7 G parameters (275 GB as float32): more than any test machine has."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 1 << 18), nn.Linear(1 << 18, 1 << 18),
+                         nn.Linear(1 << 18, num_classes))
+
+
+def test_a_model_too_large_is_refused_before_it_is_built(tmp_path):
+    """Built on the meta device only: one line naming model.name and the sizes, no run
+    directory, no allocation (the real build would be killed for memory)."""
+    with pytest.raises(ConfigError) as info:
+        api.run("configs/quickstart.yaml", BASE, model=huge, out=tmp_path / "huge")
+    line = str(info.value)
+    assert "\n" not in line and "'model.name'" in line
+    assert "68,739,399,690 parameters" in line and "GiB available" in line
+    assert not (tmp_path / "huge" / "log.h5").exists()
+
+
+def test_the_memory_check_keeps_the_initial_model(tmp_path):
+    """The meta build draws nothing from the global RNG; with enough memory it passes."""
+    from fedmpi.comm import Comm
+    from fedmpi.runtime.memory import check_fits
+
+    torch.manual_seed(5)
+    check_fits(Comm(), lambda: Backbone(10), available=lambda: 1 << 40)
+    after = Backbone(10).state_dict()
+    torch.manual_seed(5)
+    ref = Backbone(10).state_dict()
+    assert all(torch.equal(after[k], ref[k]) for k in ref)
+    with pytest.raises(ConfigError, match="2,474 parameters and buffers"):
+        check_fits(Comm(), lambda: Backbone(10), available=lambda: 1000)

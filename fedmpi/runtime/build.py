@@ -39,6 +39,7 @@ from fedmpi.models import build_model, model_spec
 from fedmpi.job.placement import default_threads, gpu_for_local_rank
 from fedmpi.job.provenance import run_info
 from fedmpi.runtime.evaluation import test_state
+from fedmpi.runtime.memory import check_fits
 
 
 def resolve_device(spec: str, local_rank: int) -> torch.device:
@@ -202,8 +203,13 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
     check_training_keys(cfg, algo_class, data.num_classes)
     with blame("algorithm.name", algo_class):
         outputs = algo_class.spec_for(cfg).num_outputs(data.num_classes)  # FedGPS: 2C
-    flat = FlatModel(build_model(model_spec(cfg, code.model), data.input_shape, outputs,
-                                 cfg.model.norm), device)
+    spec = model_spec(cfg, code.model)
+
+    def make() -> torch.nn.Module:
+        return build_model(spec, data.input_shape, outputs, cfg.model.norm)
+
+    check_fits(comm, make)   # too large: one line before anything model-sized is allocated
+    flat = FlatModel(make(), device)
     frozen_digest = same_frozen(comm, flat)
     accel = Accel.from_config(cfg.runtime, device)
     forward = accel.wrap(flat.model)   # compiled once, shared by training and evaluation
