@@ -1,7 +1,7 @@
 """How the cost of a round grows with the number of silos K and the model size D (CPU).
 
 Part 1 (``mpiexec -n 3``: rank 0 + 2 workers, one thread each): digits, an MLP
-``1024 → H → H → 10`` whose H gives D ≈ 0.4 M, 11 M and 25 M parameters, K ∈ {10,
+``64 → H → H → 10`` whose H gives D ≈ 0.4 M, 11 M and 25 M parameters, K ∈ {10,
 100, 1000} clients (IID; 10 of them per round, one local step of batch 8, no
 evaluation until the last round), 3 rounds. Reported per (K, D): the median
 ``wall_seconds`` of rounds 1–2 (round 0 includes warm-up), and rank 0's peak
@@ -44,12 +44,12 @@ from pathlib import Path
 from silo_memory import WORKER   # runs fedmpi.run; each rank writes its peak RSS
 
 ROOT = Path(__file__).resolve().parents[1]
-INPUT = 32 * 32          # digits at data.image_size 32, one channel
+INPUT = 8 * 8            # digits: 1 x 8 x 8 (data.image_size applies to imagefolder only)
 
 
 def hidden_for(d: float) -> int:
-    """H of the MLP 1024 → H → H → 10 with about ``d`` parameters:
-    D(H) = H² + (1024 + 1 + 1 + 10) H + 10."""
+    """H of the MLP 64 → H → H → 10 with about ``d`` parameters:
+    D(H) = H² + (64 + 1 + 1 + 10) H + 10."""
     b = INPUT + 12
     return int(round((-b + math.sqrt(b * b + 4 * (d - 10))) / 2))
 

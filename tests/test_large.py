@@ -79,8 +79,8 @@ def pattern(a, b):                      # element i holds i mod 65,521 (exact in
     return (np.arange(a, b, dtype=np.int64) % 65521).astype(np.float32)
 
 base = kib("VmRSS")
-buf = np.zeros(n, dtype=np.float32)
-out = np.zeros(n, dtype=np.float32) if r == 0 else None
+buf = np.full(n, -1.0, dtype=np.float32)     # touched: resident before `held`
+out = np.full(n, -1.0, dtype=np.float32) if r == 0 else None
 if r == 0:
     for a in range(0, n, step):
         buf[a:a + step] = pattern(a, min(n, a + step))
@@ -105,6 +105,7 @@ def test_messages_over_2gib_with_bounded_memory():
     if available_gib() < 16:
         pytest.skip(f"needs 16 GiB of available memory, the machine has {available_gib():.1f}")
     out = run_mpi_script(OVER_2GIB, n=2, timeout=900).stdout
+    print(out)
     assert "RANK 0 BYTES 2147500044" in out and "RANK 1 BYTES 2147500044" in out, out
 
 
