@@ -26,6 +26,7 @@ Usage::
 
     python bench/scaling.py [--out bench/measured/<machine>/scaling.json] [--cluster]
     python bench/scaling.py --memory [--memory-params 100e6 500e6] [--methods fedavg scaffold]
+                            [--device cuda]
 
 The last stdout line is the JSON written to ``--out``.
 """
@@ -101,7 +102,7 @@ def one_point(k: int, d: float, rounds: int, tmp: Path) -> dict:
             "total_seconds": time.perf_counter() - t0}
 
 
-def memory_point(d: float, method: str, tmp: Path) -> dict:
+def memory_point(d: float, method: str, tmp: Path, device: str = "cpu") -> dict:
     """Peak RSS per rank of one round at ``-n 2`` (part 3)."""
     import yaml
 
@@ -116,7 +117,7 @@ def memory_point(d: float, method: str, tmp: Path) -> dict:
            "train": {"rounds": 1, "clients_per_round": 1, "local_steps": 1,
                      "batch_size": 8, "lr": 0.01},
            "eval": {"every": 1},
-           "runtime": {"device": "cpu", "progress": False, "threads": 1,
+           "runtime": {"device": device, "progress": False, "threads": 1,
                        "round_timeout": 3600, "setup_timeout": 3600}}
     path = tmp / f"{cfg['name']}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -130,7 +131,7 @@ def memory_point(d: float, method: str, tmp: Path) -> dict:
     mem = [json.loads((out / f"mem_{r}.json").read_text()) for r in range(2)]
     D = params(h)
     run = [(m["peak_rss_kib"] - m["base_rss_kib"]) * 1024 for m in mem]
-    return {"method": method, "D": D, "hidden": h,
+    return {"method": method, "D": D, "hidden": h, "device": device,
             "run_bytes": run, "bytes_per_param": [b / D for b in run],
             "peak_rss_mib": [m["peak_rss_kib"] / 1024 for m in mem],
             "seconds": time.perf_counter() - t0}
@@ -178,6 +179,7 @@ def main() -> None:
     ap.add_argument("--memory", action="store_true", help="part 3 only: bytes per parameter")
     ap.add_argument("--memory-params", type=float, nargs="+", default=[100e6, 500e6])
     ap.add_argument("--methods", nargs="+", default=["fedavg"])
+    ap.add_argument("--device", default="cpu", help="--memory: runtime.device of the run")
     args = ap.parse_args()
     if args.memory:
         memory(args)
@@ -208,7 +210,7 @@ def memory(args) -> None:
     with tempfile.TemporaryDirectory() as tmpdir:
         for method in args.methods:
             for d in args.memory_params:
-                point = memory_point(d, method, Path(tmpdir))
+                point = memory_point(d, method, Path(tmpdir), args.device)
                 print(json.dumps(point), file=sys.stderr, flush=True)
                 points.append(point)
     margins = []
