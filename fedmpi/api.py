@@ -183,12 +183,15 @@ def _execute(config: ConfigSource, overrides: Sequence[str], code: UserCode, *,
              overwrite: bool = False, comm: Optional[Comm] = None,
              callbacks: Sequence[Callback] = ()) -> RunResult:
     """The run behind :func:`run` and :func:`run_cli` (errors in the CLI's terms)."""
+    from fedmpi.consortium.cross_site import final_evaluations
     from fedmpi.runtime.driver import run as run_federation
 
     if comm is None:   # right after MPI init, before the config or the output is touched
         from fedmpi.comm import mpi_library_version, world_size
+        from fedmpi.job import signals
         from fedmpi.job.launcher import check_world
 
+        signals.defer_early()   # from MPI init on, a stop signal is the run's to act on
         check_world(os.environ, world_size(), mpi_library_version())
     cfg = resolve_config(config, overrides)
     for key, obj in (("model.name", code.model),
@@ -202,6 +205,6 @@ def _execute(config: ConfigSource, overrides: Sequence[str], code: UserCode, *,
 
         comm = run_comm(cfg)
     metrics = run_federation(cfg, out_dir, comm=comm, resume=resume, overwrite=overwrite,
-                             code=code, callbacks=callbacks)
+                             code=code, callbacks=callbacks, final=final_evaluations(cfg))
     return RunResult(metrics=metrics or {}, log_path=out_dir / "log.h5", out_dir=out_dir,
                      rank=comm.rank)

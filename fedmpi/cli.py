@@ -13,19 +13,19 @@ e.g. disk full) prints one line naming the file and exits with status 1.
 """
 from __future__ import annotations
 
-import argparse
-import os
-import platform
-import signal
-import sys
-from typing import Optional, Sequence
-
-from fedmpi._version import __version__
 from fedmpi.job import signals
 
-signals.install_early()   # before the heavy imports: a SIGTERM at start-up exits 75
+signals.install_early()   # first: a SIGTERM during the imports below exits 75
+import argparse  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+from typing import Optional, Sequence  # noqa: E402
+
+from fedmpi._version import __version__  # noqa: E402
 from fedmpi.errors import (EXIT_USAGE, RunFailed, RunInterrupted, UserCodeError, UserError,
-    show_traceback)
+    launch_rank, show_traceback)
 from fedmpi.job.outputs import EXIT_WRITE_FAILED, OutputError, quiet_h5py_errors
 
 
@@ -389,15 +389,6 @@ COMMANDS = {"run": _cmd_run, "check": _cmd_check, "info": _cmd_info, "report": _
 def one_line(exc: BaseException) -> str:
     """The message on one line (a library's multi-line text folded at its newlines)."""
     return " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
-
-
-def launch_rank() -> int:
-    """This process's rank as the MPI launcher announced it (0 when run alone)."""
-    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        value = os.environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -139,3 +139,13 @@ class UserCodeError(ConfigError):
     def __init__(self, what: str, path: Optional[str], exc: BaseException) -> None:
         super().__init__(code_error_line(what, path, exc))
         self.trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+def launch_rank() -> int:
+    """This process's rank as the MPI launcher announced it (0 when run alone): the
+    rank that prints a job's one error line (every rank reads the same input)."""
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0

@@ -135,9 +135,8 @@ def scalars(loss_sum: float, n: float, confusion: np.ndarray, num_classes: int,
             metrics: Sequence[str], probs: "tuple[np.ndarray, np.ndarray] | None" = None
             ) -> dict[str, float]:
     """Metrics from the summed loss, the flat ``[C, C + 1]`` confusion matrix and
-    (AUROC) ``(probabilities [n, C], labels [n])``."""
-    from sklearn.metrics import balanced_accuracy_score, f1_score
-
+    (AUROC) ``(probabilities [n, C], labels [n])``. scikit-learn is imported only for a
+    metric that needs it (importing it costs about a CPU second)."""
     C = int(num_classes)
     m = np.rint(np.asarray(confusion, dtype=np.float64)).astype(np.int64).reshape(C, C + 1)
     n = int(n)
@@ -154,10 +153,14 @@ def scalars(loss_sum: float, n: float, confusion: np.ndarray, num_classes: int,
         elif is_user_metric(metric):
             out[name] = _user(metric, *probs) if probs is not None else math.nan
         elif name == "balanced_accuracy":
+            from sklearn.metrics import balanced_accuracy_score
+
             with warnings.catch_warnings():   # "y_pred contains classes not in y_true": expected
                 warnings.simplefilter("ignore", UserWarning)
                 out[name] = float(balanced_accuracy_score(y_true, y_pred))
         elif name == "macro_f1":
+            from sklearn.metrics import f1_score
+
             out[name] = float(f1_score(y_true, y_pred, average="macro", zero_division=0))
         elif name == "auroc":
             out[name] = _auroc(*probs) if probs is not None else math.nan

@@ -15,7 +15,7 @@ from fedmpi.methods.fedavg import FedAvg
 
 
 def _slow_here() -> bool:
-    from fedmpi.cli import launch_rank
+    from fedmpi.errors import launch_rank
 
     return launch_rank() == int(os.environ.get("FEDMPI_SLOW_RANK", "-1"))
 

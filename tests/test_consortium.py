@@ -281,7 +281,11 @@ def test_report_names_every_site(sites, tmp_path, monkeypatch):
     from test_report_plots import drawn_figure
 
     root, _, config = sites
-    cfg = silo_config(root, **{"data.silos.names": NAMES, "eval.where": "clients",
+    filled = tmp_path / "filled"          # training refuses missing values (it does not impute)
+    filled.mkdir()
+    for src in root.glob("*.csv"):
+        pd.read_csv(src).fillna(0.0).to_csv(filled / src.name, index=False)
+    cfg = silo_config(filled, **{"data.silos.names": NAMES, "eval.where": "clients",
                                "eval.client_holdout": 0.25,
                                "eval.metrics": ["accuracy", "balanced_accuracy"]})
     result = fedmpi.run(cfg, out=tmp_path / "run")

@@ -28,6 +28,42 @@ def test_digits_fixed_split_matches_sklearn():
     np.testing.assert_array_equal(ds.y_train.numpy(), bunch.target[:1437])
 
 
+def test_digits_are_read_without_importing_sklearn_and_equal_its_loader_bitwise():
+    """The CSV is read in a fresh interpreter that never imports scikit-learn; every
+    image and label equals sklearn.datasets.load_digits' (float32 of its float64
+    pixels), in its order."""
+    import subprocess
+    import sys
+
+    code = ("import sys, numpy as np\n"
+            "from fedmpi.data.sources import load_digits\n"
+            "ds = load_digits()\n"
+            "assert not [m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy')], "
+            "'imported'\n"
+            "np.save(sys.argv[1], np.concatenate([ds.x_train.reshape(-1, 64), ds.x_test.reshape(-1, 64)]))\n"
+            "np.save(sys.argv[2], np.concatenate([ds.y_train, ds.y_test]))\n")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        xs, ys = os.path.join(tmp, "x.npy"), os.path.join(tmp, "y.npy")
+        subprocess.run([sys.executable, "-c", code, xs, ys], check=True, env=os.environ.copy())
+        x, y = np.load(xs), np.load(ys)
+    bunch = sk_load_digits()
+    assert x.dtype == np.float32 and y.dtype == np.int64
+    np.testing.assert_array_equal(x, bunch.images.reshape(-1, 64).astype(np.float32))
+    np.testing.assert_array_equal(y, bunch.target)
+
+
+def test_digits_file_missing_is_a_one_line_data_error(monkeypatch):
+    import importlib.util
+
+    from fedmpi.data import sources
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(DataError, match="digits.csv.gz"):
+        sources.load_digits()
+
+
 def test_digits_constants_match_pool_statistics():
     ds = load_dataset("digits")
     mean, std = channel_stats(ds.x_train, ds.scale)

@@ -1,125 +1,126 @@
-"""DP-SGD's sampler, step scale, clip and noise against independent math (issue 40, item 13).
-
-The record-level DP stage (fedmpi/privacy/record_dp.py) replaces the local loop's batch
-sampler and gradient. Each test computes what DP-SGD (Abadi et al. 2016, Alg. 1, with
-Poisson sampling as the accountant assumes) must give, in plain torch/numpy, and each is
-built to fail on one broken rule: shuffled batches instead of Poisson sampling, division by
-the sampled batch size instead of the expected one, a per-sample factor not capped at 1, or
-noise of std σ instead of σ·C.
-"""
+"""DP-SGD's per-sample clipped sum (fedmpi.privacy.dpsgd.clipped_grad_sum) against a plain
+per-sample backward loop computed here, for each way of forming per-sample gradients."""
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from fedmpi.component import ClientTask
-from fedmpi.config.schema import config_from_dict
-from fedmpi.privacy.record_dp import RecordDP
-from fedmpi.training.flat import FlatModel
-from fedmpi.training.loop import StepHooks
-
-B, CLIP = 50, 0.7
+from fedmpi.models import CNN, MLP, LeNet, ResNet, BasicBlock, norm_layer
+from fedmpi.privacy import dpsgd
 
 
-def stage(sigma: float, batch_size: int = B, clip: float = CLIP) -> RecordDP:
-    cfg = config_from_dict({"privacy": {"dp": {"level": "record", "clip": clip,
-                                               "noise_multiplier": sigma}},
-                            "model": {"norm": "gn"}, "train": {"batch_size": batch_size}})
-    return RecordDP(cfg)
+def reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip=None):
+    """Σ_i g_i·min(1, C/‖g_i‖) (norm over all parameters), Σ_i ℓ_i and C: one backward per
+    sample. C = None: the median of the per-sample norms (half the samples are clipped)."""
+    params = list(model.parameters())
+    grads, losses = [], []
+    for i in range(y.numel()):
+        loss = F.cross_entropy(model(x[i:i + 1]), y[i:i + 1])
+        grads.append([g.double() for g in torch.autograd.grad(loss, params)])
+        losses.append(float(loss.detach()))
+    norms = [float(torch.sqrt(sum((g ** 2).sum() for g in gs))) for gs in grads]
+    clip = float(torch.tensor(norms).median()) if clip is None else clip
+    total = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    for gs, norm in zip(grads, norms):
+        for t, g in zip(total, gs):
+            t += g * min(1.0, clip / norm)
+    return [t.reshape(-1) for t in total], sum(losses), clip
 
 
-def hooks(st: RecordDP, n: int = 1000, seed: int = 3) -> StepHooks:
-    task = ClientTask(client=0, round=0, indices=torch.arange(n), seed=seed)
-    return st.wrap_hooks(StepHooks(), task)
+class Transposed(nn.Module):
+    """Puts the batch on dim 1 before its Linear: per-layer gradients would mix samples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x.unsqueeze(1).transpose(0, 1)).squeeze(0)
 
 
-def test_batches_are_poisson_samples_of_rate_b_over_n():
-    """Every sample joins a step independently with q = B/n: sizes vary as Binomial(n, q),
-    each index is drawn with frequency q, and batches are not the shuffled epoch's slices."""
-    n, steps = 1000, 3000
-    h = hooks(stage(1.0), n)
-    gen = torch.Generator().manual_seed(0)
-    batches = list(h.sampler(torch.arange(n), steps, gen))
-    assert len(batches) == steps
-    q = B / n
-    sizes = np.array([len(b) for b in batches])
-    assert abs(sizes.mean() - n * q) < 5 * math.sqrt(n * q * (1 - q) / steps)
-    assert abs(sizes.var() - n * q * (1 - q)) < 0.15 * n * q * (1 - q)
-    counts = np.bincount(torch.cat(batches).numpy(), minlength=n)
-    freq = counts / steps
-    assert abs(freq.mean() - q) < 1e-3 and freq.std() < 4 * math.sqrt(q * (1 - q) / steps)
-    assert all(len(set(b.tolist())) == len(b) for b in batches[:50])   # no repeats in a batch
+def _gn(c):
+    return nn.GroupNorm(2, c)
 
 
-def _model() -> FlatModel:
+MODELS = {
+    "cnn_gn": (lambda: CNN(1, 10, norm_layer("gn"), widths=(8, 16, 32)), (20, 1, 8, 8), 10),
+    "lenet": (lambda: LeNet(1, 10, 8), (12, 1, 8, 8), 10),
+    "mlp": (lambda: MLP((3, 5), 4, hidden=(16, 16)), (20, 3, 5), 4),
+    "resnet_gn": (lambda: ResNet(BasicBlock, (1, 1, 1, 1), 3, 5, _gn), (6, 3, 8, 8), 5),
+    # Linear and LayerNorm on [B, L, d]: the ghost norm with L = 2, materialised with L = 7
+    "sequence_ghost": (lambda: nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.GELU(),
+                                             nn.Flatten(), nn.Linear(32, 3)), (10, 2, 16), 3),
+    "sequence": (lambda: nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Tanh(),
+                                       nn.Flatten(), nn.Linear(35, 3)), (10, 7, 6), 3),
+    "transposed": (Transposed, (9, 4), 3),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_clipped_sum_equals_a_per_sample_backward_loop(name):
+    make, shape, classes = MODELS[name]
     torch.manual_seed(0)
-    return FlatModel(nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)))
+    model = make()
+    x, y = torch.randn(*shape) * 3, torch.randint(0, classes, shape[:1])
+    names = [n for n, _ in model.named_parameters()]
+    ref, ref_loss, clip = reference(model, x, y)
+    per_layer = dpsgd._layer_plan(model, names) is not None
+    assert per_layer == (name not in ("transposed",))          # the way under test
+    out = [torch.full((p.numel(),), float("nan")) for p in model.parameters()]
+    loss = dpsgd.clipped_grad_sum(model, names, x, y, clip, out)
+    for n, a, b in zip(names, out, ref):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-6 * float(b.abs().max()),
+                                   msg=n)
+    assert float(loss) == pytest.approx(ref_loss, rel=1e-5)
 
 
-def _per_sample_reference(flat: FlatModel, x: torch.Tensor, y: torch.Tensor, clip: float,
-                          divisor: int) -> torch.Tensor:
-    """(Σ_i g_i·min(1, C/‖g_i‖)) / B by one backward pass per sample."""
-    total = torch.zeros(flat.num_params, dtype=torch.float64)
-    for i in range(len(y)):
-        flat.zero_grad()
-        nn.functional.cross_entropy(flat.model(x[i:i + 1]), y[i:i + 1]).backward()
-        g = flat.grad.double().clone()
-        total += g * min(1.0, clip / float(g.norm()))
-    return total / divisor
-
-
-def test_the_gradient_is_the_clipped_sum_over_the_expected_batch_size():
-    """σ = 0: the step's gradient is Σ_i clip(g_i) / B with B the *expected* batch size, the
-    clip factor capped at 1 (small per-sample gradients keep their norm)."""
-    flat = _model()
+def test_per_layer_equals_vmap_on_the_quickstart_cnn():
     torch.manual_seed(1)
-    x = torch.randn(37, 6) * torch.tensor([0.01] * 20 + [5.0] * 17)[:, None]   # small and large
-    y = torch.randint(0, 3, (37,))
-    norms = []
-    for i in range(len(y)):
-        flat.zero_grad()
-        nn.functional.cross_entropy(flat.model(x[i:i + 1]), y[i:i + 1]).backward()
-        norms.append(float(flat.grad.norm()))
-    clip = float(np.median(norms))           # half the samples below C, half above
-    assert min(norms) < clip < max(norms)
-    want = _per_sample_reference(flat, x, y, clip, B)
-    flat.zero_grad()
-    loss = hooks(stage(0.0, clip=clip)).gradient(flat, x, y)
-    torch.testing.assert_close(flat.grad.double(), want, rtol=1e-5, atol=1e-7)
-    ref_loss = nn.functional.cross_entropy(flat.model(x), y, reduction="sum")
-    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+    model = CNN(1, 10, norm_layer("gn"))
+    x, y = torch.randn(32, 1, 8, 8), torch.randint(0, 10, (32,))
+    names = [n for n, _ in model.named_parameters()]
+    plan = dpsgd._layer_plan(model, names)
+    assert plan is not None
+    a = [torch.empty(p.numel()) for p in model.parameters()]
+    b = [torch.empty(p.numel()) for p in model.parameters()]
+    la = dpsgd._by_layers(model, plan, x, y, 1.0, a)
+    lb = dpsgd._by_vmap(model, names, x, y, 1.0, b)
+    assert la is not None
+    for n, u, v in zip(names, a, b):
+        torch.testing.assert_close(u, v, rtol=1e-4, atol=1e-6, msg=n)
+    torch.testing.assert_close(la, lb)
 
 
-def test_the_noise_has_std_sigma_times_c_before_the_division():
-    """σ > 0: the gradient minus its noiseless value, times B, is N(0, σ²C²) per coordinate."""
+def test_models_the_per_layer_way_cannot_prove_go_by_vmap():
+    names = ["fc.weight", "fc.bias"]
+    assert dpsgd._layer_plan(Transposed(), names) is None
+    shared = nn.Sequential(nn.Linear(3, 3))
+    shared.append(shared[0])              # one layer reached twice
+    assert dpsgd._layer_plan(shared, ["0.weight", "0.bias"]) is None
+    grouped = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(4, 2))
+    assert dpsgd._layer_plan(grouped, [n for n, _ in grouped.named_parameters()]) is None
+    hooked = nn.Sequential(nn.Linear(3, 3))
+    hooked[0].register_forward_hook(lambda m, a, o: o * 2)
+    assert dpsgd._layer_plan(hooked, ["0.weight", "0.bias"]) is None
+
+
+def test_a_layer_called_twice_at_run_time_falls_back_to_vmap():
     torch.manual_seed(2)
-    flat = FlatModel(nn.Sequential(nn.Linear(100, 100), nn.Tanh(), nn.Linear(100, 10)))
-    x, y = torch.randn(8, 100), torch.randint(0, 10, (8,))
-    sigma = 1.5
-    flat.zero_grad()
-    hooks(stage(0.0)).gradient(flat, x, y)
-    quiet = flat.grad.double().clone()
-    flat.zero_grad()
-    hooks(stage(sigma)).gradient(flat, x, y)
-    z = (flat.grad.double() - quiet) * B
-    P = z.numel()
-    se = sigma * CLIP / math.sqrt(2 * P)                   # std error of a sample std
-    assert abs(float(z.std()) - sigma * CLIP) < 5 * se
-    assert abs(float(z.mean())) < 5 * sigma * CLIP / math.sqrt(P)
 
+    class Twice(nn.Sequential):
+        def forward(self, x):           # same class list, but the Linear runs twice
+            return self[1](torch.relu(self[0](self[0](x))))
 
-def test_noise_streams_are_per_client_round_and_reproducible():
-    """The noise of (seed, client, round) is the same every time it is drawn and differs
-    between client-rounds (a resumed run draws the same noise)."""
-    flat = _model()
-    x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
-    grads = []
-    for seed in (3, 3, 4):
-        flat.zero_grad()
-        hooks(stage(1.0), seed=seed).gradient(flat, x, y)
-        grads.append(flat.grad.clone())
-    assert torch.equal(grads[0], grads[1]) and not torch.equal(grads[0], grads[2])
+    model = Twice(nn.Linear(4, 4), nn.Linear(4, 3))
+    x, y = torch.randn(8, 4) * 3, torch.randint(0, 3, (8,))
+    names = [n for n, _ in model.named_parameters()]
+    assert dpsgd._layer_plan(model, names) is None           # its class is not vouched for
+    plan = [(model[0], {"weight": 0, "bias": 1}), (model[1], {"weight": 2, "bias": 3})]
+    out = [torch.empty(p.numel()) for p in model.parameters()]
+    assert dpsgd._by_layers(model, plan, x, y, 0.5, out) is None   # nor at run time
+    ref, _, _ = reference(model, x, y, 0.5)
+    dpsgd.clipped_grad_sum(model, names, x, y, 0.5, out)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-6)

@@ -58,7 +58,15 @@ def writer(path: Path, rounds: int) -> LogWriter:
 @pytest.fixture
 def log_path(tmp_path) -> Path:
     path = tmp_path / "log.h5"
-    with writer(path, len(ACC)) as w:
+    with writer(path, len(ACC)) as w:   # a completed run with eval.cross_site
+        w.write_static("cross_site/sites", np.array([f"client {k}" for k in range(K)],
+                                                    dtype=object))
+        w.write_static("cross_site/models", np.array(["global model",
+                                                      *(f"client {k}" for k in range(K))],
+                                                     dtype=object))
+        for name in ("test_accuracy", "balanced_accuracy", "test_loss"):
+            w.write_static(f"cross_site/{name}",
+                           np.linspace(0, 1, K * (K + 1)).reshape(K, K + 1))
         w.set_status("completed")
     return path
 

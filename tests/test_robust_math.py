@@ -65,6 +65,7 @@ def test_median_ties_and_equal_rows():
 
 def test_median_spans_chunks(monkeypatch):
     monkeypatch.setattr(rm, "CHUNK", 8)
+    monkeypatch.setattr(rm, "SELECT_CHUNK", 8)
     X = rows(7, d=45)
     np.testing.assert_allclose(run(rm.coordinate_median, X), np.median(X, axis=0), atol=1e-6)
     np.testing.assert_allclose(run(rm.trimmed_mean, X, 2), ref_trimmed(X, 2), atol=1e-6)
@@ -80,6 +81,66 @@ def test_trimmed_mean_matches_scipy():
     stats = pytest.importorskip("scipy.stats")
     X = rows(10)
     np.testing.assert_allclose(run(rm.trimmed_mean, X, 2), stats.trim_mean(X, 0.2, axis=0), atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8, 15, 16, 17])
+def test_selection_equals_numpy_with_ties_and_even_n(n, monkeypatch):
+    """Small integers (many ties) over several chunks: the median is numpy's bit for bit;
+    every trimmed mean equals the mean of numpy's sorted middle values; the outside counts
+    are the rows strictly below the lowest or above the highest value kept."""
+    monkeypatch.setattr(rm, "SELECT_CHUNK", 64)
+    X = np.random.default_rng(n).integers(-3, 4, size=(n, 150)).astype(np.float32)
+    X[:, :5] = 1.0                                        # columns of equal rows
+    counts = torch.zeros(n, dtype=torch.float64)
+    out = torch.empty(X.shape[1])
+    rm.coordinate_median(torch.tensor(X), out, rm.Workspace(), counts)
+    np.testing.assert_array_equal(out.numpy(), np.median(X, axis=0))
+    S = np.sort(X, axis=0)
+    lo, hi = (n - 1) // 2, n // 2
+    np.testing.assert_array_equal(counts.numpy(), ((X < S[lo]) | (X > S[hi])).sum(1))
+    for b in range((n + 1) // 2):
+        counts = torch.zeros(n, dtype=torch.float64)
+        rm.trimmed_mean(torch.tensor(X), b, out, rm.Workspace(), counts)
+        np.testing.assert_allclose(out.numpy(), ref_trimmed(X, b), rtol=0, atol=1e-6)
+        expect = ((X < S[b]) | (X > S[n - b - 1])).sum(1) if b else np.zeros(n)
+        np.testing.assert_array_equal(counts.numpy(), expect)
+
+
+def test_selection_lanes_do_not_change_the_result(monkeypatch):
+    """Chunks shared among 1 or 3 threads (lanes): the same aggregate and counts, bit for bit."""
+    monkeypatch.setattr(rm, "SELECT_CHUNK", 16)
+    X = torch.tensor(rows(9, d=200, seed=3))
+    got = []
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 3):
+            torch.set_num_threads(t)
+            out, counts = torch.empty(200), torch.zeros(9, dtype=torch.float64)
+            rm.trimmed_mean(X, 2, out, rm.Workspace(), counts)
+            got.append((out, counts))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    assert got[0][1].sum() == 2 * 2 * 200        # every column drops 2 per side (no ties)
+
+
+@pytest.mark.parametrize("n", range(1, 21))
+def test_selection_network_sorts_the_ranks_it_keeps(n):
+    """Applied to random small integers, the pruned network leaves at each kept rank the
+    sorted value and over the bag the sorted multiset; unpruned (every rank kept) it sorts."""
+    rng = np.random.default_rng(n)
+    for keep, bag in [(set(range(n)), set()), ({(n - 1) // 2}, {(n - 1) // 2, n // 2}),
+                      (set(), set(range(n // 3, n - n // 3)))]:
+        net = rm.selection_network(n, frozenset(keep), frozenset(bag))
+        for _ in range(50):
+            x = list(rng.integers(0, 4, n))
+            r = list(x)
+            for i, j, need_lo, need_hi in net:      # an output not formed is poisoned
+                lo, hi = (None, None) if None in (r[i], r[j]) else sorted((r[i], r[j]))
+                r[i], r[j] = lo if need_lo else None, hi if need_hi else None
+            s = sorted(x)
+            assert all(r[k] == s[k] for k in keep), (n, keep, x, r)
+            assert sorted(r[k] for k in bag) == [s[k] for k in sorted(bag)], (n, bag, x, r)
 
 
 def test_trimmed_mean_rejects_trimming_everything():

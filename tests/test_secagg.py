@@ -73,6 +73,44 @@ def test_masks_cancel_and_what_rank0_receives_is_masked():
     assert np.max(np.abs(total - expected)) <= 2 * 2.0 ** -(F + 1)   # one rounding per rank
 
 
+@pytest.mark.parametrize("layout", [[[0, 1, 2, 3, 4, 5]], [[], [0, 2, 4, 5], [1, 3]],
+                                    [[], [0, 1, 2], [3], [4, 5]]])
+def test_sealing_skips_same_rank_pairs_bit_identically(layout):
+    """E_r drawn over the cross-rank pairs only is, bit for bit, enc(S_r) + Σ_{k∈r} m_k with
+    every pair's mask (m_k from ``mask``, each pair drawn); the sealed sum decodes to exactly
+    what the ranks' plain float64 partial sums encode to; and with one rank hosting every
+    accepted client (``-n 1``) no pair secret is derived at all."""
+    K, D, t = 6, 5001, 3
+    x = np.random.default_rng(2).normal(scale=0.3, size=(K, D))
+    accepted = [0, 1, 2, 4, 5]
+    aggs = _ranks(layout, K)
+    sealed, plain = [], []
+    for a, hosted in zip(aggs, layout):
+        mine = [k for k in hosted if k in accepted]
+        partial = torch.as_tensor(x[mine].sum(0) if mine else np.zeros(D))
+        out = np.zeros(D, dtype=np.int64)
+        a.seal(partial, t, mine, accepted, out)
+        every_pair = _numpy_encode(partial.numpy(), F)
+        for k in mine:
+            every_pair = np.mod(every_pair + a.mask(k, t, accepted, D), MOD)
+        np.testing.assert_array_equal(out, every_pair)
+        sealed.append(out)
+        plain.append(_numpy_encode(partial.numpy(), F))
+    total = aggs[0].open(np.sum(sealed, axis=0))
+    np.testing.assert_array_equal(total.numpy(), decode(torch.as_tensor(np.sum(plain, axis=0)), F).numpy())
+    # any representative (a sum of ring elements), both halves of the ring
+    reps = np.array([0, 1, MOD // 2 - 1, MOD // 2, MOD - 1, MOD, 3 * MOD - 2, 5 * MOD // 2 + 7],
+                    dtype=np.int64)
+    np.testing.assert_array_equal(aggs[0].open(reps.copy()).numpy(),
+                                  decode(torch.as_tensor(reps), F).numpy())
+    if len(layout) == 1:
+        fresh = _ranks(layout, K)[0]
+        out = np.zeros(D, dtype=np.int64)
+        fresh.seal(torch.as_tensor(x[accepted].sum(0)), t, accepted, accepted, out)
+        assert not fresh._pair
+        np.testing.assert_array_equal(out, _numpy_encode(x[accepted].sum(0), F))
+
+
 def test_masks_differ_per_round_and_need_every_accepted_pair():
     K, D = 4, 64
     aggs = _ranks([[0, 1], [2, 3]], K)

@@ -38,6 +38,20 @@ def held_out_positions(n: int, client: int) -> np.ndarray:
     return np.sort(rng.permutation(n)[:m])
 
 
+def held_out_split(root) -> tuple[list[pd.DataFrame], list[pd.DataFrame], np.ndarray,
+                                   np.ndarray]:
+    """Each silo file's training and held-out rows (the documented rule) and the training
+    rows' per-feature mean and (population) standard deviation, the run's normalisation."""
+    train, test = [], []
+    for k in range(K):
+        frame = pd.read_csv(root / f"silo_{k}.csv")
+        pos = held_out_positions(len(frame), k)
+        test.append(frame.iloc[pos])
+        train.append(frame.drop(index=frame.index[pos]))
+    feats = pd.concat(train).drop(columns="label").to_numpy(dtype=np.float64)
+    return train, test, feats.mean(0), feats.std(0)
+
+
 def mlp_probs(state: dict, x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
     """Softmax of the two-hidden-layer MLP of configs/tabular_silos.yaml, in plain torch."""
     h = (torch.tensor(x, dtype=torch.float32) - torch.tensor(mean, dtype=torch.float32)) \
@@ -75,14 +89,7 @@ def test_tabular_silos_clients_evaluate_at_n3_and_match_sklearn(tmp_path):
 
     # independent recomputation: the held-out rows of each silo, normalised by the
     # training rows' statistics, through the final model
-    silos = [pd.read_csv(root / f"silo_{k}.csv") for k in range(K)]
-    train, test = [], []
-    for k, frame in enumerate(silos):
-        pos = held_out_positions(len(frame), k)
-        test.append(frame.iloc[pos])
-        train.append(frame.drop(index=frame.index[pos]))
-    feats = pd.concat(train).drop(columns="label").to_numpy(dtype=np.float64)
-    mean, std = feats.mean(0), feats.std(0)
+    train, test, mean, std = held_out_split(root)
     state = torch.load(out / "model.pt", weights_only=True)
     probs = [mlp_probs(state, t.drop(columns="label").to_numpy(), mean, std) for t in test]
     labels = [t["label"].to_numpy() for t in test]

@@ -57,8 +57,9 @@ shared base, logging and fallbacks); their arithmetic is :mod:`~fedmpi.aggregati
 from __future__ import annotations
 
 import abc
-
 import copy
+import math
+from fractions import Fraction
 from dataclasses import dataclass, replace
 from typing import ClassVar, Mapping, Optional
 
@@ -177,7 +178,10 @@ class TrimmedMean(CoordinateRule):
         self.beta = self.hparams().beta
 
     def trim(self, n: int) -> int:
-        return int(np.floor(self.beta * n))
+        """b = ⌊βn⌋ of β as written: β's shortest decimal (``repr``) in exact rational
+        arithmetic, so β = 0.29, n = 100 trims 29 (the float product 0.29·100 is
+        28.999…, whose floor would trim one too few)."""
+        return math.floor(Fraction(repr(float(self.beta))) * n)
 
 
 # ------------------------------------------------------------------------ Krum
@@ -358,10 +362,17 @@ class FLTrust(RobustRule):
 
     Other weighted statistics are combined with :math:`TS_k/\\sum_j TS_j`. When no client
     has a positive trust score the aggregate is zero (the model stays) and an event is
-    logged. Sample weights are not used. Logs ``rule/trust``."""
+    logged. Sample weights are not used. Logs ``rule/trust``.
+
+    :math:`g_0` depends on θ alone: with world size > 1 rank 0 computes it in
+    :meth:`begin_round`, while the workers train (as it evaluates the previous round's
+    model with ``eval.overlap``), and :meth:`aggregate` uses it; at world size 1 rank 0
+    trains the clients itself and computes it in :meth:`aggregate`. The same inputs and
+    RNG stream either way, so the same bits (docs/performance.md)."""
 
     name = "fltrust"
     column = "trust"
+    _early: Optional[tuple[int, torch.Tensor]] = None   # (round, g_0) from begin_round
 
     @classmethod
     def check(cls, cfg: Config) -> None:
@@ -400,9 +411,15 @@ class FLTrust(RobustRule):
         self.trainer.train(self.indices, replace(self.sgd, lr=self._lr(round)), self._seed(round))
         return torch.sub(flat.vector, state, out=self.g0)
 
+    def begin_round(self, state: torch.Tensor, round: int) -> None:
+        """:math:`g_0` of round ``round`` now, while the workers train (class docstring)."""
+        self._early = (round, self.server_update(state, round))
+
     def aggregate(self, rows: Rows, info: RuleInfo) -> dict[str, torch.Tensor]:
         X = rows["delta"]
-        g0 = self.server_update(info.state, info.round)[: X.shape[1]]
+        early, self._early = self._early, None
+        g0 = (early[1] if early is not None and early[0] == info.round
+              else self.server_update(info.state, info.round))[: X.shape[1]]
         norms = torch.linalg.vector_norm(X, dim=1).double().cpu().numpy()
         dots = torch.mv(X, g0).double().cpu().numpy()
         g0_norm = float(torch.linalg.vector_norm(g0))

@@ -15,23 +15,42 @@ Two building blocks serve all rules:
   cancellation). Krum, the geometric median, norm clipping and FLTrust then
   work on ``[n, n]`` numbers and finish with one combination
   :math:`\sum_i c_i x_i` (:func:`combine`).
-* :meth:`Workspace.sorted_columns` — the rows sorted per coordinate, a chunk of
-  columns at a time (coordinate-wise median and trimmed mean).
+* :meth:`Workspace.select_columns` — per coordinate, the order statistics a rule
+  needs (coordinate-wise median and trimmed mean), by a *selection network*: the
+  compare–exchange steps of Batcher's odd–even merge sort (Knuth, TAOCP vol. 3,
+  §5.3.4, Algorithm M) on the n client rows, pruned to those that decide the
+  wanted ranks (:func:`selection_network`). Each step is one elementwise
+  ``minimum`` and one ``maximum`` over a chunk of columns, so the work is a
+  few dozen vector passes over the [n, chunk] block instead of a sort per
+  coordinate; the values are exactly the sorted ones at those ranks, ties
+  included.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 
 __all__ = [
-    "Workspace", "combine", "coordinate_median", "trimmed_mean", "squared_distances",
+    "Workspace", "selection_network", "combine", "coordinate_median", "trimmed_mean", "squared_distances",
     "krum_scores", "krum_select", "weiszfeld", "clip_factors", "fltrust_weights",
 ]
 
-#: Columns per chunk: ``n × CHUNK`` float64/int64 temporaries of a few tens of MiB at n = 16.
+#: Columns per chunk of the Gram matrix: ``n × CHUNK`` float64 temporaries of a few tens
+#: of MiB at n = 16.
 CHUNK = 1 << 18
+#: Columns per chunk of the selection network on the CPU: its n + 1 rows of
+#: ``SELECT_CHUNK`` float32 values (2 MiB at n = 16) stay near the cache, and an
+#: elementwise operation on one row is at most PyTorch's grain (32768 elements), so it
+#: runs on the calling thread (:meth:`Workspace.select_columns`).
+SELECT_CHUNK = 1 << 15
+#: The same on an accelerator, where a longer operation costs no more to launch.
+SELECT_CHUNK_DEVICE = 1 << 20
+#: At most this many CPU lanes (threads) share the chunks; each keeps its own buffers.
+MAX_LANES = 8
 
 
 class Workspace:
@@ -49,9 +68,10 @@ class Workspace:
             buf = self._bufs[k] = torch.empty(shape, dtype=dtype, device=device)
         return buf
 
-    def _chunks(self, d: int) -> Iterator[tuple[int, int]]:
-        for a in range(0, d, CHUNK):
-            yield a, min(d, a + CHUNK)
+    def _chunks(self, d: int, chunk: Optional[int] = None) -> Iterator[tuple[int, int]]:
+        chunk = chunk or CHUNK
+        for a in range(0, d, chunk):
+            yield a, min(d, a + chunk)
 
     def gram(self, X: torch.Tensor, extra: Optional[torch.Tensor] = None) -> np.ndarray:
         """:math:`G = Y Y^\top` in float64 with ``Y = X`` (or ``[X; extra]``), ``[n(+1), n(+1)]``."""
@@ -67,27 +87,186 @@ class Workspace:
             G.addmm_(Y, Y.T)
         return G.cpu().numpy()
 
-    def sorted_columns(self, X: torch.Tensor, each: Callable[[torch.Tensor, int, int], None],
-                       outside: int = 0, counts: Optional[torch.Tensor] = None) -> None:
-        """Call ``each(S, a, b)`` with ``S`` = ``X[:, a:b]`` sorted along clients, chunk by
-        chunk. With ``counts`` (``[n]`` float64), add to ``counts[i]`` the number of
-        coordinates at which row i is among the ``outside`` smallest or largest (ties
-        broken by the sort)."""
+    def select_columns(self, X: torch.Tensor, net: "Network",
+                       each: Callable[[Sequence[torch.Tensor], int, int, int], None]) -> None:
+        """Run the compare–exchange steps ``net`` (:func:`selection_network`) on the rows
+        of ``X``, chunk by chunk of columns, and call ``each(S, a, b, lane)``: ``S[r]``
+        holds ``[b − a]`` values of rank r wherever the network decides rank r.
+
+        On the CPU the chunks are shared among ``torch.get_num_threads()`` lanes (at most
+        :data:`MAX_LANES`; Python threads; PyTorch releases the GIL inside each operation), each chunk short enough
+        that an operation stays on its lane's thread: no synchronisation per operation,
+        which on a loaded machine costs more than the operation. ``lane`` names the
+        lane's own buffers; the chunks' results do not depend on the lanes."""
         n, d = X.shape
-        width = min(d, CHUNK)
-        # sorting contiguous [chunk, n] rows along the last dim is ~3x faster on CPU than
-        # sorting [n, chunk] along dim 0
-        src = self.buffer("sort_in", (width, n), X.dtype, X.device)
-        vals = self.buffer("sorted", (width, n), X.dtype, X.device)
-        idx = self.buffer("sorted_idx", (width, n), torch.long, X.device)
-        for a, b in self._chunks(d):
-            s, v, i = src[: b - a], vals[: b - a], idx[: b - a]
-            s.copy_(X[:, a:b].T)
-            torch.sort(s, dim=1, out=(v, i))
-            each(v.T, a, b)
-            if counts is not None and outside > 0:
-                for part in (i[:, :outside], i[:, n - outside:]):
-                    counts.add_(torch.bincount(part.reshape(-1), minlength=n))
+        cpu = X.device.type == "cpu"
+        chunk = _select_chunk(X)
+        spans = list(self._chunks(d, chunk))
+        lanes = max(1, min(_lanes(), len(spans))) if cpu else 1
+        bufs = [self.buffer(f"select{k}", (n + 1, min(d, chunk)), X.dtype, X.device)
+                for k in range(lanes)]
+
+        def lane(k: int) -> None:
+            for a, b in spans[k::lanes]:
+                each(_run_network(net, X, a, b, bufs[k]), a, b, k)
+
+        if lanes == 1:
+            lane(0)
+            return
+        with ThreadPoolExecutor(lanes) as pool:
+            for done in [pool.submit(lane, k) for k in range(lanes)]:
+                done.result()
+
+    def outside_counts(self, X: torch.Tensor, a: int, b: int, low: torch.Tensor,
+                       high: torch.Tensor, counts: torch.Tensor, lane: int = 0) -> None:
+        """``counts[i] +=`` the columns of ``X[:, a:b]`` at which row i is below ``low``
+        or above ``high``."""
+        n = X.shape[0]
+        flag = self.buffer(f"outside{lane}", (n, min(X.shape[1], _select_chunk(X))),
+                           torch.bool, X.device)[:, : b - a]
+        block = X[:, a:b]
+        for cmp, bound in ((torch.lt, low), (torch.gt, high)):
+            cmp(block, bound, out=flag)
+            counts.add_(flag.view(torch.uint8).sum(1, dtype=torch.int32))
+
+
+def _lanes() -> int:
+    """Lanes of the selection network: the torch threads, at most :data:`MAX_LANES`
+    (each lane keeps n + 1 rows of a chunk)."""
+    return min(torch.get_num_threads(), MAX_LANES)
+
+
+def _select_chunk(X: torch.Tensor) -> int:
+    return SELECT_CHUNK if X.device.type == "cpu" else SELECT_CHUNK_DEVICE
+
+
+def _run_network(net: "Network", X: torch.Tensor, a: int, b: int,
+                 buf: torch.Tensor) -> list[torch.Tensor]:
+    """The steps of ``net`` on ``X[:, a:b]``; positions a step wrote live in rows of
+    ``buf`` ([n + 1, ≥ b − a]), the others are still views of ``X``."""
+    n = X.shape[0]
+    rows: list[torch.Tensor] = [X[i, a:b] for i in range(n)]
+    owned = [False] * n                      # rows[i] is a buffer row, not X's
+    free = [buf[k, : b - a] for k in range(n + 1)]
+    for i, j, need_lo, need_hi in net:
+        ri, rj = rows[i], rows[j]
+        if need_lo:                          # elementwise: in place is safe
+            lo = ri if owned[i] and not need_hi else free.pop()
+            torch.minimum(ri, rj, out=lo)
+        if need_hi:
+            hi = rj if owned[j] else free.pop()
+            torch.maximum(ri, rj, out=hi)
+            rows[j], owned[j] = hi, True
+        elif owned[j]:
+            free.append(rj)
+        if need_lo:
+            if owned[i] and lo is not ri:
+                free.append(ri)
+            rows[i], owned[i] = lo, True
+        elif owned[i]:
+            free.append(ri)
+    return rows
+
+
+#: Compare–exchange steps (i, j, min needed, max needed), i < j: afterwards position i
+#: holds the minimum and j the maximum of the two (an output not needed is not formed).
+Network = tuple[tuple[int, int, bool, bool], ...]
+
+
+@lru_cache(maxsize=256)
+def selection_network(n: int, keep: frozenset[int], bag: frozenset[int]) -> Network:
+    """Batcher's odd–even merge sort of n values (Knuth, TAOCP vol. 3, §5.3.4,
+    Algorithm M, on the next power of two; steps touching a position ≥ n are dropped:
+    there the padding +∞ stays put), pruned to what the ranks in ``keep`` (each value)
+    and in ``bag`` (their multiset only) depend on. Pruning runs backwards: a step whose
+    two outputs only feed the multiset of ``bag`` merely swaps within it and goes, as
+    does a step no needed position reads; of the others, only the outputs read later
+    are formed."""
+    p = 1
+    while p < n:
+        p *= 2
+    steps: list[tuple[int, int]] = []
+    q = 1
+    while q < p:                      # merge sorted runs of length q into runs of 2q
+        k = q
+        while k >= 1:
+            for j in range(k % q, p - k, 2 * k):
+                for i in range(min(k, p - j - k)):
+                    if (i + j) // (2 * q) == (i + j + k) // (2 * q) and i + j + k < n:
+                        steps.append((i + j, i + j + k))
+            k //= 2
+        q *= 2
+    live, multiset = set(keep), set(bag) - set(keep)
+    kept: list[tuple[int, int, bool, bool]] = []
+    for i, j in reversed(steps):
+        if i in multiset and j in multiset:
+            continue
+        need_lo, need_hi = i in live or i in multiset, j in live or j in multiset
+        if need_lo or need_hi:
+            kept.append((i, j, need_lo, need_hi))
+            multiset -= {i, j}
+            live |= {i, j}
+    return tuple(reversed(kept))
+
+
+def _cost(net: Network) -> int:
+    return sum(lo + hi for _, _, lo, hi in net)
+
+
+@lru_cache(maxsize=256)
+def _middle_plan(n: int, trim: int, ends: bool) -> tuple[Network, bool]:
+    """The network for the multiset of ranks trim … n − trim − 1 and, with ``ends``, the
+    two end ranks themselves: either decided by the network, or (second value True) as
+    the min and max over the middle positions afterwards, whichever takes fewer passes."""
+    bag = frozenset(range(trim, n - trim))
+    plain = selection_network(n, frozenset(), bag)
+    if not ends:
+        return plain, False
+    decided = selection_network(n, frozenset({trim, n - trim - 1}), bag)
+    if _cost(decided) <= _cost(plain) + 2 * (len(bag) - 1):
+        return decided, False
+    return plain, True
+
+
+def _middle_mean(X: torch.Tensor, trim: int, out: torch.Tensor, ws: Workspace,
+                 counts: Optional[torch.Tensor]) -> torch.Tensor:
+    """Per coordinate the mean of the sorted values of ranks trim … n − trim − 1 into
+    ``out``; ``counts[i] +=`` the coordinates where row i is below the lowest or above
+    the highest of them (a value tied with one of them counts as inside)."""
+    n = X.shape[0]
+    keep = n - 2 * trim
+    ends = counts is not None and trim > 0
+    net, ends_from_bag = _middle_plan(n, trim, ends)
+    lanes = _lanes()
+    width = min(X.shape[1], _select_chunk(X))
+    part = (torch.zeros(lanes, n, dtype=torch.float64, device=X.device)
+            if counts is not None else None)
+
+    def each(S: Sequence[torch.Tensor], a: int, b: int, lane: int) -> None:
+        acc = out[a:b]
+        acc.copy_(S[trim])
+        for r in range(trim + 1, n - trim):
+            acc.add_(S[r])
+        if keep > 1:
+            acc.div_(keep)
+        if not ends:
+            return
+        assert part is not None
+        low, high = S[trim], S[n - trim - 1]
+        if ends_from_bag:
+            low = ws.buffer(f"low{lane}", (width,), X.dtype, X.device)[: b - a]
+            high = ws.buffer(f"high{lane}", (width,), X.dtype, X.device)[: b - a]
+            torch.minimum(S[trim], S[trim + 1], out=low)
+            torch.maximum(S[trim], S[trim + 1], out=high)
+            for r in range(trim + 2, n - trim):
+                torch.minimum(low, S[r], out=low)
+                torch.maximum(high, S[r], out=high)
+        ws.outside_counts(X, a, b, low, high, part[lane], lane)
+
+    ws.select_columns(X, net, each)
+    if counts is not None and part is not None:
+        counts.add_(part.sum(0))
+    return out
 
 
 def combine(coef: np.ndarray, X: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -100,37 +279,24 @@ def coordinate_median(X: torch.Tensor, out: torch.Tensor, ws: Workspace,
                       counts: Optional[torch.Tensor] = None) -> torch.Tensor:
     r"""Coordinate-wise median (Yin et al. 2018, "Byzantine-robust distributed learning:
     towards optimal statistical rates", ICML, Def. 1): per coordinate the middle value of
-    the n clients, the mean of the two middle values when n is even (``numpy.median``).
-    ``counts`` (optional, ``[n]``) gains the coordinates at which each row is not a
-    middle value."""
-    n = X.shape[0]
-    lo, hi = (n - 1) // 2, n // 2
-
-    def each(S: torch.Tensor, a: int, b: int) -> None:
-        if lo == hi:
-            out[a:b].copy_(S[lo])
-        else:
-            torch.add(S[lo], S[hi], out=out[a:b]).mul_(0.5)
-
-    ws.sorted_columns(X, each, lo, counts)
-    return out
+    the n clients, the mean of the two middle values when n is even (``numpy.median``,
+    bit for bit). ``counts`` (optional, ``[n]``) gains the coordinates at which each row
+    is below the lower or above the upper middle value (a value tied with a middle
+    value counts as middle)."""
+    return _middle_mean(X, (X.shape[0] - 1) // 2, out, ws, counts)
 
 
 def trimmed_mean(X: torch.Tensor, trim: int, out: torch.Tensor, ws: Workspace,
                  counts: Optional[torch.Tensor] = None) -> torch.Tensor:
     r"""Coordinate-wise trimmed mean (Yin et al. 2018, Def. 2): per coordinate drop the
     ``trim`` largest and ``trim`` smallest values and average the other n − 2·trim.
-    ``counts`` (optional, ``[n]``) gains the coordinates at which each row was dropped."""
+    ``counts`` (optional, ``[n]``) gains the coordinates at which each row is below the
+    smallest or above the largest value kept (a value tied with a kept one counts as
+    kept)."""
     n = X.shape[0]
     if not 0 <= 2 * trim < n:
         raise ValueError(f"trimmed mean of {n} rows cannot drop {trim} per side")
-    keep = n - 2 * trim
-
-    def each(S: torch.Tensor, a: int, b: int) -> None:
-        torch.sum(S[trim: n - trim], dim=0, out=out[a:b]).div_(keep)
-
-    ws.sorted_columns(X, each, trim, counts)
-    return out
+    return _middle_mean(X, trim, out, ws, counts)
 
 
 def squared_distances(G: np.ndarray) -> np.ndarray:

@@ -81,6 +81,11 @@ class ServerRule(Component):
             return "aggregation.rule", f"{cfg.aggregation.rule!r} needs every client's update on rank 0"
         return None
 
+    def begin_round(self, state: torch.Tensor, round: int) -> None:
+        """Rank 0 with world size > 1, right after round ``round``'s state ``Bcast``,
+        while the workers train: work on θ^t (``state``, read only) alone, done there off
+        the round's critical path (FLTrust's server update). Default: nothing."""
+
     def aggregate(self, rows: Mapping[str, torch.Tensor], info: RuleInfo) -> dict[str, torch.Tensor]:
         """The aggregate of every weighted statistic from the accepted clients' rows.
 

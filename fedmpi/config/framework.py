@@ -326,6 +326,14 @@ class EvalConfig(CopyOnRead):
                           "written then")
     sharded: bool = param(False, "every rank evaluates a slice of the test set (one extra "
                           "state Bcast per evaluation round); rank 0 alone when false")
+    cross_site: bool = param(False, "after the last round, the global model and every site's "
+                             "local model (one local training from the final global model) "
+                             "evaluated on every site's held-out data, on the ranks holding "
+                             "it: /cross_site/<metric> [sites, 1 + sites] (not with secure "
+                             "aggregation or differential privacy)")
+    cross_site_models: bool = param(False, "with eval.cross_site: rank 0 writes each site's "
+                                    "local model to local_models/<site>.pt (refused if one "
+                                    "exists, unless --overwrite or --resume)")
 
 
 @dataclass(frozen=True)
@@ -591,9 +599,34 @@ def _eval_checks(cfg: Config) -> None:
         if e.sharded:
             raise ConfigError(f"config key 'eval.sharded' must be false when eval.where is "
                               f"{e.where!r} (the clients evaluate their own data)")
+    _cross_site_checks(cfg)
     allowed = _metric_names(cfg)
     for key in ("train.early_stopping.metric", "checkpoint.keep_best.metric"):
         metric = cfg.get(key)
         if metric is not None and metric not in allowed:
             raise ConfigError(f"config key {key!r} must name a logged metric, one of "
                               f"{', '.join(allowed)}; got {metric!r}{suggest(metric, allowed)}")
+
+
+def _cross_site_checks(cfg: Config) -> None:
+    """``eval.cross_site``: held-out data at every site and no privacy promise that a local
+    model in the clear would break (docs/consortium.md, "Cross-site validation"); the
+    method's side is :func:`fedmpi.config.schema.check_components`'."""
+    e, s, p = cfg.eval, cfg.data.silos, cfg.privacy
+    if e.cross_site_models and not e.cross_site:
+        raise ConfigError("config key 'eval.cross_site_models' needs eval.cross_site: true "
+                          "(the local models are trained by the cross-site validation)")
+    if not e.cross_site:
+        return
+    if p.secure_aggregation:
+        raise ConfigError("config keys 'eval.cross_site' and 'privacy.secure_aggregation': "
+                          "a site's local model is its update in the clear, which secure "
+                          "aggregation promises rank 0 never sees; set eval.cross_site: false")
+    if p.dp.level != "none":
+        raise ConfigError(f"config keys 'eval.cross_site' and 'privacy.dp.level' "
+                          f"({p.dp.level!r}): a site's local model is its update without the "
+                          f"privacy accounting's noise or budget; set eval.cross_site: false")
+    if s.client_test is None and e.client_holdout is None:
+        raise ConfigError("config key 'eval.client_holdout' (a share such as 0.2) or "
+                          "'data.silos.client_test' must be set with eval.cross_site: every "
+                          "site evaluates the models on data it does not train on")

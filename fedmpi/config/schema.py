@@ -138,6 +138,8 @@ def check_components(cfg: Config, method: Optional[type[Algorithm]] = None,
     * a stage that lets rank 0 hold only sums (``sums_only``: secure aggregation) refuses
       every component that puts one client's statistics there (``per_client_reason``);
     * ``train.local_steps`` is at least every component's ``min_local_steps`` (ECGR: 2);
+    * a method that evaluates itself (``spec.owns_evaluation``, the submodel family)
+      takes neither per-site evaluation nor cross-site validation;
     * ``aggregation.params`` belongs to a rule given by import path (checked against
       its ``params["params"]`` dataclass)."""
     transforms = list(transforms)
@@ -171,6 +173,10 @@ def check_components(cfg: Config, method: Optional[type[Algorithm]] = None,
         raise ConfigError(f"config key 'eval.where' must be 'server' for algorithm.name "
                           f"{cfg.algorithm.name!r} (the method evaluates its resource levels "
                           "itself)")
+    if method is not None and method.spec_for(cfg).owns_evaluation and cfg.eval.cross_site:
+        raise ConfigError(f"config keys 'eval.cross_site' and 'algorithm.name': method "
+                          f"{cfg.algorithm.name!r} evaluates its resource levels itself (its "
+                          "clients train submodels, not models of the global model's kind)")
     if method is not None and method.spec_for(cfg).masked_upload:
         for tr in transforms:
             if tr.rewrites_update:

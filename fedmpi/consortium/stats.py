@@ -101,7 +101,7 @@ class _Sites:
         if self.silos:
             from fedmpi.data.silos import read_silo
 
-            x, y = read_silo(self.cfg, k, self.loader)
+            x, y = read_silo(self.cfg, k, self.loader, finite=False)   # missing values counted
             path = self.cfg.data.silos.path
             names = _column_names(path.format(client=k), self.cfg.data.tabular.label) \
                 if path is not None and x.ndim == 2 else None

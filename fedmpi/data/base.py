@@ -15,6 +15,7 @@ import dataclasses
 import zipfile
 import zlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,7 +23,11 @@ import torch
 from fedmpi.data.augment import random_crop_flip
 from fedmpi.errors import DataError
 
-__all__ = ["Dataset", "channel_stats", "channel_sums", "stats_from_sums"]
+if TYPE_CHECKING:
+    import h5py
+
+__all__ = ["Dataset", "channel_stats", "channel_sums", "check_finite", "first_non_finite",
+           "read_h5_array", "stats_from_sums"]
 
 
 @dataclass(eq=False)
@@ -228,3 +233,52 @@ def check_class_ids(y: np.ndarray, where: str) -> None:
     if len(y) and int(y.max()) >= MAX_CLASSES:
         raise DataError(f"{where}: label {int(y.max())} is not a class id below 2^20 "
                         f"({MAX_CLASSES}); labels must be 0 .. C-1 for C classes")
+
+
+def first_non_finite(x: "np.ndarray | torch.Tensor") -> "tuple[int, ...] | None":
+    """Index of the first element of ``x`` that is NaN or ±inf (row-major), or None.
+    Integer arrays are finite."""
+    if isinstance(x, torch.Tensor):
+        if not x.is_floating_point():
+            return None
+        bad = ~torch.isfinite(x)
+        if not bool(bad.any()):
+            return None
+        flat = int(torch.nonzero(bad.reshape(-1))[0, 0])
+        return tuple(int(i) for i in np.unravel_index(flat, tuple(x.shape)))
+    x = np.asarray(x)
+    if x.dtype.kind not in "fc":
+        return None
+    bad = ~np.isfinite(x)
+    if not bad.any():
+        return None
+    return tuple(int(i) for i in np.unravel_index(int(np.flatnonzero(bad.reshape(-1))[0]),
+                                                  x.shape))
+
+
+def check_finite(x: "np.ndarray | torch.Tensor", where: str) -> None:
+    """DataError naming ``where``, the sample and the position of the first NaN or
+    ±inf input: one would enter the standardisation statistics (every update becomes
+    non-finite); fedmpi does not impute."""
+    at = first_non_finite(x)
+    if at is not None:
+        value = float(x[at])
+        rest = f" at position {at[1:]}" if len(at) > 1 else ""
+        raise DataError(f"{where}: sample {at[0]} holds {value}{rest}; inputs must be finite "
+                        "numbers (fill or drop such samples first: fedmpi does not impute)")
+
+
+def read_h5_array(f: "h5py.File", key: str, path: str) -> np.ndarray:
+    """Dataset ``key`` of an open data file: refused (DataError naming both) if it is a
+    group, or keeps its bytes outside the file (HDF5 external storage, a virtual
+    dataset: reading would pull in other files this rank may read)."""
+    import h5py
+
+    ds = f[key]
+    if not isinstance(ds, h5py.Dataset):
+        raise DataError(f"{path}: {key!r} is a group, expected a dataset")
+    if ds.external or ds.is_virtual:
+        kind = "external storage (other files)" if ds.external else "a virtual dataset"
+        raise DataError(f"{path}: dataset {key!r} uses {kind}; a data file must hold its own "
+                        "data")
+    return np.asarray(ds[()])

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from fedmpi.data.base import Dataset, channel_stats
+from fedmpi.data.base import Dataset, channel_stats, check_class_ids, check_finite
 from fedmpi.errors import ConfigError
 from fedmpi.imports import accepts, blame, named, resolve
 
@@ -70,6 +70,8 @@ def _stack(ds: Any, what: str, key: str) -> tuple[torch.Tensor, torch.Tensor]:
 def as_dataset(obj: Any, key: str = "data.dataset") -> Dataset:
     """``obj`` as a :class:`Dataset` (see the module docstring); ConfigError naming ``key``."""
     if isinstance(obj, Dataset):
+        for split, x in (("train", obj.x_train), ("test", obj.x_test)):
+            check_finite(x, f"config key {key!r}: the {split} inputs")
         return obj
     if not (isinstance(obj, (tuple, list)) and len(obj) == 2):
         raise ConfigError(f"config key {key!r} must give a fedmpi.data.Dataset or a (train, "
@@ -83,8 +85,12 @@ def as_dataset(obj: Any, key: str = "data.dataset") -> Dataset:
     classes = getattr(train, "classes", None)
     num_classes = len(classes) if classes is not None else \
         int(max(y_train.max(), y_test.max())) + 1
-    if int(y_train.min()) < 0 or max(int(y_train.max()), int(y_test.max())) >= num_classes:
+    if min(int(y_train.min()), int(y_test.min())) < 0 or \
+            max(int(y_train.max()), int(y_test.max())) >= num_classes:
         raise ConfigError(f"config key {key!r}: labels must lie in [0, {num_classes})")
+    check_class_ids(y_train.numpy(), f"config key {key!r}: the train labels")
+    for split, x in (("train", x_train), ("test", x_test)):
+        check_finite(x, f"config key {key!r}: the {split} inputs")
     mean, std = channel_stats(x_train, 1.0)
     name = type(train).__name__
     return Dataset(name, x_train, y_train, x_test, y_test, num_classes=num_classes, mean=mean,

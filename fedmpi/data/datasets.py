@@ -6,7 +6,8 @@ import os
 import numpy as np
 import torch
 
-from fedmpi.data.base import Dataset, channel_stats
+from fedmpi.data.base import (Dataset, channel_stats, check_class_ids, check_finite,
+    read_h5_array)
 from fedmpi.data.sources import (TORCHVISION_DATASETS, load_digits, load_imagefolder,
     load_medmnist, load_torchvision)
 from fedmpi.errors import DataError
@@ -101,11 +102,8 @@ def load_hdf5(root: str, augment: bool = False) -> Dataset:
             if missing:
                 raise DataError(f"{path}: missing dataset(s) {', '.join(missing)} "
                                 "(expected x_train [N,C,H,W], y_train [N], x_test, y_test)")
-            arrays = {}
-            for k in ("x_train", "y_train", "x_test", "y_test"):
-                if not isinstance(f[k], h5py.Dataset):
-                    raise DataError(f"{path}: {k!r} is a group, expected a dataset")
-                arrays[k] = f[k][()]
+            arrays = {k: read_h5_array(f, k, path)
+                      for k in ("x_train", "y_train", "x_test", "y_test")}
     except (OSError, KeyError, TypeError, ValueError) as exc:
         raise DataError(f"{path}: not a readable HDF5 file ({exc})") from None
     for k, a in arrays.items():
@@ -118,6 +116,18 @@ def load_hdf5(root: str, augment: bool = False) -> Dataset:
     if xtr.ndim != 4 or xte.ndim != 4 or xtr.shape[1:] != xte.shape[1:]:
         raise DataError(f"{path}: x_train/x_test must be [N, C, H, W] with the same C, H, W; "
                         f"got {xtr.shape} and {xte.shape}")
+    for split, x in (("train", xtr), ("test", xte)):
+        y = arrays[f"y_{split}"].reshape(-1)
+        if len(y) != len(x):
+            raise DataError(f"{path}: x_{split} holds {len(x)} samples, y_{split} {len(y)} "
+                            "labels; one label per sample")
+        if len(y) and int(y.min()) < 0:
+            raise DataError(f"{path}: y_{split}[{int(np.argmin(y))}] = {int(y.min())} is not a "
+                            "class id; labels must be integers >= 0")
+        check_class_ids(y, f"{path}: y_{split}")
+        check_finite(x, f"{path}: x_{split}")
+    if len(xtr) == 0:
+        raise DataError(f"{path}: x_train holds no samples")
     scale = 1 / 255 if xtr.dtype == np.uint8 else 1.0
     as_tensor = (lambda a: torch.from_numpy(np.ascontiguousarray(a))) if xtr.dtype == np.uint8 \
         else (lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)))

@@ -52,6 +52,9 @@ def _as_indices(value: Any, path: str, what: str) -> np.ndarray:
             f"data.partition.file={path!r}: {what} must be a flat list of integer "
             f"training-pool indices"
         )
+    if arr.dtype.kind == "u" and int(arr.max()) > np.iinfo(np.int64).max:   # would wrap
+        raise DataError(f"data.partition.file={path!r}: {what} has index {int(arr.max())}, "
+                        "which is no training-pool index")
     return arr.astype(np.int64)
 
 

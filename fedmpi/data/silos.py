@@ -29,10 +29,18 @@ What every rank must know travels as metadata in two small collectives through
    validation set, i.e. of the training pool they were cut from.
 
 A read error on any rank is agreed on first (one more ``Allreduce``), so every
-rank stops with the same one-line :class:`~fedmpi.errors.DataError`.
+rank stops with the same one-line :class:`~fedmpi.errors.DataError`. Every table is
+checked as it is read (:func:`~fedmpi.data.tabular.read_named_table`: a NaN or an
+infinite feature, a label that is no class id, named by file, row and column), and
+then against client 0's: the rank that read client 0's silo sends its feature
+columns' names and its row shape to every rank (one ``Allreduce`` of a few bytes), and
+a file without one of those columns, with another one, or with rows of another shape
+is named with the column; the same columns in another order are put in client 0's
+order (so no feature is silently mixed up with another).
 """
 from __future__ import annotations
 
+import json
 import os
 from collections import deque
 from dataclasses import dataclass, field
@@ -45,7 +53,7 @@ from fedmpi.data.base import Dataset, channel_sums, check_class_ids, stats_from_
 from fedmpi.data.build import DataNeeds, build_partition, load_pool
 from fedmpi.data.heldout import holdout_positions, holdout_seed, split_partition
 from fedmpi.data.partition import Partition, check_batch_floor
-from fedmpi.data.tabular import read_table
+from fedmpi.data.tabular import Table, finite_features, read_named_table
 from fedmpi.errors import ConfigError, DataError, UserError
 from fedmpi.config.core import Config
 
@@ -93,8 +101,10 @@ def build_local(cfg: Config, comm: Any, hosted: Sequence[int], is_server: bool,
 
 
 def clients_evaluate(cfg: Config) -> bool:
-    """Whether every client evaluates the global model on its own held-out data."""
-    return cfg.eval.where != "server"
+    """Whether every client evaluates on its own held-out data: the global model each
+    evaluated round (``eval.where``), or the models of the cross-site validation after
+    the last one (``eval.cross_site``)."""
+    return cfg.eval.where != "server" or cfg.eval.cross_site
 
 
 def _server_reads_validation(cfg: Config, needs: DataNeeds) -> bool:
@@ -105,25 +115,34 @@ def _server_reads_validation(cfg: Config, needs: DataNeeds) -> bool:
                                                       or needs.server_validation)
 
 
-def _held_out(cfg: Config, client: int, x: np.ndarray, y: np.ndarray
+def _held_out(cfg: Config, client: int, silo: Table, test: Optional[Table]
               ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """(training part, held-out part) of client ``client``'s silo: its
-    ``data.silos.client_test`` file, or :func:`~fedmpi.data.heldout.holdout_positions`."""
-    s = cfg.data.silos
-    if s.client_test is not None:
-        return (x, y), read_table(s.client_test.format(client=client), cfg.data.tabular.label)
+    ``data.silos.client_test`` table ``test``, or
+    :func:`~fedmpi.data.heldout.holdout_positions`."""
+    if test is not None:
+        return (silo.x, silo.y), (test.x, test.y)
+    x, y = silo.x, silo.y
     pos = holdout_positions(len(y), cfg.eval.client_holdout, holdout_seed(cfg), client)
     keep = np.ones(len(y), dtype=bool)
     keep[pos] = False
     return (x[keep], y[keep]), (x[pos], y[pos])
 
 
-def read_silo(cfg: Config, client: int,
-              loader: Optional[Callable[[int], Any]] = None) -> tuple[np.ndarray, np.ndarray]:
-    """Client ``client``'s ``(x float32, y int64)`` from ``data.silos.path`` or the loader."""
+def read_silo(cfg: Config, client: int, loader: Optional[Callable[[int], Any]] = None,
+              finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Client ``client``'s ``(x float32, y int64)`` from ``data.silos.path`` or the loader
+    (``finite=False``: missing values stay NaN, for ``fedmpi stats``)."""
+    table = silo_table(cfg, client, loader, finite)
+    return table.x, table.y
+
+
+def silo_table(cfg: Config, client: int, loader: Optional[Callable[[int], Any]] = None,
+               finite: bool = True) -> Table:
+    """Client ``client``'s silo as a checked :class:`~fedmpi.data.tabular.Table`."""
     s = cfg.data.silos
     if s.path is not None or loader is None:
-        return read_table(s.path.format(client=client), cfg.data.tabular.label)
+        return read_named_table(s.path.format(client=client), cfg.data.tabular.label, finite)
     try:
         x, y = loader(client)
     except UserError:
@@ -141,8 +160,50 @@ def read_silo(cfg: Config, client: int,
                                                        or y.min() < 0)):
         raise DataError(f"data.silos.loader {s.loader!r}: client {client} must give x [n, ...] "
                         f"and integer labels y [n] >= 0; got x {x.shape}, y {y.shape} {y.dtype}")
-    check_class_ids(y, f"data.silos.loader {s.loader!r}: client {client}")
-    return np.ascontiguousarray(x), y.astype(np.int64)
+    where = f"data.silos.loader {s.loader!r}: client {client}"
+    check_class_ids(y, where)
+    if finite:
+        x = finite_features(Table(x, y, None, where))
+    return Table(np.ascontiguousarray(x), y.astype(np.int64), None, where)
+
+
+def _reference(comm: Any, mine: Optional[Table]) -> Optional[tuple[str, Any, tuple[int, ...]]]:
+    """Collective: ``(file, feature column names or None, row shape)`` of client 0's
+    table, sent by the one rank that read it (``mine``) to every rank (module docstring)."""
+    text = b"" if mine is None else json.dumps(
+        [mine.path, None if mine.columns is None else list(mine.columns),
+         list(mine.x.shape[1:])]).encode()
+    size = np.array([len(text)], dtype=np.int64)
+    agreed = np.zeros_like(size)
+    comm.allreduce_max(size, agreed, what="silo columns Allreduce")
+    if agreed[0] == 0:
+        return None
+    buf = np.zeros(int(agreed[0]), dtype=np.uint8)
+    buf[: len(text)] = np.frombuffer(text, dtype=np.uint8)
+    out = np.zeros_like(buf)
+    comm.allreduce_sum(buf, out, what="silo columns Allreduce")
+    path, columns, shape = json.loads(bytes(out).decode())
+    return path, columns, tuple(shape)
+
+
+def _match_reference(tables: Sequence[Table], ref: tuple[str, Any, tuple[int, ...]]) -> None:
+    """Every table's columns (in place: put in the reference's order) and row shape
+    against client 0's; DataError naming the file and the column otherwise."""
+    path, columns, shape = ref
+    for t in tables:
+        if columns is not None and t.columns is not None and list(t.columns) != columns:
+            missing = [c for c in columns if c not in t.columns]
+            if missing:
+                raise DataError(f"{t.path}: no column {missing[0]!r}, which client 0's {path} "
+                                "has; every silo table needs the same feature columns")
+            extra = [c for c in t.columns if c not in columns]
+            if extra:
+                raise DataError(f"{t.path}: column {extra[0]!r}, which client 0's {path} does "
+                                "not have; every silo table needs the same feature columns")
+            t.x[:] = t.x[:, [t.columns.index(c) for c in columns]]   # client 0's order
+        if t.x.shape[1:] != shape:
+            raise DataError(f"{t.path}: rows of shape {tuple(t.x.shape[1:])}, but client 0's "
+                            f"{path} has {shape}; every silo table needs the same features")
 
 
 def site_names(cfg: Config) -> list[str]:
@@ -163,17 +224,20 @@ def site_names(cfg: Config) -> list[str]:
     return [f"client {k}" if n == str(k) else n for k, n in enumerate(names)]
 
 
-def agree_on_errors(comm: Any, error: Optional[UserError]) -> None:
-    """Collective: raise the first rank's error (same text on every rank) if any rank failed."""
+def agree_on_errors(comm: Any, error: Optional[Exception | str],
+                    kind: type[Exception] = DataError,
+                    what: str = "silo read agreement Allreduce") -> None:
+    """Collective: raise ``kind`` with the first rank's error (``rank r: <error>``, the
+    same text on every rank) if any rank failed: one ``Allreduce`` of one line per rank."""
     buf = np.zeros((comm.size, ERR_BYTES), dtype=np.uint8)
     if error is not None:
         raw = f"rank {comm.rank}: {error}".encode()[: ERR_BYTES - 1]
         buf[comm.rank, : len(raw)] = np.frombuffer(raw, dtype=np.uint8)
     out = np.zeros_like(buf)
-    comm.allreduce_sum(buf, out, what="silo read agreement Allreduce")
+    comm.allreduce_sum(buf, out, what=what)
     for row in out:
         if row.any():
-            raise DataError(bytes(row).rstrip(b"\0").decode(errors="replace"))
+            raise kind(bytes(row).rstrip(b"\0").decode(errors="replace"))
 
 
 def agree_on_shape(comm: Any, shape: Optional[tuple[int, ...]], classes: int
@@ -203,30 +267,49 @@ def _silos(cfg: Config, comm: Any, hosted: list[int], is_server: bool,
            needs: DataNeeds) -> LocalData:
     from fedmpi import imports
 
-    s, K = cfg.data.silos, cfg.data.num_clients
+    s, K, label = cfg.data.silos, cfg.data.num_clients, cfg.data.tabular.label
     parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     held: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    test = val = None
+    silo: dict[int, Table] = {}
+    own_test: dict[int, Table] = {}
+    test_table: Optional[Table] = None
+    val_table: Optional[Table] = None
     error: Optional[UserError] = None
     try:
         loader = imports.silo_loader(s.loader) if s.loader is not None else None
         for k in hosted:
-            parts[k] = read_silo(cfg, k, loader)
-            if clients_evaluate(cfg):
-                parts[k], held[k] = _held_out(cfg, k, *parts[k])
+            silo[k] = silo_table(cfg, k, loader)
+            if clients_evaluate(cfg) and s.client_test is not None:
+                own_test[k] = read_named_table(s.client_test.format(client=k), label)
         if is_server and cfg.eval.where != "clients":
-            test = read_table(s.test, cfg.data.tabular.label)
+            test_table = read_named_table(s.test, label)
         if is_server and _server_reads_validation(cfg, needs):
-            val = read_table(s.validation, cfg.data.tabular.label)
-        arrays = [*parts.values(), *held.values(), *(a for a in (test, val) if a is not None)]
-        shapes = {x.shape[1:] for x, _ in arrays}
-        if len(shapes) > 1 or any(len(sh) > MAX_DIMS or len(sh) == 0 for sh in shapes):
-            raise DataError(f"silo inputs must share one shape [n, ...] of at most {MAX_DIMS} "
-                            f"dimensions; this rank reads shapes {sorted(shapes)}")
+            val_table = read_named_table(s.validation, label)
     except UserError as exc:
         error = exc
     comm.roll_call("reading its silos")   # a slow silo is named (runtime.setup_timeout)
     agree_on_errors(comm, error)
+    tables = [*silo.values(), *own_test.values(),
+              *(t for t in (test_table, val_table) if t is not None)]
+    try:
+        ref = _reference(comm, silo.get(0))
+        if ref is not None:
+            _match_reference(tables, ref)
+        deep = [t for t in tables if len(t.x.shape[1:]) > MAX_DIMS or t.x.ndim < 2]
+        if deep:
+            raise DataError(f"{deep[0].path}: rows of shape {tuple(deep[0].x.shape[1:])}; silo "
+                            f"inputs must be [n, ...] with at most {MAX_DIMS} dimensions")
+    except UserError as exc:
+        error = exc
+    agree_on_errors(comm, error)
+    for k in hosted:
+        parts[k] = (silo[k].x, silo[k].y)
+        if clients_evaluate(cfg):
+            parts[k], held[k] = _held_out(cfg, k, silo[k], own_test.get(k))
+    test = (test_table.x, test_table.y) if test_table is not None else None
+    val = (val_table.x, val_table.y) if val_table is not None else None
+    del silo, own_test, tables, test_table, val_table
+    arrays = [*parts.values(), *held.values(), *(a for a in (test, val) if a is not None)]
 
     # 1. input shape and class count
     shape, C = agree_on_shape(comm, next(iter({x.shape[1:] for x, _ in arrays}), None),

@@ -3,7 +3,8 @@
 Every loader reads both splits into memory once as raw tensors (files
 under ``root``; pool / test sizes; raw dtype):
 
-- ``digits``: bundled with scikit-learn; pool 1437, test 360; float32.
+- ``digits``: scikit-learn's CSV (read without importing scikit-learn); pool 1437,
+  test 360; float32.
 - ``mnist`` / ``fashionmnist``: ``MNIST/raw/*-ubyte`` / ``FashionMNIST/raw/*-ubyte``;
   60000 / 10000; uint8.
 - ``cifar10`` / ``cifar100``: ``cifar-10-batches-py/`` / ``cifar-100-python/``;
@@ -32,6 +33,7 @@ from fedmpi.errors import DataError
 __all__ = [
     "DIGITS_NUM_TRAIN",
     "TORCHVISION_DATASETS",
+    "digits_file",
     "load_digits",
     "load_imagefolder",
     "load_medmnist",
@@ -48,13 +50,34 @@ DIGITS_MEAN = (0.30538611256089077,)
 DIGITS_STD = (0.3755071088307581,)
 
 
-def load_digits(augment: bool = False) -> Dataset:
-    """scikit-learn's bundled 8x8 handwritten digits (1797 images, values 0..16)."""
-    from sklearn.datasets import load_digits as _sk_load_digits
+def digits_file() -> str:
+    """The digits CSV that scikit-learn ships (``sklearn/datasets/data/digits.csv.gz``),
+    located with :func:`importlib.util.find_spec`, which finds the installed package
+    without importing it (importing ``sklearn.datasets`` costs about a CPU second:
+    scipy, pandas)."""
+    import importlib.util
 
-    bunch = _sk_load_digits()
-    x = torch.from_numpy(bunch.images.astype(np.float32)).unsqueeze(1)  # [1797, 1, 8, 8]
-    y = torch.from_numpy(bunch.target.astype(np.int64))
+    spec = importlib.util.find_spec("sklearn")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    for root in roots:
+        path = os.path.join(root, "datasets", "data", "digits.csv.gz")
+        if os.path.isfile(path):
+            return path
+    raise DataError("data.dataset='digits': scikit-learn's digits file "
+                    "(sklearn/datasets/data/digits.csv.gz) was not found; "
+                    "install scikit-learn (pip install scikit-learn)")
+
+
+def load_digits(augment: bool = False) -> Dataset:
+    """scikit-learn's bundled 8x8 handwritten digits (1797 images, values 0..16), read
+    from its CSV (:func:`digits_file`) as ``sklearn.datasets.load_digits`` reads it:
+    64 pixel columns and the label, comma-separated, float64."""
+    import gzip
+
+    with gzip.open(digits_file(), "rt") as f:
+        table = np.loadtxt(f, delimiter=",")
+    x = torch.from_numpy(table[:, :-1].astype(np.float32)).reshape(-1, 1, 8, 8)  # [1797, 1, 8, 8]
+    y = torch.from_numpy(table[:, -1].astype(np.int64))
     n = DIGITS_NUM_TRAIN
     return Dataset(
         name="digits",
@@ -283,8 +306,10 @@ def _read_folder(folder: Any, path: str) -> tuple[torch.Tensor, torch.Tensor]:
     for i in range(len(folder)):
         try:
             img, _ = folder[i]
-        except OSError as exc:  # PIL.UnidentifiedImageError is an OSError
-            raise DataError(f"cannot read image {folder.samples[i][0]} under {path} ({exc})") from exc
+        except Exception as exc:  # noqa: BLE001 - PIL's errors: OSError, DecompressionBombError,
+            # SyntaxError, ValueError ... for a damaged or crafted file: name it
+            raise DataError(f"cannot read image {folder.samples[i][0]} under {path} "
+                            f"({type(exc).__name__}: {exc})") from None
         images.append(img)
     return torch.stack(images).contiguous(), torch.as_tensor(folder.targets, dtype=torch.int64)
 

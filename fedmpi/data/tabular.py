@@ -10,7 +10,14 @@ Files (by extension):
 
 Labels must be integers ``>= 0``; features are stored as float32 and
 standardised per feature with the training pool's mean and std
-(:meth:`fedmpi.data.Dataset.prepare`).
+(:meth:`fedmpi.data.Dataset.prepare`). A table is checked when it is read: a
+feature that is not a finite number (NaN, an empty cell, ±inf, a value beyond
+float32) or a label that is not a class id stops with one line naming the file,
+the row (CSV: the line) and the column — it would otherwise enter the shared
+standardisation statistics and make every update non-finite. fedmpi does not
+impute: fill or drop such rows first. :func:`read_named_table` also returns the
+feature columns' names, which the silos of one federation must share
+(:mod:`fedmpi.data.silos`).
 
 Embedded sets (bundled with scikit-learn, no download): ``breast_cancer``
 (569 samples, 30 features, 2 classes) and ``wine`` (178, 13, 3), each split
@@ -19,16 +26,19 @@ once into a stratified 80 % pool and 20 % test set (``random_state`` 0).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
 
-from fedmpi.data.base import Dataset, channel_stats, check_class_ids
+from fedmpi.data.base import (Dataset, channel_stats, check_class_ids, first_non_finite,
+    read_h5_array)
 from fedmpi.errors import DataError
 
-__all__ = ["EMBEDDED", "TABLE_SUFFIXES", "load_embedded", "load_tabular", "read_table",
-           "write_table"]
+__all__ = ["EMBEDDED", "TABLE_SUFFIXES", "Table", "finite_features", "load_embedded",
+           "load_tabular", "read_named_table", "read_table", "write_table"]
 
 TABLE_SUFFIXES = (".csv", ".parquet", ".pq", ".h5", ".hdf5")
 EMBEDDED = ("breast_cancer", "wine")
@@ -52,12 +62,42 @@ def _pandas(path: str):
     return pandas
 
 
+@dataclass(frozen=True)
+class Table:
+    """A table as read: ``x`` float32 ``[N, ...]``, ``y`` int64 ``[N]``, the feature
+    columns' names in file order (CSV, Parquet; None for HDF5 and loaders) and the file
+    (or the words naming where the rows came from)."""
+
+    x: np.ndarray
+    y: np.ndarray
+    columns: Optional[tuple[str, ...]]
+    path: str
+
+    def place(self, row: int, column: Optional[str] = None, index: tuple[int, ...] = ()) -> str:
+        """Where cell ``row`` (0-based data row) is, in the file's own terms."""
+        if self.columns is None:   # HDF5: the dataset element
+            return f"x[{', '.join(str(i) for i in (row, *index))}]" if column is None \
+                else f"{column}[{row}]"
+        where = f"line {row + 2}" if self.path.lower().endswith(".csv") else f"row {row + 1}"
+        return f"{where}, column {column!r}"
+
+
 def read_table(path: str | os.PathLike, label: str = "label") -> tuple[np.ndarray, np.ndarray]:
     """``(x float32 [N, ...], y int64 [N])`` from one CSV, Parquet or HDF5 file."""
+    table = read_named_table(path, label)
+    return table.x, table.y
+
+
+def read_named_table(path: str | os.PathLike, label: str = "label",
+                     finite: bool = True) -> Table:
+    """One CSV, Parquet or HDF5 file as a :class:`Table`, checked (module docstring).
+    ``finite=False`` keeps missing and non-finite features as NaN/±inf instead of refusing
+    them (``fedmpi stats`` counts them; training never reads a table so)."""
     path = os.fspath(path)
     suffix = _suffix(path)
     if not os.path.isfile(path):
         raise DataError(f"data file not found: {path}")
+    columns: Optional[tuple[str, ...]] = None
     if suffix in (".h5", ".hdf5"):
         import h5py
 
@@ -67,9 +107,10 @@ def read_table(path: str | os.PathLike, label: str = "label") -> tuple[np.ndarra
                 if missing:
                     raise DataError(f"{path}: missing dataset(s) {', '.join(missing)} "
                                     "(expected x [N, F] and y [N])")
-                x, y = f["x"][()], f["y"][()]
+                x, y = read_h5_array(f, "x", path), read_h5_array(f, "y", path)
         except OSError as exc:
             raise DataError(f"{path}: not a readable HDF5 file ({exc})") from None
+        label = "y"
     else:
         pd = _pandas(path)
         try:
@@ -83,30 +124,69 @@ def read_table(path: str | os.PathLike, label: str = "label") -> tuple[np.ndarra
             raise DataError(f"{path}: no label column {label!r} (config key data.tabular.label); "
                             f"columns: {', '.join(map(str, frame.columns[:8]))}"
                             f"{', ...' if len(frame.columns) > 8 else ''}")
+        names = _csv_header(path) if suffix == ".csv" else [str(c) for c in frame.columns]
+        twice = sorted({c for c in names if names.count(c) > 1})
+        if twice:   # pandas renames a repeated header to 'c.1': the file is ambiguous
+            raise DataError(f"{path}: column {twice[0]!r} appears more than once in the header")
         y = frame[label].to_numpy()
         features = frame.drop(columns=[label])
+        columns = tuple(str(c) for c in features.columns)
         try:
-            x = features.to_numpy(dtype=np.float32)
+            x = features.to_numpy(dtype=np.float64)
         except (ValueError, TypeError):
             bad = [c for c in features.columns
                    if not pd.api.types.is_numeric_dtype(features[c])]
             raise DataError(f"{path}: feature column(s) {', '.join(map(str, bad[:5]))} are not "
                             "numeric (encode them as numbers first)") from None
-    y = np.asarray(y)
-    if y.ndim != 1 or len(y) != len(x):
+    table = Table(np.asarray(x), np.asarray(y), columns, path)
+    y = table.y
+    if y.ndim != 1 or len(y) != len(table.x):
         raise DataError(f"{path}: labels must be one integer per row; got shape {y.shape} for "
-                        f"{len(x)} rows")
+                        f"{len(table.x)} rows")
     if len(y) and (not np.issubdtype(y.dtype, np.integer) or y.min() < 0):
-        if np.issubdtype(y.dtype, np.floating) and np.all(y == np.round(y)) and y.min() >= 0:
-            y = y.astype(np.int64)
-        else:
-            raise DataError(f"{path}: labels must be integers >= 0 (class ids), got dtype "
-                            f"{y.dtype}")
+        numeric = np.issubdtype(y.dtype, np.floating) or np.issubdtype(y.dtype, np.integer)
+        ok = (np.isfinite(y) & (y >= 0) & (y == np.round(y))) if numeric else \
+            np.zeros(len(y), dtype=bool)
+        if not ok.all():
+            i = int(np.flatnonzero(~ok)[0])
+            value = y[i].item() if hasattr(y[i], "item") else y[i]
+            raise DataError(f"{path}: {table.place(i, label)}: label {value!r} is not a class "
+                            "id; labels must be integers >= 0")
+        y = y.astype(np.int64)
     check_class_ids(y, str(path))
-    x = np.asarray(x, dtype=np.float32)
+    x = finite_features(table) if finite else np.asarray(table.x, dtype=np.float32)
     if x.ndim == 1:
         x = x[:, None]
-    return np.ascontiguousarray(x), y.astype(np.int64)
+    return Table(np.ascontiguousarray(x), y.astype(np.int64), columns, path)
+
+
+def _csv_header(path: str) -> list[str]:
+    """The column names of a CSV file's first line, as written (pandas renames repeats)."""
+    import csv
+
+    with open(path, newline="", encoding="utf-8", errors="replace") as f:
+        return next(csv.reader(f), [])
+
+
+def finite_features(table: Table) -> np.ndarray:
+    """The features as float32, or a DataError naming the first cell that is not a
+    finite number (also one beyond float32's range, which would become inf)."""
+    x = np.asarray(table.x)
+    if x.dtype.kind not in "biuf":
+        raise DataError(f"{table.path}: features must be numbers, got dtype {x.dtype}")
+    with np.errstate(over="ignore", invalid="ignore"):
+        x32 = x.astype(np.float32)
+    first = first_non_finite(x32)
+    if first is not None:
+        row, rest = first[0], first[1:]
+        value = x[first].item()
+        column = table.columns[rest[0]] if table.columns is not None and rest else None
+        what = ("NaN (an empty or missing value)" if value != value else
+                f"{value!r} is not a finite float32")
+        raise DataError(f"{table.path}: {table.place(row, column, rest)}: {what}; features "
+                        "must be finite numbers (fill or drop such rows first: fedmpi does "
+                        "not impute)")
+    return x32
 
 
 def write_table(path: str | os.PathLike, x: np.ndarray, y: np.ndarray, label: str = "label",

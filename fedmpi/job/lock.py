@@ -1,13 +1,17 @@
-"""The one-writer lock of a run directory, ``<out>/.fedmpi.lock`` (issues 18 and 30).
+"""The one-writer lock of a run directory, ``<out>/.fedmpi.lock`` (issues 18, 30 and 40).
 
 :func:`acquire` (rank 0, before anything is written; called by
-:func:`fedmpi.job.rundir.prepare`) publishes the lock file atomically with ``link(2)``
-holding ``host pid start-time since round_timeout``, and keeps an ``flock`` on it for
-its lifetime. A second run finds it and stops with exit 2 naming the holder. A lock
-whose process is gone — same host and the pid is dead, or the pid now belongs to a
-process started at another time, or on any host no :func:`heartbeat` for
-:data:`LOCK_STALE_FACTOR` × the holder's ``round_timeout`` — is stale and taken over
-(an event in the log says so). :func:`release` removes it when the run ends (any exit
+:func:`fedmpi.job.rundir.prepare`) writes ``host pid start-time since round_timeout``
+into a private temporary file, takes an ``flock`` on it, and only then publishes it
+atomically with ``link(2)``; it keeps the ``flock`` for its lifetime. So the lock never
+exists without its holder's ``flock`` (where the file system has ``flock``): a racing
+run that opens it finds the ``flock`` taken and stops with exit 2 naming the holder. A
+lock whose process is gone is stale and taken over (an event in the log says so): on
+this host, its pid is dead or now belongs to a process started at another time (a live
+pid here is never stale, whatever its heartbeat); on another host, no :func:`heartbeat`
+for :data:`LOCK_STALE_FACTOR` × the holder's ``round_timeout``, and at least
+:data:`MIN_STALE_SECONDS`. A recorded ``round_timeout`` that is not a positive finite
+number (fedmpi never writes one) counts as the default 600 s. :func:`release` removes it when the run ends (any exit
 that runs Python's ``finally``; after ``MPI_Abort`` or ``SIGKILL`` it is stale).
 Tools read the holder with :func:`lock_holder`.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import socket
 import time
@@ -26,8 +31,8 @@ from fedmpi.errors import RunDirError
 from fedmpi.log.reader import pid_alive
 from fedmpi.job.safefile import create_temp
 
-__all__ = ["LOCK_NAME", "LOCK_STALE_FACTOR", "LockHolder", "acquire", "heartbeat",
-           "lock_holder", "parse_lock", "release", "user_label"]
+__all__ = ["LOCK_NAME", "LOCK_STALE_FACTOR", "MIN_STALE_SECONDS", "LockHolder", "acquire",
+           "heartbeat", "lock_holder", "parse_lock", "release", "user_label"]
 
 LOCK_NAME = ".fedmpi.lock"
 
@@ -35,6 +40,12 @@ LOCK_NAME = ".fedmpi.lock"
 #: ``runtime.round_timeout`` is stale, also on another host (a live run refreshes it
 #: every round, and a round longer than ``round_timeout`` aborts the run).
 LOCK_STALE_FACTOR = 3
+#: ... and never sooner than this (a holder on another host with a tiny
+#: ``round_timeout`` still refreshes only once per round, and a fresh lock is not stale).
+MIN_STALE_SECONDS = 60.0
+#: The ``round_timeout`` assumed for a lock that records none (fedmpi before issue 30)
+#: or one that is not a positive finite number of seconds.
+DEFAULT_ROUND_TIMEOUT = 600.0
 
 
 @dataclass(frozen=True)
@@ -55,25 +66,26 @@ class LockHolder:
 
     @property
     def stale_after(self) -> float:
-        """Seconds without a heartbeat after which the lock is stale on any host."""
-        return LOCK_STALE_FACTOR * self.round_timeout
+        """Seconds without a heartbeat after which a lock of another host is stale."""
+        return max(LOCK_STALE_FACTOR * self.round_timeout, MIN_STALE_SECONDS)
 
     def stale(self, now: Optional[float] = None) -> bool:
-        """Whether the holder is gone: on this host the pid is dead (or reused by a
-        process started at another time); anywhere, no heartbeat for
-        :attr:`stale_after` seconds (hosts' clocks must agree to well within that)."""
-        age = (time.time() if now is None else now) - self.heartbeat
-        if age > self.stale_after:
-            return True
-        if self.host != socket.gethostname():
-            return False
-        if not pid_alive(self.pid):
-            return True
-        started = _start_time(self.pid)
-        return self.start != "-" and started is not None and started != self.start
+        """Whether the holder is gone: on this host its pid is dead (or reused by a
+        process started at another time) — a live pid here is never stale; on another
+        host no heartbeat for :attr:`stale_after` seconds (hosts' clocks must agree to
+        well within that)."""
+        if self.host == socket.gethostname():
+            if not pid_alive(self.pid):
+                return True
+            started = _start_time(self.pid)
+            return self.start != "-" and started is not None and started != self.start
+        return (time.time() if now is None else now) - self.heartbeat > self.stale_after
 
     def describe(self) -> str:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        try:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        except (ValueError, OverflowError, OSError):   # a crafted time: say so, not a traceback
+            when = "an unknown time"
         return (f"pid {self.pid} on host {self.host}, since {when}, last heartbeat "
                 f"{max(0.0, time.time() - self.heartbeat):.0f} s ago")
 
@@ -104,14 +116,22 @@ def _lock_text(round_timeout: float) -> str:
 
 
 def parse_lock(text: str, heartbeat: float) -> LockHolder:
-    """The holder described by a lock file's text (ValueError if it is not one). Locks
-    of fedmpi before issue 30 lack ``round_timeout``: the default 600 s is assumed."""
+    """The holder described by a lock file's text (ValueError if it is not one: a pid
+    that is not a positive number names no process). Locks of fedmpi before issue 30
+    lack ``round_timeout``, and one that is not a positive finite number of seconds
+    (``nan``, ``inf``, ``0``: fedmpi never writes such a value) is no promise either: the
+    default :data:`DEFAULT_ROUND_TIMEOUT` is assumed for both."""
     fields = text.split()
     if len(fields) not in (4, 5):
         raise ValueError(f"not a fedmpi lock: {text[:80]!r}")
-    timeout = float(fields[4]) if len(fields) == 5 else 600.0
-    return LockHolder(fields[0], int(fields[1]), fields[2], float(fields[3]), timeout,
-                      heartbeat, text.strip())
+    pid = int(fields[1])
+    if pid <= 0:   # kill(0 or -n, 0) would ask about a process group, not a process
+        raise ValueError(f"not a fedmpi lock (pid {pid}): {text[:80]!r}")
+    timeout = float(fields[4]) if len(fields) == 5 else DEFAULT_ROUND_TIMEOUT
+    if not (math.isfinite(timeout) and timeout > 0):
+        timeout = DEFAULT_ROUND_TIMEOUT
+    return LockHolder(fields[0], pid, fields[2], float(fields[3]), timeout, heartbeat,
+                      text.strip())
 
 
 def lock_holder(out: str | os.PathLike) -> Optional[LockHolder]:
@@ -146,13 +166,18 @@ def _flock(fd: int, block: bool) -> Optional[bool]:
 
 
 def _publish(path: Path, text: str) -> Optional[int]:
-    """Create ``path`` holding ``text`` atomically: write a private temporary file, then
+    """Create ``path`` holding ``text`` atomically and already ``flock``-ed by us: write a
+    private temporary file, take its ``flock`` (nobody else knows the file yet), then
     ``link(2)`` it to ``path``, which fails if ``path`` exists (``O_EXCL`` semantics that
-    also hold on NFS). Returns an fd of the new lock, or None if ``path`` exists."""
+    also hold on NFS). Returns an fd of the new lock, or None if ``path`` exists.
+
+    Taking the ``flock`` before the link closes the window in which a racer could open
+    the published lock, take its free ``flock`` and judge it (issue 40)."""
     fd, tmp = create_temp(path, readable=True)
     try:
         os.write(fd, text.encode())
         os.fsync(fd)
+        _flock(fd, block=False)   # True, or None where the file system has no flock
         try:
             os.link(tmp, path)
         except FileExistsError:
@@ -164,10 +189,12 @@ def _publish(path: Path, text: str) -> Optional[int]:
 
 
 def _busy(out: Path, holder: LockHolder) -> RunDirError:
+    when = (f"once pid {holder.pid} has exited" if holder.host == socket.gethostname() else
+            f"{holder.stale_after:g} s after its last heartbeat")
     return RunDirError(
         f"{out}: another fedmpi run is writing here ({holder.describe()}; lock file "
         f"{out / LOCK_NAME}); wait for it, or use another --out (the lock is stale, and taken "
-        f"over, {holder.stale_after:g} s after its last heartbeat)")
+        f"over, {when})")
 
 
 def _foreign_stale(out: Path, st: os.stat_result) -> RunDirError:
@@ -190,8 +217,7 @@ def acquire(out: str | os.PathLike, round_timeout: float = 600.0) -> Optional[st
     text = _lock_text(round_timeout)
     for _ in range(100):
         fd = _publish(path, text)
-        if fd is not None:
-            _flock(fd, block=True)   # a racer may hold it for a moment to read the text
+        if fd is not None:   # published with our flock already on it
             _held[path] = _Held(fd, text)
             return None
         try:

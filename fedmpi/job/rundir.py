@@ -9,7 +9,11 @@ Conventions (docs/cluster.md, "Run directories"):
 * **No silent replacement.** A fresh run into a directory holding a previous run
   (``log.h5``, ``checkpoint.pt`` or ``model.pt``) stops with exit 2 unless
   ``--overwrite`` is given; then the previous run's files (those three, ``config.yaml``
-  and leftover temporary checkpoint files) are deleted first.
+  and leftover temporary checkpoint files) are deleted first. A previous run that
+  produced nothing — a readable fedmpi log with no round in it, no checkpoint, no
+  ``model.pt`` or ``best.pt``: a run that failed or was stopped before its first round,
+  however it ended (a traceback, an abort under MPI, a kill) — holds no result and is
+  replaced without ``--overwrite``, with a note, so it never blocks the corrected rerun.
 * **Resume only the same run.** The *fingerprint* is the SHA-256 of the canonical JSON of
   every config key except :data:`MAY_CHANGE_ON_RESUME` (run length, where data lives,
   evaluation and runtime settings) whose value differs from its default. It is stored in
@@ -30,6 +34,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -47,10 +52,11 @@ __all__ = ["MAY_CHANGE_ON_RESUME", "RUN_FILES", "WRITTEN", "RunDir", "check_same
 RUN_FILES = ("log.h5", "checkpoint.pt", "model.pt")
 #: Also removed by ``--overwrite`` (glob patterns): the side files and the temporary
 #: names of every file (:func:`fedmpi.job.safefile.temp_name`: ``.<name>.tmp-*``).
-_SIDE_FILES = ("config.yaml", "best.pt",
+_SIDE_FILES = ("config.yaml", "best.pt", "local_models/*.pt", "local_models/.*.pt.tmp-*",
                *(f".{name}.tmp-*" for name in (*RUN_FILES, "config.yaml", "best.pt")))
-#: Every name fedmpi writes in a run directory: none of them may be a symbolic link.
-WRITTEN = (LOCK_NAME, *RUN_FILES, *_SIDE_FILES, "report")
+#: Every name fedmpi writes in a run directory: none of them may be a symbolic link
+#: (``local_models/``: eval.cross_site_models, :mod:`fedmpi.consortium.cross_site`).
+WRITTEN = (LOCK_NAME, *RUN_FILES, *_SIDE_FILES, "report", "local_models")
 
 #: Config keys (``fnmatch`` patterns) that may differ between a checkpoint and the run
 #: resuming it: how long to run, where the data lives, how to evaluate, how to execute.
@@ -218,10 +224,14 @@ def prepare(out: str | os.PathLike, cfg: Config, resume: bool, overwrite: bool) 
                               "run that stopped before its first checkpoint; nothing to resume: "
                               "start it again with --overwrite (no --resume)")
         if not resume and present:
-            if not overwrite:
+            unstarted = _unstarted_run(path, present)
+            if not overwrite and unstarted is None:
                 raise RunDirError(f"{path}: holds a previous run ({', '.join(present)}); "
                                   "continue it with --resume, replace it with --overwrite, or "
                                   "use another --out")
+            if not overwrite:
+                print(f"fedmpi: note: {path}: replacing a previous run that {unstarted} and "
+                      "logged no round (nothing to keep)", file=sys.stderr, flush=True)
             for pattern in RUN_FILES + _SIDE_FILES:
                 for old in path.glob(pattern):
                     old.unlink()
@@ -229,6 +239,25 @@ def prepare(out: str | os.PathLike, cfg: Config, resume: bool, overwrite: bool) 
         release()
         raise
     return RunDir(path, fingerprint(cfg), stale)
+
+
+def _unstarted_run(path: Path, present: list[str]) -> Optional[str]:
+    """How the previous run in ``path`` ended (``"failed"``, ``"was interrupted"``, ...)
+    if it produced nothing (no round in a readable fedmpi log, no checkpoint, no model;
+    module docstring), else None. Called under the lock, so its writer is gone."""
+    if present != ["log.h5"] or (path / "best.pt").exists():
+        return None
+    from fedmpi.errors import LogFormatError
+    from fedmpi.log.reader import read
+
+    try:
+        log = read(path / "log.h5")
+    except (LogFormatError, OSError):
+        return None   # not readable as a fedmpi log: it may be anything; keep it
+    if len(log.rounds.get("round", [])):
+        return None
+    return {"failed": "failed", "interrupted": "was interrupted", "completed": "completed",
+            "running": "ended without a final status"}.get(log.status, f"ended {log.status}")
 
 
 def _refuse_foreign(path: Path, names: list[str]) -> None:

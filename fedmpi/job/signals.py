@@ -20,8 +20,14 @@ exit status.
 A second SIGINT raises :class:`KeyboardInterrupt` (interactive escape hatch:
 Ctrl-C twice stops without a checkpoint); under MPI the driver then aborts the
 communicator, so no rank keeps waiting for the one that left (issue 31).
-Before the run's handlers are installed (interpreter start-up, imports),
-:func:`install_early` makes SIGTERM/SIGUSR1 exit with 75 too. Repeated SIGTERM/SIGUSR1 only keep
+Before the run's handlers are installed, :func:`install_early` (the first statement
+of the ``fedmpi`` command, before anything slow is imported) makes SIGTERM/SIGUSR1 exit
+with 75 too: while nothing is written yet the process leaves at once with one line
+(:func:`defer_early` ends that phase just before MPI starts); from then on the request
+is kept and :func:`install` carries it over to the run, which stops at its first safe
+point. A stop signal the launcher left *blocked* (pending since the process began) is
+delivered the moment the handlers are in place, so from the first instruction of the
+process on, a stop signal is never death by signal 15. Repeated SIGTERM/SIGUSR1 only keep
 the request (SLURM follows SIGTERM with SIGKILL after ``KillWait`` anyway) —
 also after the run has returned: in the ``fedmpi`` process
 (:func:`hold_after_stop`) :func:`restore` leaves stop signals ignored once a
@@ -30,13 +36,14 @@ interpreter teardown) cannot turn status 75 into death by signal 15 (issue 18).
 """
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from types import FrameType
 from typing import Any, Optional
 
 #: Exit status of a run stopped by a signal after writing its checkpoint.
-from fedmpi.errors import EXIT_INTERRUPTED  # noqa: E402 - one definition of the status
+from fedmpi.errors import EXIT_INTERRUPTED, launch_rank  # noqa: E402 - one definition
 
 #: Signals that request a checkpoint-and-stop.
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -55,28 +62,65 @@ def _handler(signum: int, frame: Optional[FrameType]) -> None:
         _reason, _signum = signal.Signals(signum).name, int(signum)
 
 
+#: The stop signals of the start-up phase (SIGINT keeps Python's KeyboardInterrupt).
+EARLY_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
+_early: Optional[tuple[str, int]] = None   # a request recorded after defer_early()
+
+
 def _exit_interrupted(signum: int, frame: Optional[FrameType]) -> None:
-    raise SystemExit(EXIT_INTERRUPTED)
+    """Start-up, nothing written yet: leave now with 75 and one line (rank 0 says it).
+    ``os._exit``, not an exception: one raised here would unwind through whatever
+    import is running and leave half-initialised modules behind (issue 40)."""
+    if launch_rank() == 0:
+        os.write(2, (f"fedmpi: interrupted ({signal_name(signum)}) during start-up, before "
+                     "anything was written; nothing to resume: run the same command again\n"
+                     ).encode())
+    os._exit(EXIT_INTERRUPTED)
+
+
+def _record_early(signum: int, frame: Optional[FrameType]) -> None:
+    global _early
+    if _early is None:
+        _early = (signal.Signals(signum).name, int(signum))
 
 
 def install_early() -> None:
-    """The ``fedmpi run`` process, first thing (before torch and MPI are imported): a
-    SIGTERM or SIGUSR1 before the run's own handlers are installed exits with
+    """The ``fedmpi`` process, first thing (before torch, numpy and MPI are imported):
+    a SIGTERM or SIGUSR1 before the run's own handlers are installed exits with
     :data:`EXIT_INTERRUPTED` (75) — nothing is written yet, and 75 is what the Slurm
-    wrapper requeues — instead of dying by the signal (15)."""
+    wrapper requeues — instead of dying by the signal (15). The two signals are also
+    unblocked, so one the launcher left blocked (pending) is acted on now."""
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in EARLY_SIGNALS:
             signal.signal(sig, _exit_interrupted)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, EARLY_SIGNALS)
+
+
+def defer_early() -> None:
+    """End the leave-at-once phase of :func:`install_early` (just before MPI starts:
+    a rank that leaves on its own after that would strand the others in a
+    collective): a stop signal is from now on recorded, and :func:`install` hands it
+    to the run, which stops at its first safe point with 75. No-op unless
+    :func:`install_early` ran."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in EARLY_SIGNALS:
+        if signal.getsignal(sig) is _exit_interrupted:
+            signal.signal(sig, _record_early)
 
 
 def install() -> bool:
     """Install the stop handlers (main thread only); returns whether they were.
 
-    Clears any earlier request. Pair with :func:`restore`.
+    Clears any earlier request, except one recorded during the start-up
+    (:func:`defer_early`), which becomes this run's. Pair with :func:`restore`.
     """
+    pending = _early
     clear()
     if threading.current_thread() is not threading.main_thread():
         return False
+    if pending is not None:
+        request(*pending)
     for sig in STOP_SIGNALS:
         if sig not in _previous:
             _previous[sig] = signal.getsignal(sig)
@@ -123,8 +167,8 @@ def signal_name(signum: int) -> str:
 def clear() -> None:
     """Forget a stop request (what :func:`install` does first; for tests and embedding
     applications that drive rounds without :func:`fedmpi.runtime.run`)."""
-    global _reason, _signum
-    _reason, _signum = None, 0
+    global _reason, _signum, _early
+    _reason, _signum, _early = None, 0, None
 
 
 def request(reason: str, signum: int = int(signal.SIGTERM)) -> None:

@@ -2,7 +2,10 @@
 
 One row per round in every round-axis dataset, one flush per round (and on events and
 status changes); a write the file system refuses becomes
-:class:`~fedmpi.job.outputs.OutputError` and every later write is refused. The layout is
+:class:`~fedmpi.job.outputs.OutputError` and every later write is refused. HDF5 writes
+the file through :class:`~fedmpi.log.undo.UndoFile`: a flush that fails (a full disk,
+a quota, an I/O error) is undone, so the log stays readable as of its last successful
+flush — every round logged before the failure — whatever the disk did. The layout is
 documented in :mod:`fedmpi.log`.
 
 Longer than ~350 lines: one class, the writer of the schema (create, resume, append,
@@ -24,6 +27,7 @@ from fedmpi.errors import LogFormatError
 from fedmpi.log.row import RoundRow
 from fedmpi.job.outputs import OutputError, quiet_h5py_errors, write_failed
 from fedmpi.job.safefile import create_temp
+from fedmpi.log.undo import UndoFile
 
 from fedmpi.log.schema import (EVENT_DTYPES, SCHEMA_VERSION, STATUSES, PathLike, check_schema,
     read_events, round_series, to_python)
@@ -114,6 +118,8 @@ class LogWriter:
                              f"expected ({self.num_clients}, C)")
 
         self._file: h5py.File | None = None
+        self._io: Optional[UndoFile] = None           # what HDF5 writes through
+        self._flushed_rounds = 0                      # rows in the file as of its last flush
         self._series: dict[str, h5py.Dataset] = {}   # round-axis datasets by path
         self._open(config_yaml, world_size, fedmpi_version, num_samples, class_counts, resume,
                    resume_rounds, fingerprint)
@@ -133,15 +139,26 @@ class LogWriter:
         self._flush()
 
     def _break(self, exc: BaseException) -> None:
-        """Remember a refused write; from now on the file is not written again."""
-        self.broken = str(write_failed(self.path, exc))
+        """Remember a refused write, and put the file back as of its last flush
+        (:class:`~fedmpi.log.undo.UndoFile`); from now on the file is not written again."""
+        io = self._io
+        cause = io.error if io is not None and io.error is not None else exc
+        kept = io is not None and io.rollback()
+        self.broken = str(write_failed(self.path, cause)) + (
+            f"; the log is kept as of its last flush ({self._flushed_rounds} rounds)"
+            if kept else "")
         quiet_h5py_errors()
 
     def _flush(self) -> None:
-        """Record the time of this flush (``flushed_at``) and flush the file."""
+        """Record the time of this flush (``flushed_at``), flush the file and make it the
+        state a failed later write returns to."""
         f = self._writable()
         f.attrs["flushed_at"] = time.time()
         f.flush()
+        if self._io is not None:
+            self._io.commit()
+        self._flushed_rounds = len(self._series["rounds/round"]) \
+            if "rounds/round" in self._series else 0
 
     # -- opening -----------------------------------------------------------------
 
@@ -152,10 +169,10 @@ class LogWriter:
         # log of a killed run unreadable until `h5clear`.
         # created under an exclusive temporary name, renamed over the log once it is
         # one (fedmpi.job.safefile: a planted link at the log's name is never followed)
-        fd, tmp = create_temp(self.path)
-        os.close(fd)
+        fd, tmp = create_temp(self.path, readable=True)
+        self._io = UndoFile(fd, os.fspath(tmp))
         try:
-            f = self._file = h5py.File(tmp, "w", libver="v108", locking="best-effort")
+            f = self._file = h5py.File(self._io, "w", libver="v108", locking="best-effort")
             f.attrs.update(schema_version=SCHEMA_VERSION, fedmpi_version=fedmpi_version,
                            config_yaml=config_yaml, world_size=int(world_size), status="running")
             f.create_dataset("clients/num_samples", data=num_samples)
@@ -166,7 +183,9 @@ class LogWriter:
                                       chunks=(256,))
             self._create_series("rounds/round", np.empty((), dtype=np.int64), 0)
             f.flush()
+            self._io.commit()
             os.replace(tmp, self.path)
+            self._io.path = self.path
         finally:
             if os.path.lexists(tmp):
                 os.unlink(tmp)
@@ -176,8 +195,16 @@ class LogWriter:
         if os.path.islink(self.path) or not os.path.isfile(self.path):
             raise LogFormatError(f"{self.path}: cannot resume, no such log file (or a link)")
         try:
-            f = self._file = h5py.File(self.path, "r+", locking="best-effort")
+            fd = os.open(self.path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC)
         except OSError as exc:
+            raise LogFormatError(f"{self.path}: cannot resume, cannot open the log for "
+                                 f"writing ({exc.strerror})") from None
+        self._io = UndoFile(fd, self.path)
+        try:
+            f = self._file = h5py.File(self._io, "r+", locking="best-effort")
+        except OSError as exc:
+            self._io.close()
+            self._io = None
             raise LogFormatError(f"{self.path}: cannot resume, "
                                  f"not a readable HDF5 log ({exc})") from exc
         try:
@@ -191,6 +218,8 @@ class LogWriter:
                 raise LogFormatError(f"{self.path}: not a fedmpi log (no /rounds/round)")
         except LogFormatError:
             f.close()
+            self._io.close()
+            self._io = None
             raise
 
         # A killed writer may have grown some datasets further than others.
@@ -393,6 +422,9 @@ class LogWriter:
             try:
                 self._flush()
                 self._file.close()
+                if self._io is not None:
+                    self._io.commit()
+                    self._io.close()
             except (OSError, RuntimeError) as exc:
                 self._break(exc)
                 raise OutputError(self.broken) from None

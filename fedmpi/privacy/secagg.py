@@ -24,7 +24,10 @@ f fractional bits. The pairwise masks
 over the round's accepted participants A_t sum to 0 mod 2^b, so rank 0 gets
 Σ_r E_r = Σ_r enc(S_r) mod 2^b and decodes the centred value ÷ 2^f. Each E_r is
 uniformly distributed in the ring for anyone without the pair secrets s_kj,
-i.e. rank 0 only ever holds the sum over all accepted clients.
+i.e. rank 0 only ever holds the sum over all accepted clients. Within Σ_{k∈r} m_k
+the terms of two clients both on rank r cancel, so a rank draws only the pairs
+that cross to another rank (:meth:`SecureAggregator.seal`): a worker sees its own
+clients in the clear anyway.
 
 **Keys and PRG** (the ``cryptography`` package, extra ``.[privacy]``): every client
 holds an X25519 key pair made at start-up; the public keys travel to every rank
@@ -114,6 +117,7 @@ class SecureAggregator:
         self._zeros = np.zeros(0, dtype=np.uint8)        # keystream scratch (_stream)
         self._scratch = np.zeros(0, dtype=np.uint8)
         self.range_limit = float("inf")
+        self._float = torch.zeros(0, dtype=torch.float64)  # encode/decode scratch
         self.refused_because = "outside the secure-aggregation range (privacy.secagg.scale_bits)"
         self.min_accepted = MIN_ACCEPTED
         self.withheld_because = (f"withheld: fewer than {MIN_ACCEPTED} updates were accepted, "
@@ -180,10 +184,10 @@ class SecureAggregator:
         np.bitwise_and(raw, np.uint64(_MASK), out=raw)
         return raw.view(np.int64)
 
-    def _add_mask(self, out: np.ndarray, k: int, t: int, accepted: Sequence[int]) -> None:
-        """``out ← out + m_k (mod 2^b)`` in place, m_k = Σ_{j∈accepted, j≠k} ±PRG(s_kj, t)
-        (+ for k < j, − for k > j)."""
-        for j in accepted:
+    def _add_mask(self, out: np.ndarray, k: int, t: int, peers: Sequence[int]) -> None:
+        """``out ← out ± PRG(s_kj, t) (mod 2^b)`` in place for every j in ``peers``
+        (+ for k < j, − for k > j; j = k is skipped)."""
+        for j in peers:
             if j == k:
                 continue
             s = self._stream(self._secret(k, int(j)), t, out.size)
@@ -195,7 +199,7 @@ class SecureAggregator:
 
     def mask(self, k: int, t: int, accepted: Sequence[int], size: int) -> np.ndarray:
         """m_k of client ``k`` in round ``t`` among the ``accepted`` participants (int64
-        in [0, 2^b)); Σ_{k∈accepted} m_k ≡ 0 (mod 2^b)."""
+        in [0, 2^b)), every pair drawn; Σ_{k∈accepted} m_k ≡ 0 (mod 2^b)."""
         out = np.zeros(size, dtype=np.int64)
         self._add_mask(out, k, t, accepted)
         return out
@@ -203,14 +207,38 @@ class SecureAggregator:
     def seal(self, partial: torch.Tensor, t: int, mine: Sequence[int], accepted: Sequence[int],
              out: np.ndarray) -> None:
         """E_r = enc(S_r) + Σ_{k∈mine} m_k (mod 2^b) into the int64 send buffer ``out``;
-        ``partial`` is the float64 S_r of this rank's accepted clients ``mine``."""
-        out[:] = encode(partial.detach().cpu(), self.scale_bits).numpy()
-        for k in mine:
-            self._add_mask(out, int(k), t, accepted)
+        ``partial`` is the float64 S_r of this rank's accepted clients ``mine``.
+
+        Only the pairs with j ∉ ``mine`` are drawn: the terms ±PRG(s_kj) and ±PRG(s_jk)
+        of two clients on this rank cancel inside the sum, so E_r is the same ring element,
+        bit for bit, and what this rank computes grows with the clients on *other* ranks
+        (none at all when one rank hosts every accepted client, e.g. ``-n 1``)."""
+        v = partial.detach().cpu()
+        q = self._float_scratch(v.numel())
+        q.copy_(v).mul_(float(1 << self.scale_bits)).round_()     # = encode(), in place
+        e = torch.from_numpy(out)
+        e.copy_(q)                            # integral values: the conversion is exact
+        e.bitwise_and_(_MASK)
+        own = {int(k) for k in mine}
+        others = [int(j) for j in accepted if int(j) not in own]
+        for k in own:
+            self._add_mask(out, k, t, others)
 
     def open(self, total: np.ndarray) -> torch.Tensor:
-        """Σ_k w̃_k x_k (float64) from Σ_r E_r."""
-        return decode(torch.from_numpy(total), self.scale_bits)
+        """Σ_k w̃_k x_k (float64) from Σ_r E_r: :func:`decode`, computed in place in
+        ``total`` (overwritten) and a float64 buffer kept between rounds (the returned
+        tensor, valid until the next call)."""
+        r = torch.from_numpy(total)
+        # the centred representative: ((r + 2^{b-1}) mod 2^b) − 2^{b-1}
+        r.add_(MOD // 2).bitwise_and_(_MASK).sub_(MOD // 2)
+        out = self._float_scratch(r.numel())
+        out.copy_(r)
+        return out.div_(float(1 << self.scale_bits))
+
+    def _float_scratch(self, size: int) -> torch.Tensor:
+        if self._float.numel() != size:
+            self._float = torch.empty(size, dtype=torch.float64)
+        return self._float
 
 
 class SecureAggregation(UpdateTransform):

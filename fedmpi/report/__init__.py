@@ -27,6 +27,9 @@ x axis are the round numbers of the log, counted from 0):
                            communication + other, aggregation, evaluation
 ``bytes_per_round.png``    bytes sent per round, uplink and downlink in separate
                            panels on one scale, and the cumulative traffic
+``cross_site.png``         the cross-site validation (``eval.cross_site``): per
+                           metric, the sites' held-out data down, the global
+                           model and each site's local model across
 =========================  =====================================================
 
 One module per job; every name is importable from ``fedmpi.report``:
@@ -35,6 +38,7 @@ One module per job; every name is importable from ``fedmpi.report``:
 - :mod:`~fedmpi.report.curves` — accuracy, metrics and level-accuracy curves;
 - :mod:`~fedmpi.report.heatmaps` — client weights, gradient norms, partition;
 - :mod:`~fedmpi.report.costs` — time and bytes per round;
+- :mod:`~fedmpi.report.cross_site` — the cross-site validation's heatmaps and tables;
 - :mod:`~fedmpi.report.derived` — what plots and summary both show (the round's
   time split :func:`time_split`, titles, level labels);
 - :mod:`~fedmpi.report.canvas` — matplotlib (the ``plot`` extra, Agg canvas only);
@@ -54,6 +58,7 @@ from fedmpi.job.safefile import refuse_links, write_text
 
 from fedmpi.report.canvas import PLOT_HINT, have_matplotlib
 from fedmpi.report.costs import plot_bytes, plot_time
+from fedmpi.report.cross_site import plot_cross_site
 from fedmpi.report.curves import plot_accuracy, plot_level_accuracy, plot_metrics
 from fedmpi.report.derived import run_title, site_labels
 from fedmpi.report.heatmaps import plot_client_weights, plot_grad_norm, plot_partition
@@ -63,7 +68,7 @@ from fedmpi.report.summary import summary_markdown
 #: File names of the plots, in the order the summary lists them.
 PLOTS: tuple[str, ...] = ("accuracy.png", "metrics.png", "client_weights.png", "fedvg_grad_norm.png",
                           "partition.png", "level_accuracy.png", "time_per_round.png",
-                          "bytes_per_round.png")
+                          "bytes_per_round.png", "cross_site.png")
 
 
 def write_report(log: RunLog | PathLike, out_dir: str | os.PathLike | None = None,
@@ -111,6 +116,7 @@ def write_report(log: RunLog | PathLike, out_dir: str | os.PathLike | None = Non
         "level_accuracy.png": lambda p: plot_level_accuracy(log, p),
         "time_per_round.png": lambda p: plot_time(log, p),
         "bytes_per_round.png": lambda p: plot_bytes(log, p),
+        "cross_site.png": lambda p: plot_cross_site(log, p),
     }
     for name in PLOTS:
         path = out / name

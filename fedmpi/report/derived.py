@@ -12,6 +12,7 @@ the wall time.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +22,8 @@ from fedmpi.log.schema import PathLike
 from fedmpi.log.reader import RunLog, as_run_log
 
 __all__ = ["OVERLAPPED", "TIME_PARTS", "byte_unit", "level_labels", "logged_array",
-           "METRIC_LABELS", "metric_names", "run_components", "run_title", "site_labels",
-           "time_split"]
+           "METRIC_LABELS", "clean_label", "metric_names", "metric_text", "run_components",
+           "run_title", "site_labels", "time_split"]
 
 
 def logged_array(log: RunLog, name: str, ndim: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -74,6 +75,13 @@ METRIC_LABELS = {"test_accuracy": "accuracy", "balanced_accuracy": "balanced acc
                  "macro_f1": "macro-F1", "auroc": "AUROC", "test_loss": "test loss"}
 
 
+def metric_text(x: float | None) -> str:
+    """Every metric value of the summary (accuracy, AUROC, user metrics, losses) in one
+    format: four decimals, as the log holds it (a fraction, not a percentage); ``—``
+    where there is none."""
+    return "—" if x is None or not math.isfinite(x) else f"{x:.4f}"
+
+
 def metric_names(log: RunLog) -> list[str]:
     """The ``/rounds`` names of the run's ``eval.metrics`` (accuracy is ``test_accuracy``)."""
     from fedmpi.metrics import metric_name
@@ -88,8 +96,6 @@ def site_labels(log: RunLog) -> list[str]:
     :func:`fedmpi.data.silos.site_names`), else ``client k``. A log is untrusted input:
     a name is cut to 64 characters, control characters and ``|`` become spaces (a name
     goes into Markdown tables and plot labels as it is)."""
-    import re
-
     from fedmpi.job.provenance import read_run_info
 
     k = log.num_clients
@@ -100,7 +106,15 @@ def site_labels(log: RunLog) -> list[str]:
     if not (isinstance(names, list) and len(names) == k and all(isinstance(n, str) and n
                                                                 for n in names)):
         return [f"client {j}" for j in range(k)]
-    return [re.sub(r"[\x00-\x1f\x7f|]", " ", n)[:64] for n in names]
+    return [clean_label(n) for n in names]
+
+
+def clean_label(name: str) -> str:
+    """A name read from a log, safe in a Markdown table cell and a plot label: cut to 64
+    characters, control characters and ``|`` as spaces."""
+    import re
+
+    return re.sub(r"[\x00-\x1f\x7f|]", " ", name)[:64]
 
 
 def level_labels(log: RunLog, n: int) -> list[str]:

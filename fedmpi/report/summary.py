@@ -20,11 +20,11 @@ from fedmpi.compare.runs import config_value, run_config, run_metrics
 from fedmpi.log.schema import PathLike
 from fedmpi.log.reader import RunLog, as_run_log
 
+from fedmpi.report.cross_site import cross_site_lines
 from fedmpi.report.derived import (METRIC_LABELS, OVERLAPPED, TIME_PARTS, byte_unit, level_labels,
-    metric_names, site_labels, time_split)
+    metric_names, metric_text, site_labels, time_split)
 
-__all__ = ["DIGEST_KEYS", "RULE_COLUMNS", "metric_text", "relevant_keys", "set_keys",
-           "summary_markdown"]
+__all__ = ["DIGEST_KEYS", "RULE_COLUMNS", "relevant_keys", "set_keys", "summary_markdown"]
 
 _MAX_EVENTS = 50
 
@@ -84,13 +84,6 @@ def relevant_keys(flat: dict[str, Any]) -> list[str]:
         if k not in out and flat.get(k) is not None and not skip.get(k, False):
             out.append(k)
     return out
-
-
-def metric_text(x: float | None) -> str:
-    """Every metric value of the summary (accuracy, AUROC, user metrics, losses) in one
-    format: four decimals, as the log holds it (a fraction, not a percentage); ``—``
-    where there is none."""
-    return "—" if x is None or not math.isfinite(x) else f"{x:.4f}"
 
 
 def set_keys(flat: dict[str, Any]) -> list[str]:
@@ -178,6 +171,7 @@ def summary_markdown(log: RunLog | PathLike, target: float | None = None,
     out += ["", "## Sites", ""]
     out += _client_lines(log)
     out += _rule_lines(log)
+    out += cross_site_lines(log)
     out += ["", "## Events", ""]
     out += _event_lines(log)
     if plots or plots_note:

@@ -29,6 +29,7 @@ from fedmpi.imports import run_objects, runtime_error_line
 from fedmpi.usercode import UserCode
 from fedmpi.job.outputs import OutputError, write_model
 from fedmpi.runtime import guard
+from fedmpi.runtime.evaluation import FinalEvaluation
 from fedmpi.runtime.federation import CMD_ABORT, CMD_ROUND, Federation
 from fedmpi.runtime.probe import dry_run
 from fedmpi.job.lock import heartbeat, release
@@ -83,7 +84,8 @@ def run_comm(cfg: Config) -> Comm:
 def run(cfg: Config, out_dir: Optional[str | Path] = None, comm: Optional[Comm] = None,
         resume: bool = False, overwrite: bool = False,
         code: Optional[UserCode] = None,
-        callbacks: Sequence[Callback] = ()) -> Optional[dict[str, float]]:
+        callbacks: Sequence[Callback] = (),
+        final: Sequence[FinalEvaluation] = ()) -> Optional[dict[str, float]]:
     """Run a whole experiment on this rank; returns on rank 0 the final metrics
     (``test_accuracy`` and the other ``eval.metrics`` of the last evaluated round),
     None elsewhere. ``code``: objects replacing the config's names (:func:`fedmpi.run`).
@@ -96,12 +98,14 @@ def run(cfg: Config, out_dir: Optional[str | Path] = None, comm: Optional[Comm] 
     :data:`fedmpi.job.signals.EXIT_INTERRUPTED` (75). ``overwrite`` replaces a previous
     run in the output directory (:mod:`fedmpi.job.rundir`: lock, fingerprint, conventions).
     ``callbacks``: called on rank 0 after each logged round (:mod:`fedmpi.runtime.callbacks`).
+    ``final``: evaluations of the completed run, on every rank (:func:`fedmpi.run` passes
+    the config's: :func:`fedmpi.consortium.cross_site.final_evaluations`).
     """
     signals.install()
     try:
         comm = comm or run_comm(cfg)
         with comm.answering_pings():   # a timeout names the ranks that do not answer
-            return _run(cfg, out_dir, comm, resume, overwrite, code, callbacks)
+            return _run(cfg, out_dir, comm, resume, overwrite, code, callbacks, final)
     except KeyboardInterrupt:   # a second Ctrl-C: stop now, without a checkpoint
         if comm is None or comm.size == 1:
             raise
@@ -163,7 +167,8 @@ def check(cfg: Config, comm: Optional[Comm] = None) -> str:
 
 def _run(cfg: Config, out_dir: Optional[str | Path], comm: Comm, resume: bool,
          overwrite: bool = False, code: Optional[UserCode] = None,
-         callbacks: Sequence[Callback] = ()) -> Optional[dict[str, float]]:
+         callbacks: Sequence[Callback] = (),
+         finals: Sequence[FinalEvaluation] = ()) -> Optional[dict[str, float]]:
     out = Path(out_dir) if out_dir else Path(cfg.runtime.out_dir) / cfg.name
     after: Optional[AfterRound] = None
 
@@ -172,6 +177,8 @@ def _run(cfg: Config, out_dir: Optional[str | Path], comm: Comm, resume: bool,
         trackers and the after-round hooks (best model, early stopping, callbacks)."""
         nonlocal after
         check_trackers(cfg)   # a missing extra is bad input before anything is written
+        for evaluation in finals:
+            evaluation.claim(out, resume, overwrite)
         opened = guard.open_run(fed.run_state(), fed.log_header(), out, resume, overwrite)
         fed.use_log(opened)
         try:
@@ -220,6 +227,9 @@ def _run(cfg: Config, out_dir: Optional[str | Path], comm: Comm, resume: bool,
             status = "failed"
         elif fed.stop_reason is not None and t < cfg.train.rounds:
             status = "interrupted"
+        else:   # every rank knows the status from the headers: a collective is safe
+            for evaluation in finals:
+                evaluation.run(fed, t)
     except OutputError as exc:   # disk full: one line naming the file, exit 1
         guard.write_failed(fed.writer, comm, exc, t)
     except KeyboardInterrupt:   # a second Ctrl-C: the log must not stay "running"

@@ -35,11 +35,15 @@ Policies (every rank derives them from the config, so no message decides them):
   evaluated on rank 0 while the workers train round t + 1 (rank 0 is idle
   then); before a checkpoint, at a stop and after the last round it is
   evaluated at once (:class:`~fedmpi.runtime.record.RoundRecorder` holds the
-  pending row).
+  pending row);
+* **final** — evaluations after a completed run (:class:`FinalEvaluation`, e.g. the
+  cross-site validation of :mod:`fedmpi.consortium.cross_site`): collectives the
+  driver runs on every rank once the last round is logged; the runtime names none.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional, Protocol
 
 import numpy as np
 import torch
@@ -53,6 +57,7 @@ if TYPE_CHECKING:
     from fedmpi.data.base import Dataset
     from fedmpi.training.flat import FlatModel
     from fedmpi.runtime.channel import Channel
+    from fedmpi.runtime.federation import Federation
 
 Scalars = dict[str, float]
 
@@ -66,6 +71,20 @@ def test_state(flat: FlatModel, forward, data: Dataset, accel: Accel, batch_size
     loss, correct, n = evaluate(forward, data, data.x_test[part], data.y_test[part], batch_size,
                                 num_logits=num_logits, accel=accel, collect=collect)
     return float(loss), float(correct), float(n)
+
+
+class FinalEvaluation(Protocol):
+    """An evaluation of a completed run (:func:`fedmpi.runtime.driver.run`'s ``final``):
+    :meth:`claim` on rank 0 at set-up, before the run directory is opened; :meth:`run`
+    on every rank after the last round is logged, before ``model.pt`` is written and the
+    log is closed. A failure there fails the run (exit 1)."""
+
+    def claim(self, out: Path, resume: bool, overwrite: bool) -> None:
+        """Rank 0: refuse (:class:`~fedmpi.errors.UserError`) what it would replace."""
+
+    def run(self, fed: Federation, rounds: int) -> None:
+        """Collective: evaluate the global model after ``rounds`` rounds; rank 0 logs
+        (``fed.writer``)."""
 
 
 class Evaluation:
@@ -191,12 +210,8 @@ class Evaluation:
         table = np.zeros((K, 2 + cells + len(scored)), dtype=np.float64)
         if self.client_tests:
             ctx.flat.load(theta)   # evaluation leaves the model unchanged (eval mode)
-        for k, idx in sorted(self.client_tests.items()):
-            collect = metrics.Collector(C, self.names, ctx.device)
-            loss, _, n = evaluate(ctx.forward, ctx.data, ctx.data.x_train[idx], ctx.data.y_train[idx],
-                                  self.cfg.eval.batch_size,
-                                  num_logits=algo.spec_for(self.cfg).eval_logits(C),
-                                  accel=ctx.accel, collect=collect)
+        for k in sorted(self.client_tests):
+            collect, loss, n = self.on_site(k, ctx, algo)
             site = collect.scalars(loss, n) if n else metrics.nan_scalars(self.names)
             table[k, :2] = loss, n
             table[k, 2:2 + cells] = collect.confusion.cpu().numpy()
@@ -205,6 +220,18 @@ class Evaluation:
         if total is None:
             return {}
         return self._combine(total.reshape(table.shape), C, scored)
+
+    def on_site(self, client: int, ctx, algo) -> tuple[metrics.Collector, float, int]:
+        """The model loaded in ``ctx.flat`` on hosted client ``client``'s held-out
+        samples: (the collector of every ``eval.metrics``, Σ loss, n)."""
+        C = ctx.data.num_classes
+        idx = self.client_tests[client]
+        collect = metrics.Collector(C, self.names, ctx.device)
+        loss, _, n = evaluate(ctx.forward, ctx.data, ctx.data.x_train[idx], ctx.data.y_train[idx],
+                              self.cfg.eval.batch_size,
+                              num_logits=algo.spec_for(self.cfg).eval_logits(C),
+                              accel=ctx.accel, collect=collect)
+        return collect, float(loss), int(n)
 
     def _combine(self, table: np.ndarray, C: int, scored: list[str]) -> Scalars:
         """Rank 0: per-client arrays into :attr:`sites`, and the combined scalars."""

@@ -165,6 +165,8 @@ class Federation:
         self.algo.begin_round(t, mask, state, extras)
         if self.is_server:   # evaluate round t − 1 while the workers train round t
             self.recorder.finish_pending(self._evaluate)
+            if self.size > 1:   # and the server rule's work on θ^t alone (FLTrust's g_0)
+                self.rule.begin_round(state, t)
         t_train = time.perf_counter()
         if self.arrival_sum is not None:
             self.arrival_sum.start(mask)
