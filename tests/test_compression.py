@@ -172,3 +172,23 @@ def test_int8_with_error_feedback_does_not_depend_on_world_size(tmp_path):
          "--set", "runtime.reduction=exact"], tmp_path)
     assert all(torch.equal(models[1][n], models[3][n]) for n in models[1])
     assert np.array_equal(logs[1].rounds["bytes_up"], logs[3].rounds["bytes_up"])
+
+
+def test_bf16_downlink(tmp_path, x):
+    """The clients receive θ̂ = bfloat16(θ) (θ itself untouched on the server) and θ is
+    logged at 2 bytes per entry; the uplink stays float32."""
+    tr = Compression(config_from_dict({"compression": {"downlink": "bf16"}}))
+    theta = torch.from_numpy(x.copy())
+    got = tr.received(theta)
+    assert np.array_equal(got.numpy(), bf16_numpy(x)) and np.array_equal(theta.numpy(), x)
+    assert tr.received(theta) is got                      # one buffer per worker
+    over = BASE + ["train.rounds=1"]
+    plain = api.run("configs/quickstart.yaml", over, out=tmp_path / "plain")
+    down = api.run("configs/quickstart.yaml", over + ["compression.downlink=bf16"],
+                   out=tmp_path / "down")
+    with h5py.File(plain.log_path) as f, h5py.File(down.log_path) as g:
+        assert np.array_equal(g["rounds/bytes_down"][:] * 2, f["rounds/bytes_down"][:])
+        assert np.array_equal(g["rounds/bytes_up"][:], f["rounds/bytes_up"][:])
+    a = torch.load(plain.out_dir / "model.pt", weights_only=True)
+    b = torch.load(down.out_dir / "model.pt", weights_only=True)
+    assert not all(torch.equal(a[n], b[n]) for n in a)    # trained from θ̂, not θ

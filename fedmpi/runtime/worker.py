@@ -90,6 +90,8 @@ class Worker:
             extras: torch.Tensor, channel: Channel) -> None:
         channel.begin_uplink(int(mask.sum()))
         mine = [k for k in hosted if mask[k]]
+        if mine:
+            state = self.transforms.received(state)   # θ as the clients decode it
         for row, k in enumerate(mine):
             t0 = time.perf_counter()
             try:

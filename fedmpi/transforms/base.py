@@ -161,6 +161,11 @@ class UpdateTransform(Component):
         upload, from those before it (default: unchanged)."""
         return up, down
 
+    def received(self, state: torch.Tensor) -> torch.Tensor:
+        """On a rank with participants, once per round: θ as its clients receive it (a
+        lossy downlink decodes it; default: ``state`` itself, never modified in place)."""
+        return state
+
     # ------------------------------------------------------------- client half
     def before_training(self, task: ClientTask) -> ClientTask:
         return task
@@ -219,6 +224,11 @@ class TransformChain:
         for tr in self.transforms:
             up, down = tr.traffic(up, down)
         return up, down
+
+    def received(self, state: torch.Tensor) -> torch.Tensor:
+        for tr in self.transforms:
+            state = tr.received(state)
+        return state
 
     def before_training(self, task: ClientTask) -> ClientTask:
         for tr in self.transforms:

@@ -28,14 +28,19 @@ accountant assumes. **With secure aggregation** the masked sum needs fixed-point
 elements whose scale every party knows beforehand; a compressed uplink is refused with
 both keys named.
 
-The logged ``/rounds/bytes_up`` counts each participant's ``delta`` at its encoded size
-(:meth:`Compression.traffic`); other statistics (SCAFFOLD's Δc) stay float32.
+**Downlink** (``compression.downlink: bf16``): the clients of a worker train from
+θ̂ = bfloat16(θ), decoded once per round (:meth:`Compression.received`), and upload
+θ_k − θ̂; the server applies the aggregate to its float32 θ. Method extras (SCAFFOLD's c)
+stay float32.
+
+The logged ``/rounds/bytes_up`` counts each participant's ``delta`` at its encoded size and
+``/rounds/bytes_down`` θ at its (:meth:`Compression.traffic`); other statistics stay float32.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -64,6 +69,8 @@ class CompressionParams:
     topk_fraction: float = param(0.01, "topk: the fraction of entries sent", gt=0, le=1)
     error_feedback: bool = param(True, "keep each client's encoding error on its worker and "
                                        "add it to its next update (lossy encodings)")
+    downlink: str = param("none", "encoding of the global model the clients receive: none "
+                                  "(float32) or bf16", choices=("none", "bf16"))
 
 
 def encoded_bytes(kind: str, size: int, topk_fraction: float = 1.0) -> int:
@@ -104,7 +111,8 @@ def decode_encode(kind: str, x: torch.Tensor, topk_fraction: float = 1.0) -> tor
 
 
 class Compression(UpdateTransform):
-    """``compression.uplink`` other than ``none`` (module docstring)."""
+    """``compression.uplink`` or ``compression.downlink`` other than ``none`` (module
+    docstring)."""
 
     name = "compression"
     params = {"compression": CompressionParams}
@@ -118,20 +126,23 @@ class Compression(UpdateTransform):
         self.feedback = bool(p.error_feedback) and p.uplink != "none"
         self.errors: Any = None   # client → e_k: the method's per-client store (ClientVectors)
         self.D = 0
+        self.down = p.downlink
+        self._received: Optional[torch.Tensor] = None   # θ̂, one buffer per worker
 
     @classmethod
     def enabled(cls, cfg: Config) -> bool:
-        return cfg.get("compression.uplink", "none") != "none"
+        return (cfg.get("compression.uplink", "none") != "none"
+                or cfg.get("compression.downlink", "none") != "none")
 
     @classmethod
     def check(cls, cfg: Config) -> None:
         p = load_group(cfg, "compression", CompressionParams)
-        if cfg.privacy.secure_aggregation:
+        if cfg.privacy.secure_aggregation and p.uplink != "none":
             raise ConfigError(f"config keys 'compression.uplink' and "
                               f"'privacy.secure_aggregation': the masked sum needs fixed-point "
                               f"ring elements of a scale known beforehand; "
                               f"{p.uplink!r} updates cannot be summed under the masks")
-        if p.error_feedback and cfg.privacy.dp.level == "client":
+        if p.error_feedback and p.uplink != "none" and cfg.privacy.dp.level == "client":
             raise ConfigError("config keys 'compression.error_feedback' and 'privacy.dp.level': "
                               "error feedback adds a data-dependent residual after the DP clip "
                               "(beyond the sensitivity the accountant assumes); set "
@@ -140,6 +151,7 @@ class Compression(UpdateTransform):
     def setup(self, ctx) -> None:
         self.D = ctx.flat.size
         self.report.attr("compression", "uplink", self.kind)
+        self.report.attr("compression", "downlink", self.down)
         self.report.attr("compression", "error_feedback", int(self.feedback))
         if self.kind == "topk":
             self.report.attr("compression", "topk_fraction", self.fraction)
@@ -149,7 +161,19 @@ class Compression(UpdateTransform):
             self.errors = make("compression/error", self.D)
 
     # ------------------------------------------------------------- client half
+    def received(self, state: torch.Tensor) -> torch.Tensor:
+        """θ̂ = bfloat16(θ) under ``compression.downlink: bf16`` (the same bits on every
+        rank); the clients train from θ̂ and upload θ_k − θ̂, applied to the server's θ."""
+        if self.down == "none":
+            return state
+        if self._received is None or self._received.shape != state.shape:
+            self._received = torch.empty_like(state)
+        self._received.copy_(decode_encode(self.down, state))
+        return self._received
+
     def on_upload(self, task: ClientTask, out: dict[str, torch.Tensor]) -> None:
+        if self.kind == "none":
+            return
         delta = out["delta"]
         if not all_finite(delta):
             return   # excluded by the server; e_k unchanged
@@ -164,5 +188,6 @@ class Compression(UpdateTransform):
 
     # ------------------------------------------------------------- server half
     def traffic(self, up: int, down: int) -> tuple[int, int]:
-        return up - 4 * self.D + encoded_bytes(self.kind, self.D, self.fraction), down
+        return (up - 4 * self.D + encoded_bytes(self.kind, self.D, self.fraction),
+                down - 4 * self.D + encoded_bytes(self.down, self.D))
 
