@@ -104,13 +104,11 @@ class ServerAdam(ServerOptimizer):
         self.m.mul_(self.beta1).add_(delta, alpha=1.0 - self.beta1)
         sq = torch.mul(delta, delta, out=self._sq)
         if self.yogi:
-            sign = torch.sub(self.v, sq).sign_()
+            sign = torch.sign(self.v - sq)
             self.v.addcmul_(sq, sign, value=-(1.0 - self.beta2))
-            del sign
         else:
             self.v.mul_(self.beta2).add_(sq, alpha=1.0 - self.beta2)
-        # √v + τ in the scratch Δ² no longer needs: no model-sized temporary on rank 0
-        denom = torch.sqrt(self.v, out=self._sq).add_(self.tau)
+        denom = self.v.sqrt().add_(self.tau)
         params.addcdiv_(self.m, denom, value=self.lr)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
