@@ -11,13 +11,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import SMALL, TEST_DEVICE, build_fed, run_fedmpi
+from conftest import SMALL, TEST_DEVICE, ClientRig, client_rig, run_here
 from torch import nn
 
 from fedmpi.training.accel import OFF, Accel
 from fedmpi.training.flat import FlatModel
 from fedmpi.log.reader import read
-from fedmpi.runtime.federation import Federation
 from fedmpi.training.loop import LocalTrainer, SGDConfig, evaluate
 
 
@@ -27,28 +26,29 @@ BASE = {"name": "accel", "seed": 4, "runtime": {"progress": False, "device": TES
         "train": {"rounds": 1, "local_steps": 4, "batch_size": 32, "lr": 0.05, "momentum": 0.5}}
 
 
-def make_fed(**over) -> Federation:
-    return build_fed(BASE, **over)
+def make_fed(**over) -> ClientRig:
+    """The client side of BASE (no Federation): these switches act on local training."""
+    return client_rig(BASE, **over)
 
 
 def first_conv(model: nn.Module) -> nn.Conv2d:
     return next(m for m in model.modules() if isinstance(m, nn.Conv2d))
 
 
-def train_client(fed: Federation, with_loss: bool = False):
+def train_client(fed: ClientRig, with_loss: bool = False):
     cfg = SGDConfig(lr=0.05, momentum=0.5, batch_size=32, local_steps=4)
     res = fed.trainer.train(fed.client_idx[0], cfg, seed=9)
     params = fed.flat.params.detach().clone()
     return (params, res.loss_sum / res.samples) if with_loss else params
 
 
-def test_config_defaults_are_off_and_bad_values_rejected():
+def test_config_defaults_are_off_and_bad_values_rejected(tmp_path, capsys):
     fed = make_fed()
     assert fed.accel == Accel(device_type=fed.device.type) and not fed.accel.enabled
     assert fed.forward is fed.flat.model
-    proc = run_fedmpi(["run", "configs/quickstart.yaml", "--set", "runtime.autocast=fp16"], n=0,
-                      check=False)
-    assert proc.returncode == 2 and "runtime.autocast" in proc.stderr
+    assert run_here(["run", "configs/quickstart.yaml", "--set", "runtime.autocast=fp16",
+                     "--out", str(tmp_path / "o")], check=False) == 2
+    assert "runtime.autocast" in capsys.readouterr().err
 
 
 def test_channels_last_feeds_nhwc_and_trains_like_nchw():
@@ -59,7 +59,7 @@ def test_channels_last_feeds_nhwc_and_trains_like_nchw():
     a, b = train_client(plain), train_client(cl)
     assert seen and all(seen)                      # every batch arrived NHWC
     assert cl.flat.params.is_contiguous()          # the flat state layout is untouched
-    assert not torch.equal(a, plain.global_state[: plain.flat.num_params])
+    assert not torch.equal(a, plain.theta0[: plain.flat.num_params])
     torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
 
 
@@ -70,7 +70,7 @@ def test_bf16_autocast_runs_convs_in_bf16_keeps_state_float32():
     (a, loss_a), (b, loss_b) = train_client(plain, True), train_client(amp, True)
     assert dtypes and set(dtypes) == {torch.bfloat16}
     assert amp.flat.vector.dtype == amp.flat.grad.dtype == torch.float32
-    start = plain.global_state[: plain.flat.num_params]
+    start = plain.theta0[: plain.flat.num_params]
     # bf16 keeps 8 mantissa bits. Behind BatchNorm that is ~10% relative error per
     # gradient for this CNN, so compare directions and losses, not entries.
     cos = F.cosine_similarity(b - start, a - start, dim=0)
@@ -120,8 +120,8 @@ def test_switch_end_to_end_matches_plain_run(tmp_path, switch):
     """A whole run with channels_last reaches the plain run's accuracy (same rounds)."""
     accs = {}
     for name, extra in (("plain", []), ("switch", ["--set", switch])):
-        run_fedmpi(["run", "configs/quickstart.yaml", *SMALL, "--set", "runtime.threads=1",
-                    *extra, "--out", str(tmp_path / name)], n=0)
+        run_here(["run", "configs/quickstart.yaml", *SMALL, "--set", "runtime.threads=1",
+                  *extra, "--out", str(tmp_path / name)])
         accs[name] = read(tmp_path / name / "log.h5").rounds["test_accuracy"]
     # CPU: identical to 1e-3; on CUDA NHWC kernels differ slightly and 3 rounds amplify it
     assert abs(accs["plain"][-1] - accs["switch"][-1]) < 0.03, accs

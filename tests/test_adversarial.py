@@ -116,10 +116,10 @@ def test_a_live_lock_on_another_host_is_respected_and_a_silent_one_taken_over(tm
     os.utime(lock, (now - 91, now - 91))
     assert "other-node 4242" in acquire(out)          # taken over
     try:
-        before = lock.stat().st_mtime
-        time.sleep(0.05)
+        before = now - 30                   # a heartbeat 30 s ago: no clock-resolution race
+        os.utime(lock, (before, before))
         heartbeat()
-        assert lock.stat().st_mtime > before
+        assert lock.stat().st_mtime > before + 25
         mine = lock_holder(out)
         assert (mine.host, mine.pid) == (socket.gethostname(), os.getpid())
         assert not mine.stale()
@@ -460,14 +460,15 @@ def _mpi_run(args: list[str], n: int, env: dict | None = None, timeout: float = 
     return proc, time.monotonic() - t0
 
 
-def _mpi_start(args: list[str], env: dict | None = None) -> subprocess.Popen:
-    """``mpiexec -n 3 fedmpi ARGS`` in the background, stderr piped."""
+def _mpi_start(args: list[str], env: dict | None = None,
+               command: list[str] | None = None) -> subprocess.Popen:
+    """``mpiexec -n 3 fedmpi ARGS`` (or ``command ARGS``) in the background, stderr piped."""
     from conftest import mpiexec_path
 
     mpi = mpiexec_path()
     if mpi is None:
         pytest.skip("mpiexec not found")
-    return subprocess.Popen([mpi, "-n", "3", *fedmpi_cmd(*args)], cwd=ROOT,
+    return subprocess.Popen([mpi, "-n", "3", *(command or fedmpi_cmd()), *args], cwd=ROOT,
                             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
                             text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -547,8 +548,8 @@ def test_a_hung_rank_is_named_with_its_host_after_the_round_timeout(tmp_path, th
     "serialized") the live rank answers from its wait instead of a thread."""
     import signal
 
+    from conftest import wait_rounds
     from fedmpi.log.reader import read
-    from test_trust import _wait_rounds
 
     out = tmp_path / "hung"
     proc = _mpi_start(["run", CFG, *FAST, "--set", "train.rounds=500", "--set",
@@ -556,7 +557,7 @@ def test_a_hung_rank_is_named_with_its_host_after_the_round_timeout(tmp_path, th
                       {"MPI4PY_RC_THREAD_LEVEL": threads})
     stopped = None
     try:
-        _wait_rounds(out, 1, proc)
+        wait_rounds(out, 1, proc)
         stopped = _launched_rank_pid(proc.pid, 2)
         os.kill(stopped, signal.SIGSTOP)
         t0 = time.monotonic()
@@ -609,19 +610,26 @@ def test_a_rank_alive_but_slower_than_the_round_timeout_is_named_as_alive(tmp_pa
 def test_two_sigints_to_rank_0_end_every_rank_within_seconds(tmp_path):
     import signal
 
+    from conftest import wait_for, wait_rounds
     from fedmpi.log.reader import read
-    from test_trust import _wait_rounds
 
     out = tmp_path / "ctrlc"
+    seen = tmp_path / "signal-seen"
     # rounds of seconds: the graceful stop the first SIGINT asks for must still be under
-    # way when the second one arrives (with 2-epoch rounds it could finish within 0.2 s)
+    # way when the second one arrives (with 2-epoch rounds it could finish at once)
     proc = _mpi_start(["run", CFG, *FAST, "--set", "train.rounds=500", "--set",
-                       "train.local_epochs=40", "--out", str(out)])
+                       "train.local_epochs=40", "--out", str(out)],
+                      {"FEDMPI_SIGNAL_SEEN": str(seen)},
+                      command=[sys.executable, str(ROOT / "tests" / "signal_probe.py")])
     try:
-        _wait_rounds(out, 1, proc)
+        wait_rounds(out, 1, proc)
         rank0 = int(read(out / "log.h5").attrs["writer_pid"])
         os.kill(rank0, signal.SIGINT)
-        time.sleep(0.2)
+        # handshake: the second only once rank 0 has handled the first (two SIGINTs that
+        # arrive before Python runs the handler are handled once)
+        mark = Path(f"{seen}.{rank0}")
+        wait_for(lambda: mark.exists() and mark.read_text() == f"{int(signal.SIGINT)}\n",
+                 "rank 0 handling the first SIGINT", 60, proc)
         os.kill(rank0, signal.SIGINT)
         t0 = time.monotonic()
         _, err = proc.communicate(timeout=30)

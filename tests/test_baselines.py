@@ -6,6 +6,7 @@ P = softmax(XWᵀ + b), computed here in float64 numpy, independent of torch.
 """
 from __future__ import annotations
 
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +14,8 @@ import torch
 from torch import nn
 
 import fedmpi.runtime.build as runtime_build
-from conftest import SMALL, TEST_DEVICE, bare_context, build_fed, run_fedmpi, set_dotted
+from conftest import (SMALL, TEST_DEVICE, bare_context, build_fed, run_fedmpi_many, run_here,
+                      set_dotted)
 from fedmpi.methods import ALGORITHMS
 from fedmpi.component import start
 from fedmpi.component import ClientTask, RoundInfo
@@ -386,28 +388,38 @@ INVARIANCE = [(m, "samples", False) for m in BASELINES] + [("scaffold", "fedvg",
                                                            ("fednova", "fedvg", True)]
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("name,weighting,exact", INVARIANCE)
-def test_world_size_invariance_per_method(tmp_path, name, weighting, exact):
-    """Per-client state (c_k, h_k, s_k) is carried across 3 rounds by the worker that hosts
-    the client; the trajectory and final model are the same in one process and under
-    ``mpiexec -n 3`` (clients on 2 workers) — bit for bit with ``runtime.reduction: exact``."""
+def _invariance_args(name: str, weighting: str, exact: bool) -> list[str]:
     args = [*SMALL, "--set", "runtime.threads=1", "--set", f"algorithm.name={name}",
             "--set", f"aggregation.weighting={weighting}", "--set", "train.local_steps=2",
             "--set", "model.name=lenet"]
-    if exact:
-        args += ["--set", "runtime.reduction=exact"]
-    cfg_path = "configs/quickstart.yaml"
-    from fedmpi.config.schema import load_config
-    overrides = [a for a in args if a != "--set"]
-    run(load_config(cfg_path, overrides), tmp_path / "n1", Comm())
-    run_fedmpi(["run", cfg_path, *args, "--out", str(tmp_path / "n3")], n=3)
-    one, three = read(tmp_path / "n1" / "log.h5"), read(tmp_path / "n3" / "log.h5")
+    return [*args, "--set", "runtime.reduction=exact"] if exact else args
+
+
+@pytest.fixture(scope="module")
+def invariance_n3(tmp_path_factory) -> Path:
+    """Every INVARIANCE configuration under ONE ``mpiexec -n 3`` job, one after the other
+    (one launch; the directory ``<name>-<weighting>`` of each)."""
+    root = tmp_path_factory.mktemp("n3")
+    run_fedmpi_many([["run", "configs/quickstart.yaml", *_invariance_args(*case), "--out",
+                      str(root / f"{case[0]}-{case[1]}")] for case in INVARIANCE], n=3)
+    return root
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name,weighting,exact", INVARIANCE)
+def test_world_size_invariance_per_method(invariance_n3, tmp_path, name, weighting, exact):
+    """Per-client state (c_k, h_k, s_k) is carried across 3 rounds by the worker that hosts
+    the client; the trajectory and final model are the same in one process and under
+    ``mpiexec -n 3`` (clients on 2 workers) — bit for bit with ``runtime.reduction: exact``."""
+    run_here(["run", "configs/quickstart.yaml", *_invariance_args(name, weighting, exact),
+              "--out", str(tmp_path / "n1")])
+    at3 = invariance_n3 / f"{name}-{weighting}"
+    one, three = read(tmp_path / "n1" / "log.h5"), read(at3 / "log.h5")
     assert three.attrs["world_size"] == 3
     tol = 0.0 if exact else 1e-5
     np.testing.assert_allclose(three.rounds["test_accuracy"], one.rounds["test_accuracy"], atol=tol)
     m1 = torch.load(tmp_path / "n1" / "model.pt", weights_only=True)
-    m3 = torch.load(tmp_path / "n3" / "model.pt", weights_only=True)
+    m3 = torch.load(at3 / "model.pt", weights_only=True)
     for key, ref in m1.items():
         if ref.is_floating_point():
             torch.testing.assert_close(m3[key], ref, atol=tol, rtol=0, msg=key)

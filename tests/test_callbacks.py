@@ -80,6 +80,7 @@ def test_callback_sees_each_row_and_stops_cleanly(tmp_path):
     assert result.metrics["test_accuracy"] == log.rounds["test_accuracy"][1]
 
 
+@pytest.mark.mpi
 def test_early_stopping_under_mpi_exits_zero_on_every_rank(tmp_path):
     """With eval.overlap the decision comes one round later; every rank stops, exit 0."""
     import yaml

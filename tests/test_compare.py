@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_fedmpi
+from conftest import run_here
 from fedmpi.compare import compare, compare_logs
 from fedmpi.compare.runs import rounds_to_target, run_metrics
 from fedmpi.errors import UserError
@@ -135,14 +135,16 @@ def test_incomplete_runs_are_flagged(tmp_path):
     assert "2 (1 incomplete)" in table.markdown()
 
 
-def test_cli_compare_writes_csv_and_rejects_corrupt(logs, tmp_path):
+def test_cli_compare_writes_csv_and_rejects_corrupt(logs, tmp_path, capsys):
     out = tmp_path / "cmp"
-    proc = run_fedmpi(["compare", *map(str, logs), "--target-accuracy", "0.7", "--out", str(out)],
-                      n=0)
-    assert "| fedavg (baseline) | 2 | 70.00 ± 10.00 | 75.00 ± 5.00 | 3.5 ± 0.5 |" in proc.stdout
-    assert (out / "compare.md").read_text() == proc.stdout
+    capsys.readouterr()
+    run_here(["compare", *map(str, logs), "--target-accuracy", "0.7", "--out", str(out)])
+    stdout = capsys.readouterr().out
+    assert "| fedavg (baseline) | 2 | 70.00 ± 10.00 | 75.00 ± 5.00 | 3.5 ± 0.5 |" in stdout
+    assert (out / "compare.md").read_text() == stdout
     assert len(list(csv.DictReader((out / "compare.csv").open()))) == 3
     bad = tmp_path / "bad.h5"
     bad.write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(range(256)) * 4)
-    proc = run_fedmpi(["compare", str(logs[0]), str(bad)], n=0, check=False)
-    assert proc.returncode == 2 and str(bad) in proc.stderr and "Traceback" not in proc.stderr
+    assert run_here(["compare", str(logs[0]), str(bad)], check=False) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "Traceback" not in err

@@ -121,6 +121,7 @@ sys.exit(code)
 '''
 
 
+@pytest.mark.mpi
 def test_stats_under_mpiexec_equal_in_process_and_each_rank_reads_only_its_sites(sites, tmp_path):
     """Client k on rank 1 + k mod 2: rank 0 opens no site's file, ranks 1 and 2 only theirs;
     the summaries are the in-process ones, bit for bit."""

@@ -44,17 +44,20 @@ def _shell_blocks(page: str) -> list[str]:
 _SETUP = ("python3 -m venv", ". .venv/bin/activate", "pip install", "python -m pytest")
 
 
-def test_getting_started_commands_run(tmp_path):
+def test_getting_started_commands_run(tmp_path, monkeypatch):
     """Every command of docs/getting-started.md runs as written, in order, in one
-    directory (as a newcomer would type them), after the install steps CI runs itself."""
-    import os
+    directory (as a newcomer would type them), after the install steps CI runs itself.
+    A ``fedmpi`` command runs in this process (:func:`fedmpi.cli.main`; the console
+    entry point itself: tests/test_cli.py), an ``mpiexec`` line as a launch."""
     import shutil
     import subprocess
 
     from conftest import fedmpi_cmd, mpiexec_path
+    from fedmpi.cli import main
 
     (tmp_path / "configs").symlink_to(ROOT / "configs")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     ran = []
     for line in _shell_blocks("getting-started.md"):
         for part in (p.strip() for p in line.split("&&")):
@@ -66,12 +69,13 @@ def test_getting_started_commands_run(tmp_path):
                 if mpi is None:
                     continue
                 argv = [mpi, *argv[1:argv.index("fedmpi")], *fedmpi_cmd(*argv[argv.index("fedmpi") + 1:])]
+                proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True,
+                                      timeout=600)
+                code, err = proc.returncode, proc.stderr[-2000:]
             else:
                 assert argv[0] == "fedmpi", f"unexpected command in getting-started.md: {part}"
-                argv = fedmpi_cmd(*argv[1:])
-            proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
-                                  timeout=600)
-            assert proc.returncode == 0, f"{part!r} exited {proc.returncode}: {proc.stderr[-2000:]}"
+                code, err = main(argv[1:]), ""
+            assert code == 0, f"{part!r} exited {code}: {err}"
             ran.append(part)
     assert any("mpiexec" in p for p in ran) or shutil.which("mpiexec") is None
     assert any(p.startswith("fedmpi run configs/quickstart.yaml") for p in ran)

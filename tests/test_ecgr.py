@@ -10,17 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SMALL, TEST_DEVICE, build_fed, run_at_world_sizes, run_fedmpi
-from fedmpi.methods import ALGORITHMS
-from fedmpi.component import ClientTask
+from conftest import SMALL, TEST_DEVICE, ClientRig, client_rig, run_at_world_sizes, run_here
 from fedmpi.transforms import ecgr as ecgr_mod
 from fedmpi.training.loop import sgd_config
 from fedmpi.transforms.ecgr import (ECGR, SELECTED_STAT, EcgrParams, choose_storage, herding,
     num_selected)
 from fedmpi.config.schema import config_from_dict
 from fedmpi.errors import ConfigError, DataError
-from fedmpi.runtime.federation import Federation
-from fedmpi.training.loop import stream_seed
 from fedmpi.data.partition import local_batches
 from fedmpi.training.loop import StepHooks, epoch_bounds, num_local_steps, step_decay_lr
 
@@ -78,16 +74,9 @@ BASE = {"name": "ecgr", "seed": 3, "runtime": {"progress": False, "device": TEST
         "ecgr": {"enabled": True}}
 
 
-def make_fed(**over) -> Federation:
-    return build_fed(BASE, **over)
-
-
-def client_out(fed: Federation, k: int = 0, t: int = 0) -> tuple[dict[str, torch.Tensor], object]:
-    theta = fed.global_state.clone()
-    out = {s.name: torch.zeros(s.size, device=fed.device) for s in fed.stats}
-    task = ClientTask(k, t, fed.client_idx[k], stream_seed(fed.cfg.seed, k, t))
-    result = fed.worker.train(task, theta, fed.state.dev[fed.D:].clone(), out)
-    return out, result
+def make_client(**over) -> ClientRig:
+    """The client side of BASE with dotted overrides (no Federation): ECGR's client rule."""
+    return client_rig(BASE, **over)
 
 
 # --------------------------------------------------------------------------- herding
@@ -191,13 +180,13 @@ def test_bf16_storage_and_chunks(monkeypatch):
 
 # --------------------------------------------------------------------------- in the runtime
 def test_client_update_records_steps_and_rewrites_params_only():
-    fed = make_fed(**{"model.name": "cnn", "ecgr.beta": 0.2})
+    fed = make_client(**{"model.name": "cnn", "ecgr.beta": 0.2})
     P, e = fed.flat.num_params, fed.transforms.get("ecgr").engine
-    out, result = client_out(fed)
+    out, result = fed.train()
     tau = result.steps
     assert tau == 5 and e.storage == "fp32"
     X = e._X[:tau].double() * torch.tensor(e._lr[:tau], device=e._X.device)[:, None]
-    plain = fed.trainer.flat.vector - fed.global_state          # actual final local model
+    plain = fed.trainer.flat.vector - fed.theta0                # actual final local model
     # the recorded displacements sum to θ − θ_k (Eq. 3)
     torch.testing.assert_close(X.sum(0), -plain[:P].double(), rtol=0, atol=1e-6)
     # the float64 reference runs on CPU
@@ -211,10 +200,10 @@ def test_client_update_records_steps_and_rewrites_params_only():
 
 
 def test_beta_one_client_update_equals_plain_fedavg():
-    on = make_fed(**{"ecgr.beta": 1.0})
-    off = make_fed(**{"ecgr.enabled": False})
-    a, _ = client_out(on, k=1)
-    b, _ = client_out(off, k=1)
+    on = make_client(**{"ecgr.beta": 1.0})
+    off = make_client(**{"ecgr.enabled": False})
+    a, _ = on.train(k=1)
+    b, _ = off.train(k=1)
     assert torch.equal(a["delta"], b["delta"])
 
 
@@ -223,27 +212,26 @@ def test_lr_schedule_step_decay():
     assert step_decay_lr(0.001, 10, 0.5, 10) == 0.0005
     assert step_decay_lr(0.001, 25, 0.5, 10) == 0.00025
     assert step_decay_lr(0.001, 25, 0.5, 0) == 0.001
-    fed = make_fed(**{"ecgr.enabled": False, "train.lr_decay": 0.5, "train.lr_decay_every": 2,
+    fed = make_client(**{"ecgr.enabled": False, "train.lr_decay": 0.5, "train.lr_decay_every": 2,
                       "train.local_steps": 1, "train.momentum": 0.0})
-    _, r0 = client_out(fed, t=1)
-    out, r5 = client_out(fed, t=5)
+    _, r0 = fed.train(t=1)
+    out, r5 = fed.train(t=5)
     assert r0.lr == 0.05 and r5.lr == 0.05 / 4
     # one plain SGD step: Δ = −lr_t·g, so Δ at round 5 is a quarter of the same step at lr 0.05
-    fed2 = make_fed(**{"ecgr.enabled": False, "train.local_steps": 1, "train.momentum": 0.0})
-    full, _ = client_out(fed2, t=5)
+    fed2 = make_client(**{"ecgr.enabled": False, "train.local_steps": 1, "train.momentum": 0.0})
+    full, _ = fed2.train(t=5)
     P = fed.flat.num_params
     torch.testing.assert_close(out["delta"][:P], full["delta"][:P] / 4, rtol=1e-4, atol=2e-7)
 
 
-@pytest.mark.skipif("fednova" not in ALGORITHMS, reason="fednova not registered")
 @pytest.mark.parametrize("rule", ["momentum", "steps"])
 def test_fednova_normalises_the_rewritten_update(rule):
     """The upload is γ(Σ_π g + βΣ_π' g)/a_k: a_k = τ_k with ``steps`` (Algorithm 3,
     line 13), FedNova's momentum-aware Σ_t (1 − ρ^t)/(1 − ρ) with ``momentum``."""
-    nova = make_fed(**{"algorithm.name": "fednova", "algorithm.fednova.normaliser": rule})
-    avg = make_fed()
-    a, res = client_out(nova, k=2)
-    b, _ = client_out(avg, k=2)
+    nova = make_client(**{"algorithm.name": "fednova", "algorithm.fednova.normaliser": rule})
+    avg = make_client()
+    a, res = nova.train(k=2)
+    b, _ = avg.train(k=2)
     P = nova.flat.num_params
     a_k = (float(res.steps) if rule == "steps"
            else sum((1 - 0.9 ** t) / 0.1 for t in range(1, res.steps + 1)))
@@ -251,31 +239,30 @@ def test_fednova_normalises_the_rewritten_update(rule):
     torch.testing.assert_close(a["delta"][:P] * a_k, b["delta"][:P], rtol=1e-5, atol=1e-8)
 
 
-@pytest.mark.skipif("scaffold" not in ALGORITHMS, reason="scaffold not registered")
 def test_scaffold_control_variate_uses_actual_model():
     """Algorithm 4: c_k⁺ from θ_k (not θ_k'); only Δ is re-aggregated."""
-    on = make_fed(**{"algorithm.name": "scaffold"})
-    off = make_fed(**{"algorithm.name": "scaffold", "ecgr.enabled": False})
-    a, _ = client_out(on, k=0)
-    b, _ = client_out(off, k=0)
+    on = make_client(**{"algorithm.name": "scaffold"})
+    off = make_client(**{"algorithm.name": "scaffold", "ecgr.enabled": False})
+    a, _ = on.train(k=0)
+    b, _ = off.train(k=0)
     assert torch.equal(a["dc"], b["dc"])
     assert not torch.allclose(a["delta"], b["delta"], atol=1e-6)
 
 
 # --------------------------------------------------------------------------- input checks
-def test_tau_below_two_rejected():
+def test_tau_below_two_rejected(capsys):
     with pytest.raises(ConfigError, match="train.local_steps.*ecgr"):
         config_from_dict({"ecgr": {"enabled": True}, "train": {"local_steps": 1}})
     config_from_dict({"ecgr": {"enabled": False}, "train": {"local_steps": 1}})   # fine without ECGR
-    proc = run_fedmpi(["check", "configs/ecgr_digits.yaml", "--set", "train.local_steps=1"],
-                      n=0, check=False)
-    assert proc.returncode == 2 and "train.local_steps" in proc.stderr
+    assert run_here(["check", "configs/ecgr_digits.yaml", "--set", "train.local_steps=1"],
+                    check=False) == 2
+    assert "train.local_steps" in capsys.readouterr().err
 
 
 def test_partition_gives_two_batches_with_ecgr():
-    fed = make_fed(**{"train.local_steps": None, "train.batch_size": 64,
-                      "data.partition.alpha": 0.05, "data.partition.min_size": 1})
-    steps = [num_local_steps(int(n), fed.algo.sgd) for n in fed.num_samples]
+    fed = make_client(**{"train.local_steps": None, "train.batch_size": 64,
+                         "data.partition.alpha": 0.05, "data.partition.min_size": 1})
+    steps = [num_local_steps(int(n), fed.algo.sgd) for n in fed.built.num_samples]
     assert min(steps) >= 2 and fed.transforms.get("ecgr").engine.tau_max == max(steps)
     # the partitioner counts batches as the trainer forms them (n = B + 1 is one batch)
     for B in (1, 3, 16):
@@ -283,8 +270,8 @@ def test_partition_gives_two_batches_with_ecgr():
             assert local_batches(n, B) == len(epoch_bounds(n, B)) - 1
     assert local_batches(17, 16) == 1 and local_batches(18, 16) == 2
     with pytest.raises(DataError, match="2 local batches"):
-        make_fed(**{"train.local_steps": None, "train.batch_size": 400,
-                    "data.partition.method": "iid", "data.num_clients": 4})
+        make_client(**{"train.local_steps": None, "train.batch_size": 400,
+                       "data.partition.method": "iid", "data.num_clients": 4})
 
 
 # --------------------------------------------------------------------------- MPI

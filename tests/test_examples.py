@@ -1,5 +1,5 @@
 """examples/ run as documented: the custom model + data + method file under mpiexec -n 3,
-and the fedmpi.run script that reads its log into pandas."""
+and the fedmpi.run script that reads its log into pandas (in this process)."""
 from __future__ import annotations
 
 import ast
@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT, mpiexec_path, run_fedmpi
+from conftest import ROOT, mpiexec_path, run_here
 
 import pytest
 
@@ -19,6 +19,7 @@ def _run(cmd: list[str], cwd) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.mpi
 def test_custom_method_example_under_mpiexec(tmp_path):
     mpi = mpiexec_path()
     if mpi is None:
@@ -41,17 +42,23 @@ def test_custom_method_example_under_mpiexec(tmp_path):
 
 
 def test_custom_method_example_by_import_path(tmp_path):
-    run_fedmpi(["run", "configs/quickstart.yaml", "--set", "model.name=examples.custom_method:Net",
-                "--set", "data.dataset=examples.custom_method:wine",
-                "--set", "data.partition.min_size=5",
-                "--set", "algorithm.name=examples.custom_method:ClippedFedAvg",
-                "--set", "algorithm.params.max_norm=1", "--set", "train.rounds=2",
-                "--set", "runtime.progress=false", "--out", str(tmp_path / "r")], n=0)
+    run_here(["run", "configs/quickstart.yaml", "--set", "model.name=examples.custom_method:Net",
+              "--set", "data.dataset=examples.custom_method:wine",
+              "--set", "data.partition.min_size=5",
+              "--set", "algorithm.name=examples.custom_method:ClippedFedAvg",
+              "--set", "algorithm.params.max_norm=1", "--set", "train.rounds=2",
+              "--set", "runtime.progress=false", "--out", str(tmp_path / "r")])
 
 
-def test_api_to_pandas_example(tmp_path):
-    proc = _run([sys.executable, str(ROOT / "examples" / "api_to_pandas.py")], cwd=tmp_path)
-    lines = proc.stdout.splitlines()
+def test_api_to_pandas_example(tmp_path, monkeypatch, capsys):
+    """The script as ``python examples/api_to_pandas.py`` runs it (in this process)."""
+    import runpy
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    capsys.readouterr()
+    runpy.run_path(str(ROOT / "examples" / "api_to_pandas.py"), run_name="__main__")
+    lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["round", "test_accuracy", "balanced_accuracy", "macro_f1",
                                 "auroc", "train_loss"]
     assert len(lines) == 1 + 5 + 1 and lines[-1].startswith("mean weight per client:")

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import copy
 import math
-import textwrap
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, TEST_DEVICE, build_fed, mpiexec_path, run_at_world_sizes, run_fedmpi
+from conftest import TEST_DEVICE, build_fed, run_fedmpi, run_fedmpi_many, run_here
 from fedmpi.methods.fedgps import FedGPS, supcon_loss
 from fedmpi.data.surrogate import make_surrogate
 from fedmpi.errors import ConfigError
@@ -72,31 +71,28 @@ def test_surrogate_grayscale_luma_and_identity_upsampling():
     torch.testing.assert_close(s1.x[:, 0], luma, atol=1e-6, rtol=0)
 
 
+#: every rank of the FedGPS launch (GPS_RUNS) first: a digest of its surrogate data,
+#: gathered on rank 0
+DIGEST = r"""
+import hashlib, numpy as np
+from mpi4py import MPI
+from fedmpi.data.surrogate import make_surrogate
+s = make_surrogate(5, 10, (3, 32, 32), (0.49, 0.48, 0.45), (0.25, 0.24, 0.26))
+d = np.frombuffer(hashlib.sha256(s.x.numpy().tobytes() + s.y.numpy().tobytes()).digest(),
+                  dtype=np.uint8).copy()
+comm = MPI.COMM_WORLD
+out = np.zeros((comm.Get_size(), 32), dtype=np.uint8) if comm.Get_rank() == 0 else None
+comm.Gather(d, out, root=0)
+if comm.Get_rank() == 0:
+    print("DIGESTS", len({bytes(r) for r in out}), out.shape[0], flush=True)
+"""
+
+
 @pytest.mark.mpi
-def test_surrogate_bit_identical_across_ranks(tmp_path):
+def test_surrogate_bit_identical_across_ranks(gps_runs):
     """Every rank of an mpiexec job generates byte-identical surrogate data."""
-    if mpiexec_path() is None:
-        pytest.skip("mpiexec not found")
-    script = tmp_path / "digest.py"
-    script.write_text(textwrap.dedent("""
-        import hashlib, numpy as np
-        from mpi4py import MPI
-        from fedmpi.data.surrogate import make_surrogate
-        s = make_surrogate(5, 10, (3, 32, 32), (0.49, 0.48, 0.45), (0.25, 0.24, 0.26))
-        d = np.frombuffer(hashlib.sha256(s.x.numpy().tobytes() + s.y.numpy().tobytes()).digest(),
-                          dtype=np.uint8).copy()
-        comm = MPI.COMM_WORLD
-        out = np.zeros((comm.Get_size(), 32), dtype=np.uint8) if comm.Get_rank() == 0 else None
-        comm.Gather(d, out, root=0)
-        if comm.Get_rank() == 0:
-            print("DIGESTS", len({bytes(r) for r in out}), out.shape[0])
-    """))
-    import subprocess
-    import sys
-    proc = subprocess.run([mpiexec_path(), "-n", "3", sys.executable, str(script)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "DIGESTS 1 3" in proc.stdout
+    _, stdout = gps_runs
+    assert "DIGESTS 1 3" in stdout
 
 
 # ---------------------------------------------------------------------- SupCon
@@ -296,51 +292,69 @@ def test_ablation_switches_and_errors():
         make_fed(**{"algorithm.fedgps.static": False, "algorithm.fedgps.dynamic": False})
 
 
-def test_bad_value_exits_2(tmp_path):
-    proc = run_fedmpi(["check", CFG, "--set", "algorithm.fedgps.norm=l3"], n=0, check=False)
-    assert proc.returncode == 2 and "algorithm.fedgps.norm" in proc.stderr
+def test_bad_value_exits_2(capsys):
+    assert run_here(["check", CFG, "--set", "algorithm.fedgps.norm=l3"], check=False) == 2
+    assert "algorithm.fedgps.norm" in capsys.readouterr().err
 
 
 # -------------------------------------------------------------- world size
+GPS_RUN = ["run", CFG, "--set", "data.num_clients=6", "--set", "train.clients_per_round=4",
+           "--set", "runtime.threads=1", "--set", "runtime.progress=false",
+           "--set", "algorithm.fedgps.surrogate_per_class=50",
+           "--set", "algorithm.fedgps.surrogate_batch=64"]
+
+
+@pytest.fixture(scope="module")
+def gps_runs(tmp_path_factory):
+    """The FedGPS runs the MPI tests check: under ONE ``mpiexec -n 3`` job (with DIGEST
+    first) ``n3`` (4 rounds) and ``part`` (its first 2 rounds), then ``part`` resumed to 4
+    rounds under ``-n 2``, and ``n1`` (4 rounds) in this process: (directory, the -n 3
+    launch's stdout)."""
+    root = tmp_path_factory.mktemp("gps")
+    proc = run_fedmpi_many([[*GPS_RUN, "--set", "train.rounds=4", "--out", str(root / "n3")],
+                            [*GPS_RUN, "--set", "train.rounds=2", "--out", str(root / "part")]],
+                           n=3, before=DIGEST)
+    run_fedmpi([*GPS_RUN, "--set", "train.rounds=4", "--out", str(root / "part"), "--resume"], n=2)
+    run_here([*GPS_RUN, "--set", "train.rounds=4", "--out", str(root / "n1")])
+    return root, proc.stdout
+
+
+def _assert_same_run(a, b) -> None:
+    """The same final model and accuracy trajectory (1e-5)."""
+    from fedmpi.log.reader import read
+
+    ma = torch.load(a / "model.pt", weights_only=True)
+    mb = torch.load(b / "model.pt", weights_only=True)
+    for key, ref in mb.items():
+        if ref.is_floating_point():
+            torch.testing.assert_close(ma[key], ref, atol=1e-5, rtol=0, msg=key)
+    np.testing.assert_allclose(read(a / "log.h5").rounds["test_accuracy"],
+                               read(b / "log.h5").rounds["test_accuracy"], atol=1e-5)
+
+
 @pytest.mark.mpi
-def test_world_size_invariance_fedgps(tmp_path):
+def test_world_size_invariance_fedgps(gps_runs):
     """-n 1 and -n 3: same trajectory and final model (1e-5), with prototypes and
     perturbations in play (4 of 6 clients per round → some take part twice in a row)."""
-    logs, models = run_at_world_sizes(
-        ["run", CFG, "--set", "data.num_clients=6", "--set", "train.clients_per_round=4",
-         "--set", "train.rounds=3", "--set", "runtime.threads=1",
-         "--set", "runtime.progress=false", "--set", "algorithm.fedgps.surrogate_per_class=50",
-         "--set", "algorithm.fedgps.surrogate_batch=64"], tmp_path)
-    np.testing.assert_allclose(logs[3].rounds["test_accuracy"], logs[1].rounds["test_accuracy"],
-                               atol=1e-5)
-    for key, ref in models[1].items():
-        if ref.is_floating_point():
-            torch.testing.assert_close(models[3][key], ref, atol=1e-5, rtol=0, msg=key)
-    assert models[1]["classifier.weight"].shape[0] == 20
-    assert logs[1].rounds["test_accuracy"][-1] > 0.2
+    from fedmpi.log.reader import read
+
+    root, _ = gps_runs
+    _assert_same_run(root / "n3", root / "n1")
+    assert read(root / "n3" / "log.h5").attrs["world_size"] == 3
+    assert torch.load(root / "n1" / "model.pt", weights_only=True)["classifier.weight"].shape[0] == 20
+    assert read(root / "n1" / "log.h5").rounds["test_accuracy"][-1] > 0.2
 
 
-def test_resume_restores_previous_global_so_first_round_is_rectified(tmp_path):
+@pytest.mark.mpi
+def test_resume_restores_previous_global_so_first_round_is_rectified(gps_runs):
     """Stop after 2 rounds at -n 3, resume to 4 rounds at -n 2: the same final model as
     4 uninterrupted rounds (1e-5). Round 2 needs Δ̄² = θ² − θ¹, so θ¹ must come back
     from the checkpoint (it lives in memory otherwise)."""
     from fedmpi.log.reader import read
 
-    base = ["run", CFG, "--set", "data.num_clients=6", "--set", "train.clients_per_round=4",
-            "--set", "runtime.threads=1", "--set", "runtime.progress=false",
-            "--set", "algorithm.fedgps.surrogate_per_class=50",
-            "--set", "algorithm.fedgps.surrogate_batch=64"]
-    full, part = tmp_path / "full", tmp_path / "part"
-    run_fedmpi([*base, "--set", "train.rounds=4", "--out", str(full)], n=3)
-    run_fedmpi([*base, "--set", "train.rounds=2", "--out", str(part)], n=3)
-    run_fedmpi([*base, "--set", "train.rounds=4", "--out", str(part), "--resume"], n=2)
-    a = torch.load(full / "model.pt", weights_only=True)
-    b = torch.load(part / "model.pt", weights_only=True)
-    for key, ref in a.items():
-        if ref.is_floating_point():
-            torch.testing.assert_close(b[key], ref, atol=1e-5, rtol=0, msg=key)
-    np.testing.assert_allclose(read(part / "log.h5").rounds["test_accuracy"],
-                               read(full / "log.h5").rounds["test_accuracy"], atol=1e-5)
+    root, _ = gps_runs
+    assert list(read(root / "part" / "log.h5").attrs["resumed_world_sizes"]) == [2]
+    _assert_same_run(root / "part", root / "n1")
 
 
 # -------------------------------------------- Eq. 6 term by term (issue 17)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from sklearn.metrics import balanced_accuracy_score, f1_score, roc_auc_score
 
-from conftest import SMALL, run_fedmpi
+from conftest import SMALL, run_fedmpi, run_here
 from fedmpi.metrics import Collector
 
 ALL = ("accuracy", "balanced_accuracy", "macro_f1", "auroc")
@@ -65,6 +65,7 @@ def _digits_predictions(model_path) -> tuple[np.ndarray, np.ndarray]:
     return out.argmax(1).numpy(), data.y_test.numpy()
 
 
+@pytest.mark.mpi
 def test_sharded_metrics_logged_per_round_and_shown(tmp_path):
     """-n 3 with eval.sharded: each slice's confusion matrix is reduced; the logged
     balanced accuracy and macro-F1 of the last round are sklearn's on the final model."""
@@ -97,8 +98,9 @@ def test_sharded_metrics_logged_per_round_and_shown(tmp_path):
     assert "macro_f1_mean" in table.csv().splitlines()[0]
 
 
-def test_default_metrics_keep_the_old_line(tmp_path):
-    proc = run_fedmpi(["run", "configs/quickstart.yaml", *SMALL, "--set", "train.rounds=1",
-                       "--out", str(tmp_path / "r")], n=0)
-    last = proc.stdout.strip().splitlines()[-1]
+def test_default_metrics_keep_the_old_line(tmp_path, capsys):
+    capsys.readouterr()
+    run_here(["run", "configs/quickstart.yaml", *SMALL, "--set", "train.rounds=1",
+              "--out", str(tmp_path / "r")])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("final test_accuracy=") and " " not in last.split("=", 1)[1]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, SMALL, fedmpi_cmd, run_fedmpi
+from conftest import ROOT, SMALL, fedmpi_cmd, run_fedmpi, run_here, wait_rounds
 from fedmpi.log.reader import read
 
 pytestmark = pytest.mark.mpi
@@ -22,18 +22,32 @@ def _model(path) -> dict[str, torch.Tensor]:
     return torch.load(path / "model.pt", weights_only=True)
 
 
-def test_world_size_invariance(tmp_path):
+RUN = ["run", CFG, *SMALL, "--set", "runtime.threads=1", "--set", "train.momentum=0.5",
+       "--set", "eval.every=2"]
+
+
+@pytest.fixture(scope="module")
+def world_sizes(tmp_path_factory):
+    """RUN under ``mpiexec -n 2`` (one worker hosting every client) and ``-n 4`` (3 workers,
+    evaluation sharded over all ranks), and alone in this process: (directory with n1/,
+    n2/, n4/; the -n 2 launch's stdout)."""
+    root = tmp_path_factory.mktemp("world")
+    n2 = run_fedmpi([*RUN, "--out", str(root / "n2")], n=2)
+    run_fedmpi([*RUN, "--set", "eval.sharded=true", "--out", str(root / "n4")], n=4)
+    run_here([*RUN, "--out", str(root / "n1")])
+    return root, n2.stdout
+
+
+def test_world_size_invariance(world_sizes):
     """-n 1, 2 and 4 give the same accuracy trajectory and final model (1e-5).
 
     The -n 4 run shards evaluation over all ranks (``eval.sharded``): its accuracy
     and loss must equal rank 0's whole-test-set evaluation of the same model.
     """
-    logs, models = {}, {}
+    root, _ = world_sizes
+    logs = {n: read(root / f"n{n}" / "log.h5") for n in (1, 2, 4)}
+    models = {n: _model(root / f"n{n}") for n in (1, 2, 4)}
     for n in (1, 2, 4):
-        out = tmp_path / f"n{n}"
-        run_fedmpi(["run", CFG, *SMALL, "--set", "runtime.threads=1", "--set", "train.momentum=0.5",
-                    "--set", f"eval.sharded={'true' if n == 4 else 'false'}", "--out", str(out)], n=n)
-        logs[n], models[n] = read(out / "log.h5"), _model(out)
         assert logs[n].attrs["world_size"] == n
     for n in (2, 4):
         np.testing.assert_allclose(logs[n].rounds["test_accuracy"], logs[1].rounds["test_accuracy"],
@@ -74,10 +88,11 @@ def test_worker_exception_stops_job_quickly(tmp_path):
     assert not (tmp_path / "crash" / "log.h5").exists()
 
 
-def test_log_schema_and_final_line(tmp_path):
-    out = tmp_path / "schema"
-    proc = run_fedmpi(["run", CFG, *SMALL, "--set", "eval.every=2", "--out", str(out)], n=2)
-    last = proc.stdout.strip().splitlines()[-1]
+def test_log_schema_and_final_line(world_sizes):
+    """The -n 2 run of RUN (eval.every=2): rank 0's last line and the log's layout."""
+    root, stdout = world_sizes
+    out = root / "n2"
+    last = stdout.strip().splitlines()[-1]
     assert last.startswith("final test_accuracy=")
     acc = float(last.split("=")[1])
     with h5py.File(out / "log.h5", "r") as f:
@@ -107,15 +122,7 @@ def test_sigkill_leaves_readable_log(tmp_path):
                                        "--set", "runtime.threads=1", "--out", str(out)),
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        seen = 0
-        deadline = time.monotonic() + 300
-        while seen < 3 and time.monotonic() < deadline:
-            time.sleep(0.5)
-            try:
-                seen = read(out / "log.h5").num_rounds
-            except Exception:  # noqa: BLE001 - not created yet
-                pass
-        assert seen >= 3
+        seen = wait_rounds(out, 3, proc, timeout=300)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -125,25 +132,8 @@ def test_sigkill_leaves_readable_log(tmp_path):
     assert list(log.rounds["round"]) == list(range(log.num_rounds))
 
 
-def test_overlapped_evaluation_logs_the_same_rows(tmp_path):
-    """eval.overlap evaluates round t's model during round t + 1: the logged
-    accuracy and loss of every round equal the synchronous evaluation's, rows stay
-    in order, and the overlapped evaluation's time is recorded but not in wall_seconds."""
-    logs = {}
-    for overlap in ("true", "false"):
-        out = tmp_path / overlap
-        run_fedmpi(["run", CFG, *SMALL, "--set", "runtime.threads=1", "--set", f"eval.overlap={overlap}",
-                    "--out", str(out)], n=3)
-        logs[overlap] = read(out / "log.h5")
-    a, b = logs["true"].rounds, logs["false"].rounds
-    assert list(a["round"]) == list(b["round"]) == [0, 1, 2]
-    np.testing.assert_array_equal(a["test_accuracy"], b["test_accuracy"])
-    np.testing.assert_array_equal(a["test_loss"], b["test_loss"])
-    assert np.all(a["eval_seconds"] > 0)
-    # overlapped rounds (all but the last): overhead = wall − training − aggregation
-    np.testing.assert_allclose(a["overhead_seconds"][:-1],
-                               np.maximum(0, a["wall_seconds"] - a["train_seconds"]
-                                          - a["aggregate_seconds"])[:-1], atol=1e-9)
+# (overlapped evaluation logs the rows of the synchronous one: tests/test_exact.py, whose
+# -n 3 run evaluates overlapped and equals the run alone bit for bit)
 
 
 COMM_SCRIPT = r"""
@@ -169,11 +159,10 @@ if r == 0:
 """
 
 
-def test_comm_collectives_patient_and_eager():
+def test_comm_collectives_patient_and_eager(comm_scripts):
     """Allreduce/Bcast/Reduce through fedmpi.comm give the hand-computed sums in both
     wait modes (patient: sleeping poll; eager: spin) on 3 ranks."""
-    from conftest import run_mpi_script
-    assert "COMM OK 3" in run_mpi_script(COMM_SCRIPT).stdout
+    assert "COMM OK 3" in comm_scripts
 
 
 CHUNK_SCRIPT = r"""
@@ -287,10 +276,17 @@ if r == 0:
 """
 
 
-def test_every_comm_call_is_chunked_below_max_message_bytes():
+def test_every_comm_call_is_chunked_below_max_message_bytes(comm_scripts):
     """With max_message_bytes=100 every buffer a rank sends in one MPI call is at
     most 100 bytes, and Bcast, the Reduce chain (every root, a root without a buffer),
     Gatherv, Scatterv, Gather, Isend/Irecv and Allreduce give what plain numpy computes
     (the Reduce bit for bit, equal to the one-message path)."""
+    assert "CHUNK OK" in comm_scripts
+
+
+@pytest.fixture(scope="module")
+def comm_scripts() -> str:
+    """COMM_SCRIPT, then CHUNK_SCRIPT, in ONE ``mpiexec -n 3`` job: its stdout."""
     from conftest import run_mpi_script
-    assert "CHUNK OK" in run_mpi_script(CHUNK_SCRIPT).stdout
+
+    return run_mpi_script(COMM_SCRIPT + CHUNK_SCRIPT).stdout

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import TEST_DEVICE, build_fed
+from conftest import TEST_DEVICE, build_fed, client_rig
 
 from fedmpi.config.schema import config_from_dict
 from fedmpi.errors import ConfigError
@@ -35,7 +35,7 @@ def _params(model) -> torch.Tensor:
 def test_flat_adaptive_optimizer_matches_torch_per_parameter_and_resets_each_round(kind, cls):
     """Flat Adam/AdamW = torch's optimizer over the model's separate parameters; the
     next client-round starts from fresh moments (= a new torch optimizer)."""
-    fed = build_fed(BASE)
+    fed = client_rig(BASE)
     idx = fed.client_idx[0]
     cfg = SGDConfig(lr=0.01, weight_decay=0.05, batch_size=16, local_steps=4, optimizer=kind,
                     betas=(0.8, 0.99), eps=1e-7)
@@ -74,7 +74,7 @@ def _bce_by_hand(z, y, w, eps):
 @pytest.mark.parametrize("loss, by_hand", [("cross_entropy", _ce_by_hand),
                                            ("bce_logits", _bce_by_hand)])
 def test_training_loss_with_class_weights_and_smoothing_matches_formula(loss, by_hand):
-    fed = build_fed(BASE)
+    fed = client_rig(BASE)
     C = fed.data.num_classes
     weights = tuple(float(1 + c % 3) for c in range(C))
     cfg = SGDConfig(lr=0.5, batch_size=32, local_steps=2, loss=loss, class_weights=weights,
@@ -93,7 +93,7 @@ def test_training_loss_with_class_weights_and_smoothing_matches_formula(loss, by
 
 def test_default_sgd_path_is_untouched_by_the_new_fields():
     """SGDConfig's new fields at their defaults give the bits of the plain SGD step."""
-    a, b = build_fed(BASE), build_fed(BASE)
+    a, b = client_rig(BASE), client_rig(BASE)
     cfg = SGDConfig(lr=0.05, momentum=0.9, weight_decay=1e-3, batch_size=16, local_steps=3)
     explicit = dataclasses.replace(cfg, optimizer="sgd", loss="cross_entropy",
                                    class_weights=None, label_smoothing=0.0)

@@ -351,22 +351,40 @@ def test_missing_extra_is_one_line_naming_it(monkeypatch):
         Accountant("client", "rdp", 1.0, DELTA, 6, 3)
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("over", [
-    {"privacy.dp.noise": "distributed", "privacy.dp.level": "client"},
-    {"privacy.dp.level": "record"},
-])
-def test_dp_runs_do_not_depend_on_the_world_size(tmp_path, over):
-    """Noise streams are keyed by (seed, client, round) and (seed, round): -n 1 and -n 3 give
-    the same ε and the same model (exact reduction, one thread per rank)."""
+WORLD_SIZE_CASES = {"client-distributed": {"privacy.dp.noise": "distributed",
+                                             "privacy.dp.level": "client"},
+                    "record": {"privacy.dp.level": "record"}}
+
+
+@pytest.fixture(scope="module")
+def dp_configs(tmp_path_factory) -> Path:
+    """Each WORLD_SIZE_CASES config file (exact reduction) and its run under ONE
+    ``mpiexec -n 3`` job: ``<case>.yaml`` and ``<case>/n3``."""
     import yaml
 
-    from conftest import run_at_world_sizes
+    from conftest import run_fedmpi_many
 
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump(small(**over, **{"runtime.reduction": "exact",
-                                                   "runtime.device": "cpu"})))
-    logs, models = run_at_world_sizes(["run", str(cfg)], tmp_path)
+    root = tmp_path_factory.mktemp("dp")
+    for case, over in WORLD_SIZE_CASES.items():
+        (root / f"{case}.yaml").write_text(yaml.safe_dump(small(**over, **{
+            "runtime.reduction": "exact", "runtime.device": "cpu"})))
+    run_fedmpi_many([["run", str(root / f"{case}.yaml"), "--out", str(root / case / "n3")]
+                     for case in WORLD_SIZE_CASES], n=3)
+    return root
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", list(WORLD_SIZE_CASES))
+def test_dp_runs_do_not_depend_on_the_world_size(dp_configs, tmp_path, case):
+    """Noise streams are keyed by (seed, client, round) and (seed, round): -n 1 and -n 3 give
+    the same ε and the same model (exact reduction, one thread per rank)."""
+    from conftest import run_here
+
+    run_here(["run", str(dp_configs / f"{case}.yaml"), "--out", str(tmp_path / "n1")])
+    logs = {1: read(tmp_path / "n1" / "log.h5"), 3: read(dp_configs / case / "n3" / "log.h5")}
+    models = {1: torch.load(tmp_path / "n1" / "model.pt", weights_only=True),
+              3: torch.load(dp_configs / case / "n3" / "model.pt", weights_only=True)}
+    assert logs[3].attrs["world_size"] == 3
     np.testing.assert_array_equal(logs[1].rounds["epsilon"], logs[3].rounds["epsilon"])
     for name in models[1]:
         torch.testing.assert_close(models[1][name], models[3][name], rtol=0, atol=0)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from conftest import (ROOT, SMALL, TEST_DEVICE, DictClients, fake_run_state, fedmpi_cmd,
-                      mpiexec_path, run_fedmpi)
+                      mpiexec_path, run_fedmpi, wait_rounds)
 from fedmpi.job import checkpoint
 from fedmpi.cli import main as fedmpi_main
 from fedmpi.log.reader import read
@@ -89,19 +89,6 @@ def _rank_pid(out: Path, rank: int) -> int | None:
     return None
 
 
-def _wait_rounds(out: Path, n: int, proc: subprocess.Popen, timeout: float = 180) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            seen = read(out / "log.h5").num_rounds
-            if seen >= n:
-                return seen
-        except Exception:  # noqa: BLE001 - not written yet
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"run did not log {n} rounds (exit {proc.poll()})")
-
-
 def _popen_mpi(args: list[str], n: int, flags: tuple[str, ...] = ()) -> subprocess.Popen:
     mpi = mpiexec_path()
     if mpi is None:
@@ -130,7 +117,7 @@ def test_sigterm_on_worker_checkpoints_and_resume_under_other_n_matches(referenc
     out = tmp_path / "term"
     proc = _popen_mpi(["run", CFG, *OPS, "--out", str(out)], n=3)
     try:
-        _wait_rounds(out, 1, proc)
+        wait_rounds(out, 1, proc)
         pid = _rank_pid(out, 2)
         assert pid is not None, "rank 2 not found"
         os.kill(pid, signal.SIGTERM)          # one worker only: it must tell rank 0
@@ -168,7 +155,7 @@ def test_sigkill_of_a_worker_fails_fast_and_resume_completes(reference, tmp_path
     proc = _popen_mpi(["run", CFG, *OPS, "--set", f"runtime.round_timeout={timeout}",
                        "--out", str(out)], n=3, flags=flags)
     try:
-        _wait_rounds(out, 2, proc)
+        wait_rounds(out, 2, proc)
         pid = _rank_pid(out, 1)
         assert pid is not None
         os.kill(pid, signal.SIGKILL)

@@ -109,21 +109,22 @@ def test_alie_same_bytes_at_any_world_size(tmp_path):
     attackers by their honest rows' scores)."""
     import hashlib
 
-    from conftest import run_fedmpi
+    from conftest import run_fedmpi, run_here
 
     args = ["run", "configs/quickstart.yaml", "--set", "train.rounds=2", "--set", "model.name=mlp",
             "--set", "train.clients_per_round=null", "--set", "runtime.progress=false",
             "--set", "runtime.threads=1", "--set", "aggregation.weighting=fedvg",
-            "--set", "adversary.clients=[1, 4]", "--set", "adversary.alie_z=3"]
+            "--set", "adversary.clients=[1, 4]", "--set", "adversary.alie_z=3",
+            "--set", "adversary.kind=alie"]
+    run_fedmpi([*args, "--out", str(tmp_path / "n3")], n=3)
+    run_here([*args, "--out", str(tmp_path / "n1")])          # alone: this process
     digests, weights = {}, {}
-    for n, kind in ((1, "alie"), (3, "alie")):
-        out = tmp_path / f"{kind}{n}"
-        run_fedmpi([*args, "--set", f"adversary.kind={kind}", "--out", str(out)], n=n)
-        digests[kind, n] = hashlib.sha256((out / "model.pt").read_bytes()).hexdigest()
-        weights[kind, n] = read(out / "log.h5").clients["weight"]
-    assert digests["alie", 1] == digests["alie", 3]
-    np.testing.assert_array_equal(weights["alie", 1], weights["alie", 3])
-    assert (weights["alie", 1][:, [1, 4]] > 0).all()           # scored, not excluded
+    for n in (1, 3):
+        digests[n] = hashlib.sha256((tmp_path / f"n{n}" / "model.pt").read_bytes()).hexdigest()
+        weights[n] = read(tmp_path / f"n{n}" / "log.h5").clients["weight"]
+    assert digests[1] == digests[3]
+    np.testing.assert_array_equal(weights[1], weights[3])
+    assert (weights[1][:, [1, 4]] > 0).all()           # scored, not excluded
 
 
 ROBUST = ["median", "trimmed_mean", "krum", "multi_krum", "geometric_median", "norm_clip", "fltrust"]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import server_parts, ROOT, run_fedmpi
+from conftest import server_parts, ROOT, run_fedmpi, run_here
 from fedmpi.aggregation.rules import ServerRule, register_rule
 from fedmpi.aggregation.rules import RULES
 from fedmpi.config.schema import config_from_dict
@@ -151,14 +151,14 @@ SMALL = ["--set", "train.rounds=3", "--set", "data.num_clients=6", "--set", "tra
 def test_rule_by_import_path_under_mpiexec_equals_one_process(tmp_path):
     """Rows are combined on rank 0 in client-id order: the rule's result does not
     depend on the world size (same model.pt bytes at -n 1 and -n 3)."""
-    digests = {}
-    for n in (1, 3):
-        out = tmp_path / f"n{n}"
-        run_fedmpi(["run", "configs/quickstart.yaml", *SMALL, *RULE_ARGS, "--out", str(out)], n=n)
-        digests[n] = hashlib.sha256((out / "model.pt").read_bytes()).hexdigest()
+    run_fedmpi(["run", "configs/quickstart.yaml", *SMALL, *RULE_ARGS, "--out", str(tmp_path / "n3")],
+               n=3)
+    run_here(["run", "configs/quickstart.yaml", *SMALL, *RULE_ARGS, "--out", str(tmp_path / "n1")])
+    digests = {n: hashlib.sha256((tmp_path / f"n{n}" / "model.pt").read_bytes()).hexdigest()
+               for n in (1, 3)}
     assert digests[1] == digests[3]
     plain = tmp_path / "mean"
-    run_fedmpi(["run", "configs/quickstart.yaml", *SMALL, "--out", str(plain)], n=1)
+    run_here(["run", "configs/quickstart.yaml", *SMALL, "--out", str(plain)])   # alone
     assert hashlib.sha256((plain / "model.pt").read_bytes()).hexdigest() != digests[1]
     from fedmpi.log.reader import read
 

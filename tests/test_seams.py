@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fedmpi
-from conftest import ROOT as PKG_ROOT, run_fedmpi
+from conftest import ROOT as PKG_ROOT, run_fedmpi, run_here
 from fedmpi.log.reader import read
 from fedmpi.methods.base import Algorithm
 from fedmpi.runtime.server import server_step
@@ -119,8 +119,8 @@ def test_per_client_values_travel_in_the_metadata_rows(stages, tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {"PYTHONPATH": f"{tmp_path}:{PKG_ROOT}"}
-    run_fedmpi(["run", str(path), "--out", str(tmp_path / "n1")], n=0, env=env)
     run_fedmpi(["run", str(path), "--out", str(tmp_path / "n3")], n=3, env=env)
+    run_here(["run", str(path), "--out", str(tmp_path / "n1")])      # alone (`stages`: imported)
     a, b = read(tmp_path / "n1" / "log.h5"), read(tmp_path / "n3" / "log.h5")
     np.testing.assert_array_equal(a.clients["halve_norm"], b.clients["halve_norm"])
     assert np.isfinite(a.clients["halve_norm"]).sum() == 2 * 3

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_fedmpi
+from conftest import run_fedmpi_many, run_here
 
 pytest.importorskip("cryptography")
 
@@ -165,15 +165,19 @@ def _state(out) -> dict[str, torch.Tensor]:
     return torch.load(out / "model.pt", map_location="cpu", weights_only=True)
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("n", [1, pytest.param(3, marks=pytest.mark.mpi)])
 def test_secure_run_equals_plaintext_within_the_quantisation_bound(tmp_path, n):
     """One round: θ_secure − θ_plain per coordinate ≤ W·2^-(f+1) / Σ w̃_k (plus float32
     rounding of θ), W ≤ 2 ranks holding clients."""
-    outs = {}
-    for name, extra in (("plain", []), ("secure", ["--set", "privacy.secure_aggregation=true"])):
-        outs[name] = tmp_path / name
-        run_fedmpi(["run", "configs/quickstart.yaml", *SMALL, *extra, "--out", str(outs[name])], n=n)
+    runs = {name: ["run", "configs/quickstart.yaml", *SMALL, *extra, "--out", str(tmp_path / name)]
+            for name, extra in (("plain", []),
+                                ("secure", ["--set", "privacy.secure_aggregation=true"]))}
+    outs = {name: tmp_path / name for name in runs}
+    if n == 1:
+        for argv in runs.values():
+            run_here(argv)                     # alone: in this process
+    else:
+        run_fedmpi_many(list(runs.values()), n=n)   # both runs, one launch
     a, b = _state(outs["plain"]), _state(outs["secure"])
     from fedmpi.log.reader import read
 
@@ -190,9 +194,9 @@ def test_out_of_range_update_is_refused_not_wrapped(tmp_path):
     """A client scaling its update by 1e9 exceeds 2^(47-f)/m: excluded with its reason, and
     the global model stays finite and close to the plaintext run without that client."""
     out = tmp_path / "run"
-    run_fedmpi(["run", "configs/quickstart.yaml", *SMALL, "--set", "privacy.secure_aggregation=true",
-                "--set", "adversary.clients=[0,1,2,3,4,5]", "--set", "adversary.kind=scale",
-                "--set", "adversary.factor=1e9", "--out", str(out)], n=0)
+    run_here(["run", "configs/quickstart.yaml", *SMALL, "--set", "privacy.secure_aggregation=true",
+              "--set", "adversary.clients=[0,1,2,3,4,5]", "--set", "adversary.kind=scale",
+              "--set", "adversary.factor=1e9", "--out", str(out)])
     from fedmpi.log.reader import read
 
     log = read(out / "log.h5")
@@ -206,18 +210,19 @@ def test_out_of_range_update_is_refused_not_wrapped(tmp_path):
     (["ecgr.enabled=true"], "'ecgr.enabled'"),
     (["aggregation.rule=examples.trimmed_mean_rule:TrimmedMean"], "'aggregation.rule'"),
 ])
-def test_illegal_combinations_exit_2_naming_both_keys(extra, keys):
+def test_illegal_combinations_exit_2_naming_both_keys(extra, keys, capsys):
     args = ["check", "configs/quickstart.yaml", "--set", "privacy.secure_aggregation=true"]
     for e in extra:
         args += ["--set", e]
-    proc = run_fedmpi(args, n=0, check=False)
-    assert proc.returncode == 2
-    assert "'privacy.secure_aggregation'" in proc.stderr and keys in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
+    capsys.readouterr()
+    assert run_here(args, check=False) == 2
+    err = capsys.readouterr().err
+    assert "'privacy.secure_aggregation'" in err and keys in err
+    assert len(err.strip().splitlines()) == 1
 
 
-def test_per_client_statistics_of_a_method_are_refused_at_build(tmp_path):
-    proc = run_fedmpi(["run", "configs/quickstart.yaml", *SMALL, "--set", "privacy.secure_aggregation=true",
-                       "--set", "algorithm.name=fednova", "--out", str(tmp_path / "r")], n=0, check=False)
-    assert proc.returncode == 2
-    assert "'privacy.secure_aggregation' and 'algorithm.name'" in proc.stderr
+def test_per_client_statistics_of_a_method_are_refused_at_build(tmp_path, capsys):
+    assert run_here(["run", "configs/quickstart.yaml", *SMALL, "--set",
+                     "privacy.secure_aggregation=true", "--set", "algorithm.name=fednova",
+                     "--out", str(tmp_path / "r")], check=False) == 2
+    assert "'privacy.secure_aggregation' and 'algorithm.name'" in capsys.readouterr().err

@@ -1,10 +1,12 @@
 """Signal handling (fedmpi.job.signals): a stop request is recorded, handlers are restored,
-a second SIGINT interrupts at once."""
+a second SIGINT interrupts at once.
+
+Signals are raised in this thread (``signal.raise_signal``): the handler has run when the
+call returns, so no sleep waits for it.
+"""
 from __future__ import annotations
 
-import os
 import signal
-import time
 
 import pytest
 
@@ -16,14 +18,11 @@ def test_signal_handlers_record_and_restore():
     assert signals.install()
     try:
         assert signals.requested() is None
-        os.kill(os.getpid(), signal.SIGUSR1)
-        time.sleep(0.01)
+        signal.raise_signal(signal.SIGUSR1)
         assert signals.requested() == "SIGUSR1" and signals.requested_signum() == signal.SIGUSR1
-        os.kill(os.getpid(), signal.SIGTERM)               # the first request wins
-        time.sleep(0.01)
+        signal.raise_signal(signal.SIGTERM)                 # the first request wins
         assert signals.requested() == "SIGUSR1"
-        os.kill(os.getpid(), signal.SIGINT)                # not a second SIGINT: no exception
-        time.sleep(0.01)
+        signal.raise_signal(signal.SIGINT)                  # not a second SIGINT: no exception
     finally:
         signals.restore()
     assert signal.getsignal(signal.SIGUSR1) == before
@@ -33,11 +32,9 @@ def test_signal_handlers_record_and_restore():
 def test_second_sigint_raises_keyboard_interrupt():
     signals.install()
     try:
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.01)
+        signal.raise_signal(signal.SIGINT)
         assert signals.requested() == "SIGINT"
         with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.1)
+            signal.raise_signal(signal.SIGINT)
     finally:
         signals.restore()

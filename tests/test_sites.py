@@ -16,7 +16,7 @@ import yaml
 from sklearn.metrics import (accuracy_score, balanced_accuracy_score, f1_score, log_loss,
                              roc_auc_score)
 
-from conftest import OPEN_AUDIT, ROOT, mpiexec_path
+from conftest import OPEN_AUDIT, ROOT, mpiexec_path, run_here
 from fedmpi.config.schema import config_from_dict
 from fedmpi.errors import ConfigError
 
@@ -61,6 +61,7 @@ def mlp_probs(state: dict, x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> 
     return torch.softmax(h @ state["classifier.weight"].T + state["classifier.bias"], 1).numpy()
 
 
+@pytest.mark.mpi
 def test_tabular_silos_clients_evaluate_at_n3_and_match_sklearn(tmp_path):
     mpi = mpiexec_path()
     if mpi is None:
@@ -72,10 +73,7 @@ def test_tabular_silos_clients_evaluate_at_n3_and_match_sklearn(tmp_path):
                                 validation=str(root / "server_validation.csv"))
     config = tmp_path / "tabular_silos.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    proc = subprocess.run([sys.executable, "-m", "fedmpi", "partition", str(config), "--out",
-                           str(tmp_path / "preview"), "--export"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    run_here(["partition", str(config), "--out", str(tmp_path / "preview"), "--export"])
     out = tmp_path / "run"
     out.mkdir()
     proc = subprocess.run([mpi, "-n", "3", sys.executable, "-c", AUDIT, str(root), str(config),
@@ -254,6 +252,7 @@ json.dump({"got": got, "sites": sites}, open(f"{sys.argv[2]}/evaluate_{fed.rank}
 '''
 
 
+@pytest.mark.mpi
 def test_federation_evaluate_is_collective_and_the_same_at_n3(tmp_path):
     """At -n 3 every rank calls evaluate(): rank 0 gets what the same run gets alone (the
     sites' rows come from ranks 1 and 2), the workers get {}."""

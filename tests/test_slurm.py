@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, ROOT
+from conftest import BIN, ROOT, wait_for
 from fedmpi.errors import UserError
 from fedmpi.job.launcher import choose_launcher, find_mpirun, independent_copies
 
@@ -32,8 +32,9 @@ def _fake_bin(tmp_path: Path) -> tuple[Path, Path]:
 
     ``srun --mpi=list`` answers with $FAKE_SRUN_MPI (not logged); ``scontrol`` fails
     with $FAKE_SCONTROL_ERR when set; srun/mpirun sleep with $FAKE_SLEEP and exit 75
-    on SIGUSR1 (fedmpi's checkpoint-and-stop), else exit $FAKE_RC. Exiting 75, they
-    replace the file $FAKE_CKPT (a new checkpoint) when that is set.
+    on SIGUSR1 (fedmpi's checkpoint-and-stop), else exit $FAKE_RC; sleeping, they create
+    ``$FAKE_LOG.ready`` once their SIGUSR1 trap is set. Exiting 75, they replace the file
+    $FAKE_CKPT (a new checkpoint) when that is set.
     """
     bindir, log = tmp_path / "bin", tmp_path / "calls.log"
     bindir.mkdir()
@@ -50,6 +51,7 @@ if [[ $name == scontrol && -n "${FAKE_SCONTROL_ERR:-}" ]]; then echo "$FAKE_SCON
 ckpt() { [[ -z "${FAKE_CKPT:-}" ]] || { echo "$RANDOM" > "$FAKE_CKPT.tmp"; mv "$FAKE_CKPT.tmp" "$FAKE_CKPT"; }; }
 if [[ -n "${FAKE_SLEEP:-}" && $name =~ ^(srun|mpirun)$ ]]; then
     trap 'echo "$name got USR1" >> "$FAKE_LOG"; ckpt; exit 75' USR1
+    : > "$FAKE_LOG.ready"    # handshake: the trap is set (the wrapper's was set before us)
     for i in $(seq 300); do sleep 0.1; done
 fi
 [[ ${FAKE_RC:-0} == 75 && $name =~ ^(srun|mpirun)$ ]] && ckpt
@@ -252,10 +254,8 @@ def _signal_running_script(tmp_path: Path, sig: int, script: str = "multinode.sb
                       LAUNCHER="mpirun -n 4", FAKE_CKPT=str(tmp_path / "o" / "checkpoint.pt"))
     proc = subprocess.Popen(["bash", str(ROOT / "slurm" / script), CFG], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while not (log.exists() and log.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.3)                      # the trap is set before the launcher starts
+    ready = Path(f"{log}.ready")
+    wait_for(ready.exists, "the fake launcher's trap", 30, proc)   # the script's is set before
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=30)
     return proc.returncode, log.read_text().splitlines(), err
@@ -326,9 +326,7 @@ def test_time_limit_shorter_than_the_signal_lead_is_adapted(tmp_path):
     start = time.monotonic()
     proc = subprocess.Popen(["bash", str(ROOT / "slurm" / "fedmpi.sbatch"), CFG], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    while not (log.exists() and log.read_text()) and time.monotonic() < start + 30:
-        time.sleep(0.05)
-    time.sleep(0.3)
+    wait_for(Path(f"{log}.ready").exists, "the fake launcher's trap", 30, proc)
     proc.send_signal(signal.SIGUSR1)              # what Slurm sends at once
     _, err = proc.communicate(timeout=60)
     took = time.monotonic() - start

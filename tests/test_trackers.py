@@ -4,14 +4,13 @@ on a local file-backed store: ``file:`` URIs, which MLflow 3 keeps behind
 MLFLOW_ALLOW_FILE_STORE=true; ``sqlite:///`` works the same and is slower to create)."""
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from conftest import ROOT, TEST_DEVICE
+from conftest import TEST_DEVICE, run_here
 from fedmpi.errors import ConfigError
 
 pytest.importorskip("tensorboard")
@@ -49,7 +48,7 @@ def _expected(log, name):
             if np.isfinite(x)]
 
 
-def test_live_trackers_and_export_show_the_logs_numbers(tmp_path, monkeypatch):
+def test_live_trackers_and_export_show_the_logs_numbers(tmp_path, monkeypatch, capsys):
     import fedmpi
     from fedmpi.log.reader import read
     from mlflow.tracking import MlflowClient
@@ -81,11 +80,8 @@ def test_live_trackers_and_export_show_the_logs_numbers(tmp_path, monkeypatch):
 
     # export of the finished log: the same views, and a CSV of rounds and sites
     uri2 = (tmp_path / "exported").as_uri()
-    proc = subprocess.run([sys.executable, "-m", "fedmpi", "export", str(result.log_path),
-                           "--tensorboard", str(tmp_path / "tb2"), "--mlflow", uri2, "--csv",
-                           str(tmp_path / "rounds.csv")], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_here(["export", str(result.log_path), "--tensorboard", str(tmp_path / "tb2"),
+              "--mlflow", uri2, "--csv", str(tmp_path / "rounds.csv")])
     assert _tensorboard(tmp_path / "tb2") == tb
     (run2,) = MlflowClient(tracking_uri=uri2).search_runs(
         [MlflowClient(tracking_uri=uri2).get_experiment_by_name("fedmpi").experiment_id])
@@ -98,14 +94,13 @@ def test_live_trackers_and_export_show_the_logs_numbers(tmp_path, monkeypatch):
     # a CSV that exists is the user's: refused (exit 2, one line, untouched) without --overwrite
     mine = tmp_path / "mine.csv"
     mine.write_text("my own table\n")
-    again = [sys.executable, "-m", "fedmpi", "export", str(result.log_path), "--csv", str(mine)]
-    proc = subprocess.run(again, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "--overwrite" in proc.stderr, proc.stderr[-2000:]
-    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    again = ["export", str(result.log_path), "--csv", str(mine)]
+    capsys.readouterr()
+    assert run_here(again, check=False) == 2
+    err = capsys.readouterr().err
+    assert "--overwrite" in err and len(err.strip().splitlines()) == 1, err
     assert mine.read_text() == "my own table\n"
-    proc = subprocess.run([*again, "--overwrite"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_here([*again, "--overwrite"])
     assert list(pd.read_csv(mine)["round"]) == [0, 1, 2]
 
 

@@ -11,6 +11,7 @@ import torch
 
 from fedmpi.aggregation.rules import RuleInfo, build_rule
 from fedmpi.config.schema import config_from_dict
+from fedmpi.log.row import Reports
 
 
 # ------------------------------------------------ 16 trimmed mean: ⌊βn⌋ exactly
@@ -23,6 +24,7 @@ def test_trimmed_mean_trims_floor_beta_n_of_the_decimal_beta(beta, n, b):
                             "aggregation": {"rule": "trimmed_mean",
                                             "trimmed_mean": {"beta": beta}}})
     rule = build_rule(cfg)
+    rule.report = Reports().reporter(rule.name)      # rank 0's channel, kept here
     rule.setup(None)
     X = np.random.default_rng(n).normal(size=(n, 7)).astype(np.float32)
     info = RuleInfo(round=0, clients=np.arange(n), weights=np.full(n, 1 / n),
@@ -30,7 +32,7 @@ def test_trimmed_mean_trims_floor_beta_n_of_the_decimal_beta(beta, n, b):
     out = rule.aggregate({"delta": torch.tensor(X)}, info)["delta"].numpy()
     ref = np.sort(X.astype(np.float64), axis=0)[b:n - b].mean(axis=0)
     np.testing.assert_allclose(out, ref, rtol=0, atol=1e-6)
-    trimmed = rule.log_arrays()["rule/trimmed"]     # share of coordinates dropped per client
+    trimmed = rule.report.hub.drain(0)[0].arrays["rule/trimmed"]     # share of coordinates dropped per client
     np.testing.assert_allclose(np.nansum(trimmed) * X.shape[1], 2 * b * X.shape[1], atol=1e-6)
 
 
@@ -38,7 +40,7 @@ def test_trimmed_mean_trims_floor_beta_n_of_the_decimal_beta(beta, n, b):
 def test_a_run_level_event_names_no_client(capsys):
     from fedmpi.runtime.record import RoundRecorder
 
-    rec = RoundRecorder(np.zeros(2, dtype=np.int64), 2)
+    rec = RoundRecorder(np.zeros(2, dtype=np.int64), 2, Reports())
     rec.event(4, 0, -1, "run completed before round 4: privacy budget spent")
     rec.event(2, 1, 3, "update excluded: non-finite")
     err = capsys.readouterr().err.splitlines()
@@ -615,9 +617,12 @@ def test_a_write_that_fails_anywhere_in_a_flush_leaves_the_log_of_the_last_flush
             assert f"({rounds} rounds)" in str(exc), exc
             assert path.read_bytes() == flushed, f"write {k}: not the log of the last flush"
             assert list(read(path).rounds["round"]) == list(range(rounds))
+            w.close()                           # closes the handle without writing
+            assert path.read_bytes() == flushed, f"write {k}: close wrote after the failure"
             k += 1
             continue
         monkeypatch.setattr(undo, "os", os)
+        w.close()
         break                    # no write from the k-th on needs new space: all tried
     assert k >= 3, k
 

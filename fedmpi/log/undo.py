@@ -42,6 +42,7 @@ class UndoFile(io.RawIOBase):
         self.committed = os.fstat(fd).st_size
         self._undo: list[tuple[int, bytes]] = []   # (offset, old bytes), oldest first
         self.frozen = False
+        self.discarding = False   # see discard()
         #: The first error of a write or truncation (the reason a flush failed).
         self.error: Optional[OSError] = None
 
@@ -62,8 +63,11 @@ class UndoFile(io.RawIOBase):
         return len(data)
 
     def write(self, data) -> int:  # type: ignore[no-untyped-def, override]
-        self._refuse_when_frozen()
         view = memoryview(data).cast("B")
+        if self.discarding:
+            self._pos += len(view)
+            return len(view)
+        self._refuse_when_frozen()
         self._keep(self._pos, self._pos + len(view))
         done = 0
         try:
@@ -76,8 +80,10 @@ class UndoFile(io.RawIOBase):
         return done
 
     def truncate(self, size: Optional[int] = None) -> int:
-        self._refuse_when_frozen()
         size = self._pos if size is None else int(size)
+        if self.discarding:
+            return size
+        self._refuse_when_frozen()
         self._keep(size, os.fstat(self.fd).st_size)
         try:
             os.ftruncate(self.fd, size)
@@ -127,6 +133,13 @@ class UndoFile(io.RawIOBase):
             return False
         self._undo.clear()
         return True
+
+    def discard(self) -> None:
+        """From now on writes and truncations succeed without touching the file: what
+        HDF5 writes while it closes the handle of a log left as of its last flush
+        (refused, the close would fail and leave HDF5 to close the file at interpreter
+        exit through this object, already torn down: a segmentation fault)."""
+        self.discarding = True
 
     def _keep(self, start: int, end: int) -> None:
         """Keep the committed bytes in ``[start, end)`` before they change."""

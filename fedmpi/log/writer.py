@@ -260,11 +260,11 @@ class LogWriter:
         """Number of rows of the round-axis datasets."""
         return len(self._series["rounds/round"])
 
-    @_writes
     def append_row(self, row: RoundRow) -> None:
         """Append one :class:`~fedmpi.log.row.RoundRow` (:meth:`append_round`)."""
         self.append_round(row.round, row.scalars, row.clients, row.arrays)
 
+    @_writes
     def append_round(self, round: int, scalars: Mapping[str, float],
                      per_client: Mapping[str, np.ndarray] = {},
                      arrays: Mapping[str, np.ndarray] = {}) -> None:
@@ -417,8 +417,12 @@ class LogWriter:
 
     def close(self) -> None:
         """Flush and close the file; later calls do nothing. After a failed write
-        the file is left to the process exit (closing it would write again)."""
-        if self.broken is None and self._file is not None and self._file.id.valid:
+        the HDF5 handle is closed with its writes discarded, so the file stays as of its
+        last flush (left open, HDF5 would close it at interpreter exit through a file
+        object already torn down)."""
+        if self.broken is not None:
+            self._abandon()
+        elif self._file is not None and self._file.id.valid:
             try:
                 self._flush()
                 self._file.close()
@@ -428,6 +432,21 @@ class LogWriter:
             except (OSError, RuntimeError) as exc:
                 self._break(exc)
                 raise OutputError(self.broken) from None
+        self._file = None
+
+    def _abandon(self) -> None:
+        """Close the HDF5 handle of a broken log, its writes discarded
+        (:meth:`~fedmpi.log.undo.UndoFile.discard`): the bytes on disk stay those of the
+        last flush."""
+        if self._io is not None:
+            self._io.discard()
+        if self._file is not None and self._file.id.valid:
+            try:
+                self._file.close()
+            except (OSError, RuntimeError):
+                pass
+        if self._io is not None:
+            self._io.close()
         self._file = None
 
     def __enter__(self) -> LogWriter:
