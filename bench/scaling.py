@@ -1,12 +1,20 @@
 """How the cost of a round grows with the number of silos K and the model size D (CPU).
 
 Part 1 (``mpiexec -n 3``: rank 0 + 2 workers, one thread each): digits, an MLP
-``1024 → H → H → 10`` whose H gives D ≈ 0.4 M, 11 M and 25 M parameters, K ∈ {10,
+``64 → H → H → 10`` whose H gives D ≈ 0.4 M, 11 M and 25 M parameters, K ∈ {10,
 100, 1000} clients (IID; 10 of them per round, one local step of batch 8, no
 evaluation until the last round), 3 rounds. Reported per (K, D): the median
 ``wall_seconds`` of rounds 1–2 (round 0 includes warm-up), and rank 0's peak
 resident set size (``VmHWM``) minus its size after ``import torch, fedmpi`` (what the
 run itself costs on the aggregator).
+
+Part 3 (``--memory``, issue 35): bytes per parameter on each rank. ``mpiexec -n 2``
+(rank 0 + one worker, one thread each), the MLP sized to each ``--memory-params`` (100 M
+and 500 M by default), 2 clients of which 1 trains per round (one local step of batch 8,
+plain SGD), 1 round and the final evaluation, for each ``--methods`` entry
+(``fedavg``; ``fedadam``, ``scaffold``, ``fedavg+fedvg`` = FedVG's per-client weighting,
+…). Reported per rank: peak RSS minus the RSS after ``import torch, fedmpi``, in bytes per
+parameter, and the margin between the two sizes (what one more parameter costs).
 
 Part 2 (``--cluster``, needs the 3-node test Slurm of
 ``slurm/testing/local-cluster start --nodes 3`` and ``SLURM_CONF``): the quickstart
@@ -17,6 +25,8 @@ rounds 1..R−1 from the log.
 Usage::
 
     python bench/scaling.py [--out bench/measured/<machine>/scaling.json] [--cluster]
+    python bench/scaling.py --memory [--memory-params 100e6 500e6] [--methods fedavg scaffold]
+                            [--device cuda]
 
 The last stdout line is the JSON written to ``--out``.
 """
@@ -35,12 +45,12 @@ from pathlib import Path
 from silo_memory import WORKER   # runs fedmpi.run; each rank writes its peak RSS
 
 ROOT = Path(__file__).resolve().parents[1]
-INPUT = 32 * 32          # digits at data.image_size 32, one channel
+INPUT = 8 * 8            # digits: 1 x 8 x 8 (data.image_size applies to imagefolder only)
 
 
 def hidden_for(d: float) -> int:
-    """H of the MLP 1024 → H → H → 10 with about ``d`` parameters:
-    D(H) = H² + (1024 + 1 + 1 + 10) H + 10."""
+    """H of the MLP 64 → H → H → 10 with about ``d`` parameters:
+    D(H) = H² + (64 + 1 + 1 + 10) H + 10."""
     b = INPUT + 12
     return int(round((-b + math.sqrt(b * b + 4 * (d - 10))) / 2))
 
@@ -92,6 +102,41 @@ def one_point(k: int, d: float, rounds: int, tmp: Path) -> dict:
             "total_seconds": time.perf_counter() - t0}
 
 
+def memory_point(d: float, method: str, tmp: Path, device: str = "cpu") -> dict:
+    """Peak RSS per rank of one round at ``-n 2`` (part 3)."""
+    import yaml
+
+    h = hidden_for(d)
+    algo, _, weighting = method.partition("+")
+    cfg = {"name": f"memory-{method}-H{h}", "seed": 0,
+           "data": {"dataset": "digits", "num_clients": 2,
+                    "partition": {"method": "iid", "min_size": 1}},
+           "model": {"name": "mlp", "mlp": {"hidden": [h, h]}},
+           "algorithm": {"name": algo},
+           "aggregation": {"weighting": weighting or "samples"},
+           "train": {"rounds": 1, "clients_per_round": 1, "local_steps": 1,
+                     "batch_size": 8, "lr": 0.01},
+           "eval": {"every": 1},
+           "runtime": {"device": device, "progress": False, "threads": 1,
+                       "round_timeout": 3600, "setup_timeout": 3600}}
+    path = tmp / f"{cfg['name']}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = tmp / cfg["name"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    proc = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-c", WORKER, str(path), str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise SystemExit(f"{method} D={d}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
+    mem = [json.loads((out / f"mem_{r}.json").read_text()) for r in range(2)]
+    D = params(h)
+    run = [(m["peak_rss_kib"] - m["base_rss_kib"]) * 1024 for m in mem]
+    return {"method": method, "D": D, "hidden": h, "device": device,
+            "run_bytes": run, "bytes_per_param": [b / D for b in run],
+            "peak_rss_mib": [m["peak_rss_kib"] / 1024 for m in mem],
+            "seconds": time.perf_counter() - t0}
+
+
 def cluster_point(nodes: int, rounds: int, tmp: Path) -> dict:
     """The quickstart as a 3-task job on ``nodes`` nodes of the test cluster."""
     from fedmpi.log.reader import read
@@ -131,7 +176,14 @@ def main() -> None:
     ap.add_argument("--cluster", action="store_true",
                     help="also part 2 on the 3-node test Slurm (SLURM_CONF)")
     ap.add_argument("--cluster-only", action="store_true")
+    ap.add_argument("--memory", action="store_true", help="part 3 only: bytes per parameter")
+    ap.add_argument("--memory-params", type=float, nargs="+", default=[100e6, 500e6])
+    ap.add_argument("--methods", nargs="+", default=["fedavg"])
+    ap.add_argument("--device", default="cpu", help="--memory: runtime.device of the run")
     args = ap.parse_args()
+    if args.memory:
+        memory(args)
+        return
     result: dict = {"machine": {"cpus": os.cpu_count()}, "ranks": 3, "points": [],
                     "cluster": []}
     with tempfile.TemporaryDirectory() as tmpdir:
@@ -147,6 +199,30 @@ def main() -> None:
                 point = cluster_point(nodes, 8, tmp)
                 print(json.dumps(point), file=sys.stderr, flush=True)
                 result["cluster"].append(point)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
+def memory(args) -> None:
+    """Part 3: bytes per parameter on rank 0 and on the worker, and the margin."""
+    points = []
+    with tempfile.TemporaryDirectory() as tmpdir:
+        for method in args.methods:
+            for d in args.memory_params:
+                point = memory_point(d, method, Path(tmpdir), args.device)
+                print(json.dumps(point), file=sys.stderr, flush=True)
+                points.append(point)
+    margins = []
+    for method in args.methods:
+        mine = sorted((p for p in points if p["method"] == method), key=lambda p: p["D"])
+        if len(mine) >= 2:
+            a, b = mine[0], mine[-1]
+            margins.append({"method": method, "from_D": a["D"], "to_D": b["D"],
+                            "bytes_per_param": [(y - x) / (b["D"] - a["D"])
+                                                for x, y in zip(a["run_bytes"], b["run_bytes"])]})
+    result = {"machine": {"cpus": os.cpu_count()}, "ranks": 2, "memory": points,
+              "margin": margins}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result))

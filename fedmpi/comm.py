@@ -30,14 +30,19 @@ error names each rank that did not answer, with its host (dead, hung or cut off)
 each live rank that has not reached the collective (still computing, or waiting in
 another one).
 
-Messages of any size: every buffer call is split into pieces of at most
-:meth:`Comm.chunk` elements -- ``CHUNK`` = 2^30 (MPI counts are C ints; APPFL hit
-the 2^31 − 1 limit with large models), fewer when ``max_message_bytes``
-(``runtime.max_message_bytes``) asks for smaller messages, which is how the tests
-reach the chunked paths with small models. Chunks cut along elements that are
-combined independently (a broadcast or gather moves bytes; a reduction adds each
-element over ranks in the same order in every chunk), so a chunked transfer gives
-the same bits as one call.
+Messages of any size, memory-bounded: every buffer call is split into pieces of at most
+:meth:`Comm.chunk` elements -- :data:`STREAM_BYTES` (16 MiB) by default, or
+``max_message_bytes`` (``runtime.max_message_bytes``), never above ``CHUNK`` = 2^30
+elements (MPI counts are C ints; APPFL hit the 2^31 − 1 limit with large models). The
+collectives stream: at most :data:`DEPTH` pieces are in flight per rank, and each piece is
+summed (or written) as it arrives, so a rank holds its own buffers plus O(chunk) whatever
+the message size. The reduction is a chain of point-to-point pieces in rank order
+(:meth:`Comm.reduce_sum`), not ``MPI_Reduce``: MPICH's ``Reduce`` allocates a fresh
+temporary of the whole message per call (1.5× the message more on every rank) and fills it
+page fault by page fault, 26× slower than a ``Bcast`` of the same 515 MB at ``-n 2``
+(``bench/large_exchange.py``). Chunks cut along elements that are combined independently
+(a broadcast or gather moves bytes; the reduction adds each element over ranks 0, 1, … in
+the same order in every chunk), so a chunked transfer gives the same bits as one call.
 
 Longer than ~350 lines on purpose: it is the only module that touches MPI, so every
 collective, wait policy, chunking rule and the timeout's roll call of ranks lives here.
@@ -46,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections import deque
 import sys
 import threading
 import time
@@ -55,6 +61,12 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 
 CHUNK = 1 << 30  # elements per MPI call; below the 2**31 - 1 count limit
+#: bytes per message of the streamed collectives unless ``max_message_bytes`` says otherwise
+STREAM_BYTES = 1 << 24
+#: pieces in flight per rank in a streamed collective (a pipeline: one arriving, one being
+#: summed or forwarded, one leaving)
+DEPTH = 3
+PART_TAG, TOTAL_TAG = 1, 2   # the reduction chain's messages (on its own duplicate communicator)
 WORKER_GRACE = 5.0  # seconds a worker waits beyond two timeouts (see Comm._wait)
 ROLL_CALL_TAG = 31_031
 PING_TAG = 31_032   # rank 0 → worker after a timeout: "are you there?"
@@ -103,8 +115,7 @@ class Comm:
     """
 
     def __init__(self, comm=None, timeout: float = 600.0, max_sleep: float = 2e-3,
-                 spin: float = 5e-3, gather_reduce_bytes: int = 1 << 30,
-                 max_message_bytes: Optional[int] = None) -> None:
+                 spin: float = 5e-3, max_message_bytes: Optional[int] = None) -> None:
         MPI = _mpi()
         self.MPI = MPI
         self.comm = comm if comm is not None else MPI.COMM_WORLD
@@ -113,11 +124,11 @@ class Comm:
         self.timeout = timeout
         self.max_sleep = max_sleep
         self.spin = spin
-        self.gather_reduce_bytes = gather_reduce_bytes
         if max_message_bytes is not None and max_message_bytes < 1:
             raise ValueError(f"max_message_bytes must be >= 1, got {max_message_bytes}")
         self.max_message_bytes = max_message_bytes
-        self._gather_scratch: dict[tuple, np.ndarray] = {}
+        self._slots: dict[str, np.ndarray] = {}   # the reduction chain's pieces, by dtype
+        self._chain: Any = None   # a duplicate of ``comm`` for the chain (no tag meets another's)
         self.traffic = Traffic()
         #: the config key that set ``timeout`` (named in a CommTimeout message)
         self.timeout_key = "runtime.round_timeout"
@@ -310,74 +321,156 @@ class Comm:
             thread.join()
 
     def chunk(self, dtype: np.dtype | type) -> int:
-        """Elements of ``dtype`` per MPI call: ``CHUNK``, or fewer under
-        ``max_message_bytes`` (at least one element)."""
-        if self.max_message_bytes is None:
-            return CHUNK
-        return max(1, min(CHUNK, self.max_message_bytes // np.dtype(dtype).itemsize))
+        """Elements of ``dtype`` per MPI call: :data:`STREAM_BYTES`, or
+        ``max_message_bytes`` when set, at most ``CHUNK`` (at least one element)."""
+        limit = STREAM_BYTES if self.max_message_bytes is None else self.max_message_bytes
+        return max(1, min(CHUNK, limit // np.dtype(dtype).itemsize))
 
     def _chunks(self, n: int, dtype: np.dtype | type):
         step = self.chunk(dtype)
         for start in range(0, max(n, 1), step):
             yield slice(start, min(start + step, n))
 
+    def _stream(self, pieces: list[slice], post: Callable[[slice], Any], what: str,
+                patient: bool, done: Optional[Callable[[slice], None]] = None) -> None:
+        """Post one non-blocking call per piece (``post``), at most :data:`DEPTH` in
+        flight; ``done(piece)`` once a piece completed, in order. Only the first wait is
+        patient: once a piece has moved, every peer is there."""
+        flight: deque = deque()
+
+        def finish() -> None:
+            piece, req = flight.popleft()
+            self._wait([req], what, patient and piece.start == 0)
+            if done is not None:
+                done(piece)
+
+        for piece in pieces:
+            if len(flight) == DEPTH:
+                finish()
+            flight.append((piece, post(piece)))
+        while flight:
+            finish()
+
     # ------------------------------------------------------------ collectives
     def broadcast(self, buf: np.ndarray, root: int = 0, what: str = "Bcast",
                   patient: bool = True) -> None:
-        """In-place broadcast of ``buf`` from ``root``."""
+        """In-place broadcast of ``buf`` from ``root``, streamed (:meth:`_stream`)."""
         if self.size == 1:
             return
         t0 = time.perf_counter()
         flat = buf.reshape(-1)
-        reqs = [self.comm.Ibcast(flat[s], root=root) for s in self._chunks(flat.size, flat.dtype)]
-        self._wait(reqs, what, patient)
+        self._stream(list(self._chunks(flat.size, flat.dtype)),
+                     lambda s: self.comm.Ibcast(flat[s], root=root), what, patient)
         sent = flat.nbytes * (self.size - 1) if self.rank == root else 0
         self.traffic.add("bcast", sent, time.perf_counter() - t0)
 
-    def reduce_sum(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int = 0,
-                   what: str = "Reduce", patient: bool = True) -> None:
-        """``recvbuf = Σ_ranks sendbuf`` on ``root`` (``recvbuf`` ignored elsewhere).
+    def reduce_sum(self, sendbuf: Optional[np.ndarray], recvbuf: np.ndarray | None,
+                   root: int = 0, what: str = "Reduce", patient: bool = True,
+                   count: Optional[int] = None, dtype: Optional[np.dtype | type] = None) -> None:
+        r"""``recvbuf = Σ_ranks sendbuf`` on ``root`` (``recvbuf`` ignored elsewhere), each
+        element summed in rank order from +0.0: (((+0.0 + x_0) + x_1) + x_2) + … (the bits
+        of ``numpy.sum`` over a [ranks, n] array). ``sendbuf`` None: this rank contributes
+        zeros (a rank that hosts no client) without holding them; a non-root rank then
+        names ``count`` and ``dtype``.
 
-        While ``size × nbytes`` fits in ``gather_reduce_bytes`` (1 GiB: small
-        worlds, the cross-silo case) this is a ``Gather`` of every rank's buffer
-        into a persistent root scratch and one vectorised sum in rank order
-        (0, 1, …): MPICH's ``Reduce`` runs the operator in a scalar loop over its
-        pipelined segments and was 5–9× slower than a ``Gatherv`` of the same
-        bytes for 3 ranks at 10–100 MB (bench/comm.py). Larger worlds use
-        ``MPI_Reduce``, whose tree keeps root memory at one buffer.
+        A chain of point-to-point pieces (:meth:`chunk` elements each): rank 1 sends x_1
+        to rank 0, which forms s_1 = x_0 + x_1; rank j ≥ 2 receives s_{j−1}, adds x_j and
+        sends s_j on; the last partial sum is the total and goes to ``root``. Every piece
+        is added the moment it arrives, with at most :data:`DEPTH` pieces in flight, so a
+        rank holds its buffers plus ``DEPTH`` pieces, and each link carries the message
+        once. Time ≈ (pieces + ranks − 1) piece transfers. The order of the additions
+        is the order of ranks whatever the piece size, so the result does not depend on
+        the chunking (IEEE addition is commutative: x_1 + x_0 has the bits of x_0 + x_1).
         """
         if self.size == 1:
-            np.copyto(recvbuf, sendbuf)
+            if sendbuf is None:
+                recvbuf.fill(0)
+            else:
+                np.copyto(recvbuf, sendbuf)
             return
         t0 = time.perf_counter()
-        send = sendbuf.reshape(-1)
+        send = sendbuf.reshape(-1) if sendbuf is not None else None
         recv = recvbuf.reshape(-1) if self.rank == root else None
-        if self.size * send.nbytes <= self.gather_reduce_bytes:
-            # one Gather per chunk of columns; each column is summed over rows 0, 1, …
-            # whatever the chunking, so the bits do not depend on it
-            step = self.chunk(send.dtype)
-            rows = None
-            if self.rank == root:
-                key = (min(step, send.size), send.dtype.str)
-                rows = self._gather_scratch.get(key)
-                if rows is None:
-                    rows = self._gather_scratch[key] = np.empty((self.size, key[0]), send.dtype)
-            for s in self._chunks(send.size, send.dtype):
-                # a shorter last piece: a contiguous [size, m] view of the same scratch
-                m = s.stop - s.start
-                block = rows.reshape(-1)[: self.size * m].reshape(self.size, m) \
-                    if rows is not None else None
-                self._wait([self.comm.Igather(send[s], block, root=root)], what, patient)
-                if block is not None:
-                    np.sum(block, axis=0, out=recv[s])
-            self.traffic.add("reduce", 0 if self.rank == root else send.nbytes,
-                             time.perf_counter() - t0)
-            return
-        reqs = [self.comm.Ireduce(send[s], recv[s] if recv is not None else None,
-                                  op=self.MPI.SUM, root=root)
-                for s in self._chunks(send.size, send.dtype)]
-        self._wait(reqs, what, patient)
-        self.traffic.add("reduce", 0 if self.rank == root else send.nbytes, time.perf_counter() - t0)
+        if count is None:
+            ref = send if send is not None else recv
+            assert ref is not None, "a rank without a buffer names the count and dtype"
+            count, dtype = ref.size, ref.dtype
+        assert dtype is not None
+        self._chain_reduce(send, recv, count, np.dtype(dtype), root, what, patient)
+        self.traffic.add("reduce", 0 if self.rank == root else count * np.dtype(dtype).itemsize,
+                         time.perf_counter() - t0)
+
+    def _chain_reduce(self, send: Optional[np.ndarray], recv: Optional[np.ndarray], n: int,
+                      dtype: np.dtype, root: int, what: str, patient: bool) -> None:
+        """The chain of :meth:`reduce_sum` on this rank (its docstring)."""
+        r, size = self.rank, self.size
+        if self._chain is None:   # collective: every rank reaches its first reduce together
+            self._chain = self.comm.Dup()
+        chain = self._chain
+        last = 0 if size == 2 else size - 1          # holds the total after the chain
+        source = None if r == 1 else 1 if r == 0 else 0 if r == 2 else r - 1
+        dest = 0 if r == 1 else 2 if r == 0 and size > 2 else r + 1 if 1 < r < last else None
+        if r == last:
+            dest = None if root == last else root
+        total_from = last if r == root and root != last else None
+        tag = TOTAL_TAG if r == last else PART_TAG
+        pieces = list(self._chunks(n, dtype))
+        if source is None:   # rank 1: its own pieces, straight from its buffer
+            if send is None:   # it hosts nothing: zeros
+                zero = self._slot_buffers(dtype, pieces[0].stop - pieces[0].start)[0]
+                zero.fill(0)
+                self._stream(pieces, lambda s: chain.Isend(zero[: s.stop - s.start], dest=dest,
+                                                           tag=PART_TAG), what, patient)
+            else:
+                self._stream(pieces, lambda s: chain.Isend(send[s], dest=dest, tag=PART_TAG),
+                             what, patient)
+        else:
+            in_place = r == root and dest is None   # the sum lands in recv itself
+            slots = [] if in_place else self._slot_buffers(dtype, pieces[0].stop - pieces[0].start)
+            outgoing: list[Any] = [None] * DEPTH    # a slot's send in flight
+
+            def land(i: int, s: slice) -> np.ndarray:
+                return recv[s] if in_place else slots[i % DEPTH][: s.stop - s.start]
+
+            def post(i: int, s: slice) -> Any:
+                if outgoing[i % DEPTH] is not None:   # the slot's last piece is still leaving
+                    self._wait([outgoing[i % DEPTH]], what, False)
+                    outgoing[i % DEPTH] = None
+                return chain.Irecv(land(i, s), source=source, tag=PART_TAG)
+
+            def add(i: int, s: slice, req: Any) -> None:
+                self._wait([req], what, patient and i == 0)
+                piece = land(i, s)
+                if send is not None:
+                    np.add(piece, send[s], out=piece)
+                if r == 0 or send is None:   # the sum starts from +0.0, as numpy's does
+                    np.add(piece, 0, out=piece)   # (-0.0 + -0.0 → +0.0); or adds zeros
+                if dest is not None:
+                    outgoing[i % DEPTH] = chain.Isend(piece, dest=dest, tag=tag)
+
+            pending: deque = deque()
+            for i, s in enumerate(pieces):
+                pending.append((i, s, post(i, s)))
+                if len(pending) == DEPTH - 1:   # one piece arriving while one is added
+                    add(*pending.popleft())
+            while pending:
+                add(*pending.popleft())
+            waiting = [q for q in outgoing if q is not None]
+            if waiting:
+                self._wait(waiting, what, False)
+        if total_from is not None:
+            assert recv is not None
+            self._stream(pieces, lambda s: chain.Irecv(recv[s], source=total_from,
+                                                       tag=TOTAL_TAG), what, False)
+
+    def _slot_buffers(self, dtype: np.dtype, size: int) -> list[np.ndarray]:
+        """:data:`DEPTH` persistent pieces of ``dtype`` (kept between calls: fresh pages
+        filled by the MPI library page fault by page fault)."""
+        key = np.dtype(dtype).str
+        buf = self._slots.get(key)
+        if buf is None or buf.shape[1] < size:
+            buf = self._slots[key] = np.empty((DEPTH, size), dtype=dtype)
+        return [buf[i] for i in range(DEPTH)]
 
     def gatherv_rows(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, rows: list[int],
                      root: int = 0, what: str = "Gatherv", patient: bool = True) -> None:
@@ -510,8 +603,8 @@ class Comm:
     def _allreduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op, what: str,
                    patient: bool = True) -> None:
         send, recv = sendbuf.reshape(-1), recvbuf.reshape(-1)
-        self._wait([self.comm.Iallreduce(send[s], recv[s], op=op)
-                    for s in self._chunks(send.size, send.dtype)], what, patient)
+        self._stream(list(self._chunks(send.size, send.dtype)),
+                     lambda s: self.comm.Iallreduce(send[s], recv[s], op=op), what, patient)
 
     def allreduce_max(self, sendbuf: np.ndarray, recvbuf: np.ndarray,
                       what: str = "Allreduce") -> None:

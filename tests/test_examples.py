@@ -62,3 +62,29 @@ def test_api_to_pandas_example(tmp_path, monkeypatch, capsys):
     assert lines[0].split() == ["round", "test_accuracy", "balanced_accuracy", "macro_f1",
                                 "auroc", "train_loss"]
     assert len(lines) == 1 + 5 + 1 and lines[-1].startswith("mean weight per client:")
+
+
+def test_lora_example_under_mpiexec(tmp_path):
+    """examples/lora_transformer.py as documented at -n 3: only the LoRA adapters and the
+    head travel (4 bytes × trainable parameters × participants), every rank builds the same
+    frozen ViT, and model.pt holds the whole model."""
+    pytest.importorskip("peft", reason="the LoRA example needs the [peft] extra")
+    torch = pytest.importorskip("torch")
+    proc = run_fedmpi(["run", str(ROOT / "configs" / "quickstart.yaml"), "--out", str(tmp_path),
+                       "--set", "model.name=examples.lora_transformer:vit_lora",
+                       "--set", "train.rounds=1", "--set", "train.local_epochs=1",
+                       "--set", "data.num_clients=4", "--set", "train.clients_per_round=2",
+                       "--set", "runtime.progress=false"], n=3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import h5py
+
+    sys.path.insert(0, str(ROOT))
+    from examples.lora_transformer import vit_lora
+
+    model = vit_lora((1, 8, 8), 10)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert trainable < sum(p.numel() for p in model.parameters()) // 10
+    with h5py.File(tmp_path / "log.h5", "r") as f:
+        assert list(f["rounds/bytes_up"][:]) == [4 * trainable * 2]
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert sum(v.numel() for v in state.values()) == sum(v.numel() for v in model.state_dict().values())

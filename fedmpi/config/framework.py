@@ -389,9 +389,10 @@ class RuntimeConfig(CopyOnRead):
                                            "was accepted (0 = never)", ge=0)
     progress: bool = param(True, "show a progress bar")
     max_message_bytes: int | None = param(None, "largest MPI message in bytes; longer "
-                                          "buffers go in pieces (same result bit for bit); "
-                                          "null = 2^30 elements per call, below MPI's 2^31 - 1 "
-                                          "count limit", ge=1)
+                                          "buffers stream in pieces, at most 3 in flight per "
+                                          "rank (same result bit for bit); null = 16 MiB "
+                                          "(at most 2^30 elements, below MPI's 2^31 - 1 count "
+                                          "limit)", ge=1)
     reduction: str = param("default", "how the uplink sums reach rank 0: default = "
                            "summed on each worker, then over ranks (equal across world sizes "
                            "up to float rounding); exact = one row per client, summed in "

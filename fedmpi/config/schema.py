@@ -33,8 +33,9 @@ from typing import Any, Iterable, Optional
 from fedmpi.config import core as config_core
 from fedmpi.methods import ALGORITHMS
 from fedmpi.aggregation.rules import RULES, ServerRule
-from fedmpi.transforms.base import TRANSFORMS, UpdateTransform
+from fedmpi.transforms.base import TRANSFORMS, UpdateTransform, register_transform
 import fedmpi.privacy  # noqa: F401  (registers the privacy stages after the transforms)
+from fedmpi.transforms.compression import Compression
 from fedmpi.aggregation.weighting import WEIGHTINGS, Weighting
 from fedmpi.methods.base import Algorithm
 from fedmpi.component import Component, Registry
@@ -47,6 +48,10 @@ from fedmpi.config.params import block_fields, check_params
 
 __all__ = ["SCHEMA", "load_config", "config_from_dict", "check_components", "keyed_components",
            "local_steps_floor", "reference_markdown", "schema"]
+
+# the compressed uplink is the last stage to touch the upload: it encodes the clipped,
+# noised update that the privacy stages (registered above) leave
+register_transform(Compression)
 
 #: Each component kind: its registry and the key its blocks follow.
 _KINDS: tuple[tuple[Registry, str], ...] = (

@@ -125,6 +125,9 @@ class RunState:
     clients: ClientStates
     after_resume: Callable[[int], None] = lambda round: None
     out_dir: Any = None   # the run directory (for messages); None in tests
+    #: SHA-256 of the model's frozen parameters (``requires_grad=False``), "" without any:
+    #: they are rebuilt from the config, never stored, and a resume checks them
+    frozen_digest: str = ""
 
     @property
     def rank(self) -> int:
@@ -171,10 +174,14 @@ def save(run: RunState, round: int, path: Path) -> Optional[Path]:
         "algorithm": str(run.cfg.algorithm.name), "num_clients": int(run.num_clients),
         "state_size": int(run.global_state.numel()), "world_size": int(run.size),
         "config_yaml": run.cfg.to_yaml(), "fingerprint": fingerprint(run.cfg),
-        "global_state": run.global_state.detach().to("cpu", copy=True),
+        # no copy on the CPU (a model may be most of the memory): the file holds θ's
+        # buffer, which also has the round's downlink extras after θ
+        "global_state": run.global_state.detach().cpu(),
         "components": {name: _to_cpu(dict(c.state_dict())) for name, c in run.components.items()},
         "clients": clients,
     }
+    if run.frozen_digest:
+        ckpt["frozen_sha256"] = run.frozen_digest
     ckpt["checksum"] = digest(ckpt)
     save_atomic(ckpt, path)
     return path
@@ -202,6 +209,11 @@ def load_server_side(run: RunState, path: Path) -> Restored:
         if ckpt[key] != mine:
             raise CheckpointError(f"{path}: checkpoint has {key}={ckpt[key]!r} but this run has "
                                   f"{mine!r} (config key {cfg_key!r} differs from the checkpointed run)")
+    if ckpt.get("frozen_sha256", "") != run.frozen_digest:
+        raise CheckpointError(f"{path}: the model's frozen parameters (requires_grad=False) "
+                              "differ from those of the checkpointed run; they are rebuilt "
+                              "from the config, not stored: build them identically (the same "
+                              "seed, the same weight files)")
     g = ckpt["global_state"]
     if g.shape != (D,) or g.dtype != torch.float32:
         raise CheckpointError(f"{path}: global_state has shape {tuple(g.shape)} {g.dtype}, "

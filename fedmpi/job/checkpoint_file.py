@@ -82,7 +82,8 @@ def digest(obj: Any) -> str:
         if isinstance(x, torch.Tensor):
             t = x.detach().to("cpu").contiguous()
             h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            if t.numel():   # the buffer itself, not a copy of it (a model may be huge)
+                h.update(t.reshape(-1).view(torch.uint8).numpy().data)
         elif isinstance(x, dict):
             h.update(b"{")
             for k in sorted(x, key=repr):

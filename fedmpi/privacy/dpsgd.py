@@ -100,7 +100,8 @@ def _by_vmap(model: nn.Module, names: Sequence[str], x: torch.Tensor, y: torch.T
     model's buffers shared (read-only) by every sample."""
     from torch.func import functional_call, grad, vmap
 
-    params = {n: p.detach() for n, p in model.named_parameters()}
+    # frozen parameters (requires_grad=False) stay the module's own: no per-sample gradient
+    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     buffers = dict(model.named_buffers())
 
     def loss(p: dict, xi: torch.Tensor, yi: torch.Tensor):

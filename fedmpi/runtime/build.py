@@ -39,6 +39,7 @@ from fedmpi.models import build_model, model_spec
 from fedmpi.job.placement import default_threads, gpu_for_local_rank
 from fedmpi.job.provenance import run_info
 from fedmpi.runtime.evaluation import test_state
+from fedmpi.runtime.memory import check_fits
 
 
 def resolve_device(spec: str, local_rank: int) -> torch.device:
@@ -127,6 +128,7 @@ class Built:
     server: ServerParts          # the parts the server step runs, and their statistics
     num_outputs: int = 0         # the model's output width the method needs (C; FedGPS: 2C)
     run_info: dict = field(default_factory=dict)   # what ran (fedmpi.job.provenance), for the log
+    frozen_digest: str = ""      # SHA-256 of the frozen parameters (the same on every rank)
 
     @property
     def stats(self) -> tuple[Stat, ...]:
@@ -206,8 +208,14 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
     check_training_keys(cfg, algo_class, data.num_classes)
     with blame("algorithm.name", algo_class):
         outputs = algo_class.spec_for(cfg).num_outputs(data.num_classes)  # FedGPS: 2C
-    flat = FlatModel(build_model(model_spec(cfg, code.model), data.input_shape, outputs,
-                                 cfg.model.norm), device)
+    spec = model_spec(cfg, code.model)
+
+    def make() -> torch.nn.Module:
+        return build_model(spec, data.input_shape, outputs, cfg.model.norm)
+
+    check_fits(comm, make)   # too large: one line before anything model-sized is allocated
+    flat = FlatModel(make(), device)
+    frozen_digest = same_frozen(comm, flat)
     accel = Accel.from_config(cfg.runtime, device)
     forward = accel.wrap(flat.model)   # compiled once, shared by training and evaluation
 
@@ -251,6 +259,7 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
         with blame(key, part):
             start(part, ctx)
             reports.declare_clients(list(part.client_values))
+    transforms.client_stores(algo.client_store)   # checkpointed with the method's
     with blame("algorithm.name", algo):
         stats = (*algo.exchange().uplink, *transforms.stats())
     server = ServerParts(algo, weighting, rule, transforms, stats, num_samples)
@@ -258,7 +267,22 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
     info = run_info(cfg, algo, weighting, list(transforms), code.model, local.files, rule)
     return Built(cfg, rank, size, device, data, partition, num_samples, flat, accel, forward, algo,
                  weighting, transforms, rule, host, hosted, ctx, reports, server,
-                 num_outputs=outputs, run_info=info)
+                 num_outputs=outputs, run_info=info, frozen_digest=frozen_digest)
+
+
+def same_frozen(comm: Comm, flat: FlatModel) -> str:
+    """Collective where the model has frozen parameters (``requires_grad=False``): they
+    never travel, so every rank must have built the same ones (the seed, the same weight
+    files); refused otherwise. Returns their digest ("" without any)."""
+    digest = flat.frozen_digest()
+    if digest and comm.size > 1:
+        mine = int(digest[:15], 16)   # 60 bits: an int64 for one Allreduce each way
+        if comm.max_int(mine) != -comm.max_int(-mine):
+            raise ConfigError(f"config key 'model.name': the model's {flat.frozen.numel():,} "
+                              "frozen parameters (requires_grad=False) differ between ranks; "
+                              "they never travel, so every rank must build them identically "
+                              "(from the seed or the same weight files)")
+    return digest
 
 
 def check_parts(cfg: Config, server: ServerParts, model: torch.nn.Module, world_size: int) -> None:

@@ -37,6 +37,7 @@ import torch
 
 from fedmpi.component import Stat
 from fedmpi.comm import Comm
+from fedmpi.training.vecops import add_scaled, pieces
 from fedmpi.runtime.server import (META_FIELDS, M_STATUS, STATUS_FAILED, STATUS_OK, STATUS_RANGE,
                                    STATUS_WITHHELD, Uplink, is_summed)
 
@@ -136,13 +137,19 @@ class Channel:
         self.err_send = np.zeros(ERR_BYTES, dtype=np.uint8)
         self.err_recv = np.zeros((self.size, ERR_BYTES), dtype=np.uint8)
         # float64 sums: partial sums from any rank layout round to the same float32
-        # result, which is what makes the global model independent of world size.
-        self.red_send = Mirror((plan.reduce_size,), torch.float64, device)
+        # result, which is what makes the global model independent of world size. A rank
+        # that hosts no client (rank 0 of a run with workers) sends nothing and holds no
+        # partial sum: the Reduce counts it as zeros.
+        hosts = max_local > 0
+        self.red_send = Mirror((plan.reduce_size,), torch.float64, device) if hosts else None
         self.red_recv = Mirror((plan.reduce_size,), torch.float64, device) if self.is_server else None
         # an encoded uplink (secure aggregation): the int64 codes that travel instead
         self.codec = codec if plan.reduce_size else None
-        self.sealed_send = np.zeros(plan.reduce_size if self.codec else 0, dtype=np.int64)
-        self.sealed_recv = np.zeros_like(self.sealed_send) if self.is_server else None
+        self.sealed_send = np.zeros(plan.reduce_size if self.codec and hosts else 0, dtype=np.int64)
+        # rank 0 receives the codes in the float64 sum's own memory and opens them there,
+        # piece by piece (one accumulator, not two)
+        self.sealed_recv = (self.red_recv.host.view(np.int64)
+                            if self.codec is not None and self.red_recv is not None else None)
         self._handshake_done = False
         self.rows_send = Mirror((max_local, plan.row_size), torch.float32, device)
         self.rows_recv = (Mirror((max_rows, plan.row_size), torch.float32, device)
@@ -153,6 +160,11 @@ class Channel:
         self.stream_rows = bool(plan.row_size) and self.size > 1
         self._row_sends: list = []
         self.exposed_arrival_seconds = 0.0
+
+    def release(self) -> None:
+        """The run is over: drop the uplink buffers (model-sized), so that writing the
+        final files (which copy the model) does not add to the run's peak memory."""
+        self.red_send = self.red_recv = self.rows_recv = self.sealed_recv = None
 
     # ------------------------------------------------------------- downlink
     def exchange_header(self, t: int) -> tuple[int, int, np.ndarray]:
@@ -205,7 +217,7 @@ class Channel:
             self.codec.begin(participants)
         self.up_send.fill(0.0)
         self.err_send.fill(0)
-        if self.plan.reduce_size:
+        if self.plan.reduce_size and self.red_send is not None:
             self.red_send.dev.zero_()
 
     def put_client(self, row: int, client: int, stats: dict[str, torch.Tensor],
@@ -217,9 +229,10 @@ class Channel:
             self.meta_send[client, M_STATUS] = STATUS_RANGE   # refused, never wrapped
             accepted = False
         if accepted:
+            assert self.red_send is not None, "a rank that trains clients holds a partial sum"
             for stat, off in self.plan.reduced:
                 alpha = raw_weight if stat.combine == "weighted" else 1.0
-                self.red_send.dev[off:off + stat.size].add_(stats[stat.name], alpha=alpha)
+                add_scaled(self.red_send.dev[off:off + stat.size], stats[stat.name], alpha)
         for stat, off in self.plan.gathered:
             self.rows_send.dev[row, off:off + stat.size].copy_(stats[stat.name])
         if self.stream_rows:
@@ -268,9 +281,13 @@ class Channel:
         if self.plan.reduce_size and self.codec is not None:
             self._encoded_reduce(t, mask)
         elif self.plan.reduce_size:
-            self.red_send.pull()
-            self.comm.reduce_sum(self.red_send.host, self.red_recv.host if self.red_recv else None,
-                                 what=f"round {t} statistics Reduce", patient=False)
+            send = None
+            if self.red_send is not None:
+                self.red_send.pull()
+                send = self.red_send.host
+            self.comm.reduce_sum(send, self.red_recv.host if self.red_recv else None,
+                                 what=f"round {t} statistics Reduce", patient=False,
+                                 count=self.plan.reduce_size, dtype=np.float64)
         if self.plan.row_size and not self.stream_rows:
             counts = [int(np.sum(mask & (self.host == r))) for r in range(self.size)]
             send = self.rows_send.host[: counts[self.rank]]
@@ -291,12 +308,17 @@ class Channel:
             self.meta_recv[accepted, M_STATUS] = STATUS_WITHHELD
             return
         mine = [int(k) for k in accepted if self.host[k] == self.rank]
-        self.red_send.pull()
-        self.codec.seal(self.red_send.host_t, t, mine, accepted.tolist(), self.sealed_send)
-        self.comm.reduce_sum(self.sealed_send, self.sealed_recv,
-                             what=f"round {t} encoded statistics Reduce", patient=False)
+        sealed = None
+        if self.red_send is not None:   # a rank without clients adds nothing to the ring
+            self.red_send.pull()
+            self.codec.seal(self.red_send.host_t, t, mine, accepted.tolist(), self.sealed_send)
+            sealed = self.sealed_send
+        self.comm.reduce_sum(sealed, self.sealed_recv,
+                             what=f"round {t} encoded statistics Reduce", patient=False,
+                             count=self.plan.reduce_size, dtype=np.int64)
         if self.red_recv is not None and self.sealed_recv is not None:
-            self.red_recv.host_t.copy_(self.codec.open(self.sealed_recv))
+            for s in pieces(self.plan.reduce_size):   # int64 codes → float64 sums, in place
+                self.red_recv.host_t[s].copy_(self.codec.open(self.sealed_recv[s]))
 
     def _record(self, t: int, mask: np.ndarray, failed: bool) -> Uplink:
         meta = self.meta_recv

@@ -280,6 +280,7 @@ def _run(cfg: Config, out_dir: Optional[str | Path], comm: Comm, resume: bool,
             raise RunInterrupted("the run was interrupted (rank 0 reports where)", quiet=True)
         return None
     if status != "failed":   # a failed run has no final model
+        fed.release()   # the copy model.pt is written from does not add to the peak
         fed.flat.load(fed.global_state)
         write_model(fed.flat.model, out / "model.pt")
     fed.writer.set_status(status)

@@ -59,7 +59,8 @@ class Federation:
         self.algo, self.weighting, self.transforms, self.stats = b.algo, b.weighting, b.transforms, b.stats
         self.rule, self.server, self.reports = b.rule, b.server, b.reports
         self.num_samples, self.host, self.my_clients = b.num_samples, b.host, b.hosted
-        self.D = self.flat.size
+        self.D = self.flat.size   # the exchanged state: trainable parameters + float buffers
+        self.frozen_digest = b.frozen_digest
         exact = cfg.runtime.reduction == "exact" and self.size > 1
         rows_needed = self.server.rows_needed
         self.uplink_plan = plan_uplink(list(self.stats), rows_needed, exact)
@@ -75,7 +76,8 @@ class Federation:
                            for k in self.my_clients}
         self.trainer = (LocalTrainer(self.flat, self.data, self.accel, self.forward)
                         if self.my_clients else None)
-        self.scratch = {s.name: torch.zeros(s.size, device=self.device) for s in self.stats}
+        self.scratch = ({s.name: torch.zeros(s.size, device=self.device) for s in self.stats}
+                        if self.my_clients else {})   # one client's uplink, where clients train
         parallel = silo.data_parallel(cfg, comm, self.flat.model, self.device) \
             if self.my_clients else None
         self.worker = Worker(cfg, self.rank, self.algo, self.weighting, self.transforms,
@@ -86,8 +88,6 @@ class Federation:
                                  for k in self.my_clients} if tests else None)
         self.recorder = RoundRecorder(self.host, self.size, self.reports)
         summed = [s for s in self.stats if is_summed(s, rows_needed)]
-        self.agg_bufs = ({s.name: torch.zeros(s.size, device=self.device)
-                          for s in summed} if self.is_server else {})
         self.sum_bufs = ({s.name: torch.zeros(s.size, dtype=torch.float64, device=self.device)
                           for s in summed} if self.is_server and exact else {})
         # runtime.reduction: exact — rank 0 adds the rows in client-id order as they arrive
@@ -141,7 +141,8 @@ class Federation:
             cfg=self.cfg, comm=self.comm, num_clients=self.K, host=self.host,
             hosted=self.my_clients, device=self.device, global_state=self.global_state,
             components=parts, clients=self.algo,
-            after_resume=lambda t: self.algo.after_resume(self.ctx, t), out_dir=self.out_dir)
+            after_resume=lambda t: self.algo.after_resume(self.ctx, t), out_dir=self.out_dir,
+            frozen_digest=self.frozen_digest)
 
     def participants(self, t: int) -> np.ndarray:
         """Boolean mask of S_t: m of K clients without replacement, RNG (seed, t)."""
@@ -257,7 +258,7 @@ class Federation:
             return
         t_agg = time.perf_counter()
         self.reports.round = t
-        result = server_step(self.global_state, up, self.server, self.agg_bufs, self.sum_bufs)
+        result = server_step(self.global_state, up, self.server, self.sum_bufs)
         self.reports.flush_events()   # what the stages and the rule reported, in order
         for k in result.excluded:
             status = int(up.status[k])
@@ -284,7 +285,7 @@ class Federation:
         evals = self.evals.none() if overlapped else self._evaluate(t)
         t_end = t_eval if overlapped else time.perf_counter()
         sel = [int(k) for k in np.flatnonzero(up.mask)]
-        traffic = [self.algo.traffic(k, t) for k in sel]
+        traffic = [self.transforms.traffic(*self.algo.traffic(k, t)) for k in sel]
         row = self.recorder.row(up, result, {"start": t_start, "agg": t_agg, "eval": t_eval,
                                              "end": t_end, "arrival": self.channel.exposed_arrival_seconds},
                                 sum(u for u, _ in traffic), sum(d for _, d in traffic))
@@ -332,3 +333,10 @@ class Federation:
 
     def finish_pending_row(self) -> None:
         self.recorder.finish_pending(self._evaluate)
+
+    def release(self) -> None:
+        """After the last round: drop the round's model-sized buffers (the channel's
+        uplink, the exact reduction's sums), keeping θ and the model."""
+        self.channel.release()
+        self.sum_bufs.clear()
+        self.arrival_sum = None

@@ -47,6 +47,7 @@ from fedmpi.job.checkpoint_file import checkpoint_path
 from fedmpi.job.lock import release
 from fedmpi.component import Component
 from fedmpi.job.state_check import CheckpointError
+from fedmpi.training.vecops import all_finite
 
 if TYPE_CHECKING:  # annotations only: the log (h5py) is imported when rank 0 opens it
     from fedmpi.log.writer import LogWriter
@@ -165,7 +166,7 @@ def diverged(state: torch.Tensor, t: int, checkpoint_file: Optional[Path],
     """Rank 0 after aggregation: None while θ (``state``) is finite, else the failure
     line of round ``t``, saying whether ``checkpoint_file`` (rounds <
     ``checkpoint_round``) holds the last good state."""
-    if bool(torch.isfinite(state.sum(dtype=torch.float64))):
+    if all_finite(state):
         return None
     kept = (f"the last good state is the checkpoint {checkpoint_file} (rounds < "
             f"{checkpoint_round})" if checkpoint_file is not None and checkpoint_file.exists()

@@ -9,9 +9,9 @@ transforms (:func:`fedmpi.runtime.build.build`) — and then, on every rank:
 * one evaluation batch (``eval.batch_size``) of the test set where the rank holds it;
 * the model's output checked against the classes (:func:`check_outputs`).
 
-The batches change nothing: the model's parameters and buffers and the global RNG
-states are restored afterwards, gradients zeroed, so a run with the dry run trains
-bit-identically to one without. A failure is an error line naming ``model.name``
+The batches change nothing: the model's buffers (the only state a forward and backward
+pass changes) and the global RNG states are restored afterwards, gradients zeroed, so a
+run with the dry run trains bit-identically to one without. A failure is an error line naming ``model.name``
 (:class:`~fedmpi.errors.UserCodeError` or :class:`~fedmpi.errors.ConfigError`,
 exit 2) agreed on by every rank, and no run directory exists yet.
 """
@@ -74,7 +74,10 @@ def dry_run(b: Built, model: Any = None) -> int:
     name = code_path(obj) or str(b.cfg.model.name)
     want = b.num_outputs
     net, data, accel = b.flat.model, b.data, b.accel
-    saved = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    # a training-mode forward changes the buffers (BatchNorm statistics), restored after;
+    # the backward pass only writes gradients, zeroed after (no copy of the parameters,
+    # which may be most of the memory)
+    saved = {name: v.detach().clone() for name, v in net.named_buffers()}
     devices = [b.device] if b.device.type == "cuda" else []
     was_training = net.training
     batches = 0
@@ -105,7 +108,10 @@ def dry_run(b: Built, model: Any = None) -> int:
                 check_outputs(out, n_test, want, data.num_classes, name)
                 batches += 1
     finally:
-        b.flat.zero_grad()
-        net.load_state_dict(saved)
+        if b.hosted:
+            b.flat.zero_grad()
+        with torch.no_grad():
+            for name, v in net.named_buffers():
+                v.copy_(saved[name])
         net.train(was_training)
     return batches

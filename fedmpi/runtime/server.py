@@ -46,6 +46,7 @@ from fedmpi.aggregation.rules import RuleInfo, ServerRule
 from fedmpi.aggregation.weighting import Weighting
 from fedmpi.component import RoundInfo, Stat
 from fedmpi.methods.base import Algorithm
+from fedmpi.training.vecops import add_scaled, all_finite, divide_into_float32
 from fedmpi.transforms.base import TransformChain
 
 STATUS_IDLE, STATUS_OK, STATUS_NONFINITE, STATUS_FAILED, STATUS_RANGE, STATUS_WITHHELD = range(6)
@@ -122,7 +123,7 @@ def ordered_sum(up: Uplink, name: str, clients: np.ndarray, weighted: bool,
                                                    device=rows.device)
     acc.zero_()
     for k in clients:
-        acc.add_(rows[where[int(k)]], alpha=float(up.meta[k, M_RAW]) if weighted else 1.0)
+        add_scaled(acc, rows[where[int(k)]], float(up.meta[k, M_RAW]) if weighted else 1.0)
     return acc
 
 
@@ -158,9 +159,9 @@ class ArrivalSum:
             k = self.order[self.next]
             row = self.waiting.pop(k)
             self.next += 1
-            if all(bool(torch.isfinite(row[n].sum(dtype=torch.float64))) for n in self.weighted):
+            if all(all_finite(row[n]) for n in self.weighted):
                 for n, weighted in self.weighted.items():
-                    self.out[n].add_(row[n], alpha=self.raw(k) if weighted else 1.0)
+                    add_scaled(self.out[n], row[n], self.raw(k) if weighted else 1.0)
                 self.added.append(k)
 
     def into(self, up: Uplink) -> Uplink:
@@ -203,14 +204,15 @@ class ServerParts:
 
 
 def server_step(state: torch.Tensor, up: Uplink, parts: ServerParts,
-                out: Optional[dict[str, torch.Tensor]] = None,
                 sums: Optional[dict[str, torch.Tensor]] = None) -> ServerResult:
     """Exclusion, the stages' per-client half, weights, combination, the stages' aggregate
     half and the method's server rule, then the stages' ``after_round`` (module docstring).
 
-    ``state`` is θ (parameters and float buffers) and is updated in place. ``out`` may
-    hold preallocated float32 buffers for the summed statistics and ``sums`` float64 ones
-    for :func:`ordered_sum` (no model-sized allocation per round).
+    ``state`` is θ (parameters and float buffers) and is updated in place. ``sums`` may
+    hold preallocated float64 buffers for :func:`ordered_sum` (no model-sized allocation
+    per round). The float64 sums (``up.reduced``, ``sums``) are consumed: each becomes its
+    float32 aggregate in its own memory (:func:`~fedmpi.training.vecops.divide_into_float32`),
+    so rank 0 holds one accumulator per statistic, not an accumulator and an aggregate.
     """
     algo, weighting, rule, stages = parts.algo, parts.weighting, parts.rule, parts.stages
     K = up.mask.shape[0]
@@ -267,11 +269,11 @@ def server_step(state: torch.Tensor, up: Uplink, parts: ServerParts,
             summed[name] = ordered_sum(up, name, accepted, kinds[name].combine == "weighted",
                                        sums.get(name) if sums else None)
     for name, v in summed.items():
-        buf = out.get(name) if out else None
-        if buf is None:
-            buf = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        torch.div(v, total_raw if kinds[name].combine == "weighted" else 1.0, out=buf)
-        agg[name] = buf
+        divisor = float(total_raw) if kinds[name].combine == "weighted" else 1.0
+        if v.dtype == torch.float64 and v.is_contiguous():
+            agg[name] = divide_into_float32(v, divisor)
+        else:
+            agg[name] = torch.div(v, divisor).to(torch.float32)
     stages.on_aggregate(agg, info)
     algo.server_update(state, agg, info)
     stages.after_round(info)

@@ -42,6 +42,7 @@ from fedmpi.runtime.server import M_TIME, STATUS_NONFINITE, STATUS_OK
 from fedmpi.training.dataparallel import DataParallel
 from fedmpi.training.loop import LocalTrainer, TrainResult, stream_seed
 from fedmpi.training.optim import KeptStates
+from fedmpi.training.vecops import all_finite
 from fedmpi.transforms.base import TransformChain
 
 if TYPE_CHECKING:
@@ -95,6 +96,8 @@ class Worker:
             extras: torch.Tensor, channel: Channel) -> None:
         channel.begin_uplink(int(mask.sum()))
         mine = [k for k in hosted if mask[k]]
+        if mine:
+            state = self.transforms.received(state)   # θ as the clients decode it
         for row, k in enumerate(mine):
             t0 = time.perf_counter()
             try:
@@ -108,9 +111,7 @@ class Worker:
                     traceback.print_exc()
                 channel.put_failure(row, k, text)
                 continue
-            # A float64 sum is non-finite iff some entry is (no [P] bool temporary).
-            finite = all(bool(torch.isfinite(v.sum(dtype=torch.float64)))
-                         for v in self.scratch.values())
+            finite = all(all_finite(v) for v in self.scratch.values())
             raw_w = self.weighting.raw(k)
             meta = (STATUS_OK if finite else STATUS_NONFINITE, raw_w, result.loss_sum,
                     result.samples, result.steps, 0.0, *self.reports.take_client_values(k))

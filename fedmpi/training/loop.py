@@ -162,11 +162,18 @@ class LocalTrainer:
         self.data = data
         self.accel = accel
         self.forward = forward if forward is not None else accel.wrap(flat.model)
-        self.momentum_buf = torch.zeros_like(flat.grad)
+        self._momentum: Optional[torch.Tensor] = None   # made for the first momentum step
         self.device = flat.device
         self._device_gen = torch.Generator(device=self.device)
         self._adaptive: Optional[AdaptiveOptimizer] = None     # train.optimizer adam/adamw
         self._class_weights: dict[tuple[float, ...], torch.Tensor] = {}
+
+    @property
+    def momentum_buf(self) -> torch.Tensor:
+        """The SGD momentum buffer b (model-sized: made only when momentum is used)."""
+        if self._momentum is None:
+            self._momentum = torch.zeros_like(self.flat.grad)
+        return self._momentum
 
     def _loss(self, out: torch.Tensor, y: torch.Tensor, cfg: SGDConfig) -> torch.Tensor:
         """``train.loss`` with its class weights and label smoothing (:mod:`fedmpi.training.optim`)."""
@@ -237,10 +244,11 @@ class LocalTrainer:
         model = flat.model
         model.train()
         params, grad = flat.params, flat.grad
-        buf = self.momentum_buf
         fresh = True   # b ← g at the first step
         if kept is not None and kept.momentum is not None:
             buf, fresh = kept.momentum, not bool(kept.step[0] > 0)
+        elif cfg.momentum:
+            buf = self.momentum_buf
         result = TrainResult(lr=cfg.lr)
         adaptive = self._optimizer(cfg, kept) if cfg.optimizer != "sgd" else None
         loss_total = torch.zeros((), device=self.device)  # summed on device: no sync per step

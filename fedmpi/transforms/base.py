@@ -44,7 +44,7 @@ stages last), then those listed by import path in ``transforms``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -151,6 +151,21 @@ class UpdateTransform(Component):
         """Uplink statistics this transform adds (after the method's own)."""
         return []
 
+    def client_stores(self, make: Callable[[str, int], Any]) -> None:
+        """Make the per-client vectors this stage keeps on the worker with ``make(name,
+        size)`` (the method's :meth:`~fedmpi.methods.base.Algorithm.client_store`, so
+        checkpoints carry them by client id). Default: none."""
+
+    def traffic(self, up: int, down: int) -> tuple[int, int]:
+        """(uplink, downlink) bytes one participant moves once this stage encoded its
+        upload, from those before it (default: unchanged)."""
+        return up, down
+
+    def received(self, state: torch.Tensor) -> torch.Tensor:
+        """On a rank with participants, once per round: θ as its clients receive it (a
+        lossy downlink decodes it; default: ``state`` itself, never modified in place)."""
+        return state
+
     # ------------------------------------------------------------- client half
     def before_training(self, task: ClientTask) -> ClientTask:
         return task
@@ -200,6 +215,20 @@ class TransformChain:
 
     def stats(self) -> list[Stat]:
         return [s for tr in self.transforms for s in tr.stats()]
+
+    def client_stores(self, make: Callable[[str, int], Any]) -> None:
+        for tr in self.transforms:
+            tr.client_stores(make)
+
+    def traffic(self, up: int, down: int) -> tuple[int, int]:
+        for tr in self.transforms:
+            up, down = tr.traffic(up, down)
+        return up, down
+
+    def received(self, state: torch.Tensor) -> torch.Tensor:
+        for tr in self.transforms:
+            state = tr.received(state)
+        return state
 
     def before_training(self, task: ClientTask) -> ClientTask:
         for tr in self.transforms:
