@@ -151,6 +151,7 @@ class Comm:
         #: clients data-parallel; None: the rank trains alone
         self.group: Any = None
         self.group_rank, self.group_size = 0, 1
+        self._group_scratch: dict[tuple, np.ndarray] = {}   # group_gather's rows, by shape
 
     # ------------------------------------------------------------------ waits
     def _wait(self, requests: list, what: str, patient: bool = True,
@@ -716,9 +717,9 @@ class Comm:
         if self.group_size * flat.size > self.chunk(flat.dtype):
             raise ValueError(f"{what}: {self.group_size} x {flat.size} elements exceed one call")
         key = ("group", flat.size, flat.dtype.str)
-        rows = self._gather_scratch.get(key)
+        rows = self._group_scratch.get(key)
         if rows is None:
-            rows = self._gather_scratch[key] = np.empty((self.group_size, flat.size), flat.dtype)
+            rows = self._group_scratch[key] = np.empty((self.group_size, flat.size), flat.dtype)
         if self.group_size == 1:
             rows[0] = flat
         else:
@@ -796,10 +797,11 @@ class SiloComm(Comm):
             super().broadcast(buf, root, what, patient)
         self._relay(buf, what)
 
-    def reduce_sum(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int = 0,
-                   what: str = "Reduce", patient: bool = True) -> None:
+    def reduce_sum(self, sendbuf: Optional[np.ndarray], recvbuf: np.ndarray | None,
+                   root: int = 0, what: str = "Reduce", patient: bool = True,
+                   count: Optional[int] = None, dtype: Optional[np.dtype | type] = None) -> None:
         if self.leads:
-            super().reduce_sum(sendbuf, recvbuf, root, what, patient)
+            super().reduce_sum(sendbuf, recvbuf, root, what, patient, count, dtype)
         if self.rank == root:
             self._relay(recvbuf, what)
 
@@ -875,7 +877,6 @@ def silo_comm(base: Comm, groups: list[list[int]]) -> Comm:
                         key=groups[mine].index(me) if mine is not None else 0)
     out = SiloComm(fed, group, world, 0 if mine is None else mine + 1, len(groups) + 1, groups,
                    timeout=base.timeout, max_sleep=base.max_sleep, spin=base.spin,
-                   gather_reduce_bytes=base.gather_reduce_bytes,
                    max_message_bytes=base.max_message_bytes)
     out.timeout_key, out.hosts = base.timeout_key, base.hosts
     return out

@@ -50,6 +50,8 @@ CASES: dict[str, dict] = {
     **{f"rule-{r}": {**ATTACK, "adversary.kind": "sign_flip", "aggregation.rule": r} for r in
        ("median", "trimmed_mean", "krum", "multi_krum", "geometric_median", "norm_clip",
         "fltrust")},
+    "compression-topk": {"compression.uplink": "topk", "compression.topk_fraction": 0.1},
+    "compression-bf16-down": {"compression.uplink": "int8", "compression.downlink": "bf16"},
     "dp-client": {"privacy.dp.level": "client", "privacy.dp.clip": 1.0,
                   "privacy.dp.noise_multiplier": 0.5, "aggregation.weighting": "uniform"},
     "dp-record": {"privacy.dp.level": "record", "privacy.dp.clip": 1.0,
