@@ -35,6 +35,11 @@ class AccountedStage(UpdateTransform):
     final_scalars: ClassVar[tuple[str, ...]] = ("epsilon",)
     level: ClassVar[str] = ""
 
+    def __init__(self, cfg: Config) -> None:
+        super().__init__(cfg)
+        d = cfg.privacy.dp
+        self.clip, self.sigma = float(d.clip), float(d.noise_multiplier)   # C and σ
+
     @classmethod
     def enabled(cls, cfg: Config) -> bool:
         return bool(cfg.privacy.dp.level == cls.level)

@@ -51,7 +51,7 @@ class ClientDP(AccountedStage):
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
         d = cfg.privacy.dp
-        self.clip, self.sigma, self.seed = float(d.clip), float(d.noise_multiplier), int(cfg.seed)
+        self.seed = int(cfg.seed)
         self.distributed = d.noise == "distributed"
         self.m = cfg.train.clients_per_round or cfg.data.num_clients
 

@@ -42,8 +42,6 @@ class RecordDP(AccountedStage):
 
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
-        d = cfg.privacy.dp
-        self.clip, self.sigma = float(d.clip), float(d.noise_multiplier)
         self.batch_size = int(cfg.train.batch_size)
 
     def validate(self, parts: RunParts) -> None:
