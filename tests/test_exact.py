@@ -41,19 +41,19 @@ def _run(out: Path, n: int, rounds: int, *extra: str, resume: bool = False) -> P
 
 @pytest.fixture(scope="module")
 def exact_n1(tmp_path_factory) -> Path:
-    """10 rounds of the quickstart, exact, alone (in this process: world size 1)."""
-    return _run(tmp_path_factory.mktemp("exact") / "n1", 1, 10, *EXACT)
+    """5 rounds of the quickstart, exact, alone (in this process: world size 1)."""
+    return _run(tmp_path_factory.mktemp("exact") / "n1", 1, 5, *EXACT)
 
 
 @pytest.mark.mpi
 def test_exact_mode_is_bit_identical_at_3_ranks_with_chunked_messages(exact_n1, tmp_path):
     """-n 3 (clients on 2 workers, evaluation overlapped with the next round) equals the
-    run alone bit for bit, with runtime.max_message_bytes=1000 cutting every message (θ
-    Bcast, per-client rows, metadata Allreduce) into ≤ 1000-byte pieces, ragged last
+    run alone bit for bit, with runtime.max_message_bytes=8000 cutting every message (θ
+    Bcast, per-client rows, metadata Allreduce) into ≤ 8000-byte pieces, ragged last
     pieces included. The overlapped evaluation (round t's model evaluated during round
     t + 1) logs the rows of the synchronous one (alone: no overlap); its time is
     recorded, but not in wall_seconds."""
-    out = _run(tmp_path / "chunked", 3, 10, *EXACT, "--set", "runtime.max_message_bytes=1000")
+    out = _run(tmp_path / "chunked", 3, 5, *EXACT, "--set", "runtime.max_message_bytes=8000")
     assert_same_bits(out, exact_n1)
     r = read(out / "log.h5").rounds
     assert np.all(r["eval_seconds"] > 0)
@@ -65,10 +65,10 @@ def test_exact_mode_is_bit_identical_at_3_ranks_with_chunked_messages(exact_n1, 
 
 @pytest.mark.mpi
 def test_exact_mode_stop_alone_resume_on_2_is_bit_identical(exact_n1, tmp_path):
-    """4 rounds alone, rounds 4-9 resumed under -n 2 (one worker hosting every client):
+    """2 rounds alone, rounds 2-4 resumed under -n 2 (one worker hosting every client):
     the uninterrupted run alone, bit for bit."""
-    out = _run(tmp_path / "r", 1, 4, *EXACT)
-    _run(out, 2, 10, *EXACT, resume=True)
+    out = _run(tmp_path / "r", 1, 2, *EXACT)
+    _run(out, 2, 5, *EXACT, resume=True)
     assert list(read(out / "log.h5").attrs["resumed_world_sizes"]) == [2]
     assert_same_bits(out, exact_n1)
 
