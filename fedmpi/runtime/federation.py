@@ -133,8 +133,8 @@ class Federation:
 
     def run_state(self) -> checkpoint.RunState:
         """What a checkpoint saves and restores (:class:`fedmpi.job.checkpoint.RunState`):
-        θ, the named components (method, weighting, transforms — the privacy accountant is
-        one —, server rule, RNG streams) and the per-client states of the hosted clients."""
+        θ, the named components (method, weighting, transforms with their own state, server
+        rule, RNG streams) and the per-client states of the hosted clients."""
         parts: dict[str, checkpoint.StateOwner] = dict(self.built.components)
         parts["rng"] = checkpoint.RngStreams()
         return checkpoint.RunState(
@@ -200,7 +200,7 @@ class Federation:
         elif (self.stop_reason is not None or self.recorder.stop_request is not None
               or self.finished_early or t >= self.cfg.train.rounds):   # a signal, early stopping/a callback, the end
             cmd = CMD_STOP
-        else:   # a stage may end the run before this round (a privacy budget)
+        else:   # a stage may end the run before this round (a budget it keeps)
             self.finished_early = self.transforms.plan_round(t, self.participants(t))
             if self.finished_early:
                 cmd = CMD_STOP

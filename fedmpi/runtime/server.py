@@ -29,7 +29,7 @@ No MPI and no dataset here: :func:`server_step` takes the round's
 4. applies the **method's server rule** ``Algorithm.server_update(θ, agg, info)``
    in place (FedAvg θ ← θ + η_g Σ s_k Δ_k; FedNova τ_eff; SCAFFOLD c; FedDyn h;
    FedAdam/FedYogi moments; submodel coverage averaging);
-5. hands the round to the transforms' ``after_round`` (privacy accounting), also when
+5. hands the round to the transforms' ``after_round`` (what they keep per round), also when
    no update was accepted: every participant trained.
 
 This is where a round's weights are computed.
