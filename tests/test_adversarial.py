@@ -681,7 +681,8 @@ def _as_nobody(args: list[str]) -> tuple[int, str]:
             os.setgid(nobody.pw_gid)
             os.setuid(nobody.pw_uid)
             sys.stderr = os.fdopen(2, "w", closefd=False)
-            code = fedmpi_main(args)
+            # a forked child cannot use the CUDA its parent (another test) initialised
+            code = fedmpi_main([*args, "--set", "runtime.device=cpu"])
         except SystemExit as exc:
             code = int(exc.code or 0)
         except BaseException as exc:  # noqa: BLE001 - reported through the pipe

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT, mpiexec_path, run_here
+from conftest import ROOT, mpiexec_path, run_fedmpi, run_here
 
 import pytest
 
@@ -64,6 +64,7 @@ def test_api_to_pandas_example(tmp_path, monkeypatch, capsys):
     assert len(lines) == 1 + 5 + 1 and lines[-1].startswith("mean weight per client:")
 
 
+@pytest.mark.mpi
 def test_lora_example_under_mpiexec(tmp_path):
     """examples/lora_transformer.py as documented at -n 3: only the LoRA adapters and the
     head travel (4 bytes × trainable parameters × participants), every rank builds the same

@@ -511,7 +511,7 @@ def test_heterofl_masked_cross_entropy():
     x = fed.data.prepare(fed.data.x_train[fed.client_idx[1][:16]], train=True)
     y = fed.data.y_train[fed.client_idx[1][:16]]
     logits = fed.trainer.flat.model(x)
-    keep = torch.zeros(fed.data.num_classes, dtype=torch.bool)
+    keep = torch.zeros(fed.data.num_classes, dtype=torch.bool, device=logits.device)
     keep[present] = True
     want = F.cross_entropy(torch.where(keep, logits, torch.zeros_like(logits)), y)
     torch.testing.assert_close(hooks.loss_fn(fed.trainer.flat, x, y), want)

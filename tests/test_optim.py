@@ -57,14 +57,14 @@ def _smoothed(y, C, eps):
 
 def _ce_by_hand(z, y, w, eps):
     """−Σ_c t_c log softmax(z)_c per sample, weighted mean with w_{y_i}."""
-    z = z.double()
+    z, w = z.double(), w.to(z.device)
     per = -(_smoothed(y, z.shape[1], eps) * torch.log_softmax(z, 1) * w[None, :]).sum(1)
     return per.sum() / w[y].sum()
 
 
 def _bce_by_hand(z, y, w, eps):
     """Mean over classes of −[t log σ(z) + (1 − t) log(1 − σ(z))], weighted mean over samples."""
-    z = z.double()
+    z, w = z.double(), w.to(z.device)
     t = _smoothed(y, z.shape[1], eps)
     s = torch.sigmoid(z)
     per = -(t * torch.log(s) + (1 - t) * torch.log(1 - s)).mean(1)

@@ -179,7 +179,7 @@ def test_no_client_contribution_exceeds_clip_and_the_model_moves_by_their_mean(t
                                "train.lr": 1e-30}), out=tmp_path / "init", overwrite=True)
     theta0 = model_vec(init.out_dir / "model.pt")
     moved = model_vec(tmp_path / "clip" / "model.pt") - theta0
-    expected = torch.stack([d.double() for d in uploads]).mean(0)
+    expected = torch.stack([d.double().cpu() for d in uploads]).mean(0)
     torch.testing.assert_close(moved, expected, rtol=1e-4, atol=1e-6)
     assert float((model_vec(free.out_dir / "model.pt") - theta0).norm()) > 5 * clip
 

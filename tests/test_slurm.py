@@ -153,11 +153,12 @@ def test_info_launcher_follows_srun_plugins(tmp_path):
     assert proc.returncode == 0, proc.stderr
     if _mpi_is_mpich():
         assert proc.stdout.strip() == "srun --mpi=pmi2 --kill-on-bad-exit=1"
-    proc = subprocess.run(cmd, env=_script_env(bindir, log, FAKE_SRUN_MPI="none pmix"),
-                          capture_output=True, text=True, timeout=60)
-    beside = BIN / "mpiexec"
-    expected = str(beside) if beside.exists() else (shutil.which("mpirun")
-                                                    or shutil.which("mpiexec") or "mpirun")
+    env = _script_env(bindir, log, FAKE_SRUN_MPI="none pmix")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    beside = BIN / "mpiexec"   # else the first on the PATH fedmpi sees (the fake bin's)
+    expected = str(beside) if beside.exists() else (shutil.which("mpirun", path=env["PATH"])
+                                                    or shutil.which("mpiexec", path=env["PATH"])
+                                                    or "mpirun")
     assert proc.stdout.strip() == expected, proc.stderr
 
 
