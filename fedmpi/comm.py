@@ -416,15 +416,29 @@ class Comm:
         total_from = last if r == root and root != last else None
         tag = TOTAL_TAG if r == last else PART_TAG
         pieces = list(self._chunks(n, dtype))
+        totals: deque = deque()
+
+        def collect(s: slice) -> None:
+            # a root that is not the last rank takes the total's pieces while its own part
+            # of the chain runs: taken only after it, the last rank could not free a slot
+            # (its piece of the total still leaving) and the chain would stall once a
+            # message has more pieces than slots and outgrows MPI's eager sends
+            if total_from is None:
+                return
+            assert recv is not None
+            if len(totals) == DEPTH:
+                self._wait([totals.popleft()], what, False)
+            totals.append(chain.Irecv(recv[s], source=total_from, tag=TOTAL_TAG))
+
         if source is None:   # rank 1: its own pieces, straight from its buffer
             if send is None:   # it hosts nothing: zeros
                 zero = self._slot_buffers(dtype, pieces[0].stop - pieces[0].start)[0]
                 zero.fill(0)
                 self._stream(pieces, lambda s: chain.Isend(zero[: s.stop - s.start], dest=dest,
-                                                           tag=PART_TAG), what, patient)
+                                                           tag=PART_TAG), what, patient, collect)
             else:
                 self._stream(pieces, lambda s: chain.Isend(send[s], dest=dest, tag=PART_TAG),
-                             what, patient)
+                             what, patient, collect)
         else:
             in_place = r == root and dest is None   # the sum lands in recv itself
             slots = [] if in_place else self._slot_buffers(dtype, pieces[0].stop - pieces[0].start)
@@ -448,6 +462,7 @@ class Comm:
                     np.add(piece, 0, out=piece)   # (-0.0 + -0.0 → +0.0); or adds zeros
                 if dest is not None:
                     outgoing[i % DEPTH] = chain.Isend(piece, dest=dest, tag=tag)
+                collect(s)
 
             pending: deque = deque()
             for i, s in enumerate(pieces):
@@ -459,10 +474,8 @@ class Comm:
             waiting = [q for q in outgoing if q is not None]
             if waiting:
                 self._wait(waiting, what, False)
-        if total_from is not None:
-            assert recv is not None
-            self._stream(pieces, lambda s: chain.Irecv(recv[s], source=total_from,
-                                                       tag=TOTAL_TAG), what, False)
+        if totals:
+            self._wait(list(totals), what, False)
 
     def _slot_buffers(self, dtype: np.dtype, size: int) -> list[np.ndarray]:
         """:data:`DEPTH` persistent pieces of ``dtype`` (kept between calls: fresh pages
