@@ -491,8 +491,10 @@ class Comm:
         """Gather row blocks: rank ``r`` sends ``rows[r]`` rows of width ``P``.
 
         ``sendbuf`` is ``[rows[rank], P]``; on ``root`` ``recvbuf`` is
-        ``[sum(rows), P]`` in rank order. Calls larger than :meth:`chunk`
-        elements are sent in column blocks (staged through a copy).
+        ``[sum(rows), P]`` in rank order. A call larger than :meth:`chunk` elements
+        goes in groups of whole rows, each rank's group straight from its buffer into
+        its place in ``recvbuf`` (displacements); only rows wider than a chunk's share
+        go in column blocks, staged through a copy.
         """
         width = sendbuf.shape[1]
         if self.size == 1:
@@ -501,6 +503,13 @@ class Comm:
         t0 = time.perf_counter()
         mpi_type = self.MPI._typedict[sendbuf.dtype.char]
         limit = self.chunk(sendbuf.dtype)
+        senders = max(1, sum(1 for k in rows if k))
+        if sum(rows) * width > limit and width * senders <= limit:
+            self._gatherv_row_groups(sendbuf, recvbuf, rows, root, what, patient,
+                                     limit // (width * senders))
+            self.traffic.add("gatherv", 0 if self.rank == root else sendbuf.nbytes,
+                             time.perf_counter() - t0)
+            return
         step = width if sum(rows) * width <= limit else max(1, limit // max(1, sum(rows)))
         for c0 in range(0, width, step):
             c1 = min(width, c0 + step)
@@ -518,6 +527,28 @@ class Comm:
             if out is not None and not direct:
                 recvbuf[:, c0:c1] = out
         self.traffic.add("gatherv", 0 if self.rank == root else sendbuf.nbytes, time.perf_counter() - t0)
+
+    def _gatherv_row_groups(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None,
+                            rows: list[int], root: int, what: str, patient: bool,
+                            group: int) -> None:
+        """:meth:`gatherv_rows` in calls of at most ``group`` rows per rank: call ``k``
+        moves rows ``[k·group, (k+1)·group)`` of every rank that has them."""
+        width = sendbuf.shape[1]
+        mpi_type = self.MPI._typedict[sendbuf.dtype.char]
+        first = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(int).tolist()
+        for k0 in range(0, max(rows), group):
+            lo = [min(k0, k) for k in rows]
+            hi = [min(k0 + group, k) for k in rows]
+            part = sendbuf[lo[self.rank]: hi[self.rank]]
+            if self.rank == root:
+                assert recvbuf is not None
+                counts = [(h - q) * width for q, h in zip(lo, hi)]
+                displs = [(f + q) * width for f, q in zip(first, lo)]
+                req = self.comm.Igatherv([part, mpi_type],
+                                         [recvbuf, counts, displs, mpi_type], root=root)
+            else:
+                req = self.comm.Igatherv([part, mpi_type], None, root=root)
+            self._wait([req], what, patient and k0 == 0)
 
     def scatterv_rows(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, rows: list[int],
                       root: int = 0, what: str = "Scatterv") -> None:

@@ -231,6 +231,17 @@ if r == 0:
                              for i, k in enumerate(rows)])
     assert np.array_equal(out, expect)
 
+# rows narrower than a call's share (5 float32, 2 senders, 25 per call): groups of 2 whole
+# rows straight into their places, for the contiguous and a strided-looking layout alike
+for rows in ([(2, 0, 3)[i % 3] for i in range(n)], [(1, 4, 0)[i % 3] for i in range(n)]):
+    mine = np.arange(rows[r] * 5, dtype=np.float32).reshape(rows[r], 5) + 100 * r
+    out = np.full((sum(rows), 5), np.nan, np.float32) if r == 0 else None
+    small.gatherv_rows(mine, out, rows)
+    if r == 0:
+        expect = np.concatenate([np.arange(k * 5, dtype=np.float32).reshape(k, 5) + 100 * i
+                                 for i, k in enumerate(rows)])
+        assert np.array_equal(out, expect), rows
+
 # Scatterv: one call within the limit; more is refused
 rows = [1 + i for i in range(n)]
 full = np.arange(sum(rows) * 5, dtype=np.uint8).reshape(-1, 5)
