@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SMALL, run_at_world_sizes
+from conftest import SMALL, run_at_world_sizes, run_fedmpi_many, run_here
 from fedmpi import api
 from fedmpi.component import ClientTask
 from fedmpi.config.schema import config_from_dict
@@ -156,11 +156,35 @@ def test_client_dp_is_accounted_as_before(tmp_path):
         assert np.array_equal(g["rounds/bytes_up"][:] * 2, f["rounds/bytes_up"][:])
 
 
-def test_secure_aggregation_is_refused_naming_both_keys(tmp_path):
-    with pytest.raises(ConfigError, match="'compression.uplink' and 'privacy.secure_aggregation'"):
-        api.run("configs/quickstart.yaml", BASE + ["compression.uplink=int8",
-                                                   "privacy.secure_aggregation=true"],
-                out=tmp_path / "x")
+@pytest.mark.parametrize("uplink", ["bf16", "topk"])
+def test_ring_incompatible_encodings_with_secure_aggregation_exit_2(uplink, capsys):
+    """bf16 and topk cannot be summed in the masked ring: exit 2, one line naming both keys
+    and the encoding that can."""
+    capsys.readouterr()
+    assert run_here(["check", "configs/quickstart.yaml", "--set", f"compression.uplink={uplink}",
+                     "--set", "privacy.secure_aggregation=true"], check=False) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "'compression.uplink' and 'privacy.secure_aggregation'" in err and "int8" in err
+
+
+@pytest.mark.parametrize("extra,keys", [
+    (["privacy.dp.level=client", "compression.error_feedback=false",
+      "aggregation.weighting=uniform"],
+     "'compression.uplink' and 'privacy.dp.level'"),
+    (["algorithm.name=scaffold"], "'compression.uplink' and 'algorithm.name'"),
+])
+def test_int8_with_secure_aggregation_refuses_what_the_ring_cannot_carry(extra, keys, tmp_path,
+                                                                         capsys):
+    """Client-level DP (the shared scale couples the clients' roundings) and a second summed
+    statistic (SCAFFOLD's c) are refused with exit 2 and one line."""
+    args = ["run", "configs/quickstart.yaml", *SECURE_INT8, "--out", str(tmp_path / "r")]
+    for e in extra:
+        args += ["--set", e]
+    capsys.readouterr()
+    assert run_here(args, check=False) == 2
+    err = capsys.readouterr().err.strip()
+    assert keys in err and len(err.splitlines()) == 1, err
 
 
 @pytest.mark.mpi
@@ -192,3 +216,172 @@ def test_bf16_downlink(tmp_path, x):
     a = torch.load(plain.out_dir / "model.pt", weights_only=True)
     b = torch.load(down.out_dir / "model.pt", weights_only=True)
     assert not all(torch.equal(a[n], b[n]) for n in a)    # trained from θ̂, not θ
+
+
+# ------------------------------------------------------------ int8 with secure aggregation
+SECURE_INT8 = ["--set", "compression.uplink=int8", "--set", "privacy.secure_aggregation=true",
+               "--set", "data.num_clients=6", "--set", "train.clients_per_round=4",
+               "--set", "train.local_epochs=1", "--set", "train.batch_size=64",
+               "--set", "runtime.progress=false", "--set", "model.name=mlp"]
+
+
+def shared_scale_numpy(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The round's codes and scale, computed here: per block b of 256 entries
+    s_b = max_k max_{i∈b} |y_{k,i}| / 127 and q_k = round(y_k / s_b) (0 where s_b = 0)."""
+    K, n = y.shape
+    s = np.zeros(n)
+    for a in range(0, n, 256):
+        s[a:a + 256] = np.abs(y[:, a:a + 256]).max() / 127.0
+    safe = np.where(s > 0, s, 1.0)
+    q = np.where(s > 0, np.clip(np.rint(y / safe), -127, 127), 0.0)
+    return q, s
+
+
+@pytest.mark.parametrize("layout", [[[], [0, 2, 4], [1, 3]], [[0, 1, 2, 3, 4]]])
+def test_int8_codes_summed_in_the_masked_ring_against_numpy(layout):
+    """Three ranks (rank 0 hosts nobody) or one: each keeps its accepted clients' x_k, the
+    ranks agree on the per-block maximum of |w̃_k x_k| (what the MAX Allreduce computes),
+    seal Σ_k q_k in uint16 ring elements that look uniform and differ from the plain codes,
+    the buffers' sum modulo 2^16 is the plain code sum, and rank 0 decodes s_b · Σ_k q_k —
+    bit for bit the numpy computation here. Error feedback keeps e_k = x_k − s_b q_k / w̃_k."""
+    pytest.importorskip("cryptography")
+    from fedmpi.privacy.secagg import SecureAggregator
+
+    K, D, t = 5, 5000, 4                    # 20 blocks, the last one of 136 entries
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((K, D)) * rng.uniform(0.01, 1.0, (K, 1))).astype(np.float32)
+    x[:, 512:768] = 0.0                     # an all-zero block: scale 0, codes 0
+    w = rng.integers(10, 300, K).astype(np.float64)     # raw weights (sample counts)
+    accepted = [0, 1, 2, 4]                  # client 3 is not (e.g. non-finite)
+    cfg = config_from_dict({"compression": {"uplink": "int8"}, "privacy": {"secure_aggregation": True},
+                            "data": {"num_clients": K}, "train": {"clients_per_round": K}})
+    stages, aggs = [], []
+    for hosted in layout:
+        tr = Compression(cfg)
+        tr.D = D
+        tr.client_stores(lambda name, size: Store())
+        tr.errors.vector = lambda k, dev, store=tr.errors: store.setdefault(k, torch.zeros(D))
+        stages.append(tr)
+        aggs.append(SecureAggregator(hosted, K, 24, tr.sum_code()))
+    words = sum(a.public_words() for a in aggs)
+    for a in aggs:
+        a.set_public(words)
+        a.begin(len(accepted))
+    for tr, a, hosted in zip(stages, aggs, layout):
+        for k in hosted:
+            if k in accepted:
+                out = {"delta": torch.from_numpy(x[k].copy())}
+                tr.on_upload(ClientTask(k, t, torch.arange(1), 0), out)   # x_k = Δ_k + 0
+                assert np.array_equal(out["delta"].numpy(), x[k])         # coded later
+                assert a.take(k, [(out["delta"], float(w[k]))])
+    maximum = np.max([a.agreement(D) for a in aggs], axis=0)
+    sealed = []
+    for a, hosted in zip(aggs, layout):
+        a.on_agreement(maximum)
+        mine = [k for k in hosted if k in accepted]
+        out = np.zeros(D, dtype=a.wire_dtype)
+        a.seal(torch.zeros(D, dtype=torch.float64), t, mine, accepted, out)
+        assert out.dtype == np.uint16
+        sealed.append((mine, out))
+    y = w[accepted, None] * x[accepted].astype(np.float64)
+    q, s = shared_scale_numpy(y)
+    for mine, out in sealed:
+        plain = np.mod(q[[accepted.index(k) for k in mine]].sum(0), 2 ** 16)
+        if mine and len(layout) > 1:   # masked: not the codes, uncorrelated, uniform
+            assert np.mean(out == plain) < 0.01
+            assert abs(np.corrcoef(out.astype(np.float64), plain)[0, 1]) < 0.05
+            assert abs(out.mean() / 2 ** 16 - 0.5) < 5 / np.sqrt(12 * D)
+    total = np.sum([out.astype(np.int64) for _, out in sealed], axis=0)
+    assert np.array_equal(np.mod(total, 2 ** 16), np.mod(q.sum(0), 2 ** 16).astype(np.int64))
+    ring = np.mod(total, 2 ** 16).astype(np.uint16)
+    opened = aggs[0].open(ring.copy()).numpy()
+    assert np.array_equal(opened, q.sum(0) * s)
+    # the piecewise open of the channel (entries from `start` on)
+    assert np.array_equal(aggs[0].open(ring[4000:].copy(), 4000).numpy(), (q.sum(0) * s)[4000:])
+    # not the per-client scale of the plain int8 uplink
+    per_client = sum(w[k] * int8_numpy(x[k]).astype(np.float64) for k in accepted)
+    assert np.abs(opened - per_client).max() > 1e-3 * np.abs(per_client).max()
+    for tr, hosted in zip(stages, layout):
+        for k in hosted:
+            if k in accepted:
+                sent = (q[accepted.index(k)] * s / w[k]).astype(np.float32)
+                assert np.array_equal(tr.errors[k].numpy(), x[k] - sent)
+
+
+RECORD_SECURE = '''
+import torch
+from fedmpi.transforms.base import UpdateTransform
+
+SEEN = {"theta": None, "uploads": []}
+
+class Recorder(UpdateTransform):
+    name = "recorder"
+    def __init__(self, cfg):
+        pass
+    def received(self, state):
+        SEEN["theta"] = state.detach().cpu().clone()
+        return state
+    def on_upload(self, task, out):
+        SEEN["uploads"].append((task.client, out["delta"].detach().cpu().clone()))
+'''
+
+
+def test_int8_secure_run_moves_the_model_by_the_decoded_code_sum(tmp_path, monkeypatch):
+    """One round in process: the global model moves by s_b · Σ_k q_k / m computed here from
+    the recorded uploads (uniform weights), not by the per-client-scale int8 mean; bytes_up
+    is 2 bytes per entry plus 8 per block per participant; the ring width is logged."""
+    pytest.importorskip("cryptography")
+    (tmp_path / "secrec.py").write_text(RECORD_SECURE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import secrec
+
+    out = tmp_path / "run"
+    run_here(["run", "configs/quickstart.yaml", *SECURE_INT8, "--set", "train.rounds=1",
+              "--set", "aggregation.weighting=uniform", "--set", "transforms=[secrec:Recorder]",
+              "--out", str(out)])
+    theta0 = secrec.SEEN["theta"].double().numpy()
+    clients = [k for k, _ in secrec.SEEN["uploads"]]
+    x = np.stack([d.double().numpy() for _, d in secrec.SEEN["uploads"]])
+    assert len(clients) == 4
+    q, s = shared_scale_numpy(x)
+    expected = theta0 + q.sum(0) * s / 4
+    theta1 = torch.load(out / "checkpoint.pt", weights_only=True)["global_state"].double().numpy()
+    assert np.abs(theta1 - expected).max() <= 1e-7
+    per_client = theta0 + np.mean([int8_numpy(v.astype(np.float32)) for v in x], axis=0)
+    assert np.abs(theta1 - per_client).max() > 1e-5
+    D = theta0.size
+    with h5py.File(out / "log.h5", "r") as f:
+        assert f["rounds/bytes_up"][:].tolist() == [4 * (2 * D + 8 * math.ceil(D / 256))]
+        assert int(f["compression"].attrs["ring_bits"]) == 16
+
+
+SPY_REDUCE = r"""
+import numpy as np
+from fedmpi import comm as _comm
+_WIRE = []
+_orig = _comm.Comm.reduce_sum
+def _spy(self, sendbuf, recvbuf, root=0, what="Reduce", patient=True, count=None, dtype=None):
+    if "encoded" in what and self.rank == 1:
+        _WIRE.append(str(np.dtype(dtype)) + " " + str(sendbuf.dtype))
+    return _orig(self, sendbuf, recvbuf, root, what, patient, count, dtype)
+_comm.Comm.reduce_sum = _spy
+"""
+
+
+@pytest.mark.mpi
+def test_int8_secure_run_does_not_depend_on_world_size(tmp_path):
+    """int8 + secure aggregation with error feedback, the default (not exact) reduction:
+    -n 1 (in process) and -n 3 (rank 0 and two workers) give the same model bit for bit
+    (integer code sums are exact) and the same bytes; the workers Reduce uint16 words."""
+    pytest.importorskip("cryptography")
+    args = ["run", "configs/quickstart.yaml", *SECURE_INT8, "--set", "train.rounds=2"]
+    run_here([*args, "--out", str(tmp_path / "n1")])
+    proc = run_fedmpi_many([[*args, "--out", str(tmp_path / "n3")]], n=3, before=SPY_REDUCE,
+                           after="print('WIRE', *_WIRE, flush=True) if _WIRE else None")
+    assert "WIRE uint16 uint16 uint16 uint16" in proc.stdout, proc.stdout[-2000:]
+    a = torch.load(tmp_path / "n1" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "n3" / "model.pt", weights_only=True)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    up1, _ = _bytes_up(tmp_path / "n1")
+    up3, _ = _bytes_up(tmp_path / "n3")
+    assert np.array_equal(up1, up3)

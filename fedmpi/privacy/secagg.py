@@ -39,6 +39,14 @@ client whose contribution exceeds 2^{b−1−f}/m (m participants of the round) 
 any coordinate is *refused*: excluded and logged (status out-of-range), never
 wrapped. The quantisation error of the decoded sum is at most W·2^{−f−1} per
 coordinate (W ranks that hold clients) before the division by Σ w̃_k.
+
+**Integer codes** (``compression.uplink: int8``): another stage may hand the
+aggregator a :class:`~fedmpi.transforms.base.SumCode` whose per-client integer codes
+need a narrower ring (b = 16 or 32, :attr:`SumCode.bits`). The masking above is the
+same with that b: the keystream is read as b-bit words and the buffers travel as
+uint16/uint32, summed with unsigned wrap-around; the code replaces the fixed point
+(it keeps each client's contribution, agrees on its scale with one ``MAX``
+``Allreduce`` before sealing, and decodes the centred sum).
 """
 from __future__ import annotations
 
@@ -48,7 +56,7 @@ import numpy as np
 import torch
 
 from fedmpi.errors import ConfigError
-from fedmpi.transforms.base import UpdateTransform
+from fedmpi.transforms.base import SumCode, UpdateTransform
 
 if TYPE_CHECKING:
     from fedmpi.config.core import Config
@@ -60,8 +68,11 @@ MIN_ACCEPTED = 2
 MOD = 1 << RING_BITS
 _MASK = MOD - 1
 KEY_WORDS = 4   # an X25519 public key: 32 bytes = 4 int64 words
+#: the wire type of a ring 2^b: b = 48 in int64 (sums of up to 2^15 ranks cannot overflow),
+#: the narrow rings of a :class:`SumCode` in unsigned words that wrap exactly modulo 2^b
+WIRE: dict[int, np.dtype] = {RING_BITS: np.dtype(np.int64), 16: np.dtype(np.uint16), 32: np.dtype(np.uint32)}
 
-__all__ = ["RING_BITS", "MOD", "KEY_WORDS", "SecureAggregator", "SecureAggregation", "encode",
+__all__ = ["RING_BITS", "MOD", "KEY_WORDS", "WIRE", "SecureAggregator", "SecureAggregation", "encode",
            "decode", "limit"]
 
 
@@ -104,13 +115,21 @@ class SecureAggregator:
         hosted: the clients this rank trains.
         num_clients: K.
         scale_bits: f, fractional bits of the fixed-point code.
+        code: integer codes that replace the fixed point (module docstring); their ring
+            2^{code.bits} and its wire type (:data:`WIRE`) replace 2^48 in int64.
     """
 
-    def __init__(self, hosted: Sequence[int], num_clients: int, scale_bits: int) -> None:
+    def __init__(self, hosted: Sequence[int], num_clients: int, scale_bits: int,
+                 code: Optional[SumCode] = None) -> None:
         self.hashes, self.x25519, self.Cipher, self.algorithms, self.modes, self.HKDF = _crypto()
         self.hosted = list(hosted)
         self.K = num_clients
         self.scale_bits = scale_bits
+        self.code = code
+        self.bits = RING_BITS if code is None else int(code.bits)
+        self.mod = 1 << self.bits
+        self.ring_mask = self.mod - 1
+        self.wire_dtype = WIRE[self.bits]
         self._private = {k: self.x25519.X25519PrivateKey.generate() for k in self.hosted}
         self._public: Optional[np.ndarray] = None     # [K, 32] uint8, every client's key
         self._pair: dict[tuple[int, int], bytes] = {}
@@ -132,12 +151,37 @@ class SecureAggregator:
         self.set_public(words)
 
     def begin(self, participants: int) -> None:
-        """A round with ``participants`` clients: each may contribute up to :func:`limit`."""
+        """A round with ``participants`` clients: each may contribute up to :func:`limit`
+        (the fixed point; a :class:`SumCode` bounds its own codes)."""
+        if self.code is not None:
+            self.code.begin()
+            return
         self.range_limit = limit(self.scale_bits, participants)
 
     def accepts(self, x: torch.Tensor, weight: float) -> bool:
         """Whether ``weight·x`` decodes without wrapping (refused otherwise, never wrapped)."""
+        if self.code is not None:
+            return True   # finite (the channel's check): its codes are bounded by construction
         return not x.numel() or float(x.abs().max()) * weight <= self.range_limit
+
+    def take(self, client: int, parts: Sequence[tuple[torch.Tensor, float]]) -> bool:
+        """A :class:`SumCode` keeps each accepted client's contribution (True); the fixed
+        point is applied to the rank's float64 partial sum (False)."""
+        if self.code is None:
+            return False
+        assert len(parts) == 1, "a sum code encodes one statistic (Compression.validate)"
+        x, weight = parts[0]
+        self.code.take(client, x, weight)
+        return True
+
+    def agreement(self, size: int) -> Optional[np.ndarray]:
+        """What this rank contributes to the ``MAX`` ``Allreduce`` before sealing (the
+        code's per-block bound; None: nothing to agree on)."""
+        return None if self.code is None else self.code.local_bound(size)
+
+    def on_agreement(self, agreed: np.ndarray) -> None:
+        assert self.code is not None
+        self.code.agree(agreed)
 
     # ------------------------------------------------------------- keys
     def public_words(self) -> np.ndarray:
@@ -167,12 +211,13 @@ class SecureAggregator:
         return self._pair[pair]
 
     def _stream(self, key: bytes, t: int, size: int) -> np.ndarray:
-        """PRG(s, t): ``size`` ring elements of the AES-256-CTR keystream (nonce = t).
+        """PRG(s, t): ``size`` ring elements of the AES-256-CTR keystream (nonce = t): its
+        little-endian 64-bit words mod 2^48, or its 16/32-bit words for a narrow ring.
 
         The keystream is the encryption of zeros, written with ``update_into`` into a
         scratch buffer kept between calls: no model-sized allocation per pair and round.
         The returned array is that scratch buffer, valid until the next call."""
-        nbytes = 8 * size
+        nbytes = self.wire_dtype.itemsize * size
         if self._zeros.size != nbytes:
             self._zeros = np.zeros(nbytes, dtype=np.uint8)
             self._scratch = np.empty(nbytes + 15, dtype=np.uint8)   # update_into: + block - 1
@@ -180,13 +225,16 @@ class SecureAggregator:
         enc = self.Cipher(self.algorithms.AES(key), self.modes.CTR(nonce)).encryptor()
         written = enc.update_into(self._zeros, self._scratch)
         assert written == nbytes and not enc.finalize()           # CTR: a stream cipher
+        if self.bits != RING_BITS:
+            return self._scratch[:nbytes].view(self.wire_dtype)
         raw = self._scratch[:nbytes].view(np.uint64)
         np.bitwise_and(raw, np.uint64(_MASK), out=raw)
         return raw.view(np.int64)
 
     def _add_mask(self, out: np.ndarray, k: int, t: int, peers: Sequence[int]) -> None:
         """``out ← out ± PRG(s_kj, t) (mod 2^b)`` in place for every j in ``peers``
-        (+ for k < j, − for k > j; j = k is skipped)."""
+        (+ for k < j, − for k > j; j = k is skipped). A narrow ring's unsigned words wrap
+        modulo 2^b by themselves."""
         for j in peers:
             if j == k:
                 continue
@@ -195,12 +243,14 @@ class SecureAggregator:
                 out += s
             else:
                 out -= s
-            np.bitwise_and(out, _MASK, out=out)
+            if self.bits == RING_BITS:
+                np.bitwise_and(out, _MASK, out=out)
 
     def mask(self, k: int, t: int, accepted: Sequence[int], size: int) -> np.ndarray:
-        """m_k of client ``k`` in round ``t`` among the ``accepted`` participants (int64
-        in [0, 2^b)), every pair drawn; Σ_{k∈accepted} m_k ≡ 0 (mod 2^b)."""
-        out = np.zeros(size, dtype=np.int64)
+        """m_k of client ``k`` in round ``t`` among the ``accepted`` participants (ring
+        elements in [0, 2^b), :attr:`wire_dtype`), every pair drawn;
+        Σ_{k∈accepted} m_k ≡ 0 (mod 2^b)."""
+        out = np.zeros(size, dtype=self.wire_dtype)
         self._add_mask(out, k, t, accepted)
         return out
 
@@ -212,22 +262,35 @@ class SecureAggregator:
         Only the pairs with j ∉ ``mine`` are drawn: the terms ±PRG(s_kj) and ±PRG(s_jk)
         of two clients on this rank cancel inside the sum, so E_r is the same ring element,
         bit for bit, and what this rank computes grows with the clients on *other* ranks
-        (none at all when one rank hosts every accepted client, e.g. ``-n 1``)."""
+        (none at all when one rank hosts every accepted client, e.g. ``-n 1``).
+
+        With a :class:`SumCode` the plain part is the sum of the codes of the clients it
+        kept (:meth:`take`), modulo 2^b, and ``partial`` is not read."""
+        own = {int(k) for k in mine}
+        others = [int(j) for j in accepted if int(j) not in own]
+        if self.code is not None:
+            self.code.encode(out)
+            for k in own:
+                self._add_mask(out, k, t, others)
+            return
         v = partial.detach().cpu()
         q = self._float_scratch(v.numel())
         q.copy_(v).mul_(float(1 << self.scale_bits)).round_()     # = encode(), in place
         e = torch.from_numpy(out)
         e.copy_(q)                            # integral values: the conversion is exact
         e.bitwise_and_(_MASK)
-        own = {int(k) for k in mine}
-        others = [int(j) for j in accepted if int(j) not in own]
         for k in own:
             self._add_mask(out, k, t, others)
 
-    def open(self, total: np.ndarray) -> torch.Tensor:
+    def open(self, total: np.ndarray, start: int = 0) -> torch.Tensor:
         """Σ_k w̃_k x_k (float64) from Σ_r E_r: :func:`decode`, computed in place in
         ``total`` (overwritten) and a float64 buffer kept between rounds (the returned
-        tensor, valid until the next call)."""
+        tensor, valid until the next call). ``total`` holds the entries from ``start`` on
+        (a :class:`SumCode` decodes the centred sum of its codes there)."""
+        if self.code is not None:
+            c = torch.from_numpy(total.astype(np.int64))
+            c.sub_(torch.where(c >= self.mod // 2, self.mod, 0))   # the centred representative
+            return self.code.decode(c, start)
         r = torch.from_numpy(total)
         # the centred representative: ((r + 2^{b-1}) mod 2^b) − 2^{b-1}
         r.add_(MOD // 2).bitwise_and_(_MASK).sub_(MOD // 2)
@@ -270,5 +333,6 @@ class SecureAggregation(UpdateTransform):
             raise ConfigError("config keys 'privacy.secure_aggregation' and 'runtime.reduction': "
                               "the exact reduction sends every client's update to rank 0 as a row")
 
-    def codec(self, hosted: Sequence[int], num_clients: int) -> SecureAggregator:
-        return SecureAggregator(hosted, num_clients, int(self.cfg.privacy.secagg.scale_bits))
+    def codec(self, hosted: Sequence[int], num_clients: int,
+              code: Optional[SumCode] = None) -> SecureAggregator:
+        return SecureAggregator(hosted, num_clients, int(self.cfg.privacy.secagg.scale_bits), code)

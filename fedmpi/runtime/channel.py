@@ -20,7 +20,9 @@ Per round, in order:
    transform encodes the sums (its :class:`~fedmpi.transforms.base.UplinkCodec`, e.g.
    secure aggregation's pairwise-masked int64 ring elements) each rank's partial sum is
    sealed by the codec for the participants the metadata ``Allreduce`` of step 4 showed
-   accepted, summed as int64 and opened on rank 0.
+   accepted, summed in the codec's wire type and opened on rank 0 — after one ``MAX``
+   ``Allreduce`` of what the codec agrees on first, if it does (the int8 uplink's
+   per-block scale).
 
 Steps 1 and 4 are *patient* waits (they wait for other ranks' computation and
 sleep); everything else moves data between ranks that are already there.
@@ -145,10 +147,12 @@ class Channel:
         self.red_recv = Mirror((plan.reduce_size,), torch.float64, device) if self.is_server else None
         # an encoded uplink (secure aggregation): the int64 codes that travel instead
         self.codec = codec if plan.reduce_size else None
-        self.sealed_send = np.zeros(plan.reduce_size if self.codec and hosts else 0, dtype=np.int64)
-        # rank 0 receives the codes in the float64 sum's own memory and opens them there,
-        # piece by piece (one accumulator, not two)
-        self.sealed_recv = (self.red_recv.host.view(np.int64)
+        wire = self.codec.wire_dtype if self.codec is not None else np.dtype(np.int64)
+        self.sealed_send = np.zeros(plan.reduce_size if self.codec and hosts else 0, dtype=wire)
+        # rank 0 receives the codes in the float64 sum's own memory (its first bytes, for
+        # a wire type narrower than 8 bytes) and opens them there, piece by piece (one
+        # accumulator, not two)
+        self.sealed_recv = (self.red_recv.host.view(wire)[: plan.reduce_size]
                             if self.codec is not None and self.red_recv is not None else None)
         self._handshake_done = False
         self.rows_send = Mirror((max_local, plan.row_size), torch.float32, device)
@@ -228,7 +232,11 @@ class Channel:
         if accepted and self.codec is not None and not self._encodable(stats, raw_weight):
             self.meta_send[client, M_STATUS] = STATUS_RANGE   # refused, never wrapped
             accepted = False
-        if accepted:
+        if accepted and self.codec is not None and self.codec.take(
+                client, [(stats[stat.name], raw_weight if stat.combine == "weighted" else 1.0)
+                         for stat, _ in self.plan.reduced]):
+            pass   # the codec keeps this client's contribution (a sum code)
+        elif accepted:
             assert self.red_send is not None, "a rank that trains clients holds a partial sum"
             for stat, off in self.plan.reduced:
                 alpha = raw_weight if stat.combine == "weighted" else 1.0
@@ -300,14 +308,20 @@ class Channel:
         return self._record(t, mask, failed)
 
     def _encoded_reduce(self, t: int, mask: np.ndarray) -> None:
-        """Step 5 under a codec: seal this rank's partial sum for the accepted clients,
-        sum the int64 codes on rank 0 and open the total there."""
+        """Step 5 under a codec: agree on what the codec needs to (one ``MAX``
+        ``Allreduce``, every rank), seal this rank's partial sum for the accepted clients,
+        sum the ring elements on rank 0 and open the total there."""
         assert self.codec is not None
         accepted = np.flatnonzero(mask & (self.meta_recv[:, M_STATUS] == STATUS_OK))
         if accepted.size < self.codec.min_accepted:   # every rank sees the same statuses
             self.meta_recv[accepted, M_STATUS] = STATUS_WITHHELD
             return
         mine = [int(k) for k in accepted if self.host[k] == self.rank]
+        bound = self.codec.agreement(self.plan.reduce_size)
+        if bound is not None:
+            agreed = np.empty_like(bound)
+            self.comm.allreduce_max(bound, agreed, what=f"round {t} uplink codec agreement Allreduce")
+            self.codec.on_agreement(agreed)
         sealed = None
         if self.red_send is not None:   # a rank without clients adds nothing to the ring
             self.red_send.pull()
@@ -315,10 +329,12 @@ class Channel:
             sealed = self.sealed_send
         self.comm.reduce_sum(sealed, self.sealed_recv,
                              what=f"round {t} encoded statistics Reduce", patient=False,
-                             count=self.plan.reduce_size, dtype=np.int64)
+                             count=self.plan.reduce_size, dtype=self.codec.wire_dtype)
         if self.red_recv is not None and self.sealed_recv is not None:
-            for s in pieces(self.plan.reduce_size):   # int64 codes → float64 sums, in place
-                self.red_recv.host_t[s].copy_(self.codec.open(self.sealed_recv[s]))
+            # ring elements → float64 sums, in place; last piece first: a narrow wire
+            # type's piece lies at or before the float64 piece it becomes
+            for s in reversed(list(pieces(self.plan.reduce_size))):
+                self.red_recv.host_t[s].copy_(self.codec.open(self.sealed_recv[s], s.start))
 
     def _record(self, t: int, mask: np.ndarray, failed: bool) -> Uplink:
         meta = self.meta_recv

@@ -28,7 +28,8 @@ postprocessors do):
    trained in (privacy accounting).
 
 A transform may also encode the uplink sum (:meth:`UpdateTransform.codec`: secure
-aggregation's masked ring elements), declare that rank 0 may hold only sums
+aggregation's masked ring elements), hand that codec the integer code its sums are
+formed in (:meth:`UpdateTransform.sum_code`: the int8 uplink's shared-scale codes), declare that rank 0 may hold only sums
 (:attr:`UpdateTransform.sums_only`), and refuse what it cannot be combined with
 (:meth:`UpdateTransform.validate`, given the run's built parts).
 
@@ -56,10 +57,44 @@ if TYPE_CHECKING:
     from fedmpi.config.core import Config
 
 
+class SumCode(Protocol):
+    """Integer codes of the clients' contributions, summed exactly in a ring 2^``bits``
+    under an :class:`UplinkCodec` (the int8 uplink with secure aggregation,
+    :class:`~fedmpi.transforms.compression.SharedScaleInt8`).
+
+    Per round on every rank: ``begin``; ``take(client, x, weight)`` for each accepted
+    client it hosts (the contribution is ``weight·x``); ``local_bound(size)`` → what the
+    rank contributes to one ``MAX`` ``Allreduce``; ``agree(maximum)``; ``encode(out)`` →
+    Σ of its clients' codes mod 2^bits into ``out``; rank 0: ``decode(centred, start)``
+    → the float64 sum of the entries from ``start`` on.
+    """
+
+    bits: int
+
+    def begin(self) -> None: ...
+
+    def take(self, client: int, x: torch.Tensor, weight: float) -> None: ...
+
+    def local_bound(self, size: int) -> np.ndarray: ...
+
+    def agree(self, maximum: np.ndarray) -> None: ...
+
+    def encode(self, out: np.ndarray) -> None: ...
+
+    def decode(self, centred: torch.Tensor, start: int) -> torch.Tensor: ...
+
+
 class UplinkCodec(Protocol):
     """How the summed uplink statistics travel when a transform encodes them (secure
-    aggregation): each rank seals its float64 partial sum into an int64 buffer, the
-    buffers are summed by one ``Reduce``, rank 0 opens the total.
+    aggregation): each rank seals its float64 partial sum into a ring buffer of
+    ``wire_dtype`` (int64), the buffers are summed by one ``Reduce``, rank 0 opens the
+    total.
+
+    ``take(client, parts)``: True when the codec keeps a client's contribution itself
+    (a :class:`SumCode`; the channel then adds nothing to the float64 partial sum);
+    ``agreement(size)``: None, or an array every rank contributes to one ``MAX``
+    ``Allreduce`` after the metadata ``Allreduce`` and before sealing
+    (``on_agreement``); ``open(total, start)``: the entries from ``start`` on.
 
     ``handshake``/``on_handshake``: one ``Allreduce`` of an int64 array before the first
     round (secure aggregation's public keys). ``begin(participants)``: a new round with
@@ -73,6 +108,7 @@ class UplinkCodec(Protocol):
     refused_because: str
     min_accepted: int
     withheld_because: str
+    wire_dtype: np.dtype
 
     def handshake(self) -> np.ndarray: ...
 
@@ -82,10 +118,16 @@ class UplinkCodec(Protocol):
 
     def accepts(self, x: torch.Tensor, weight: float) -> bool: ...
 
+    def take(self, client: int, parts: Sequence[tuple[torch.Tensor, float]]) -> bool: ...
+
+    def agreement(self, size: int) -> Optional[np.ndarray]: ...
+
+    def on_agreement(self, agreed: np.ndarray) -> None: ...
+
     def seal(self, partial: torch.Tensor, t: int, mine: Sequence[int], accepted: Sequence[int],
              out: np.ndarray) -> None: ...
 
-    def open(self, total: np.ndarray) -> torch.Tensor: ...
+    def open(self, total: np.ndarray, start: int = 0) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -143,8 +185,15 @@ class UpdateTransform(Component):
         """Refuse (:class:`~fedmpi.errors.ConfigError` naming the keys) a combination of
         the run's built parts this transform cannot work with. Default: none."""
 
-    def codec(self, hosted: Sequence[int], num_clients: int) -> Optional[UplinkCodec]:
-        """The encoding of the uplink sums this transform imposes (None: plain float64)."""
+    def codec(self, hosted: Sequence[int], num_clients: int,
+              code: Optional[SumCode] = None) -> Optional[UplinkCodec]:
+        """The encoding of the uplink sums this transform imposes (None: plain float64),
+        summing ``code``'s integers when another stage hands one (:meth:`sum_code`)."""
+        return None
+
+    def sum_code(self) -> Optional[SumCode]:
+        """The integer code in which this stage's encoded uploads are summed under another
+        stage's :meth:`codec` (None: none; the codec's own fixed point)."""
         return None
 
     def stats(self) -> list[Stat]:
@@ -253,7 +302,10 @@ class TransformChain:
         return any(tr.needs_rows for tr in self.transforms)
 
     def codec(self, hosted: Sequence[int], num_clients: int) -> Optional[UplinkCodec]:
-        codecs = [c for c in (tr.codec(hosted, num_clients) for tr in self.transforms)
+        codes = [c for c in (tr.sum_code() for tr in self.transforms) if c is not None]
+        assert len(codes) <= 1, "one transform codes the uplink sums"
+        code = codes[0] if codes else None
+        codecs = [c for c in (tr.codec(hosted, num_clients, code) for tr in self.transforms)
                   if c is not None]
         assert len(codecs) <= 1, "one transform encodes the uplink sums"
         return codecs[0] if codecs else None

@@ -24,9 +24,26 @@ and leaves e_k as it was.
 is registered after the privacy stages): the encoding is post-processing of what DP already
 protects, and the accountant is unchanged. Error feedback is refused there: e_k is a
 data-dependent residual that would be added after the clip, beyond the sensitivity C the
-accountant assumes. **With secure aggregation** the masked sum needs fixed-point ring
-elements whose scale every party knows beforehand; a compressed uplink is refused with
-both keys named.
+accountant assumes.
+
+**With secure aggregation** (``int8`` only; :class:`SharedScaleInt8`) the codes are summed
+in the masked ring, so their scale must be the same for every participant and known before
+sealing: each participant's weighted contribution y_k = w̃_k x_k (x_k = Δ_k + e_k) is coded
+with the round's common per-block scale
+
+.. math:: s_b = \max_{k \in A_t} \max_{i \in b} |y_{k,i}| \,/\, 127, \qquad
+          q_{k,i} = \mathrm{round}(y_{k,i} / s_b) \in [-127, 127],
+
+agreed by one ``MAX`` ``Allreduce`` of each rank's per-block maxima (every rank learns
+max_k |y_k| per block of 256 entries, one float64 per block, beyond the sum). Each worker
+sums its clients' codes exactly, seals Σ_k q_k in the ring 2^16 (2^32 when 127·m ≥ 2^15,
+m = ``train.clients_per_round``) and sends uint16 (uint32) words; rank 0 decodes
+s_b · Σ_k q_{k,i}, the same integers at any world size. Error feedback keeps
+e_k ← x_k − s_b q_k / w̃_k (the update space: the next round's weight may differ).
+``bf16`` (not a fixed-point code) and ``topk`` (indices differ per client) cannot be summed
+in a ring and are refused with both keys named; so is client-level DP (the shared scale
+couples every client's rounding to the others' updates, beyond the sensitivity the
+accountant assumes), and a method that uploads summed statistics besides ``delta``.
 
 **Downlink** (``compression.downlink: bf16``): the clients of a worker train from
 θ̂ = bfloat16(θ), decoded once per round (:meth:`Compression.received`), and upload
@@ -35,6 +52,8 @@ stay float32.
 
 The logged ``/rounds/bytes_up`` counts each participant's ``delta`` at its encoded size and
 ``/rounds/bytes_down`` θ at its (:meth:`Compression.traffic`); other statistics stay float32.
+With secure aggregation a participant's ``delta`` is its ring element, 2 (or 4) bytes per
+entry, plus its 8-byte block maxima; the agreed maxima come back in ``bytes_down``.
 """
 from __future__ import annotations
 
@@ -42,12 +61,13 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import numpy as np
 import torch
 
 from fedmpi.component import ClientTask
 from fedmpi.config.params import load_group, param
 from fedmpi.errors import ConfigError
-from fedmpi.transforms.base import UpdateTransform
+from fedmpi.transforms.base import RunParts, UpdateTransform
 from fedmpi.training.vecops import all_finite
 
 if TYPE_CHECKING:
@@ -110,6 +130,92 @@ def decode_encode(kind: str, x: torch.Tensor, topk_fraction: float = 1.0) -> tor
     return x.clone()
 
 
+def ring_bits(participants: int) -> int:
+    """The ring 2^b that sums ``participants`` int8 codes without wrapping: b = 16 while
+    127·m < 2^15 (the centred sum fits), else 32."""
+    return 16 if 127 * participants < 1 << 15 else 32
+
+
+def _blocks(y: torch.Tensor) -> torch.Tensor:
+    """``y`` zero-padded to whole blocks, as [⌈n/B⌉, B]."""
+    return torch.nn.functional.pad(y, (0, (-y.numel()) % INT8_BLOCK)).view(-1, INT8_BLOCK)
+
+
+class SharedScaleInt8:
+    """int8 codes on a per-block scale shared by the round's participants, summed in the
+    ring 2^``bits`` (a :class:`~fedmpi.transforms.base.SumCode`; module docstring).
+
+    One rank's side: ``take`` keeps each accepted client's x_k (float32, on its device)
+    and weight until the scale is agreed — up to the rank's participants of a round, each
+    the size of the uplink — ``local_bound`` is max_k |w̃_k x_k| per block over them,
+    ``encode`` forms q_k = round(y_k / s_b) in float64 (y_k = w̃_k x_k), sums them as
+    integers and hands each client's x̂_k = s_b q_k / w̃_k to ``sent`` (error feedback).
+
+    Args:
+        bits: 16 or 32 (:func:`ring_bits`).
+        sent: ``sent(client, x̂_k)`` once client k's code is formed, or None.
+    """
+
+    def __init__(self, bits: int, sent: Optional[Callable[[int, torch.Tensor], None]] = None) -> None:
+        self.bits = bits
+        self.sent = sent
+        self._rows: list[torch.Tensor] = []     # kept between rounds, one per client slot
+        self._kept: list[tuple[int, float]] = []
+        self._scale = torch.zeros(0, dtype=torch.float64)       # s_b, on the clients' device
+        self._scale_cpu = torch.zeros(0, dtype=torch.float64)   # s_b, for decoding on rank 0
+
+    def begin(self) -> None:
+        self._kept.clear()
+
+    def take(self, client: int, x: torch.Tensor, weight: float) -> None:
+        i = len(self._kept)
+        if i == len(self._rows) or self._rows[i].shape != x.shape or self._rows[i].device != x.device:
+            row = torch.empty_like(x, dtype=torch.float32)
+            if i == len(self._rows):
+                self._rows.append(row)
+            else:
+                self._rows[i] = row
+        self._rows[i].copy_(x)
+        self._kept.append((client, float(weight)))
+
+    def _y(self, i: int) -> torch.Tensor:
+        return _blocks(self._rows[i].to(torch.float64) * self._kept[i][1])
+
+    def local_bound(self, size: int) -> np.ndarray:
+        """max_{k kept} max_{i∈b} |y_{k,i}| per block (zeros where none is kept)."""
+        out = torch.zeros(math.ceil(size / INT8_BLOCK), dtype=torch.float64)
+        for i in range(len(self._kept)):
+            torch.maximum(out, self._y(i).abs().amax(dim=1).cpu(), out=out)
+        return out.numpy()
+
+    def agree(self, maximum: np.ndarray) -> None:
+        """s_b = max_k max_i |y_{k,i}| / 127 from the round's ``MAX`` ``Allreduce``."""
+        self._scale_cpu = torch.from_numpy(maximum / 127.0)
+        device = self._rows[0].device if self._kept else torch.device("cpu")
+        self._scale = self._scale_cpu.to(device)
+
+    def encode(self, out: np.ndarray) -> None:
+        """Σ_k q_k mod 2^b (q_k = round(y_k / s_b), s_b = 0: q = 0) into ``out``."""
+        n = out.size
+        s = self._scale.unsqueeze(1)
+        nonzero = s > 0
+        total = torch.zeros(s.shape[0], INT8_BLOCK, dtype=torch.int64, device=s.device)
+        for i, (client, weight) in enumerate(self._kept):
+            q = torch.where(nonzero, torch.round(self._y(i) / torch.where(nonzero, s, 1.0)),
+                            0.0).clamp_(-127, 127)
+            total += q.to(torch.int64)
+            if self.sent is not None:
+                sent = (q * s).view(-1)[:n]
+                self.sent(client, sent.div_(weight) if weight else sent.zero_())
+        total.bitwise_and_((1 << self.bits) - 1)
+        out[:] = total.view(-1)[:n].cpu().numpy()
+
+    def decode(self, centred: torch.Tensor, start: int) -> torch.Tensor:
+        """s_b · Σ_k q_{k,i} (float64) for the entries i = start, start + 1, …"""
+        block = torch.arange(start, start + centred.numel()) // INT8_BLOCK
+        return centred.to(torch.float64) * self._scale_cpu[block]
+
+
 class Compression(UpdateTransform):
     """``compression.uplink`` or ``compression.downlink`` other than ``none`` (module
     docstring)."""
@@ -128,6 +234,9 @@ class Compression(UpdateTransform):
         self.D = 0
         self.down = p.downlink
         self._received: Optional[torch.Tensor] = None   # θ̂, one buffer per worker
+        # with secure aggregation the codes are formed once the round's scale is agreed
+        self.ring = (ring_bits(cfg.train.clients_per_round or cfg.data.num_clients)
+                     if cfg.privacy.secure_aggregation and p.uplink == "int8" else 0)
 
     @classmethod
     def enabled(cls, cfg: Config) -> bool:
@@ -137,11 +246,18 @@ class Compression(UpdateTransform):
     @classmethod
     def check(cls, cfg: Config) -> None:
         p = load_group(cfg, "compression", CompressionParams)
-        if cfg.privacy.secure_aggregation and p.uplink != "none":
+        if cfg.privacy.secure_aggregation and p.uplink not in ("none", "int8"):
             raise ConfigError(f"config keys 'compression.uplink' and "
-                              f"'privacy.secure_aggregation': the masked sum needs fixed-point "
-                              f"ring elements of a scale known beforehand; "
-                              f"{p.uplink!r} updates cannot be summed under the masks")
+                              f"'privacy.secure_aggregation': {p.uplink!r} updates cannot be "
+                              f"summed in the masked ring (bf16 is not a fixed-point code, topk "
+                              f"indices differ per client); int8 is the uplink encoding that "
+                              f"combines with secure aggregation")
+        if (cfg.privacy.secure_aggregation and p.uplink == "int8"
+                and cfg.privacy.dp.level == "client"):
+            raise ConfigError("config keys 'compression.uplink' and 'privacy.dp.level': with "
+                              "secure aggregation the int8 scale is shared by the round's "
+                              "participants, so one client's update changes every client's "
+                              "rounding (beyond the sensitivity the accountant assumes)")
         if p.error_feedback and p.uplink != "none" and cfg.privacy.dp.level == "client":
             raise ConfigError("config keys 'compression.error_feedback' and 'privacy.dp.level': "
                               "error feedback adds a data-dependent residual after the DP clip "
@@ -155,6 +271,29 @@ class Compression(UpdateTransform):
         self.report.attr("compression", "error_feedback", int(self.feedback))
         if self.kind == "topk":
             self.report.attr("compression", "topk_fraction", self.fraction)
+        if self.ring:
+            self.report.attr("compression", "ring_bits", self.ring)
+
+    def validate(self, parts: RunParts) -> None:
+        """Under secure aggregation the int8 ring carries ``delta`` alone: another summed
+        statistic (SCAFFOLD's c, FedDyn's h, …) would have to share its codes' ring."""
+        if not self.ring:
+            return
+        other = [s.name for s in parts.stats if s.name != "delta"]
+        if other:
+            raise ConfigError(f"config keys 'compression.uplink' and 'algorithm.name': with "
+                              f"'privacy.secure_aggregation' the int8 ring carries only 'delta', "
+                              f"but {parts.cfg.algorithm.name!r} also uploads {other[0]!r}")
+
+    def sum_code(self) -> Optional[SharedScaleInt8]:
+        """With secure aggregation: the shared-scale codes the masked ring sums."""
+        return SharedScaleInt8(self.ring, self.sent if self.feedback else None) if self.ring else None
+
+    def sent(self, client: int, sent: torch.Tensor) -> None:
+        """x̂_k, what the ring sum carries of client k's x_k: e_k ← x_k − x̂_k
+        (:meth:`on_upload` left e_k = x_k)."""
+        e = self.errors.vector(client, sent.device)
+        e.sub_(sent.to(e.dtype))
 
     def client_stores(self, make: Callable[[str, int], Any]) -> None:
         if self.feedback:
@@ -177,6 +316,12 @@ class Compression(UpdateTransform):
         delta = out["delta"]
         if not all_finite(delta):
             return   # excluded by the server; e_k unchanged
+        if self.ring:   # coded once the round's scale is agreed (SharedScaleInt8, sent)
+            if self.errors is not None:
+                e = self.errors.vector(task.client, delta.device)
+                delta.add_(e)
+                e.copy_(delta)
+            return
         if self.errors is not None:
             e = self.errors.vector(task.client, delta.device)
             delta.add_(e)
@@ -188,6 +333,9 @@ class Compression(UpdateTransform):
 
     # ------------------------------------------------------------- server half
     def traffic(self, up: int, down: int) -> tuple[int, int]:
-        return (up - 4 * self.D + encoded_bytes(self.kind, self.D, self.fraction),
-                down - 4 * self.D + encoded_bytes(self.down, self.D))
+        down = down - 4 * self.D + encoded_bytes(self.down, self.D)
+        if self.ring:   # a ring element per entry + its block maxima; the agreed maxima back
+            maxima = 8 * math.ceil(self.D / INT8_BLOCK)
+            return up - 4 * self.D + self.ring // 8 * self.D + maxima, down + maxima
+        return up - 4 * self.D + encoded_bytes(self.kind, self.D, self.fraction), down
 
