@@ -1,10 +1,13 @@
 """Accuracy and uplink bytes of the compressed uplink (issue 35): ``compression.uplink`` ∈
 {none, bf16, int8, topk} on the quickstart (digits, CNN) and on the tabular silos
 (breast cancer, MLP; the silo config's Dirichlet split in memory), 3 seeds, one process per
-setting (world size 1). Error feedback on (the default). Prints a markdown table and, last,
-one JSON object (also written with ``--json``).
+setting (world size 1). Error feedback on (the default). ``int8 + secagg`` is int8 under
+``privacy.secure_aggregation`` (the round's shared per-block scale, codes summed in the
+masked 2^16 ring). Prints a markdown table and, last, one JSON object (also written with
+``--json``).
 
     .venv/bin/python bench/compression.py [--rounds 10] [--seeds 0 1 2] [--json out.json]
+        [--data quickstart] [--only float32 int8 "int8 + secagg"]
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from fedmpi import api  # noqa: E402
 
 SETTINGS = {"float32": [], "bf16": ["compression.uplink=bf16"],
             "int8": ["compression.uplink=int8"],
+            "int8 + secagg": ["compression.uplink=int8", "privacy.secure_aggregation=true"],
             "topk 10%": ["compression.uplink=topk", "compression.topk_fraction=0.1"],
             "topk 1%": ["compression.uplink=topk", "compression.topk_fraction=0.01"]}
 DATASETS = {"quickstart": ("configs/quickstart.yaml", []),
@@ -37,11 +41,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--json")
+    ap.add_argument("--data", nargs="+", default=list(DATASETS), choices=list(DATASETS))
+    ap.add_argument("--only", nargs="+", default=list(SETTINGS), choices=list(SETTINGS),
+                    help="settings to run (float32 is always run: the ratios' base)")
     args = ap.parse_args()
+    settings = {k: v for k, v in SETTINGS.items() if k == "float32" or k in args.only}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for data, (config, extra) in DATASETS.items():
-            for name, over in SETTINGS.items():
+        for data in args.data:
+            config, extra = DATASETS[data]
+            for name, over in settings.items():
                 acc, up, secs = [], [], []
                 for seed in args.seeds:
                     t0 = time.perf_counter()
