@@ -7,7 +7,7 @@ masked 2^16 ring). Prints a markdown table and, last, one JSON object (also writ
 ``--json``).
 
     .venv/bin/python bench/compression.py [--rounds 10] [--seeds 0 1 2] [--json out.json]
-        [--data quickstart] [--only float32 int8 "int8 + secagg"]
+        [--data quickstart] [--only float32 int8 "int8 + secagg"] [--set KEY=VALUE ...]
 """
 from __future__ import annotations
 
@@ -44,6 +44,8 @@ def main() -> None:
     ap.add_argument("--data", nargs="+", default=list(DATASETS), choices=list(DATASETS))
     ap.add_argument("--only", nargs="+", default=list(SETTINGS), choices=list(SETTINGS),
                     help="settings to run (float32 is always run: the ratios' base)")
+    ap.add_argument("--set", nargs="+", default=[], dest="sets",
+                    help="config overrides applied to every setting (e.g. aggregation.weighting=uniform)")
     args = ap.parse_args()
     settings = {k: v for k, v in SETTINGS.items() if k == "float32" or k in args.only}
     rows = []
@@ -56,7 +58,7 @@ def main() -> None:
                     t0 = time.perf_counter()
                     out = Path(tmp) / f"{data}-{name}-{seed}".replace(" ", "_").replace("%", "")
                     res = api.run(str(ROOT / config),
-                                  [*extra, *over, f"seed={seed}", f"train.rounds={args.rounds}",
+                                  [*extra, *args.sets, *over, f"seed={seed}", f"train.rounds={args.rounds}",
                                    "runtime.progress=false", "runtime.threads=1"], out=out)
                     secs.append(time.perf_counter() - t0)
                     acc.append(res.metrics["test_accuracy"])
@@ -73,7 +75,7 @@ def main() -> None:
         print(f"| {r['data']} | {r['uplink']} | {a.mean():.4f} ± {a.std(ddof=1):.4f} | "
               f"{r['bytes_up_per_round']:,.0f} | "
               f"{r['bytes_up_per_round'] / base['bytes_up_per_round']:.3f} |")
-    out = {"rounds": args.rounds, "seeds": args.seeds, "rows": rows}
+    out = {"rounds": args.rounds, "seeds": args.seeds, "sets": args.sets, "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     print(json.dumps(out))
