@@ -106,6 +106,26 @@ def test_selection_equals_numpy_with_ties_and_even_n(n, monkeypatch):
         np.testing.assert_array_equal(counts.numpy(), expect)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_outside_counts_over_more_chunks_than_a_tally_holds(threads, monkeypatch):
+    """301 chunks of 4 columns (the last one shorter), every row far outside the middle
+    in most of them: the per-row counts (uint8 tallies, flushed every 255 chunks) equal
+    numpy's, with one lane or two."""
+    monkeypatch.setattr(rm, "SELECT_CHUNK", 4)
+    X = np.random.default_rng(7).integers(-50, 50, size=(16, 1203)).astype(np.float32)
+    S = np.sort(X, axis=0)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        counts = torch.zeros(16, dtype=torch.float64)
+        rm.coordinate_median(torch.tensor(X), torch.empty(1203), rm.Workspace(), counts)
+    finally:
+        torch.set_num_threads(before)
+    expect = ((X < S[7]) | (X > S[8])).sum(1)
+    assert expect.max() > 2 * 255                     # more than any uint8 could hold
+    np.testing.assert_array_equal(counts.numpy(), expect)
+
+
 def test_selection_lanes_do_not_change_the_result(monkeypatch):
     """Chunks shared among 1 or 3 threads (lanes): the same aggregate and counts, bit for bit."""
     monkeypatch.setattr(rm, "SELECT_CHUNK", 16)

@@ -28,8 +28,9 @@ Two building blocks serve all rules:
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -43,14 +44,60 @@ __all__ = [
 #: of MiB at n = 16.
 CHUNK = 1 << 18
 #: Columns per chunk of the selection network on the CPU: its n + 1 rows of
-#: ``SELECT_CHUNK`` float32 values (2 MiB at n = 16) stay near the cache, and an
-#: elementwise operation on one row is at most PyTorch's grain (32768 elements), so it
-#: runs on the calling thread (:meth:`Workspace.select_columns`).
-SELECT_CHUNK = 1 << 15
+#: ``SELECT_CHUNK`` float32 values (1 MiB at n = 16) stay in a core's L2 cache, where one
+#: numpy ``minimum`` of a row costs a few microseconds (:meth:`Workspace.select_columns`).
+SELECT_CHUNK = 1 << 14
 #: The same on an accelerator, where a longer operation costs no more to launch.
 SELECT_CHUNK_DEVICE = 1 << 20
 #: At most this many CPU lanes (threads) share the chunks; each keeps its own buffers.
 MAX_LANES = 8
+
+
+#: a torch tensor or, on the CPU, a numpy view of one
+Array = Any
+
+
+@dataclass(frozen=True)
+class Ops:
+    """The elementwise operations of the selection network on one kind of array, each
+    ``f(x, y, out)``; numpy's on the CPU, torch's on an accelerator."""
+
+    view: Callable[[torch.Tensor], Array]
+    minimum: Callable[[Array, Array, Array], Any]
+    maximum: Callable[[Array, Array, Array], Any]
+    add: Callable[[Array, Array, Array], Any]
+    divide: Callable[[Array, Any, Array], Any]
+    less: Callable[[Array, Array, Array], Any]
+    greater: Callable[[Array, Array, Array], Any]
+    as_u8: Callable[[Array], Array]
+    row_sums: Callable[[Array], Array]
+    copy: Callable[[Array, Array], Any]
+
+
+NUMPY_OPS = Ops(view=lambda t: t.numpy(),
+                minimum=lambda x, y, out: np.minimum(x, y, out=out),
+                maximum=lambda x, y, out: np.maximum(x, y, out=out),
+                add=lambda x, y, out: np.add(x, y, out=out),
+                divide=lambda x, y, out: np.divide(x, y, out=out),
+                less=lambda x, y, out: np.less(x, y, out=out),
+                greater=lambda x, y, out: np.greater(x, y, out=out),
+                as_u8=lambda f: f.view(np.uint8), row_sums=lambda t: t.sum(1, dtype=np.int64),
+                copy=np.copyto)
+TORCH_OPS = Ops(view=lambda t: t,
+                minimum=lambda x, y, out: torch.minimum(x, y, out=out),
+                maximum=lambda x, y, out: torch.maximum(x, y, out=out),
+                add=lambda x, y, out: torch.add(x, y, out=out),
+                divide=lambda x, y, out: torch.div(x, y, out=out),
+                less=lambda x, y, out: torch.lt(x, y, out=out),
+                greater=lambda x, y, out: torch.gt(x, y, out=out),
+                as_u8=lambda f: f.view(torch.uint8),
+                row_sums=lambda t: t.sum(1, dtype=torch.int64),
+                copy=lambda dst, src: dst.copy_(src))
+
+
+def ops_for(X: torch.Tensor) -> Ops:
+    """numpy's operations for a CPU tensor, torch's elsewhere."""
+    return NUMPY_OPS if X.device.type == "cpu" else TORCH_OPS
 
 
 class Workspace:
@@ -93,11 +140,14 @@ class Workspace:
         of ``X``, chunk by chunk of columns, and call ``each(S, a, b, lane)``: ``S[r]``
         holds ``[b − a]`` values of rank r wherever the network decides rank r.
 
-        On the CPU the chunks are shared among ``torch.get_num_threads()`` lanes (at most
-        :data:`MAX_LANES`; Python threads; PyTorch releases the GIL inside each operation), each chunk short enough
-        that an operation stays on its lane's thread: no synchronisation per operation,
-        which on a loaded machine costs more than the operation. ``lane`` names the
-        lane's own buffers; the chunks' results do not depend on the lanes."""
+        On the CPU the steps are numpy ufuncs on numpy views of ``X`` (the same IEEE
+        ``minimum``/``maximum``, at a fraction of a PyTorch operation's fixed cost, which
+        at a cache-sized chunk is most of the time), and the chunks are shared among
+        ``torch.get_num_threads()`` lanes (at most :data:`MAX_LANES`; Python threads;
+        numpy releases the GIL inside each operation): no synchronisation per operation,
+        which on a loaded machine costs more than the operation. ``S`` is then numpy
+        (:func:`ops_for` gives the matching operations). ``lane`` names the lane's own
+        buffers; the chunks' results do not depend on the lanes."""
         n, d = X.shape
         cpu = X.device.type == "cpu"
         chunk = _select_chunk(X)
@@ -105,10 +155,12 @@ class Workspace:
         lanes = max(1, min(_lanes(), len(spans))) if cpu else 1
         bufs = [self.buffer(f"select{k}", (n + 1, min(d, chunk)), X.dtype, X.device)
                 for k in range(lanes)]
+        ops = ops_for(X)
+        Xa, bufa = ops.view(X), [ops.view(buf) for buf in bufs]
 
         def lane(k: int) -> None:
             for a, b in spans[k::lanes]:
-                each(_run_network(net, X, a, b, bufs[k]), a, b, k)
+                each(_run_network(net, Xa, a, b, bufa[k], ops), a, b, k)
 
         if lanes == 1:
             lane(0)
@@ -117,18 +169,57 @@ class Workspace:
             for done in [pool.submit(lane, k) for k in range(lanes)]:
                 done.result()
 
-    def outside_counts(self, X: torch.Tensor, a: int, b: int, low: torch.Tensor,
-                       high: torch.Tensor, counts: torch.Tensor, lane: int = 0) -> None:
-        """``counts[i] +=`` the columns of ``X[:, a:b]`` at which row i is below ``low``
-        or above ``high``."""
-        n = X.shape[0]
-        flag = self.buffer(f"outside{lane}", (n, min(X.shape[1], _select_chunk(X))),
-                           torch.bool, X.device)[:, : b - a]
-        block = X[:, a:b]
-        for cmp, bound in ((torch.lt, low), (torch.gt, high)):
-            cmp(block, bound, out=flag)
-            counts.add_(flag.view(torch.uint8).sum(1, dtype=torch.int32))
 
+
+class OutsideCounts:
+    """Per row of ``X``, the columns at which it lies below ``low`` or above ``high``,
+    chunk by chunk (:meth:`add`), for :meth:`Workspace.select_columns`' lanes.
+
+    Each lane tallies into its own ``[n, chunk]`` uint8 block: one comparison and one
+    addition per element and bound, and the rows are summed only every
+    :data:`FLUSH` chunks (a per-chunk row sum cost more than the comparisons)."""
+
+    #: chunks per tally: a value is below ``low`` or above ``high``, never both, so an
+    #: element gains at most 1 per chunk
+    FLUSH = 255
+
+    def __init__(self, ws: Workspace, X: torch.Tensor, lanes: int) -> None:
+        n = X.shape[0]
+        self.X, self.ops = X, ops_for(X)
+        width = min(X.shape[1], _select_chunk(X))
+        self.flags = [self.ops.view(ws.buffer(f"outside{k}", (n, width), torch.bool, X.device))
+                      for k in range(lanes)]
+        self.tally = [self.ops.view(ws.buffer(f"tally{k}", (n, width), torch.uint8, X.device))
+                      for k in range(lanes)]
+        for t in self.tally:
+            t.fill(0)
+        self.pending = [0] * lanes
+        self.totals = torch.zeros(lanes, n, dtype=torch.int64, device=X.device)
+
+    def add(self, a: int, b: int, low: Array, high: Array, lane: int) -> None:
+        """Count the columns ``a:b`` (``low``, ``high``: their bounds)."""
+        ops, flag, tally = self.ops, self.flags[lane][:, : b - a], self.tally[lane][:, : b - a]
+        block = ops.view(self.X)[:, a:b]
+        ops.less(block, low, flag)
+        ops.add(tally, ops.as_u8(flag), tally)
+        ops.greater(block, high, flag)
+        ops.add(tally, ops.as_u8(flag), tally)
+        self.pending[lane] += 1
+        if self.pending[lane] == self.FLUSH:
+            self._flush(lane)
+
+    def _flush(self, lane: int) -> None:
+        self.totals[lane] += torch.as_tensor(self.ops.row_sums(self.tally[lane]),
+                                             device=self.totals.device)
+        self.tally[lane].fill(0)
+        self.pending[lane] = 0
+
+    def total(self) -> torch.Tensor:
+        """``[n]`` int64: every chunk counted so far, all lanes."""
+        for lane, k in enumerate(self.pending):
+            if k:
+                self._flush(lane)
+        return self.totals.sum(0)
 
 def _lanes() -> int:
     """Lanes of the selection network: the torch threads, at most :data:`MAX_LANES`
@@ -140,22 +231,23 @@ def _select_chunk(X: torch.Tensor) -> int:
     return SELECT_CHUNK if X.device.type == "cpu" else SELECT_CHUNK_DEVICE
 
 
-def _run_network(net: "Network", X: torch.Tensor, a: int, b: int,
-                 buf: torch.Tensor) -> list[torch.Tensor]:
+def _run_network(net: "Network", X: Array, a: int, b: int, buf: Array,
+                 ops: Ops) -> list[Array]:
     """The steps of ``net`` on ``X[:, a:b]``; positions a step wrote live in rows of
     ``buf`` ([n + 1, ≥ b − a]), the others are still views of ``X``."""
     n = X.shape[0]
-    rows: list[torch.Tensor] = [X[i, a:b] for i in range(n)]
+    rows: list[Array] = [X[i, a:b] for i in range(n)]
     owned = [False] * n                      # rows[i] is a buffer row, not X's
     free = [buf[k, : b - a] for k in range(n + 1)]
+    minimum, maximum = ops.minimum, ops.maximum
     for i, j, need_lo, need_hi in net:
         ri, rj = rows[i], rows[j]
         if need_lo:                          # elementwise: in place is safe
             lo = ri if owned[i] and not need_hi else free.pop()
-            torch.minimum(ri, rj, out=lo)
+            minimum(ri, rj, lo)
         if need_hi:
             hi = rj if owned[j] else free.pop()
-            torch.maximum(ri, rj, out=hi)
+            maximum(ri, rj, hi)
             rows[j], owned[j] = hi, True
         elif owned[j]:
             free.append(rj)
@@ -237,35 +329,36 @@ def _middle_mean(X: torch.Tensor, trim: int, out: torch.Tensor, ws: Workspace,
     keep = n - 2 * trim
     ends = counts is not None and trim > 0
     net, ends_from_bag = _middle_plan(n, trim, ends)
-    lanes = _lanes()
+    lanes = _lanes() if X.device.type == "cpu" else 1   # as select_columns
     width = min(X.shape[1], _select_chunk(X))
-    part = (torch.zeros(lanes, n, dtype=torch.float64, device=X.device)
-            if counts is not None else None)
+    ops = ops_for(X)
+    outa = ops.view(out)
+    tally = OutsideCounts(ws, X, lanes) if ends else None
 
-    def each(S: Sequence[torch.Tensor], a: int, b: int, lane: int) -> None:
-        acc = out[a:b]
-        acc.copy_(S[trim])
+    def each(S: Sequence[Array], a: int, b: int, lane: int) -> None:
+        acc = outa[a:b]
+        ops.copy(acc, S[trim])
         for r in range(trim + 1, n - trim):
-            acc.add_(S[r])
+            ops.add(acc, S[r], acc)
         if keep > 1:
-            acc.div_(keep)
+            ops.divide(acc, keep, acc)
         if not ends:
             return
-        assert part is not None
+        assert tally is not None
         low, high = S[trim], S[n - trim - 1]
         if ends_from_bag:
-            low = ws.buffer(f"low{lane}", (width,), X.dtype, X.device)[: b - a]
-            high = ws.buffer(f"high{lane}", (width,), X.dtype, X.device)[: b - a]
-            torch.minimum(S[trim], S[trim + 1], out=low)
-            torch.maximum(S[trim], S[trim + 1], out=high)
+            low = ops.view(ws.buffer(f"low{lane}", (width,), X.dtype, X.device))[: b - a]
+            high = ops.view(ws.buffer(f"high{lane}", (width,), X.dtype, X.device))[: b - a]
+            ops.minimum(S[trim], S[trim + 1], low)
+            ops.maximum(S[trim], S[trim + 1], high)
             for r in range(trim + 2, n - trim):
-                torch.minimum(low, S[r], out=low)
-                torch.maximum(high, S[r], out=high)
-        ws.outside_counts(X, a, b, low, high, part[lane], lane)
+                ops.minimum(low, S[r], low)
+                ops.maximum(high, S[r], high)
+        tally.add(a, b, low, high, lane)
 
     ws.select_columns(X, net, each)
-    if counts is not None and part is not None:
-        counts.add_(part.sum(0))
+    if counts is not None and tally is not None:
+        counts.add_(tally.total().to(counts.device, counts.dtype))
     return out
 
 
