@@ -225,15 +225,18 @@ SECURE_INT8 = ["--set", "compression.uplink=int8", "--set", "privacy.secure_aggr
                "--set", "runtime.progress=false", "--set", "model.name=mlp"]
 
 
-def shared_scale_numpy(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The round's codes and scale, computed here: per block b of 256 entries
-    s_b = max_k max_{i∈b} |y_{k,i}| / 127 and q_k = round(y_k / s_b) (0 where s_b = 0)."""
+def shared_scale_numpy(y: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """The round's codes and scale, computed here for m configured participants and the
+    ring 2^16: L = (2^15 − 1) // m levels per side, per block b of 256 entries
+    s_b = max_k max_{i∈b} |y_{k,i}| / L and q_k = round(y_k / s_b) (0 where s_b = 0)."""
     K, n = y.shape
+    L = (2 ** 15 - 1) // m
     s = np.zeros(n)
     for a in range(0, n, 256):
-        s[a:a + 256] = np.abs(y[:, a:a + 256]).max() / 127.0
+        s[a:a + 256] = np.abs(y[:, a:a + 256]).max() / float(L)
     safe = np.where(s > 0, s, 1.0)
-    q = np.where(s > 0, np.clip(np.rint(y / safe), -127, 127), 0.0)
+    q = np.where(s > 0, np.clip(np.rint(y / safe), -L, L), 0.0)
+    assert np.abs(q.sum(0)).max() < 2 ** 15       # the centred sum never wraps
     return q, s
 
 
@@ -284,7 +287,7 @@ def test_int8_codes_summed_in_the_masked_ring_against_numpy(layout):
         assert out.dtype == np.uint16
         sealed.append((mine, out))
     y = w[accepted, None] * x[accepted].astype(np.float64)
-    q, s = shared_scale_numpy(y)
+    q, s = shared_scale_numpy(y, K)          # m = train.clients_per_round = K
     for mine, out in sealed:
         plain = np.mod(q[[accepted.index(k) for k in mine]].sum(0), 2 ** 16)
         if mine and len(layout) > 1:   # masked: not the codes, uncorrelated, uniform
@@ -343,7 +346,7 @@ def test_int8_secure_run_moves_the_model_by_the_decoded_code_sum(tmp_path, monke
     clients = [k for k, _ in secrec.SEEN["uploads"]]
     x = np.stack([d.double().numpy() for _, d in secrec.SEEN["uploads"]])
     assert len(clients) == 4
-    q, s = shared_scale_numpy(x)
+    q, s = shared_scale_numpy(x, 4)          # m = train.clients_per_round = 4
     expected = theta0 + q.sum(0) * s / 4
     theta1 = torch.load(out / "checkpoint.pt", weights_only=True)["global_state"].double().numpy()
     assert np.abs(theta1 - expected).max() <= 1e-7
@@ -353,6 +356,7 @@ def test_int8_secure_run_moves_the_model_by_the_decoded_code_sum(tmp_path, monke
     with h5py.File(out / "log.h5", "r") as f:
         assert f["rounds/bytes_up"][:].tolist() == [4 * (2 * D + 8 * math.ceil(D / 256))]
         assert int(f["compression"].attrs["ring_bits"]) == 16
+        assert int(f["compression"].attrs["code_levels"]) == (2 ** 15 - 1) // 4
 
 
 SPY_REDUCE = r"""

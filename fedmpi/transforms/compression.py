@@ -31,13 +31,18 @@ in the masked ring, so their scale must be the same for every participant and kn
 sealing: each participant's weighted contribution y_k = w̃_k x_k (x_k = Δ_k + e_k) is coded
 with the round's common per-block scale
 
-.. math:: s_b = \max_{k \in A_t} \max_{i \in b} |y_{k,i}| \,/\, 127, \qquad
-          q_{k,i} = \mathrm{round}(y_{k,i} / s_b) \in [-127, 127],
+.. math:: s_b = \max_{k \in A_t} \max_{i \in b} |y_{k,i}| \,/\, L, \qquad
+          q_{k,i} = \mathrm{round}(y_{k,i} / s_b) \in [-L, L],
 
 agreed by one ``MAX`` ``Allreduce`` of each rank's per-block maxima (every rank learns
 max_k |y_k| per block of 256 entries, one float64 per block, beyond the sum). Each worker
-sums its clients' codes exactly, seals Σ_k q_k in the ring 2^16 (2^32 when 127·m ≥ 2^15,
-m = ``train.clients_per_round``) and sends uint16 (uint32) words; rank 0 decodes
+sums its clients' codes exactly, seals Σ_k q_k in the ring 2^b, b = 16 (32 when
+127·m ≥ 2^15: the sum of m int8 codes must fit; m = ``train.clients_per_round``), and sends
+uint16 (uint32) words. Since a participant's share of the wire is a b-bit ring element
+whatever its code, the codes use the ring's whole range: L = ⌊(2^{b−1} − 1)/m⌋ levels per
+side (6,553 at m = 5), so that Σ_k q_k never wraps, where plain int8 has 127 — the shared
+scale, set by the largest weighted contribution, would otherwise leave a client of small
+weight only a few levels. Rank 0 decodes
 s_b · Σ_k q_{k,i}, the same integers at any world size. Error feedback keeps
 e_k ← x_k − s_b q_k / w̃_k (the update space: the next round's weight may differ).
 ``bf16`` (not a fixed-point code) and ``topk`` (indices differ per client) cannot be summed
@@ -136,14 +141,21 @@ def ring_bits(participants: int) -> int:
     return 16 if 127 * participants < 1 << 15 else 32
 
 
+def code_levels(bits: int, participants: int) -> int:
+    """L = ⌊(2^{b−1} − 1)/m⌋: the largest |code| of each of m participants whose sum the
+    centred ring 2^b holds."""
+    return ((1 << (bits - 1)) - 1) // participants
+
+
 def _blocks(y: torch.Tensor) -> torch.Tensor:
     """``y`` zero-padded to whole blocks, as [⌈n/B⌉, B]."""
     return torch.nn.functional.pad(y, (0, (-y.numel()) % INT8_BLOCK)).view(-1, INT8_BLOCK)
 
 
 class SharedScaleInt8:
-    """int8 codes on a per-block scale shared by the round's participants, summed in the
-    ring 2^``bits`` (a :class:`~fedmpi.transforms.base.SumCode`; module docstring).
+    """Integer codes in [−``levels``, ``levels``] on a per-block scale shared by the
+    round's participants, summed in the ring 2^``bits`` (a
+    :class:`~fedmpi.transforms.base.SumCode`; module docstring).
 
     One rank's side: ``take`` keeps each accepted client's x_k (float32, on its device)
     and weight until the scale is agreed — up to the rank's participants of a round, each
@@ -153,11 +165,13 @@ class SharedScaleInt8:
 
     Args:
         bits: 16 or 32 (:func:`ring_bits`).
+        levels: L (:func:`code_levels`).
         sent: ``sent(client, x̂_k)`` once client k's code is formed, or None.
     """
 
-    def __init__(self, bits: int, sent: Optional[Callable[[int, torch.Tensor], None]] = None) -> None:
-        self.bits = bits
+    def __init__(self, bits: int, levels: int,
+                 sent: Optional[Callable[[int, torch.Tensor], None]] = None) -> None:
+        self.bits, self.levels = bits, levels
         self.sent = sent
         self._rows: list[torch.Tensor] = []     # kept between rounds, one per client slot
         self._kept: list[tuple[int, float]] = []
@@ -189,8 +203,8 @@ class SharedScaleInt8:
         return out.numpy()
 
     def agree(self, maximum: np.ndarray) -> None:
-        """s_b = max_k max_i |y_{k,i}| / 127 from the round's ``MAX`` ``Allreduce``."""
-        self._scale_cpu = torch.from_numpy(maximum / 127.0)
+        """s_b = max_k max_i |y_{k,i}| / L from the round's ``MAX`` ``Allreduce``."""
+        self._scale_cpu = torch.from_numpy(maximum / float(self.levels))
         device = self._rows[0].device if self._kept else torch.device("cpu")
         self._scale = self._scale_cpu.to(device)
 
@@ -202,7 +216,7 @@ class SharedScaleInt8:
         total = torch.zeros(s.shape[0], INT8_BLOCK, dtype=torch.int64, device=s.device)
         for i, (client, weight) in enumerate(self._kept):
             q = torch.where(nonzero, torch.round(self._y(i) / torch.where(nonzero, s, 1.0)),
-                            0.0).clamp_(-127, 127)
+                            0.0).clamp_(-self.levels, self.levels)
             total += q.to(torch.int64)
             if self.sent is not None:
                 sent = (q * s).view(-1)[:n]
@@ -235,8 +249,9 @@ class Compression(UpdateTransform):
         self.down = p.downlink
         self._received: Optional[torch.Tensor] = None   # θ̂, one buffer per worker
         # with secure aggregation the codes are formed once the round's scale is agreed
-        self.ring = (ring_bits(cfg.train.clients_per_round or cfg.data.num_clients)
-                     if cfg.privacy.secure_aggregation and p.uplink == "int8" else 0)
+        m = cfg.train.clients_per_round or cfg.data.num_clients
+        self.ring = ring_bits(m) if cfg.privacy.secure_aggregation and p.uplink == "int8" else 0
+        self.levels = code_levels(self.ring, m) if self.ring else 0
 
     @classmethod
     def enabled(cls, cfg: Config) -> bool:
@@ -273,6 +288,7 @@ class Compression(UpdateTransform):
             self.report.attr("compression", "topk_fraction", self.fraction)
         if self.ring:
             self.report.attr("compression", "ring_bits", self.ring)
+            self.report.attr("compression", "code_levels", self.levels)
 
     def validate(self, parts: RunParts) -> None:
         """Under secure aggregation the int8 ring carries ``delta`` alone: another summed
@@ -287,7 +303,8 @@ class Compression(UpdateTransform):
 
     def sum_code(self) -> Optional[SharedScaleInt8]:
         """With secure aggregation: the shared-scale codes the masked ring sums."""
-        return SharedScaleInt8(self.ring, self.sent if self.feedback else None) if self.ring else None
+        return (SharedScaleInt8(self.ring, self.levels, self.sent if self.feedback else None)
+                if self.ring else None)
 
     def sent(self, client: int, sent: torch.Tensor) -> None:
         """x̂_k, what the ring sum carries of client k's x_k: e_k ← x_k − x̂_k
