@@ -44,9 +44,10 @@ __all__ = [
 #: of MiB at n = 16.
 CHUNK = 1 << 18
 #: Columns per chunk of the selection network on the CPU: its n + 1 rows of
-#: ``SELECT_CHUNK`` float32 values (1 MiB at n = 16) stay in a core's L2 cache, where one
-#: numpy ``minimum`` of a row costs a few microseconds (:meth:`Workspace.select_columns`).
-SELECT_CHUNK = 1 << 14
+#: ``SELECT_CHUNK`` float32 values (2 MiB at n = 16) stay near the cache, and one numpy
+#: ``minimum`` of a row (a few microseconds) outweighs its call's fixed cost
+#: (:meth:`Workspace.select_columns`; 2^15 measured faster than 2^14 and 2^16–2^17).
+SELECT_CHUNK = 1 << 15
 #: The same on an accelerator, where a longer operation costs no more to launch.
 SELECT_CHUNK_DEVICE = 1 << 20
 #: At most this many CPU lanes (threads) share the chunks; each keeps its own buffers.
@@ -60,36 +61,26 @@ Array = Any
 @dataclass(frozen=True)
 class Ops:
     """The elementwise operations of the selection network on one kind of array, each
-    ``f(x, y, out)``; numpy's on the CPU, torch's on an accelerator."""
+    called ``f(x, y, out=z)``; numpy's on the CPU, torch's on an accelerator."""
 
     view: Callable[[torch.Tensor], Array]
-    minimum: Callable[[Array, Array, Array], Any]
-    maximum: Callable[[Array, Array, Array], Any]
-    add: Callable[[Array, Array, Array], Any]
-    divide: Callable[[Array, Any, Array], Any]
-    less: Callable[[Array, Array, Array], Any]
-    greater: Callable[[Array, Array, Array], Any]
+    minimum: Callable[..., Any]
+    maximum: Callable[..., Any]
+    add: Callable[..., Any]
+    divide: Callable[..., Any]
+    less: Callable[..., Any]
+    greater: Callable[..., Any]
     as_u8: Callable[[Array], Array]
     row_sums: Callable[[Array], Array]
     copy: Callable[[Array, Array], Any]
 
 
-NUMPY_OPS = Ops(view=lambda t: t.numpy(),
-                minimum=lambda x, y, out: np.minimum(x, y, out=out),
-                maximum=lambda x, y, out: np.maximum(x, y, out=out),
-                add=lambda x, y, out: np.add(x, y, out=out),
-                divide=lambda x, y, out: np.divide(x, y, out=out),
-                less=lambda x, y, out: np.less(x, y, out=out),
-                greater=lambda x, y, out: np.greater(x, y, out=out),
+NUMPY_OPS = Ops(view=lambda t: t.numpy(), minimum=np.minimum, maximum=np.maximum,
+                add=np.add, divide=np.divide, less=np.less, greater=np.greater,
                 as_u8=lambda f: f.view(np.uint8), row_sums=lambda t: t.sum(1, dtype=np.int64),
                 copy=np.copyto)
-TORCH_OPS = Ops(view=lambda t: t,
-                minimum=lambda x, y, out: torch.minimum(x, y, out=out),
-                maximum=lambda x, y, out: torch.maximum(x, y, out=out),
-                add=lambda x, y, out: torch.add(x, y, out=out),
-                divide=lambda x, y, out: torch.div(x, y, out=out),
-                less=lambda x, y, out: torch.lt(x, y, out=out),
-                greater=lambda x, y, out: torch.gt(x, y, out=out),
+TORCH_OPS = Ops(view=lambda t: t, minimum=torch.minimum, maximum=torch.maximum,
+                add=torch.add, divide=torch.div, less=torch.lt, greater=torch.gt,
                 as_u8=lambda f: f.view(torch.uint8),
                 row_sums=lambda t: t.sum(1, dtype=torch.int64),
                 copy=lambda dst, src: dst.copy_(src))
@@ -200,10 +191,10 @@ class OutsideCounts:
         """Count the columns ``a:b`` (``low``, ``high``: their bounds)."""
         ops, flag, tally = self.ops, self.flags[lane][:, : b - a], self.tally[lane][:, : b - a]
         block = ops.view(self.X)[:, a:b]
-        ops.less(block, low, flag)
-        ops.add(tally, ops.as_u8(flag), tally)
-        ops.greater(block, high, flag)
-        ops.add(tally, ops.as_u8(flag), tally)
+        ops.less(block, low, out=flag)
+        ops.add(tally, ops.as_u8(flag), out=tally)
+        ops.greater(block, high, out=flag)
+        ops.add(tally, ops.as_u8(flag), out=tally)
         self.pending[lane] += 1
         if self.pending[lane] == self.FLUSH:
             self._flush(lane)
@@ -231,33 +222,48 @@ def _select_chunk(X: torch.Tensor) -> int:
     return SELECT_CHUNK if X.device.type == "cpu" else SELECT_CHUNK_DEVICE
 
 
-def _run_network(net: "Network", X: Array, a: int, b: int, buf: Array,
-                 ops: Ops) -> list[Array]:
-    """The steps of ``net`` on ``X[:, a:b]``; positions a step wrote live in rows of
-    ``buf`` ([n + 1, ≥ b − a]), the others are still views of ``X``."""
-    n = X.shape[0]
-    rows: list[Array] = [X[i, a:b] for i in range(n)]
-    owned = [False] * n                      # rows[i] is a buffer row, not X's
-    free = [buf[k, : b - a] for k in range(n + 1)]
-    minimum, maximum = ops.minimum, ops.maximum
+@lru_cache(maxsize=256)
+def _schedule(net: "Network", n: int) -> tuple[tuple[tuple[bool, int, int, int], ...],
+                                                tuple[int, ...]]:
+    """Where each step of ``net`` reads and writes, fixed once per network: slots
+    0 … n − 1 are the rows of ``X``, n … 2n the rows of the chunk buffer. Returns the steps
+    as (maximum?, slot x, slot y, slot out) and the slot that holds each position at the
+    end. A position keeps reading ``X`` until a step writes it; in place is safe (the
+    operations are elementwise)."""
+    rows = list(range(n))                    # position → slot
+    free = list(range(n, 2 * n + 1))
+    prog: list[tuple[bool, int, int, int]] = []
     for i, j, need_lo, need_hi in net:
         ri, rj = rows[i], rows[j]
-        if need_lo:                          # elementwise: in place is safe
-            lo = ri if owned[i] and not need_hi else free.pop()
-            minimum(ri, rj, lo)
+        if need_lo:
+            lo = ri if ri >= n and not need_hi else free.pop()
+            prog.append((False, ri, rj, lo))
         if need_hi:
-            hi = rj if owned[j] else free.pop()
-            maximum(ri, rj, hi)
-            rows[j], owned[j] = hi, True
-        elif owned[j]:
+            hi = rj if rj >= n else free.pop()
+            prog.append((True, ri, rj, hi))
+            rows[j] = hi
+        elif rj >= n:
             free.append(rj)
         if need_lo:
-            if owned[i] and lo is not ri:
+            if ri >= n and lo != ri:
                 free.append(ri)
-            rows[i], owned[i] = lo, True
-        elif owned[i]:
+            rows[i] = lo
+        elif ri >= n:
             free.append(ri)
-    return rows
+    return tuple(prog), tuple(rows)
+
+
+def _run_network(net: "Network", X: Array, a: int, b: int, buf: Array,
+                 ops: Ops) -> list[Array]:
+    """The steps of ``net`` on ``X[:, a:b]`` (:func:`_schedule`); positions a step wrote
+    live in rows of ``buf`` ([n + 1, ≥ b − a]), the others are still views of ``X``."""
+    n = X.shape[0]
+    prog, final = _schedule(net, n)
+    slots = [X[i, a:b] for i in range(n)] + [buf[k, : b - a] for k in range(n + 1)]
+    minimum, maximum = ops.minimum, ops.maximum
+    for is_max, x, y, o in prog:
+        (maximum if is_max else minimum)(slots[x], slots[y], out=slots[o])
+    return [slots[k] for k in final]
 
 
 #: Compare–exchange steps (i, j, min needed, max needed), i < j: afterwards position i
@@ -339,9 +345,9 @@ def _middle_mean(X: torch.Tensor, trim: int, out: torch.Tensor, ws: Workspace,
         acc = outa[a:b]
         ops.copy(acc, S[trim])
         for r in range(trim + 1, n - trim):
-            ops.add(acc, S[r], acc)
+            ops.add(acc, S[r], out=acc)
         if keep > 1:
-            ops.divide(acc, keep, acc)
+            ops.divide(acc, keep, out=acc)
         if not ends:
             return
         assert tally is not None
@@ -349,11 +355,11 @@ def _middle_mean(X: torch.Tensor, trim: int, out: torch.Tensor, ws: Workspace,
         if ends_from_bag:
             low = ops.view(ws.buffer(f"low{lane}", (width,), X.dtype, X.device))[: b - a]
             high = ops.view(ws.buffer(f"high{lane}", (width,), X.dtype, X.device))[: b - a]
-            ops.minimum(S[trim], S[trim + 1], low)
-            ops.maximum(S[trim], S[trim + 1], high)
+            ops.minimum(S[trim], S[trim + 1], out=low)
+            ops.maximum(S[trim], S[trim + 1], out=high)
             for r in range(trim + 2, n - trim):
-                ops.minimum(low, S[r], low)
-                ops.maximum(high, S[r], high)
+                ops.minimum(low, S[r], out=low)
+                ops.maximum(high, S[r], out=high)
         tally.add(a, b, low, high, lane)
 
     ws.select_columns(X, net, each)
