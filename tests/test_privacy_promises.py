@@ -63,7 +63,7 @@ def test_one_accepted_update_is_withheld_not_opened(tmp_path, monkeypatch):
     opened, sealed = [], []
     real_open, real_seal = SecureAggregator.open, SecureAggregator.seal
     monkeypatch.setattr(SecureAggregator, "open",
-                        lambda self, total: opened.append(1) or real_open(self, total))
+                        lambda self, *a: opened.append(1) or real_open(self, *a))
     monkeypatch.setattr(SecureAggregator, "seal",
                         lambda self, *a: sealed.append(1) or real_seal(self, *a))
     from fedmpi.runtime.build import participants
