@@ -24,6 +24,10 @@ Two building blocks serve all rules:
   few dozen vector passes over the [n, chunk] block instead of a sort per
   coordinate; the values are exactly the sorted ones at those ranks, ties
   included.
+
+Longer than ~400 lines: one job, the order-statistic and Gram arithmetic of every robust
+rule; the selection network's schedule, its numpy/torch operations and the outside counts
+are parts of that one computation, not separate tools.
 """
 from __future__ import annotations
 

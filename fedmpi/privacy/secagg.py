@@ -270,15 +270,13 @@ class SecureAggregator:
         others = [int(j) for j in accepted if int(j) not in own]
         if self.code is not None:
             self.code.encode(out)
-            for k in own:
-                self._add_mask(out, k, t, others)
-            return
-        v = partial.detach().cpu()
-        q = self._float_scratch(v.numel())
-        q.copy_(v).mul_(float(1 << self.scale_bits)).round_()     # = encode(), in place
-        e = torch.from_numpy(out)
-        e.copy_(q)                            # integral values: the conversion is exact
-        e.bitwise_and_(_MASK)
+        else:
+            v = partial.detach().cpu()
+            q = self._float_scratch(v.numel())
+            q.copy_(v).mul_(float(1 << self.scale_bits)).round_()     # = encode(), in place
+            e = torch.from_numpy(out)
+            e.copy_(q)                        # integral values: the conversion is exact
+            e.bitwise_and_(_MASK)
         for k in own:
             self._add_mask(out, k, t, others)
 

@@ -232,11 +232,11 @@ class Channel:
         if accepted and self.codec is not None and not self._encodable(stats, raw_weight):
             self.meta_send[client, M_STATUS] = STATUS_RANGE   # refused, never wrapped
             accepted = False
-        if accepted and self.codec is not None and self.codec.take(
-                client, [(stats[stat.name], raw_weight if stat.combine == "weighted" else 1.0)
-                         for stat, _ in self.plan.reduced]):
-            pass   # the codec keeps this client's contribution (a sum code)
-        elif accepted:
+        # a sum code keeps the client's contribution itself; else it joins the partial sum
+        taken = accepted and self.codec is not None and self.codec.take(
+            client, [(stats[stat.name], raw_weight if stat.combine == "weighted" else 1.0)
+                     for stat, _ in self.plan.reduced])
+        if accepted and not taken:
             assert self.red_send is not None, "a rank that trains clients holds a partial sum"
             for stat, off in self.plan.reduced:
                 alpha = raw_weight if stat.combine == "weighted" else 1.0

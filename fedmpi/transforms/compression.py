@@ -120,8 +120,7 @@ def decode_encode(kind: str, x: torch.Tensor, topk_fraction: float = 1.0) -> tor
         return x.to(torch.bfloat16).to(x.dtype)
     if kind == "int8":
         n = x.numel()
-        pad = (-n) % INT8_BLOCK
-        blocks = torch.nn.functional.pad(x, (0, pad)).view(-1, INT8_BLOCK)
+        blocks = _blocks(x)
         scale = blocks.abs().amax(dim=1, keepdim=True) / 127.0
         codes = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1.0)),
                             torch.zeros_like(blocks)).clamp_(-127, 127).to(torch.int8)
@@ -198,8 +197,11 @@ class SharedScaleInt8:
     def local_bound(self, size: int) -> np.ndarray:
         """max_{k kept} max_{i∈b} |y_{k,i}| per block (zeros where none is kept)."""
         out = torch.zeros(math.ceil(size / INT8_BLOCK), dtype=torch.float64)
-        for i in range(len(self._kept)):
-            torch.maximum(out, self._y(i).abs().amax(dim=1).cpu(), out=out)
+        for row, (_, weight) in zip(self._rows, self._kept):
+            # max_i |w x_i| = |w| max_i |x_i| in float64: rounding is monotone, so the same
+            # bits without a float64 copy of the row
+            block_max = _blocks(row).abs().amax(dim=1).cpu().to(torch.float64)
+            torch.maximum(out, block_max.mul_(abs(weight)), out=out)
         return out.numpy()
 
     def agree(self, maximum: np.ndarray) -> None:
