@@ -1,0 +1,1 @@
+"""Round policies: who trains from which model version, when a step is applied, and the clocks."""

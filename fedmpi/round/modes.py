@@ -1,0 +1,250 @@
+"""What a round decides, as event-driven state machines: who trains from which model
+version, when the server applies a step, and what a late update counts for.
+
+A *job* is one client's local training from model version ``version`` (the number of
+server steps applied before it started). A policy is fed two kinds of events by a
+driver — a job's update arrived (:meth:`Mode.arrive`), or the time passed the policy's
+own timer (:meth:`Mode.wake`) — and answers with :class:`Actions`: the server steps to
+apply now (each the list of updates it aggregates, with their staleness weights) and the
+jobs to start now. The same policies run under the wall clock (the driver feeds real
+arrivals, :mod:`fedmpi.round.clock` names them) and under the virtual clock (the driver
+simulates arrivals from each job's virtual duration), so which updates make a step is
+decided by one implementation whatever the clock.
+
+* :class:`Synchronous` — round t: the participants S_t (m of K, RNG (seed, t)) train
+  from θ^t; the step is applied when all have reported (FedAvg's round).
+* :class:`Deadline` — round t closes at ``deadline`` seconds after θ^t was sent, or as
+  soon as every participant has reported, and never with fewer than ``min_updates``
+  updates (it waits for them, up to ``timeout``). A participant still training when its
+  round closes is *late*: its update is dropped (``late: drop``) or aggregated by the
+  next step that closes after it arrives, with staleness weight s(τ) (``late: carry``).
+  A late client is busy until it reports, so the next rounds sample among the idle
+  clients (S_t with the busy clients replaced by idle ones, RNG (seed, t)): with no late
+  client, the rounds are exactly :class:`Synchronous`'s.
+* :class:`Buffered` — FedBuff (Nguyen et al., AISTATS 2022, Alg. 1): ``concurrency``
+  clients train at all times; each arriving update of staleness τ ≤ ``max_staleness`` is
+  buffered with weight s(τ); after ``buffer`` updates the server applies a step. The
+  client whose update arrived is idle again and a client (RNG (seed, arrival)) among the
+  idle ones starts from the newest version; ``buffer: 1`` applies every update as it
+  arrives (FedAsync's schedule, Xie et al. 2019).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from fedmpi.round.staleness import Staleness
+
+INF = math.inf
+
+
+@dataclass(frozen=True)
+class Job:
+    """One local training: ``client`` from model version ``version``, started at ``start``
+    (seconds on the driver's clock); ``round`` is the round it was started for (the
+    version for :class:`Buffered`)."""
+
+    client: int
+    version: int
+    start: float
+    round: int
+
+
+@dataclass(frozen=True)
+class Update:
+    """An arrived update as a step aggregates it: τ = step − version, weight s(τ)."""
+
+    job: Job
+    arrived: float
+    staleness: int
+    weight: float
+
+
+@dataclass(frozen=True)
+class Step:
+    """A server step: version ``version`` → ``version + 1`` from ``updates`` (client order
+    of arrival), applied at ``time``; ``participants`` are the clients of the round it
+    closes (all of its updates' clients for :class:`Buffered`)."""
+
+    version: int
+    time: float
+    updates: tuple[Update, ...]
+    dropped: tuple[Update, ...] = ()
+    missing: tuple[int, ...] = ()   # participants of the round still training at the close
+
+
+@dataclass
+class Actions:
+    steps: list[Step] = field(default_factory=list)
+    start: list[Job] = field(default_factory=list)
+
+
+def sample(seed: int, num_clients: int, m: int, t: int) -> np.ndarray:
+    """Boolean mask of S_t: m of K clients without replacement, RNG (seed, t)."""
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 0x5E1EC7, t]))
+    mask = np.zeros(num_clients, dtype=bool)
+    mask[rng.choice(num_clients, size=m, replace=False)] = True
+    return mask
+
+
+def sample_idle(seed: int, num_clients: int, m: int, t: int, busy: set[int]) -> list[int]:
+    """S_t with its busy clients replaced by idle ones drawn with RNG (seed, t, 1): equal
+    to :func:`sample` when no client is busy."""
+    chosen = [int(k) for k in np.flatnonzero(sample(seed, num_clients, m, t)) if k not in busy]
+    short = min(m, num_clients - len(busy)) - len(chosen)
+    if short > 0:
+        idle = [k for k in range(num_clients) if k not in busy and k not in chosen]
+        rng = np.random.default_rng(np.random.SeedSequence([seed, 0x5E1EC7, t, 1]))
+        chosen += [int(k) for k in rng.choice(idle, size=short, replace=False)]
+    return sorted(chosen)
+
+
+class Mode:
+    """A round policy: fed arrivals and timers, answers with :class:`Actions`."""
+
+    #: the server steps this run applies (``train.rounds``)
+    steps: int
+
+    def begin(self, now: float) -> Actions:
+        raise NotImplementedError
+
+    def arrive(self, job: Job, now: float) -> Actions:
+        raise NotImplementedError
+
+    def timer(self) -> float:
+        """The clock time at which :meth:`wake` must be called (inf: none)."""
+        return INF
+
+    def wake(self, now: float) -> Actions:
+        return Actions()
+
+    @property
+    def done(self) -> bool:
+        raise NotImplementedError
+
+
+class Deadline(Mode):
+    """Deadline rounds (module docstring); ``deadline = inf`` and ``min_updates = m`` is the
+    synchronous round."""
+
+    def __init__(self, seed: int, num_clients: int, per_round: int, steps: int,
+                 deadline: float = INF, min_updates: int = 1, late: str = "drop",
+                 staleness: Staleness = Staleness(), timeout: float = INF) -> None:
+        if late not in ("drop", "carry"):
+            raise ValueError(f"late must be drop or carry, got {late!r}")
+        self.seed, self.K, self.m, self.steps = seed, num_clients, per_round, steps
+        self.deadline, self.min_updates, self.late = deadline, min_updates, late
+        self.staleness, self.timeout = staleness, timeout
+        self.version = 0
+        self.opened = 0.0
+        self.waiting: set[int] = set()     # this round's participants still training
+        self.busy: dict[int, Job] = {}     # every running job, by client
+        self.updates: list[Update] = []
+        self.dropped: list[Update] = []
+        self.timed_out = False
+
+    @property
+    def done(self) -> bool:
+        return self.version >= self.steps
+
+    def begin(self, now: float) -> Actions:
+        return Actions(start=self._open(now))
+
+    def _open(self, now: float) -> list[Job]:
+        if self.done:
+            return []
+        self.opened = now
+        clients = sample_idle(self.seed, self.K, self.m, self.version, set(self.busy))
+        jobs = [Job(k, self.version, now, self.version) for k in clients]
+        self.waiting = set(clients)
+        self.busy.update((j.client, j) for j in jobs)
+        return jobs
+
+    def timer(self) -> float:
+        if self.done:
+            return INF
+        if len(self.updates) >= self.min_updates:
+            return self.opened + self.deadline
+        return self.opened + max(self.deadline, self.timeout)
+
+    def arrive(self, job: Job, now: float) -> Actions:
+        del self.busy[job.client]
+        tau = self.version - job.version
+        update = Update(job, now, tau, self.staleness.weight(tau))
+        if job.round == self.version:
+            self.waiting.discard(job.client)
+            self.updates.append(update)
+        elif self.late == "carry" and self.staleness.keeps(tau):
+            self.updates.append(update)
+        else:
+            self.dropped.append(update)
+        past = now >= self.opened + self.deadline   # min_updates reached after the deadline
+        if (past or not self.waiting) and len(self.updates) >= self.min_updates:
+            return self._close(now)
+        return Actions()
+
+    def wake(self, now: float) -> Actions:
+        if len(self.updates) >= self.min_updates:
+            return self._close(now)
+        if now >= self.opened + self.timeout:
+            self.timed_out = True
+        return Actions()
+
+    def _close(self, now: float) -> Actions:
+        step = Step(self.version, now, tuple(self.updates), tuple(self.dropped),
+                    tuple(sorted(self.waiting)))
+        self.version += 1
+        self.updates, self.dropped = [], []
+        return Actions(steps=[step], start=self._open(now))
+
+
+class Buffered(Mode):
+    """Buffered asynchronous aggregation (module docstring)."""
+
+    def __init__(self, seed: int, num_clients: int, concurrency: int, steps: int,
+                 buffer: int = 1, staleness: Staleness = Staleness()) -> None:
+        if not 1 <= concurrency <= num_clients:
+            raise ValueError(f"concurrency must be in [1, {num_clients}], got {concurrency}")
+        self.seed, self.K, self.C, self.steps = seed, num_clients, concurrency, steps
+        self.B, self.staleness = buffer, staleness
+        self.version = 0
+        self.arrivals = 0
+        self.busy: set[int] = set()
+        self.updates: list[Update] = []
+        self.dropped: list[Update] = []
+
+    @property
+    def done(self) -> bool:
+        return self.version >= self.steps
+
+    def begin(self, now: float) -> Actions:
+        clients = [int(k) for k in np.flatnonzero(sample(self.seed, self.K, self.C, 0))]
+        self.busy.update(clients)
+        return Actions(start=[Job(k, 0, now, 0) for k in clients])
+
+    def arrive(self, job: Job, now: float) -> Actions:
+        self.busy.discard(job.client)
+        self.arrivals += 1
+        tau = self.version - job.version
+        update = Update(job, now, tau, self.staleness.weight(tau))
+        (self.updates if self.staleness.keeps(tau) else self.dropped).append(update)
+        out = Actions()
+        if len(self.updates) >= self.B:
+            out.steps.append(Step(self.version, now, tuple(self.updates), tuple(self.dropped)))
+            self.version += 1
+            self.updates, self.dropped = [], []
+        if not self.done:
+            idle = [k for k in range(self.K) if k not in self.busy]
+            rng = np.random.default_rng(np.random.SeedSequence([self.seed, 0xB0FF, self.arrivals]))
+            k = int(rng.choice(idle))
+            self.busy.add(k)
+            out.start.append(Job(k, self.version, now, self.version))
+        return out
+
+
+def synchronous(seed: int, num_clients: int, per_round: int, steps: int) -> Deadline:
+    """FedAvg's round as a policy: no deadline, the step when every participant reported."""
+    return Deadline(seed, num_clients, per_round, steps, deadline=INF, min_updates=1)
