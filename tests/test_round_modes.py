@@ -119,3 +119,16 @@ def test_virtual_schedule_is_a_pure_function_of_the_config():
                      dur(slow)) for _ in range(2)]
     assert runs[0] == runs[1]
     assert not math.isinf(runs[0][-1].time)
+
+
+def test_buffered_a_client_contributes_once_per_step_and_waits_for_it():
+    # client 0 takes 1 s, client 1 takes 3 s, buffer 2: 0 arrives at 1 and waits for the
+    # step; 1 arrives at 3 → step 0 at 3 with {0, 1}; both restart from version 1
+    slow = [1.0, 3.0]
+    steps = simulate(Buffered(0, 2, 2, 3, buffer=2), dur(slow))
+    assert [(s.time, sorted(u.job.client for u in s.updates)) for s in steps] == \
+        [(3.0, [0, 1]), (6.0, [0, 1]), (9.0, [0, 1])]
+    for s in steps:
+        clients = [u.job.client for u in s.updates]
+        assert len(clients) == len(set(clients))
+        assert all(u.staleness == 0 for u in s.updates)

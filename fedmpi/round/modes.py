@@ -23,10 +23,11 @@ decided by one implementation whatever the clock.
   client, the rounds are exactly :class:`Synchronous`'s.
 * :class:`Buffered` — FedBuff (Nguyen et al., AISTATS 2022, Alg. 1): ``concurrency``
   clients train at all times; each arriving update of staleness τ ≤ ``max_staleness`` is
-  buffered with weight s(τ); after ``buffer`` updates the server applies a step. The
-  client whose update arrived is idle again and a client (RNG (seed, arrival)) among the
-  idle ones starts from the newest version; ``buffer: 1`` applies every update as it
-  arrives (FedAsync's schedule, Xie et al. 2019).
+  buffered with weight s(τ); after ``buffer`` updates the server applies a step. Clients
+  (RNG (seed, job number)) among the idle ones start from the newest version whenever
+  fewer than ``concurrency`` train; a client whose update waits in the buffer is not idle
+  until the step applies it (one update per client and step); ``buffer: 1`` applies every
+  update as it arrives (FedAsync's schedule, Xie et al. 2019).
 """
 from __future__ import annotations
 
@@ -202,17 +203,22 @@ class Deadline(Mode):
 
 
 class Buffered(Mode):
-    """Buffered asynchronous aggregation (module docstring)."""
+    """Buffered asynchronous aggregation (module docstring). A client contributes at most
+    one update to a step: one whose update waits in the buffer starts again from the step
+    that applies it."""
 
     def __init__(self, seed: int, num_clients: int, concurrency: int, steps: int,
                  buffer: int = 1, staleness: Staleness = Staleness()) -> None:
         if not 1 <= concurrency <= num_clients:
             raise ValueError(f"concurrency must be in [1, {num_clients}], got {concurrency}")
+        if not 1 <= buffer <= concurrency:
+            raise ValueError(f"buffer must be in [1, concurrency = {concurrency}], got {buffer}")
         self.seed, self.K, self.C, self.steps = seed, num_clients, concurrency, steps
         self.B, self.staleness = buffer, staleness
         self.version = 0
-        self.arrivals = 0
-        self.busy: set[int] = set()
+        self.started = 0
+        self.busy: set[int] = set()      # training
+        self.parked: set[int] = set()    # their update waits in the buffer
         self.updates: list[Update] = []
         self.dropped: list[Update] = []
 
@@ -223,24 +229,32 @@ class Buffered(Mode):
     def begin(self, now: float) -> Actions:
         clients = [int(k) for k in np.flatnonzero(sample(self.seed, self.K, self.C, 0))]
         self.busy.update(clients)
+        self.started = len(clients)
         return Actions(start=[Job(k, 0, now, 0) for k in clients])
 
     def arrive(self, job: Job, now: float) -> Actions:
         self.busy.discard(job.client)
-        self.arrivals += 1
         tau = self.version - job.version
         update = Update(job, now, tau, self.staleness.weight(tau))
-        (self.updates if self.staleness.keeps(tau) else self.dropped).append(update)
+        if self.staleness.keeps(tau):
+            self.updates.append(update)
+            self.parked.add(job.client)
+        else:
+            self.dropped.append(update)
         out = Actions()
         if len(self.updates) >= self.B:
             out.steps.append(Step(self.version, now, tuple(self.updates), tuple(self.dropped)))
             self.version += 1
             self.updates, self.dropped = [], []
-        if not self.done:
-            idle = [k for k in range(self.K) if k not in self.busy]
-            rng = np.random.default_rng(np.random.SeedSequence([self.seed, 0xB0FF, self.arrivals]))
+            self.parked.clear()
+        while not self.done and len(self.busy) < self.C:
+            idle = [k for k in range(self.K) if k not in self.busy and k not in self.parked]
+            if not idle:
+                break
+            rng = np.random.default_rng(np.random.SeedSequence([self.seed, 0xB0FF, self.started]))
             k = int(rng.choice(idle))
             self.busy.add(k)
+            self.started += 1
             out.start.append(Job(k, self.version, now, self.version))
         return out
 
