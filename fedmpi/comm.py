@@ -635,6 +635,35 @@ class Comm:
 
         self._wait(flat, what, patient, piece_done if on_done is not None else None)
 
+    def wait_any(self, requests: list, what: str, until: float = float("inf")) -> list[int]:
+        """Sleep-poll until at least one of ``requests`` (lists from :meth:`start_send` /
+        :meth:`start_recv`) is complete, or ``time.monotonic()`` reaches ``until``; returns
+        the indices of the complete ones (ascending; [] at ``until``). With no ``until``
+        it raises :class:`CommTimeout` after the timeout, as :meth:`_wait` does."""
+        MPI = self.MPI
+        start = time.monotonic()
+        limit = min(until, start + self.timeout)
+        next_poll = start + PING_POLL if self._answer_in_wait else float("inf")
+        delay = 1e-5
+        self._where = ("waiting in", what)
+        while True:
+            done = [i for i, group in enumerate(requests) if MPI.Request.Testall(group)]
+            if done:
+                self._where = ("past", what)
+                return done
+            now = time.monotonic()
+            if now >= next_poll:
+                self._answer_ping()
+                next_poll = now + PING_POLL
+            if now >= limit:
+                self._where = ("past", what)
+                if limit >= until:
+                    return []
+                raise CommTimeout(f"rank {self.world_rank}: {what} did not complete within "
+                                  f"{self.timeout_key}={self.timeout:g}s")
+            time.sleep(min(delay, max(limit - now, 0.0)))
+            delay = min(delay * 2.0, self.max_sleep)
+
     def allreduce_sum(self, sendbuf: np.ndarray, recvbuf: np.ndarray, what: str = "Allreduce",
                       patient: bool = True) -> None:
         """``recvbuf = Σ_ranks sendbuf`` on every rank."""

@@ -27,6 +27,7 @@ from fedmpi.methods.base import Algorithm
 from fedmpi.config.core import Config
 from fedmpi.config.fields import Field, suggest
 from fedmpi.config.params import CopyOnRead, param, section, section_fields
+from fedmpi.config.rounds import RoundConfig, round_checks
 from fedmpi.errors import ConfigError
 from fedmpi.imports import IMPORT_PATTERN
 
@@ -252,6 +253,9 @@ class SystemConfig(CopyOnRead):
 
     levels: list[float] | None = param(None, "resource levels r in (0, 1]", gt=0, le=1)
     allocation: list[int] | None = param(None, "clients per resource level", ge=0)
+    slowdown: list[float] | None = param(None, "one factor per client: its training takes "
+                                         "this many times as long (round.clock virtual: "
+                                         "the simulated time; null = 1 for all)", gt=0)
 
 
 # --------------------------------------------------------------------------- #
@@ -450,6 +454,7 @@ class FrameworkConfig(CopyOnRead):
                                   "a subclass of fedmpi.transforms.base.UpdateTransform built "
                                   "with the config), applied in this order around any method",
                                   **_IMPORT)
+    round: RoundConfig = section(RoundConfig)
     privacy: PrivacyConfig = section(PrivacyConfig)
     eval: EvalConfig = section(EvalConfig)
     checkpoint: CheckpointConfig = section(CheckpointConfig)
@@ -499,6 +504,7 @@ def framework_checks(cfg: Config) -> None:
                 f"config key 'system.allocation' must sum to data.num_clients ({n}), "
                 f"got {alloc} (sum {sum(alloc)})")
     _privacy_checks(cfg)
+    round_checks(cfg)
 
 
 def _privacy_checks(cfg: Config) -> None:

@@ -92,6 +92,10 @@ class MethodSpec:
     #: parameters, u the uploaded Δ (FedNova uploads Δ_k/a_k); None: c_k = 1. Per-client
     #: weightings score the client model θ + c_k·u (FedVG Eq. 4)
     delta_scale: Optional[str] = None
+    #: the server rule holds for updates from older models applied a few at a time
+    #: (``round.mode: deadline | buffered``): no statistic summed over a round's cohort,
+    #: no per-round state shared by the clients (downlink extras)
+    asynchronous: bool = False
 
     def num_outputs(self, num_classes: int) -> int:
         """Width of the model's classifier head for ``num_classes`` classes."""

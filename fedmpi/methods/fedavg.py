@@ -10,4 +10,4 @@ from fedmpi.methods.base import Algorithm, MethodSpec
 
 class FedAvg(Algorithm):
     name = "fedavg"
-    spec = MethodSpec(record_dp=True)   # plain SGD local step (docs/privacy.md)
+    spec = MethodSpec(record_dp=True, asynchronous=True)   # plain SGD local step (docs/privacy.md)

@@ -27,7 +27,7 @@ class FedProxParams:
 
 class FedProx(Algorithm):
     name = "fedprox"
-    spec = MethodSpec(record_dp=True)   # plain SGD local step (docs/privacy.md)
+    spec = MethodSpec(record_dp=True, asynchronous=True)   # plain SGD local step (docs/privacy.md)
     params = {"fedprox": FedProxParams}
     _diff: torch.Tensor | None = None   # P-sized scratch on the worker
 

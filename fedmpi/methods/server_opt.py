@@ -125,7 +125,7 @@ class ServerOptAlgorithm(Algorithm, abc.ABC):
     Subclasses implement :meth:`make_optimizer`.
     """
 
-    spec = MethodSpec(record_dp=True)   # FedAvg clients: plain SGD local step (docs/privacy.md)
+    spec = MethodSpec(record_dp=True, asynchronous=True)   # FedAvg clients: plain SGD local step (docs/privacy.md)
 
     @abc.abstractmethod
     def make_optimizer(self, size: int, device: torch.device) -> ServerOptimizer:

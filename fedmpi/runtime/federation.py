@@ -30,7 +30,10 @@ from fedmpi.runtime.evaluation import Evaluation
 from fedmpi.runtime.record import RoundRecorder
 from fedmpi.runtime.server import (EXCLUDED_BECAUSE, META_FIELDS, STATUS_FAILED, STATUS_RANGE,
                                    STATUS_WITHHELD, ArrivalSum, is_summed, server_step)
+from fedmpi.runtime.asynchronous import AsyncRounds
 from fedmpi.runtime.worker import Worker
+from fedmpi.errors import ConfigError
+from fedmpi.methods import ALGORITHMS
 from fedmpi.training.loop import LocalTrainer
 from fedmpi.usercode import UserCode
 
@@ -61,7 +64,14 @@ class Federation:
         self.num_samples, self.host, self.my_clients = b.num_samples, b.host, b.hosted
         self.D = self.flat.size   # the exchanged state: trainable parameters + float buffers
         self.frozen_digest = b.frozen_digest
-        exact = cfg.runtime.reduction == "exact" and self.size > 1
+        asynchronous = cfg.round.mode != "sync"
+        if asynchronous and not self.algo.spec_for(cfg).asynchronous:
+            raise ConfigError(f"config key 'algorithm.name' ({cfg.algorithm.name}) does not "
+                              f"compose with round.mode {cfg.round.mode!r}: its rule needs "
+                              "every participant's update from one model version; set "
+                              "round.mode: sync or choose one of " + ", ".join(
+                                  n for n, c in ALGORITHMS.items() if c.spec.asynchronous))
+        exact = (cfg.runtime.reduction == "exact" and self.size > 1) or asynchronous
         rows_needed = self.server.rows_needed
         self.uplink_plan = plan_uplink(list(self.stats), rows_needed, exact)
         self.codec = self.transforms.codec(self.my_clients, self.K)
@@ -99,6 +109,9 @@ class Federation:
         self.failure: Optional[str] = None
         self.rounds_without_update = 0            # runtime.max_rounds_without_update
         self.site_metrics: dict[str, np.ndarray] = {}   # per-client values of evaluate()
+        #: round.mode deadline | buffered: the policy's point-to-point rounds
+        self.rounds = AsyncRounds(self) if asynchronous else None
+        self.reports_round = self.reports.reporter("round")
 
     # ----------------------------------------------------------- accessors
     @property
@@ -151,6 +164,8 @@ class Federation:
     # ----------------------------------------------------------------- round
     def round(self, t: int) -> int:
         """Run round ``t`` on this rank; returns the command that was broadcast."""
+        if self.rounds is not None:
+            return self.rounds.round(t)
         t_start = time.perf_counter()
         if self.is_server:
             self._plan(t)
@@ -191,6 +206,17 @@ class Federation:
 
     def _plan(self, t: int) -> None:
         """Rank 0: the round's command, flags and participants into the header."""
+        cmd = self.plan_command(t)
+        flags = self._flags(cmd, t)
+        self.channel.set_header(cmd, t, flags, self.participants(t) if cmd == CMD_ROUND else None)
+        if cmd == CMD_ROUND and self.channel.state.dev.numel() > self.D:
+            self.algo.fill_downlink(self.state.dev[self.D:], t)
+        if cmd != CMD_ROUND or flags & FLAG_CHECKPOINT:
+            self.recorder.finish_pending(self._evaluate)   # the log holds every round a checkpoint covers
+
+    def plan_command(self, t: int) -> int:
+        """Rank 0: round ``t``'s command (a stop requested, a failure, the end, a stage's
+        budget)."""
         if self.stop_reason is None and signals.requested():
             self.stop_reason = f"{signals.requested()} on rank 0"
             self.recorder.event(t, 0, -1, f"stop requested ({self.stop_reason}); checkpoint and exit")
@@ -207,12 +233,40 @@ class Federation:
                 self.recorder.event(t, 0, -1, f"run completed before round {t}: {self.finished_early}")
                 if self.writer is not None:
                     self.writer.set_attr("", "stop_reason", self.finished_early)
-        flags = self._flags(cmd, t)
-        self.channel.set_header(cmd, t, flags, self.participants(t) if cmd == CMD_ROUND else None)
-        if cmd == CMD_ROUND and self.channel.state.dev.numel() > self.D:
-            self.algo.fill_downlink(self.state.dev[self.D:], t)
-        if cmd != CMD_ROUND or flags & FLAG_CHECKPOINT:
-            self.recorder.finish_pending(self._evaluate)   # the log holds every round a checkpoint covers
+        return cmd
+
+    def stop_flags(self, cmd: int, t: int) -> int:
+        """Rank 0: the flags of a stop header (checkpoint, interrupted); the pending row first."""
+        self.recorder.finish_pending(self._evaluate)
+        return self._flags(cmd, t)
+
+    def after_stop_header(self, t: int, flags: int) -> None:
+        """Every rank, on a stop header of the point-to-point rounds: what the header says."""
+        if flags & FLAG_INTERRUPTED and self.stop_reason is None:
+            self.stop_reason = "interrupted"
+        if flags & FLAG_CHECKPOINT:
+            self.save_checkpoint(t)
+
+    def fail_client(self, client: int, text: str) -> None:
+        """Rank 0: client ``client`` raised (its text); the next command aborts the run."""
+        if self.failure is None:
+            self.failure = text
+            self.recorder.event(self.reports.round, int(self.host[client]), client,
+                                f"local training failed: {text}", echo=False)
+
+    def worker_signal(self, rank: int, signum: int) -> None:
+        """Rank 0: rank ``rank`` saw stop signal ``signum``."""
+        if self.stop_reason is None:
+            self.stop_reason = f"{signals.signal_name(signum)} on {self.comm.voice_name(rank)}"
+            self.recorder.event(self.reports.round, rank, -1,
+                                f"stop requested ({self.stop_reason}); checkpoint and exit")
+
+    def signal_now(self) -> int:
+        return signals.requested_signum()
+
+    def client_error_line(self, exc: Exception, client: int, t: int) -> str:
+        """A worker: the one line of client ``client``'s error in round ``t``."""
+        return self.worker.error_line(exc, client, t)
 
     def _flags(self, cmd: int, t: int) -> int:
         """A checkpoint is taken at every stop (completed or interrupted, never after a
@@ -242,7 +296,14 @@ class Federation:
             self.recorder.event(t, 0, -1, f"checkpoint of rounds < {t} written to {path}")
 
     # ---------------------------------------------------------------- server
-    def _server_round(self, t: int, up, t_start: float, t_train: float) -> None:
+    def async_server_round(self, t: int, up, t_start: float, traffic: tuple[int, int]) -> None:
+        """Rank 0: a step of the point-to-point rounds: the server round with the bytes
+        moved, its evaluation not overlapped."""
+        self._server_round(t, up, t_start, t_start, traffic)
+        self.recorder.finish_pending(self._evaluate)
+
+    def _server_round(self, t: int, up, t_start: float, t_train: float,
+                      moved: Optional[tuple[int, int]] = None) -> None:
         stopping = np.flatnonzero(up.signals)
         if stopping.size and self.stop_reason is None:
             r = int(stopping[0])
@@ -286,9 +347,11 @@ class Federation:
         t_end = t_eval if overlapped else time.perf_counter()
         sel = [int(k) for k in np.flatnonzero(up.mask)]
         traffic = [self.transforms.traffic(*self.algo.traffic(k, t)) for k in sel]
+        bytes_up, bytes_down = moved if moved is not None else \
+            (sum(u for u, _ in traffic), sum(d for _, d in traffic))
         row = self.recorder.row(up, result, {"start": t_start, "agg": t_agg, "eval": t_eval,
                                              "end": t_end, "arrival": self.channel.exposed_arrival_seconds},
-                                sum(u for u, _ in traffic), sum(d for _, d in traffic))
+                                bytes_up, bytes_down)
         self.channel.exposed_arrival_seconds = 0.0
         row.scalars.update(evals)
         row.clients.update(self.evals.take_sites())   # /clients/<metric> of a per-site evaluation

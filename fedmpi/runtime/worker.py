@@ -92,6 +92,16 @@ class Worker:
         stages.on_upload(task, out)
         return result
 
+    def error_line(self, exc: Exception, client: int, t: int) -> str:
+        """The one line of client ``client``'s error in round ``t`` (its traceback printed
+        here only when asked for, or when the error is not the user's code)."""
+        assert self.trainer is not None, "only a rank hosting clients trains"
+        line, user = runtime_error_line(exc, run_objects(
+            self.algo, self.trainer.flat.model, self.weighting, self.transforms))
+        if show_traceback() or not user:   # the one error line comes from rank 0
+            traceback.print_exc()
+        return f"{line} (round {t}, client {client} on rank {self.rank})"
+
     def run(self, t: int, mask: np.ndarray, hosted: list[int], state: torch.Tensor,
             extras: torch.Tensor, channel: Channel) -> None:
         channel.begin_uplink(int(mask.sum()))
@@ -103,13 +113,7 @@ class Worker:
             try:
                 result = self.train(self.task(k, t), state, extras, self.scratch)
             except Exception as exc:  # noqa: BLE001 - reported to rank 0, then the job stops
-                assert self.trainer is not None, "only a rank hosting clients trains"
-                line, user = runtime_error_line(exc, run_objects(
-                    self.algo, self.trainer.flat.model, self.weighting, self.transforms))
-                text = f"{line} (round {t}, client {k} on rank {self.rank})"
-                if show_traceback() or not user:   # the one error line comes from rank 0
-                    traceback.print_exc()
-                channel.put_failure(row, k, text)
+                channel.put_failure(row, k, self.error_line(exc, k, t))
                 continue
             finite = all(all_finite(v) for v in self.scratch.values())
             raw_w = self.weighting.raw(k)
