@@ -1,0 +1,88 @@
+"""fedmpi's packages are layers (issue 45): no import cycle among them at package level,
+and few imports that run back up against the declared order (:data:`layers.LAYERS`).
+
+The measure is :mod:`layers` (``python tests/layers.py`` prints it): module-level imports
+only; those inside functions or under ``if TYPE_CHECKING:`` are no layering edges. At the
+issue's filing 10 packages lay in one cycle (config ↔ the component registries, log ↔ job)
+and 6 edges ran back up in this order.
+"""
+from __future__ import annotations
+
+import textwrap
+
+import layers
+from layers import LAYERS, back_arrows, cycles, measure, module_imports, unit_graph
+
+#: today's measure as a ratchet (issue 45 wants 0 packages in a cycle, at most 8 back-arrows)
+MAX_IN_CYCLES = 10
+MAX_BACK_ARROWS = 6
+
+
+def test_the_cycle_finder_and_the_back_arrows_on_known_graphs():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+    assert cycles({"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"c"}}) == [["a", "b"], ["c", "d"]]
+    order = [("floor",), ("mid", "peer"), ("roof",)]
+    graph = {"floor": {"roof"}, "mid": {"floor", "peer"}, "peer": {"mid"}, "roof": {"mid"}}
+    # within a layer is free (a cycle there is still a cycle); floor -> roof runs back up
+    assert back_arrows(graph, order) == [("floor", "roof")]
+    assert cycles(graph) == [["floor", "mid", "peer", "roof"]]
+
+
+def test_only_imports_run_at_import_time_are_edges(tmp_path):
+    """Module level, ``try``, ``if`` and class bodies count; a function body, a lambda and
+    ``if TYPE_CHECKING:`` do not (they are counted apart); relative imports resolve."""
+    pkg = tmp_path / "pkg"
+    for sub in ("low", "high", "side", "typed", "late", "cls", "tried"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+        (pkg / sub / "mod.py").write_text("X = 1\n")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "user.py").write_text(textwrap.dedent("""
+        from typing import TYPE_CHECKING
+        import os
+        from pkg.high.mod import X
+        from ..side import mod
+        try:
+            from pkg.tried import mod as tried
+        except ImportError:
+            pass
+        if TYPE_CHECKING:
+            from pkg.typed.mod import X as Y
+        else:
+            Y = 0
+
+        class C:
+            from pkg.cls.mod import X as Z
+
+        def later():
+            from pkg.late.mod import X
+            return X
+    """))
+    imports = module_imports(pkg)
+    assert imports.module_level["pkg.low.user"] == {"pkg.high.mod", "pkg.side.mod",
+                                                    "pkg.tried.mod", "pkg.cls.mod"}
+    assert imports.in_function["pkg.low.user"] == {"pkg.late.mod"}
+    assert imports.type_checking["pkg.low.user"] == {"pkg.typed.mod"}
+    graph = unit_graph(imports.module_level)
+    assert graph["low"] == {"high", "side", "tried", "cls"}
+
+
+def test_every_package_has_one_layer():
+    """A new package or top-level module is placed in the order when it is made."""
+    declared = [u for layer in LAYERS for u in layer]
+    units = set(unit_graph(module_imports().module_level))
+    assert len(declared) == len(set(declared)), declared
+    assert units == set(declared), (f"undeclared: {sorted(units - set(declared))}; "
+                                    f"gone: {sorted(set(declared) - units)}")
+
+
+def test_no_package_is_in_an_import_cycle():
+    found = cycles(unit_graph(module_imports().module_level))
+    assert sum(map(len, found)) <= MAX_IN_CYCLES, \
+        "package-level import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_few_imports_run_back_up():
+    report = measure()
+    assert report["back_arrows"] <= MAX_BACK_ARROWS, layers.json.dumps(report["back"], indent=1)
