@@ -95,7 +95,7 @@ def module_imports(pkg: Path = PKG) -> Imports:
             for child in ast.iter_child_nodes(node):
                 if isinstance(child, ast.If) and _type_checking(child):
                     for stmt in child.body:
-                        visit_one(stmt, out.type_checking if kind is out.module_level else kind)
+                        visit_one(stmt, out.type_checking)
                     for stmt in child.orelse:
                         visit_one(stmt, kind)
                     continue
