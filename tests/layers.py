@@ -1,7 +1,7 @@
 """Layering of fedmpi's packages, measured from the source: ``python tests/layers.py``.
 
 A *unit* is a sub-package of ``fedmpi`` (``fedmpi/config/``) or a top-level module
-(``fedmpi/comm.py``); ``fedmpi/__init__.py`` is the unit ``fedmpi``. The graph has an edge
+(``fedmpi/errors.py``); ``fedmpi/__init__.py`` is the unit ``fedmpi``. The graph has an edge
 A → B when a module of A imports a module of B *when A is imported*: statements at module
 level, also inside ``try``, ``if`` (other than ``if TYPE_CHECKING:``) and class bodies. Imports
 inside functions and those under ``if TYPE_CHECKING:`` are counted apart and are no layering

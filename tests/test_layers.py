@@ -93,3 +93,28 @@ def test_config_is_one_layer():
     above = {f"{src} -> {dst}" for src, dsts in imports.module_level.items() for dst in dsts
              if layers.unit(src) == "config" and layers.unit(dst) not in floor | {"config"}}
     assert not above, sorted(above)
+
+
+def test_comm_is_the_only_package_that_imports_mpi4py():
+    """Every import of mpi4py in fedmpi — at module level, in a function or for the type
+    checker — is in ``fedmpi/comm/``, and none at module level (``fedmpi check`` runs
+    without MPI)."""
+    import ast
+
+    found = {}
+    for name, (path, _) in layers.modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                mods = [node.module or ""]
+            else:
+                continue
+            if any(m == "mpi4py" or m.startswith("mpi4py.") for m in mods):
+                found.setdefault(name, []).append(node.lineno)
+    assert found and all(layers.unit(m) == "comm" for m in found), found
+    tree_level = {m for m, (path, _) in layers.modules().items() if layers.unit(m) == "comm"
+                  for node in ast.parse(path.read_text(encoding="utf-8")).body
+                  if isinstance(node, (ast.Import, ast.ImportFrom))
+                  and "mpi4py" in ast.unparse(node)}
+    assert not tree_level, tree_level
