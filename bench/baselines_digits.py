@@ -19,7 +19,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedmpi.comm import Comm  # noqa: E402
+from fedmpi.comm.world import Comm  # noqa: E402
 from fedmpi.config.schema import load_config  # noqa: E402
 from fedmpi.log.reader import read  # noqa: E402
 from fedmpi.runtime.driver import run  # noqa: E402

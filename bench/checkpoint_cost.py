@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from fedmpi.job import checkpoint  # noqa: E402
-from fedmpi.comm import Comm  # noqa: E402
+from fedmpi.comm.world import Comm  # noqa: E402
 from fedmpi.config.schema import load_config  # noqa: E402
 from fedmpi.runtime.federation import CMD_ROUND, Federation  # noqa: E402
 from fedmpi.job.checkpoint_file import checkpoint_path

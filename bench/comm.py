@@ -5,7 +5,7 @@ Run under MPI (≥ 2 ranks)::
     mpiexec -n 3 python bench/comm.py [--sizes-mb 1,10,100] [--repeats 10]
 
 For each message size (float32, model-sized) it times ``Bcast``, ``Reduce``
-(SUM) and ``Gatherv`` (one row per worker) through :class:`fedmpi.comm.Comm`
+(SUM) and ``Gatherv`` (one row per worker) through :class:`fedmpi.comm.world.Comm`
 and through plain blocking ``MPI.COMM_WORLD.Bcast/Reduce/Gatherv``,
 interleaving the two so background load affects both alike (fedmpi's side both
 eager, as the runtime moves round data, and patient), and reports the
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mpi4py import MPI  # noqa: E402
 
-from fedmpi.comm import Comm  # noqa: E402
+from fedmpi.comm.world import Comm  # noqa: E402
 
 
 def timed(fn, comm) -> float:

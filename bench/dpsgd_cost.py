@@ -42,7 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedmpi.comm import Comm  # noqa: E402
+from fedmpi.comm.world import Comm  # noqa: E402
 from fedmpi.config.schema import load_config  # noqa: E402
 from fedmpi.log.reader import read  # noqa: E402
 from fedmpi.privacy import dpsgd  # noqa: E402

@@ -30,7 +30,7 @@ import torch
 
 from fedmpi.component import ClientTask
 from fedmpi.transforms.ecgr import SELECTED_STAT
-from fedmpi.comm import Comm
+from fedmpi.comm.world import Comm
 from fedmpi.config.schema import config_from_dict
 from fedmpi.runtime.federation import Federation
 from fedmpi.training.loop import stream_seed

@@ -12,7 +12,7 @@ the warm-up, skipped; medians over repeats):
 
 * ``uplink_bytes``: what the workers sent towards rank 0 for the statistics
   (``Reduce``/``Gather`` of the float64 partial sums in default mode; the
-  per-client float32 rows in exact mode), from :class:`fedmpi.comm.Traffic`;
+  per-client float32 rows in exact mode), from :class:`fedmpi.comm.endpoint.Traffic`;
 * the log's ``wall_seconds``, ``train_seconds`` (slowest worker),
   ``aggregate_seconds`` (server step: exact mode's client-order float64 sum is
   here) and ``overhead_seconds`` (communication, waiting, bookkeeping), and
@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from mpi4py import MPI  # noqa: E402
 
-from fedmpi.comm import Comm  # noqa: E402
+from fedmpi.comm.world import Comm  # noqa: E402
 from fedmpi.config.schema import load_config  # noqa: E402
 from fedmpi.data.datasets import load_dataset  # noqa: E402
 from fedmpi.training.flat import FlatModel  # noqa: E402

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedmpi.comm import Comm
+from fedmpi.comm.world import Comm
 from fedmpi.config.schema import load_config
 from fedmpi.log.reader import read
 from fedmpi.runtime.driver import run

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from fedmpi.training.accel import Accel
-from fedmpi.comm import Comm
+from fedmpi.comm.world import Comm
 from fedmpi.config.schema import config_from_dict
 from fedmpi.runtime.federation import Federation
 

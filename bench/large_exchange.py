@@ -6,7 +6,7 @@ Run under MPI (≥ 2 ranks)::
                                                 [--device cuda]
 
 Each rank holds one buffer of ``--floats`` elements (rank 0 also the result). First
-fedmpi's :meth:`~fedmpi.comm.Comm.broadcast` and :meth:`~fedmpi.comm.Comm.reduce_sum`
+fedmpi's :meth:`~fedmpi.comm.world.Comm.broadcast` and :meth:`~fedmpi.comm.world.Comm.reduce_sum`
 run once and each rank records its peak resident set size (``VmHWM``) above what it held
 before (its buffers included); then, ``--repeats`` times interleaved (fedmpi, raw, fedmpi,
 raw …, so background load hits both alike), the same calls and plain blocking
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mpi4py import MPI  # noqa: E402
 
-from fedmpi.comm import Comm  # noqa: E402
+from fedmpi.comm.world import Comm  # noqa: E402
 
 
 def kib(field: str) -> int:

@@ -1,4 +1,4 @@
-"""What answering rank 0's pings costs a round (:meth:`fedmpi.comm.Comm.answering_pings`).
+"""What answering rank 0's pings costs a round (:meth:`fedmpi.comm.world.Comm.answering_pings`).
 
 Run under MPI (≥ 2 ranks)::
 
@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mpi4py import MPI  # noqa: E402
 
 from bench.comm import timed  # noqa: E402  (seconds on the slowest rank)
-from fedmpi.comm import PING_POLL, Comm  # noqa: E402
+from fedmpi.comm.endpoint import PING_POLL  # noqa: E402
+from fedmpi.comm.world import Comm
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 import dp_accounting  # noqa: E402
 from dp_accounting import rdp  # noqa: E402
 
-from fedmpi.comm import Comm  # noqa: E402
+from fedmpi.comm.world import Comm  # noqa: E402
 from fedmpi.config.schema import config_from_dict  # noqa: E402
 from fedmpi.privacy.accountant import client_round_event, record_step_event  # noqa: E402
 from fedmpi.training.loop import num_local_steps, sgd_config  # noqa: E402

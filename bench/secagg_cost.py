@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from mpi4py import MPI  # noqa: E402
 
-from fedmpi.comm import Comm  # noqa: E402
+from fedmpi.comm.world import Comm  # noqa: E402
 from fedmpi.config.schema import load_config  # noqa: E402
 from fedmpi.log.reader import read  # noqa: E402
 from fedmpi.privacy.secagg import SecureAggregator, encode  # noqa: E402

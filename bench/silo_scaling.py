@@ -93,7 +93,7 @@ REDUCE_WORKER = r"""
 import json, sys, time
 import numpy as np, torch
 from mpi4py import MPI
-from fedmpi.comm import Comm
+from fedmpi.comm.world import Comm
 from fedmpi.runtime.silo import MPIGroupReduce
 
 torch.set_num_threads(1)

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from fedmpi.methods.base import Algorithm
     from fedmpi.aggregation.rules import ServerRule
     from fedmpi.aggregation.weighting import Weighting
-    from fedmpi.comm import Comm
+    from fedmpi.comm.world import Comm
 
 ConfigSource = Union[str, "os.PathLike[str]", Mapping[str, Any], Config]
 #: ``factory(input_shape, num_classes) -> nn.Module`` (an ``nn.Module`` class qualifies).
@@ -126,7 +126,7 @@ def run(config: ConfigSource, overrides: Sequence[str] = (), *,
         resume: continue from ``<out>/checkpoint.pt`` and the log.
         overwrite: replace a previous run in ``out`` (without it a directory holding a
             run is refused; see :mod:`fedmpi.job.rundir`).
-        comm: a :class:`fedmpi.comm.Comm` (default: ``MPI.COMM_WORLD``).
+        comm: a :class:`fedmpi.comm.world.Comm` (default: ``MPI.COMM_WORLD``).
         callbacks: ``cb(round, metrics)`` called on rank 0 after each logged round with
             that round's ``/rounds`` scalars; returning ``True`` or a reason string stops
             the run cleanly after that round (status ``completed``;
@@ -187,7 +187,7 @@ def _execute(config: ConfigSource, overrides: Sequence[str], code: UserCode, *,
     from fedmpi.runtime.driver import run as run_federation
 
     if comm is None:   # right after MPI init, before the config or the output is touched
-        from fedmpi.comm import mpi_library_version, world_size
+        from fedmpi.comm.library import mpi_library_version, world_size
         from fedmpi.job import signals
         from fedmpi.job.launcher import check_world
 

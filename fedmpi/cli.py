@@ -191,14 +191,12 @@ def info_lines(ranks: Optional[int] = None) -> list[str]:
     import numpy
     import torch
 
-    from fedmpi.comm import cuda_aware_mpi, mpi_library_version
+    from fedmpi.comm.library import cuda_aware_mpi, mpi4py_version, mpi_library_version
 
     lines = [f"fedmpi {__version__}", f"python {platform.python_version()}",
              f"torch {torch.__version__}", f"numpy {numpy.__version__}"]
     try:
-        import mpi4py
-
-        lines.append(f"mpi4py {mpi4py.__version__}")
+        lines.append(f"mpi4py {mpi4py_version()}")
     except ImportError:
         lines.append("mpi4py not installed (pip install mpi4py, or build it against the system MPI)")
     lines.append(f"MPI library: {mpi_library_version()}")
@@ -228,7 +226,7 @@ def launcher_choice() -> tuple[str, str]:
     --launcher`` (:func:`fedmpi.job.launcher.choose_launcher`)."""
     import shlex
 
-    from fedmpi.comm import mpi_library_version
+    from fedmpi.comm.library import mpi_library_version
     from fedmpi.job.launcher import choose_launcher, find_mpirun, srun_mpi_plugins
 
     version = mpi_library_version(initialize=False)
@@ -302,7 +300,7 @@ def _cmd_partition(args: argparse.Namespace) -> int:
     if cfg.data.partition.method == "silos" and args.export is None:
         files = silo_files(cfg)
         if cfg.data.silos.loader is not None or all(Path(f).exists() for f in files):
-            from fedmpi.comm import self_comm
+            from fedmpi.comm.world import self_comm
             from fedmpi.data.silos import build_local, site_names
 
             # the federation's own silos, read as a run reads them (one rank hosting all)
@@ -347,7 +345,7 @@ def _cmd_runs(args: argparse.Namespace) -> int:
 def _cmd_stats(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from fedmpi.comm import Comm
+    from fedmpi.comm.world import Comm
     from fedmpi.config.schema import load_config
     from fedmpi.consortium.noise import calibrate
     from fedmpi.consortium.stats import collect_stats

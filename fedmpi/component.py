@@ -220,6 +220,11 @@ class Registry(dict[str, Any]):
         super().__init__()
         self.base, self.key, self.version = base, key, 0
 
+    @property
+    def default(self) -> str:
+        """The name ``key`` defaults to: that of the kind's base class."""
+        return str(getattr(self.base, "name"))
+
     def register(self, cls: type[C]) -> type[C]:
         """Make ``cls`` available as ``<key>: <cls.name>`` (usable as a decorator)."""
         self[cls.name] = cls

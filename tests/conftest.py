@@ -311,7 +311,7 @@ def build_fed(base: dict, **over):
     ``base`` (a nested config dict, not modified) with dotted overrides, world size 1."""
     import copy
 
-    from fedmpi.comm import Comm
+    from fedmpi.comm.world import Comm
     from fedmpi.config.schema import config_from_dict
     from fedmpi.runtime.federation import Federation
 
@@ -328,7 +328,7 @@ class ClientRig:
     def __init__(self, cfg) -> None:
         import torch
 
-        from fedmpi.comm import Comm
+        from fedmpi.comm.world import Comm
         from fedmpi.runtime.build import build, participants
         from fedmpi.runtime.worker import Worker
         from fedmpi.training.loop import LocalTrainer
@@ -406,7 +406,7 @@ def server_parts(algo, weighting, num_samples, rule=None, stats=None, stages=())
 
 # ------------------------------------------------- the shared checkpoint fake
 class Comm1:
-    """World-size-1 stand-in for fedmpi.comm.Comm (its size-1 code paths)."""
+    """World-size-1 stand-in for fedmpi.comm.world.Comm (its size-1 code paths)."""
 
     rank, size, world_size = 0, 1, 1
     chunk_elements = 1 << 30   # what Comm.chunk gives without runtime.max_message_bytes

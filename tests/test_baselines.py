@@ -20,7 +20,7 @@ from fedmpi.methods import ALGORITHMS
 from fedmpi.component import start
 from fedmpi.component import ClientTask, RoundInfo
 from fedmpi.methods.elastic import Elastic
-from fedmpi.comm import Comm
+from fedmpi.comm.world import Comm
 from fedmpi.config.schema import config_from_dict
 from fedmpi.errors import ConfigError
 from fedmpi.training.flat import FlatModel

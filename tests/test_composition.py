@@ -17,7 +17,7 @@ from conftest import TEST_DEVICE, set_dotted
 from fedmpi.methods import ALGORITHMS
 from fedmpi.aggregation.weighting import WEIGHTINGS
 from fedmpi.methods.submodel import SubmodelMethod
-from fedmpi.comm import Comm
+from fedmpi.comm.world import Comm
 from fedmpi.config.schema import config_from_dict
 from fedmpi.errors import ConfigError
 from fedmpi.runtime.federation import Federation

@@ -361,14 +361,14 @@ def test_int8_secure_run_moves_the_model_by_the_decoded_code_sum(tmp_path, monke
 
 SPY_REDUCE = r"""
 import numpy as np
-from fedmpi import comm as _comm
+from fedmpi.comm.world import Comm as _Comm
 _WIRE = []
-_orig = _comm.Comm.reduce_sum
+_orig = _Comm.reduce_sum
 def _spy(self, sendbuf, recvbuf, root=0, what="Reduce", patient=True, count=None, dtype=None):
     if "encoded" in what and self.rank == 1:
         _WIRE.append(str(np.dtype(dtype)) + " " + str(sendbuf.dtype))
     return _orig(self, sendbuf, recvbuf, root, what, patient, count, dtype)
-_comm.Comm.reduce_sum = _spy
+_Comm.reduce_sum = _spy
 """
 
 

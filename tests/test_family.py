@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import ROOT, TEST_DEVICE, set_dotted
-from fedmpi.comm import Comm
+from fedmpi.comm.world import Comm
 from fedmpi.config.schema import config_from_dict
 from fedmpi.errors import ConfigError
 from fedmpi.runtime.federation import Federation

@@ -20,7 +20,7 @@ from fedmpi.methods.fedlagc import FedLAGC
 from fedmpi.methods.heterofl import HeteroFL
 from fedmpi.methods.extraction import (Extractor, Submodel, integer_counts, keep_ratios,
     layer_importance, ste_factor)
-from fedmpi.comm import Comm
+from fedmpi.comm.world import Comm
 from fedmpi.config.schema import config_from_dict
 from fedmpi.errors import ConfigError
 from fedmpi.training.flat import FlatModel

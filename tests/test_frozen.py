@@ -160,7 +160,7 @@ def test_a_model_too_large_is_refused_before_it_is_built(tmp_path):
 
 def test_the_memory_check_keeps_the_initial_model(tmp_path):
     """The meta build draws nothing from the global RNG; with enough memory it passes."""
-    from fedmpi.comm import Comm
+    from fedmpi.comm.world import Comm
     from fedmpi.runtime.memory import check_fits
 
     torch.manual_seed(5)

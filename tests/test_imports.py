@@ -11,109 +11,30 @@ the strongly connected components with more than one module.
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 from conftest import ROOT
+from layers import cycles, module_imports, modules as _modules
 
 PKG = ROOT / "fedmpi"
 #: the packages of the pluggable components (methods, weightings and rules, transforms)
 COMPONENT_PACKAGES = ("fedmpi.methods", "fedmpi.aggregation", "fedmpi.transforms")
 
 
-def _modules() -> dict[str, tuple[Path, bool]]:
-    out = {}
-    for path in PKG.rglob("*.py"):
-        parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
-        is_pkg = parts[-1] == "__init__"
-        out[".".join(parts[:-1] if is_pkg else parts)] = (path, is_pkg)
-    return out
-
-
-def _type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or \
-        (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
-
-
 def import_graph() -> dict[str, set[str]]:
+    """Module → the modules importing it would import, at any time (also from inside a
+    function; not under ``if TYPE_CHECKING:``), with their parent packages below ``fedmpi``."""
     mods = _modules()
-    graph: dict[str, set[str]] = {m: set() for m in mods}
-    for name, (path, is_pkg) in mods.items():
-        package = name if is_pkg else name.rsplit(".", 1)[0]
-
-        def targets(node: ast.Import | ast.ImportFrom) -> list[str]:
-            if isinstance(node, ast.Import):
-                return [a.name for a in node.names]
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
-            subs = [f"{module}.{a.name}" for a in node.names if f"{module}.{a.name}" in mods]
-            return subs + ([module] if len(subs) < len(node.names) else [])
-
-        def visit(node: ast.AST) -> None:
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, ast.If) and _type_checking(child):
-                    for stmt in child.orelse:
-                        visit(stmt)
-                    continue
-                if isinstance(child, (ast.Import, ast.ImportFrom)):
-                    for target in targets(child):
-                        parts = target.split(".")
-                        for i in range(2, len(parts) + 1):   # parent packages, then the module
-                            dep = ".".join(parts[:i])
-                            if dep in mods and dep != name and not name.startswith(dep + "."):
-                                graph[name].add(dep)
-                visit(child)
-
-        visit(ast.parse(path.read_text(encoding="utf-8")))
+    imports = module_imports()
+    graph: dict[str, set[str]] = {}
+    for name, now in imports.module_level.items():
+        graph[name] = set()
+        for target in now | imports.in_function[name]:
+            parts = target.split(".")
+            for i in range(2, len(parts) + 1):   # parent packages, then the module
+                dep = ".".join(parts[:i])
+                if dep in mods and dep != name and not name.startswith(dep + "."):
+                    graph[name].add(dep)
     return graph
-
-
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one node (Tarjan, iterative)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-    counter = 0
-    for root in graph:
-        if root in index:
-            continue
-        work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = counter
-        counter += 1
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, edges = work[-1]
-            for nxt in edges:
-                if nxt not in index:
-                    index[nxt] = low[nxt] = counter
-                    counter += 1
-                    stack.append(nxt)
-                    on_stack.add(nxt)
-                    work.append((nxt, iter(sorted(graph[nxt]))))
-                    break
-                if nxt in on_stack:
-                    low[node] = min(low[node], index[nxt])
-            else:
-                work.pop()
-                if work:
-                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
-                if low[node] == index[node]:
-                    comp = []
-                    while True:
-                        top = stack.pop()
-                        on_stack.discard(top)
-                        comp.append(top)
-                        if top == node:
-                            break
-                    if len(comp) > 1:
-                        found.append(sorted(comp))
-    return found
 
 
 def test_the_cycle_finder_finds_cycles():

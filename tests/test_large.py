@@ -10,7 +10,7 @@ pytestmark = pytest.mark.mpi
 
 CHUNKED_SUMS = r"""
 import numpy as np
-from fedmpi.comm import Comm
+from fedmpi.comm.world import Comm
 
 world = Comm(timeout=120)
 r, n = world.rank, world.size
@@ -78,7 +78,7 @@ def available_gib() -> float:
 
 OVER_2GIB = r"""
 import numpy as np
-from fedmpi.comm import Comm
+from fedmpi.comm.world import Comm
 
 def kib(field):
     for line in open("/proc/self/status"):

@@ -95,7 +95,7 @@ def test_roundtrip_and_schema(tmp_path):
     assert list(run.events["client"]) == [3, -1]
     assert list(run.events["message"]) == ["client 3 excluded: NaN update", "ümlaut message"]
 
-    # The public schema of DESIGN.md section 5, read with plain h5py.
+    # The public schema of docs/hdf5-log.md, read with plain h5py.
     R = 3
     with h5py.File(path, "r") as f:
         assert f.attrs["schema_version"] == "1"

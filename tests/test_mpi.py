@@ -138,7 +138,7 @@ def test_sigkill_leaves_readable_log(tmp_path):
 
 COMM_SCRIPT = r"""
 import numpy as np
-from fedmpi.comm import Comm
+from fedmpi.comm.world import Comm
 c = Comm(timeout=60)
 r, n = c.rank, c.size
 for patient in (True, False):
@@ -167,7 +167,7 @@ def test_comm_collectives_patient_and_eager(comm_scripts):
 
 CHUNK_SCRIPT = r"""
 import numpy as np
-from fedmpi.comm import Comm
+from fedmpi.comm.world import Comm
 
 LIMIT = 100                     # bytes per message: 25 float32, 12 float64, 100 uint8
 sent = []                       # (call, bytes this rank sent in it)

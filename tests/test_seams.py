@@ -102,7 +102,7 @@ def _initial(cfg: dict) -> torch.Tensor:
     """The run's initial model θ0, built as every rank builds it (seed, then the model)."""
     from fedmpi.config.schema import config_from_dict
     from fedmpi.runtime.federation import Federation
-    from fedmpi.comm import Comm
+    from fedmpi.comm.world import Comm
 
     fed = Federation(config_from_dict({**cfg, "transforms": []}), Comm())
     return fed.global_state.double().clone()

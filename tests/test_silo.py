@@ -333,7 +333,7 @@ def test_two_rank_silos_train_the_same_model_as_one_rank_silos(one_rank_silos, t
 TORCH_GROUP = r"""
 import sys, numpy as np, torch
 from mpi4py import MPI
-from fedmpi.comm import Comm
+from fedmpi.comm.world import Comm
 from fedmpi.runtime.silo import MPIGroupReduce, TorchGroupReduce
 world = MPI.COMM_WORLD
 comm = Comm()

@@ -241,7 +241,7 @@ WINE_SITES = {"data": {"dataset": "wine", "num_clients": 3, "partition": {"metho
 EVALUATE = r'''
 import json, sys
 from mpi4py import MPI
-from fedmpi.comm import Comm
+from fedmpi.comm.world import Comm
 from fedmpi.config.schema import config_from_dict
 from fedmpi.runtime.federation import Federation
 fed = Federation(config_from_dict(json.loads(sys.argv[1])), Comm())

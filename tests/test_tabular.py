@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedmpi.comm import Comm
+from fedmpi.comm.world import Comm
 from fedmpi.config.schema import config_from_dict
 from fedmpi.data.tabular import load_embedded, read_table, write_table
 from fedmpi.errors import ConfigError, DataError

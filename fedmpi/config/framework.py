@@ -11,19 +11,18 @@ A :class:`~fedmpi.config.core.Config` has these sections as typed attributes
 :func:`framework_checks` holds the rules that involve more than one of them (data,
 sampling, resource levels, privacy, evaluation metrics). :mod:`fedmpi.config.schema`
 assembles the run's schema from these and the parameter blocks and rules of the registered
-components; no component is named here. Over ~550 lines because it is one table: every
+components; no component is named or imported here: the component selectors' defaults and
+choices come from the registries it hands to :func:`with_components`. Over ~550 lines because it is one table: every
 framework key with its type, default, range and help, next to the rules that relate them.
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fedmpi.methods import ALGORITHMS
-from fedmpi.aggregation.rules import RULES, ServerRule
-from fedmpi.aggregation.weighting import WEIGHTINGS, Weighting
-from fedmpi.methods.base import Algorithm
 from fedmpi.config.core import Config
 from fedmpi.config.fields import Field, suggest
 from fedmpi.config.params import CopyOnRead, param, section, section_fields
@@ -31,7 +30,10 @@ from fedmpi.config.rounds import RoundConfig, round_checks
 from fedmpi.errors import ConfigError
 from fedmpi.imports import IMPORT_PATTERN
 
-__all__ = ["FRAMEWORK", "METRIC_NAMES", "framework_checks", "FrameworkConfig", "DataConfig",
+if TYPE_CHECKING:
+    from fedmpi.component import Registry
+
+__all__ = ["FRAMEWORK", "METRIC_NAMES", "framework_checks", "with_components", "FrameworkConfig", "DataConfig",
            "PartitionConfig", "SilosConfig", "TabularConfig", "ValidationConfig", "ModelConfig",
            "MLPConfig", "TrainConfig", "EarlyStoppingConfig", "AlgorithmConfig",
            "AggregationConfig", "SystemConfig", "PrivacyConfig", "DPConfig", "SecAggConfig",
@@ -49,15 +51,18 @@ _DATASET_PATTERN: dict[str, Any] = dict(pattern=f"medmnist:\\S+|{IMPORT_PATTERN}
 METRIC_NAMES = ("accuracy", "balanced_accuracy", "macro_f1", "auroc")
 
 
-def _other_server_lrs() -> str:
-    """The built-in methods whose default server learning rate is not 1 (for the help)."""
-    return ", ".join(f"{name} {cls.spec.default_server_lr:g}" for name, cls in ALGORITHMS.items()
-                     if cls.spec.default_server_lr != 1)
+#: The help of two keys that lists methods by what their ``MethodSpec`` declares; the
+#: list is filled in from the method registry (:func:`with_components`).
+_OPTIMIZER_HELP = ("client optimizer (state across rounds: train.optimizer_state); {} and "
+                   "ECGR assume sgd")
+_SERVER_LR_HELP = "server learning rate; null = method default (1; {})"
 
 
-def _sgd_only() -> str:
-    """The built-in methods whose math assumes SGD steps (``MethodSpec.optimizers``)."""
-    return ", ".join(name for name, cls in ALGORITHMS.items() if cls.spec.optimizers == ("sgd",))
+def _selector(help: str) -> Any:
+    """A component selector: a registered name or ``pkg.module:Class``. Its default (the
+    name of its kind's base class), choices and live registry come from the kind's registry
+    (:func:`with_components`): the registries are above the config."""
+    return param("", help, **_IMPORT)
 
 
 # --------------------------------------------------------------------------- #
@@ -190,8 +195,7 @@ class TrainConfig(CopyOnRead):
     lr: float = param(0.05, "client learning rate", gt=0)
     momentum: float = param(0.0, "client SGD momentum", ge=0, lt=1)
     weight_decay: float = param(0.0, "client weight decay", ge=0)
-    optimizer: str = param("sgd", "client optimizer (state across rounds: "
-                           f"train.optimizer_state); {_sgd_only()} and ECGR assume sgd",
+    optimizer: str = param("sgd", _OPTIMIZER_HELP.format("some methods"),
                            choices=("sgd", "adam", "adamw"))
     optimizer_state: str = param("reset", "client optimizer state (SGD momentum; Adam "
                                  "m, v, t) across a client's participations: reset = fresh "
@@ -222,13 +226,11 @@ class AlgorithmConfig(CopyOnRead):
     """``algorithm.*`` of the framework: the method, a user method's parameters, the
     server learning rate (methods' blocks ``algorithm.<block>.*``: ``cfg.get``)."""
 
-    name: str = param(Algorithm.name, "federated method, or pkg.module:Class (a subclass "
-                      "of fedmpi.methods.base.Algorithm)", choices=tuple(ALGORITHMS), **_IMPORT,
-                      registry=lambda: ALGORITHMS)
+    name: str = _selector("federated method, or pkg.module:Class (a subclass of "
+                          "fedmpi.methods.base.Algorithm)")
     params: dict[str, Any] = param({}, "parameters of a user method (pkg.module:Class), "
                                    "checked against its params['params'] dataclass")
-    server_lr: float | None = param(None, "server learning rate; null = method default "
-                                    f"(1; {_other_server_lrs()})", gt=0)
+    server_lr: float | None = param(None, _SERVER_LR_HELP.format("see the method"), gt=0)
 
 
 @dataclass(frozen=True)
@@ -236,13 +238,11 @@ class AggregationConfig(CopyOnRead):
     """``aggregation.*`` of the framework: client weights, the server-side rule, a user
     rule's parameters (weightings' and rules' blocks ``aggregation.<block>.*``: ``cfg.get``)."""
 
-    weighting: str = param(Weighting.name, "client weights in the server average, or "
-                           "pkg.module:Class (a Weighting subclass)",
-                           choices=tuple(WEIGHTINGS), **_IMPORT, registry=lambda: WEIGHTINGS)
-    rule: str = param(ServerRule.name, "server-side aggregation rule "
-                      "(fedmpi.aggregation.rules), or pkg.module:Class (a ServerRule "
-                      "subclass); robust rules: docs/robust-aggregation.md",
-                      choices=tuple(RULES), **_IMPORT, registry=lambda: RULES)
+    weighting: str = _selector("client weights in the server average, or "
+                               "pkg.module:Class (a Weighting subclass)")
+    rule: str = _selector("server-side aggregation rule (fedmpi.aggregation.rules), or "
+                          "pkg.module:Class (a ServerRule subclass); robust rules: "
+                          "docs/robust-aggregation.md")
     params: dict[str, Any] = param({}, "parameters of a user rule (pkg.module:Class), "
                                    "checked against its params['params'] dataclass")
 
@@ -465,6 +465,37 @@ class FrameworkConfig(CopyOnRead):
 #: The framework's keys (dotted key → Field), in the order :meth:`Config.to_dict` writes
 #: them; component blocks are inserted after their kind's anchor key.
 FRAMEWORK: dict[str, Field] = section_fields(FrameworkConfig)
+
+#: The keys that select a component of a registered kind by name.
+_SELECTORS = ("algorithm.name", "aggregation.weighting", "aggregation.rule")
+
+
+def with_components(fields: Mapping[str, Field], registries: Mapping[str, Registry],
+                    methods: Registry) -> dict[str, Field]:
+    """``fields`` (:data:`FRAMEWORK`) completed by the registries of the component kinds,
+    which live above the config and are handed in by :mod:`fedmpi.config.schema`
+    (``registries``: selector key → registry, ``methods``: the methods' registry):
+
+    * each selector (``algorithm.name``, ``aggregation.weighting``, ``aggregation.rule``)
+      defaults to its kind's base class, lists the names registered now (for the docs and
+      the errors) and is checked against the live registry (names registered later count);
+    * the help of ``train.optimizer`` and ``algorithm.server_lr`` names the methods by
+      what their ``MethodSpec`` declares.
+    """
+    out = dict(fields)
+    for key in _SELECTORS:
+        registry = registries[key]
+        out[key] = dataclasses.replace(out[key], default=registry.default,
+                                       choices=tuple(registry),
+                                       registry=registry.keys)
+    sgd_only = ", ".join(name for name, cls in methods.items() if cls.spec.optimizers == ("sgd",))
+    lrs = ", ".join(f"{name} {cls.spec.default_server_lr:g}" for name, cls in methods.items()
+                    if cls.spec.default_server_lr != 1)
+    out["train.optimizer"] = dataclasses.replace(out["train.optimizer"],
+                                                 help=_OPTIMIZER_HELP.format(sgd_only))
+    out["algorithm.server_lr"] = dataclasses.replace(out["algorithm.server_lr"],
+                                                     help=_SERVER_LR_HELP.format(lrs))
+    return out
 
 
 def framework_checks(cfg: Config) -> None:

@@ -2,7 +2,11 @@
 
 :mod:`fedmpi.config.core` knows how keys are typed, loaded, overridden and
 validated, and knows no key. This module assembles the run's
-:class:`~fedmpi.config.core.Schema`, layered above the components (:mod:`fedmpi.methods`, :mod:`fedmpi.aggregation`, :mod:`fedmpi.transforms`):
+:class:`~fedmpi.config.core.Schema` from the registries of the components
+(:mod:`fedmpi.methods`, :mod:`fedmpi.aggregation`, :mod:`fedmpi.transforms`,
+:mod:`fedmpi.privacy`). Those are above the config — a component declares its keys with
+the config's machinery — so they are reached when the first schema is assembled, not
+when this module is imported, and the whole of :mod:`fedmpi.config` is one layer:
 
 * the framework's own keys, typed sections of every config, and their cross-key rules
   (:class:`~fedmpi.config.framework.FrameworkConfig`,
@@ -26,64 +30,100 @@ imported gets its blocks on the next config built). Sources are applied as
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from fedmpi.config import core as config_core
-from fedmpi.methods import ALGORITHMS
-from fedmpi.aggregation.rules import RULES, ServerRule
-from fedmpi.transforms.base import TRANSFORMS, UpdateTransform, register_transform
-import fedmpi.privacy  # noqa: F401  (registers the privacy stages after the transforms)
-from fedmpi.transforms.compression import Compression
-from fedmpi.aggregation.weighting import WEIGHTINGS, Weighting
-from fedmpi.methods.base import Algorithm
-from fedmpi.component import Component, Registry
 from fedmpi.config.core import Config, Schema
 from fedmpi.config.fields import Field
-from fedmpi.config.framework import FRAMEWORK, FrameworkConfig, framework_checks
+from fedmpi.config.framework import FRAMEWORK, FrameworkConfig, framework_checks, with_components
 from fedmpi.errors import ConfigError
 from fedmpi.imports import is_import_path
 from fedmpi.config.params import block_fields, check_params
 
+if TYPE_CHECKING:
+    from fedmpi.aggregation.rules import ServerRule
+    from fedmpi.aggregation.weighting import Weighting
+    from fedmpi.component import Component, Registry
+    from fedmpi.methods.base import Algorithm
+    from fedmpi.transforms.base import UpdateTransform
+
 __all__ = ["SCHEMA", "load_config", "config_from_dict", "check_components", "keyed_components",
            "local_steps_floor", "reference_markdown", "schema"]
 
-# the compressed uplink is the last stage to touch the upload: it encodes the clipped,
-# noised update that the privacy stages (registered above) leave
-register_transform(Compression)
 
-#: Each component kind: its registry and the key its blocks follow.
-_KINDS: tuple[tuple[Registry, str], ...] = (
-    (ALGORITHMS, "algorithm.server_lr"), (RULES, "aggregation.params"),
-    (WEIGHTINGS, "aggregation.params"), (TRANSFORMS, "transforms"))
+@functools.cache
+def _kinds() -> tuple[tuple[Registry, str], ...]:
+    """Each component kind: its registry and the key its blocks follow.
+
+    The registries live above the config (a component declares its keys with the config's
+    machinery), so they are imported here, when the first schema is assembled, and not
+    when this module is; importing them registers the built-in components, each kind in
+    its package's order.
+    """
+    from fedmpi.methods import ALGORITHMS
+    from fedmpi.aggregation.rules import RULES
+    from fedmpi.transforms.base import TRANSFORMS, register_transform
+    import fedmpi.privacy  # noqa: F401  (registers the privacy stages after the transforms)
+    from fedmpi.transforms.compression import Compression
+    from fedmpi.aggregation.weighting import WEIGHTINGS
+
+    # the compressed uplink is the last stage to touch the upload: it encodes the clipped,
+    # noised update that the privacy stages (registered above) leave
+    register_transform(Compression)
+    return ((ALGORITHMS, "algorithm.server_lr"), (RULES, "aggregation.params"),
+            (WEIGHTINGS, "aggregation.params"), (TRANSFORMS, "transforms"))
 
 
 def _assemble() -> Schema:
     """The schema of the framework keys and every registered component's blocks."""
     after: dict[str, dict[str, Field]] = {}
-    for registry, anchor in _KINDS:
+    for registry, anchor in _kinds():
         blocks = after.setdefault(anchor, {})
         for cls in registry.values():
             for block, params_cls in cls.blocks().items():
                 for key, f in block_fields(cls.prefix, block, params_cls).items():
                     blocks.setdefault(key, f)   # a block shared by several classes: once
     fields: dict[str, Field] = {}
-    for key, f in FRAMEWORK.items():
+    registries = {registry.key: registry for registry, _ in _kinds()}
+    for key, f in with_components(FRAMEWORK, registries, registries["algorithm.name"]).items():
         fields[key] = f
         fields.update(after.get(key, {}))
     return Schema(fields, checks=(framework_checks, _selected_checks), typed=FrameworkConfig)
 
 
 def _versions() -> tuple[int, ...]:
-    return tuple(registry.version for registry, _ in _KINDS)
+    return tuple(registry.version for registry, _ in _kinds())
+
+
+@functools.cache
+def _builtin() -> Schema:
+    """The schema as first assembled: the built-in components (and any registered before)."""
+    return _assemble()
 
 
 def schema() -> Schema:
     """The run's schema; reassembled when a component was registered since."""
+    if not _current:
+        _current[:] = [_versions(), _builtin()]
     if _current[0] != _versions():
         _current[:] = [_versions(), _assemble()]
     return _current[1]
+
+
+_current: list = []
+#: Every config key of the built-in components (dotted key → :class:`Field`), in order;
+#: assembled on first use (:func:`__getattr__`).
+SCHEMA: dict[str, Field]
+
+
+def __getattr__(name: str) -> dict[str, Field]:
+    # SCHEMA is assembled when first read, when the registries above the config are reached
+    if name == "SCHEMA":
+        return _builtin().fields
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------- #
@@ -92,11 +132,12 @@ def schema() -> Schema:
 def _selected_checks(cfg: Config) -> None:
     """The ``check`` rules of the components ``cfg`` selects by registered name (those
     given by import path are checked when the run builds them, :func:`check_components`)."""
-    method = None if is_import_path(cfg.algorithm.name) else ALGORITHMS.lookup(cfg.algorithm.name)
+    methods, rules, weightings, transforms_ = (registry for registry, _ in _kinds())
+    method = None if is_import_path(cfg.algorithm.name) else methods.lookup(cfg.algorithm.name)
     weighting = (None if is_import_path(cfg.aggregation.weighting)
-                 else WEIGHTINGS.lookup(cfg.aggregation.weighting))
-    transforms = [cls for cls in TRANSFORMS.values() if cls.enabled(cfg)]
-    rule = None if is_import_path(cfg.aggregation.rule) else RULES.lookup(cfg.aggregation.rule)
+                 else weightings.lookup(cfg.aggregation.weighting))
+    transforms = [cls for cls in transforms_.values() if cls.enabled(cfg)]
+    rule = None if is_import_path(cfg.aggregation.rule) else rules.lookup(cfg.aggregation.rule)
     check_components(cfg, method, weighting, transforms, rule)
 
 
@@ -229,10 +270,4 @@ def reference_markdown() -> str:
     Regenerate that section with
     ``python -c "from fedmpi.config.schema import reference_markdown as r; print(r())"``.
     """
-    return config_core.reference_markdown(_BUILTIN)
-
-
-_BUILTIN = _assemble()
-_current: list = [_versions(), _BUILTIN]
-#: Every config key of the built-in components (dotted key → :class:`Field`), in order.
-SCHEMA: dict[str, Field] = _BUILTIN.fields
+    return config_core.reference_markdown(_builtin())

@@ -28,11 +28,10 @@ from pathlib import Path
 from typing import Optional
 
 from fedmpi.errors import RunDirError
-from fedmpi.log.reader import pid_alive
 from fedmpi.job.safefile import create_temp
 
 __all__ = ["LOCK_NAME", "LOCK_STALE_FACTOR", "MIN_STALE_SECONDS", "LockHolder", "acquire",
-           "heartbeat", "lock_holder", "parse_lock", "release", "user_label"]
+           "heartbeat", "lock_holder", "parse_lock", "pid_alive", "release", "user_label"]
 
 LOCK_NAME = ".fedmpi.lock"
 
@@ -46,6 +45,17 @@ MIN_STALE_SECONDS = 60.0
 #: The ``round_timeout`` assumed for a lock that records none (fedmpi before issue 30)
 #: or one that is not a positive finite number of seconds.
 DEFAULT_ROUND_TIMEOUT = 600.0
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import numpy as np
 import yaml
 
 from fedmpi.errors import LogFormatError
+from fedmpi.job.lock import pid_alive
 
 from fedmpi.log.schema import (EVENT_DTYPES, PathLike, all_datasets, check_schema, load_dataset,
     read_events, round_series, to_python)
@@ -28,7 +29,7 @@ from fedmpi.log.schema import (EVENT_DTYPES, PathLike, all_datasets, check_schem
 if TYPE_CHECKING:
     import pandas
 
-__all__ = ["RunLog", "as_run_log", "ended_without_status", "pid_alive", "read"]
+__all__ = ["RunLog", "as_run_log", "ended_without_status", "read"]
 
 
 @dataclass
@@ -257,12 +258,3 @@ def ended_without_status(log: RunLog, now: float | None = None) -> str | None:
     return None
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    return True

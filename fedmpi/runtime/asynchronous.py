@@ -190,7 +190,7 @@ class AsyncRounds:
 
     def _check_timeout(self) -> None:
         if getattr(self.mode, "timed_out", False):
-            from fedmpi.comm import CommTimeout
+            from fedmpi.comm.endpoint import CommTimeout
 
             raise CommTimeout(f"round {self.mode.version} did not reach round.min_updates="  # type: ignore[union-attr]
                               f"{self.fed.cfg.round.min_updates} accepted updates within "

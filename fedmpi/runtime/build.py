@@ -25,7 +25,7 @@ from fedmpi.transforms.base import RunParts
 from fedmpi.aggregation.rules import ServerRule, build_rule
 from fedmpi.transforms.base import TransformChain, build_transforms
 from fedmpi.aggregation.weighting import Weighting
-from fedmpi.comm import Comm
+from fedmpi.comm.world import Comm
 from fedmpi.config.core import Config
 from fedmpi.context import Context
 from fedmpi.data.base import Dataset

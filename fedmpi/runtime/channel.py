@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from fedmpi.component import Stat
-from fedmpi.comm import Comm
+from fedmpi.comm.world import Comm
 from fedmpi.training.vecops import add_scaled, pieces
 from fedmpi.runtime.server import (META_FIELDS, M_STATUS, STATUS_FAILED, STATUS_OK, STATUS_RANGE,
                                    STATUS_WITHHELD, Uplink, is_summed)

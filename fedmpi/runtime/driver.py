@@ -23,7 +23,8 @@ from fedmpi.job import checkpoint, signals
 from fedmpi import metrics
 from fedmpi.runtime.callbacks import AfterRound, Callback
 from fedmpi.log.trackers import check_trackers, open_trackers
-from fedmpi.comm import Comm, CommTimeout
+from fedmpi.comm.endpoint import CommTimeout
+from fedmpi.comm.world import Comm
 from fedmpi.errors import RunFailed, RunInterrupted, UserError, show_traceback
 from fedmpi.imports import run_objects, runtime_error_line
 from fedmpi.usercode import UserCode

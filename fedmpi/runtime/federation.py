@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
-from fedmpi.comm import Comm
+from fedmpi.comm.world import Comm
 from fedmpi.job import checkpoint, signals
 from fedmpi.job.checkpoint_file import checkpoint_path
 from fedmpi.job.outputs import write_model

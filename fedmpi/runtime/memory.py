@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from fedmpi.comm import Comm
+from fedmpi.comm.world import Comm
 from fedmpi.errors import ConfigError
 
 GIB = float(1 << 30)

@@ -4,7 +4,7 @@ communicators and the reduction that trains a client data-parallel inside its si
 The N − 1 workers of a job are cut into G = (N − 1)/R silos of R ranks
 (:func:`fedmpi.job.placement.silo_groups`: consecutive node-local ranks, so one node per
 silo wherever the layout allows; ``runtime.silo_placement: node`` refuses a silo across
-nodes). Each silo is one rank of the federation (:class:`fedmpi.comm.SiloComm`): its
+nodes). Each silo is one rank of the federation (:class:`fedmpi.comm.silo.SiloComm`): its
 leader takes part in the round's collectives, the other members receive the round's
 state from it and train the same clients on their shares of every batch
 (:mod:`fedmpi.training.dataparallel`). Client c lives on silo 1 + c mod G, as it would
@@ -27,7 +27,9 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
-from fedmpi.comm import Comm, silo_comm
+from fedmpi.comm.silo import silo_comm
+
+from fedmpi.comm.world import Comm
 from fedmpi.errors import ConfigError
 from fedmpi.job.placement import silo_groups
 from fedmpi.training.dataparallel import DataParallel

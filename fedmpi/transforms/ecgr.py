@@ -21,7 +21,7 @@ learning rate), so the *local gradient set* is ``g_s = η_s b_s`` and
    client uploads θ_k' − θ = −g'. BatchNorm running statistics (the state
    entries after the P parameters) come from the final local model.
 
-Composition (DESIGN §4; one implementation for every method). The runtime's
+Composition (one implementation for every method). The runtime's
 one client template (:class:`~fedmpi.runtime.worker.Worker`)
 chains :meth:`ECGR.hooks` (a ``step_hook`` recording b_s, η_s) with the
 method's own hooks — FedProx's proximal term and SCAFFOLD's correction are
