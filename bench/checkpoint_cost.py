@@ -56,14 +56,15 @@ def in_process(method: str, warm: int, repeats: int, overrides: list[str]) -> di
         saves, loads = [], []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            checkpoint.save(fed, warm, path)
+            checkpoint.save(fed.run_state(), warm, path)
             saves.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            restored = checkpoint.load_server_side(fed, path)
-            checkpoint.resume(fed, restored)
+            restored = checkpoint.load_server_side(fed.run_state(), path)
+            checkpoint.resume(fed.run_state(), restored)
             loads.append(time.perf_counter() - t0)
         ckpt = torch.load(path, weights_only=True)
-        return {"method": method, "clients": fed.K, "state_size": fed.D,
+        return {"method": method, "clients": fed.built.num_clients,
+                "state_size": fed.built.flat.size,
                 "clients_with_state": len(ckpt["clients"]), "bytes": path.stat().st_size,
                 "round_seconds": round_s, "save_seconds": _mean_std(saves),
                 "resume_seconds": _mean_std(loads)}

@@ -49,7 +49,7 @@ def make_fed(args, ecgr: bool) -> Federation:
          "ecgr": {"enabled": ecgr, "beta": 0.2}, "eval": {"every": 1000}}
     fed = Federation(config_from_dict(d), Comm())
     if ecgr and budget is None:   # just below fp32: forces bf16
-        e = fed.transforms.get("ecgr").engine
+        e = fed.built.transforms.get("ecgr").engine
         d["ecgr"]["memory_budget"] = e.tau_max * e.P * 4 - 1
         fed = Federation(config_from_dict(d), Comm())
     elif ecgr:
@@ -65,10 +65,10 @@ def sync(device: torch.device) -> None:
 
 def _task(fed: Federation):
     theta = fed.global_state.clone()
-    extras = fed.state.dev[fed.D:].clone()
-    out = {s.name: torch.zeros(s.size, device=fed.device) for s in fed.stats}
-    k = fed.my_clients[0]
-    return ClientTask(k, 0, fed.client_idx[k], stream_seed(0, k, 0)), theta, extras, out
+    extras = fed.view.extras.clone()
+    out = {s.name: torch.zeros(s.size, device=fed.built.device) for s in fed.built.stats}
+    k = fed.built.hosted[0]
+    return ClientTask(k, 0, fed.view.worker.client_idx[k], stream_seed(0, k, 0)), theta, extras, out
 
 
 def timed(fn, device: torch.device) -> float:
@@ -85,39 +85,39 @@ def measure(feds: dict[str, Federation], repeats: int, rounds: int) -> dict[str,
     tasks = {m: _task(f) for m, f in feds.items()}
     for m, f in feds.items():                       # warm-up and first allocation
         task, theta, extras, out = tasks[m]
-        f.worker.train(task, theta, extras, out)
+        f.view.worker.train(task, theta, extras, out)
         f.round(0)
     for _ in range(repeats):
         for m, f in feds.items():
             task, theta, extras, out = tasks[m]
             res[m]["client"].append(timed(
-                lambda: f.worker.train(task, theta, extras, out), f.device))
-            hooks = f.algo.hooks(task, theta, extras)
-            if f.transforms.get("ecgr") is not None:
-                hooks = f.transforms.get("ecgr").engine.hooks(hooks, f.device)
-            f.trainer.flat.load(theta)
+                lambda: f.view.worker.train(task, theta, extras, out), f.built.device))
+            hooks = f.built.algo.hooks(task, theta, extras)
+            if f.built.transforms.get("ecgr") is not None:
+                hooks = f.built.transforms.get("ecgr").engine.hooks(hooks, f.built.device)
+            f.view.worker.trainer.flat.load(theta)
             box = {}
-            res[m]["step"].append(timed(lambda: box.setdefault("r", f.trainer.train(
-                task.indices, f.algo.local_sgd(task), task.seed, hooks)), f.device)
+            res[m]["step"].append(timed(lambda: box.setdefault("r", f.view.worker.trainer.train(
+                task.indices, f.built.algo.local_sgd(task), task.seed, hooks)), f.built.device)
                 / box["r"].steps)
     for t in range(1, rounds + 1):
         for m, f in feds.items():
-            res[m]["round"].append(timed(lambda: f.round(t), f.device))
+            res[m]["round"].append(timed(lambda: f.round(t), f.built.device))
     out = {m: {k + "_ms": 1e3 * float(np.median(v)) for k, v in r.items()} for m, r in res.items()}
     # ECGR's own work, timed directly: the recording hook per step, the finish per client
     f = feds["on"]
-    e = f.transforms.get("ecgr").engine
+    e = f.built.transforms.get("ecgr").engine
     task, theta, extras, outs = tasks["on"]
-    hooks = e.hooks(StepHooks(), f.device)
-    b = f.trainer.momentum_buf
-    rec = [timed(lambda: hooks.step_hook(b, 0.05), f.device) for _ in range(e.tau_max)]
-    P = f.flat.num_params
+    hooks = e.hooks(StepHooks(), f.built.device)
+    b = f.view.worker.trainer.momentum_buf
+    rec = [timed(lambda: hooks.step_hook(b, 0.05), f.built.device) for _ in range(e.tau_max)]
+    P = f.built.flat.num_params
     fin = []
     for _ in range(repeats):
         def finish() -> None:
             e.combine(outs["delta"][:P], outs.get(SELECTED_STAT))
             e.apply(outs["delta"][:P])
-        fin.append(timed(finish, f.device))
+        fin.append(timed(finish, f.built.device))
     out["on"]["record_ms_per_step"] = 1e3 * float(np.median(rec))
     out["on"]["finish_ms_per_client"] = 1e3 * float(np.median(fin))
     return out
@@ -144,13 +144,13 @@ def main() -> None:
     feds["on"] = make_fed(args, True)
     res = measure(feds, args.repeats, args.rounds)
     off, on = res["off"], res["on"]
-    e = feds["on"].transforms.get("ecgr").engine
+    e = feds["on"].built.transforms.get("ecgr").engine
     owned = [e._X, e._v] + ([e._chunk] if e._chunk is not None else [])
     ecgr_bytes = int(sum(t.nbytes for t in owned))
     for m in ("off", "on"):
         print(json.dumps({"ecgr": m == "on", **res[m]}), flush=True)
     summary = {
-        "model": args.model, "device": str(feds["on"].device), "threads": args.threads,
+        "model": args.model, "device": str(feds["on"].built.device), "threads": args.threads,
         "tau": args.steps, "batch_size": args.batch_size, "clients": args.clients,
         "storage": e.storage, "num_params": e.P,
         "step_ms_off": off["step_ms"], "step_ms_on": on["step_ms"],

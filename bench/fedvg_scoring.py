@@ -63,14 +63,14 @@ def main() -> None:
         "model": {"name": args.model},
         "aggregation": {"weighting": "fedvg", "fedvg": {"batch_size": args.batch_size}}})
     fed = Federation(cfg, Comm())
-    dev = fed.device
+    dev = fed.built.device
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    w = fed.weighting
+    w = fed.built.weighting
     val = w.val
     n = args.clients
     theta = fed.global_state.clone()
     gen = torch.Generator().manual_seed(0)
-    deltas = (0.01 * torch.randn(n, fed.D, generator=gen)).to(dev)
+    deltas = (0.01 * torch.randn(n, fed.built.flat.size, generator=gen)).to(dev)
 
     # plain: a stock model, one forward+backward over D_val
     plain_model = copy.deepcopy(w.scratch.model).train()
@@ -88,12 +88,12 @@ def main() -> None:
 
     vm = copy.deepcopy(w.scratch.model).train()
     replace_all_batch_norm_modules_(vm)
-    names = [s.name for s in fed.flat.param_segments]
-    segs = fed.flat.param_segments
+    names = [s.name for s in fed.built.flat.param_segments]
+    segs = fed.built.flat.param_segments
     bufs = {k: v for k, v in vm.named_buffers()}
 
     def stacked() -> dict[str, torch.Tensor]:
-        full = theta[: fed.flat.num_params] + deltas[:, : fed.flat.num_params]
+        full = theta[: fed.built.flat.num_params] + deltas[:, : fed.built.flat.num_params]
         return {s.name: full[:, s.slice].view(n, *s.shape) for s in segs}
 
     def loss_fn(p, xb, yb):
@@ -120,7 +120,7 @@ def main() -> None:
     agree = float((alt - ref).abs().max() / ref.abs().max())
 
     res = {"model": args.model, "dataset": args.dataset, "device": str(dev), "threads": args.threads,
-           "val_size": len(val), "clients": n, "params": fed.flat.num_params,
+           "val_size": len(val), "clients": n, "params": fed.built.flat.num_params,
            "plain_s_per_client": timed(plain, args.repeats, sync),
            "fedmpi_s_per_client": timed(ours, args.repeats, sync) / n,
            "vmap_s_per_client": timed(vmapped, args.repeats, sync) / n,

@@ -54,12 +54,13 @@ def main() -> None:
         fed.round(t)
         rss.append(status_kib("VmRSS") * 1024)
         hwm.append(status_kib("VmHWM") * 1024)
-    model_bytes = 4 * fed.D
+    model_bytes = 4 * fed.built.flat.size
     growth_rss = max(rss[2:]) - rss[2]
     growth_hwm = hwm[-1] - hwm[2]
     print(json.dumps({
         "model": args.model, "algorithm": args.algorithm, "weighting": args.weighting,
-        "state_floats": fed.D, "model_bytes": model_bytes, "rss_bytes": rss, "peak_rss_bytes": hwm,
+        "state_floats": fed.built.flat.size, "model_bytes": model_bytes,
+        "rss_bytes": rss, "peak_rss_bytes": hwm,
         "rss_growth_after_round_2_bytes": growth_rss,
         "peak_rss_growth_after_round_2_bytes": growth_hwm,
         "peak_growth_in_model_sizes": growth_hwm / model_bytes,

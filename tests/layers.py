@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("config",),                                # keys, their schema machinery, framework keys
     ("job",),                                   # the run directory, lock, checkpoints, signals
     ("log",),                                   # the HDF5 run log
-    ("component", "context", "data", "models", "training"),  # building blocks
+    ("component", "context", "data", "models", "training", "round"),  # building blocks
     ("transforms", "privacy", "aggregation", "methods"),   # the pluggable components
     ("usercode",),                              # user components by import path
     ("runtime", "consortium"),                  # the federation and its round loop

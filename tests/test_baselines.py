@@ -26,7 +26,7 @@ from fedmpi.errors import ConfigError
 from fedmpi.training.flat import FlatModel
 from fedmpi.log.reader import read
 from fedmpi.runtime.federation import Federation
-from fedmpi.runtime.channel import plan_uplink
+from fedmpi.runtime.collective import plan_uplink
 from fedmpi.runtime.driver import run
 from fedmpi.training.loop import stream_seed
 
@@ -56,9 +56,9 @@ def linear(monkeypatch):
 
 
 def client_xy(fed: Federation, k: int) -> tuple[np.ndarray, np.ndarray]:
-    idx = fed.client_idx[k]
-    x = fed.data.prepare(fed.data.x_train[idx], train=False).reshape(len(idx), -1)
-    return x.double().cpu().numpy(), fed.data.y_train[idx].cpu().numpy()
+    idx = fed.view.worker.client_idx[k]
+    x = fed.built.data.prepare(fed.built.data.x_train[idx], train=False).reshape(len(idx), -1)
+    return x.double().cpu().numpy(), fed.built.data.y_train[idx].cpu().numpy()
 
 
 def softmax_grad(w: np.ndarray, x: np.ndarray, y: np.ndarray, classes: int = 10) -> np.ndarray:
@@ -74,7 +74,7 @@ def softmax_grad(w: np.ndarray, x: np.ndarray, y: np.ndarray, classes: int = 10)
 
 def sample_weights(fed: Federation, mask: np.ndarray) -> dict[int, float]:
     ks = np.flatnonzero(mask)
-    n = fed.num_samples[ks].astype(np.float64)
+    n = fed.built.num_samples[ks].astype(np.float64)
     return {int(k): float(v) for k, v in zip(ks, n / n.sum())}
 
 
@@ -115,20 +115,20 @@ def test_fednova_unequal_steps_matches_formula(rule):
     nova = make_fed(**{"algorithm.name": "fednova", "algorithm.fednova.normaliser": rule, **over})
     avg = make_fed(**over)
     theta0 = avg.global_state.clone()
-    mask = nova.participants(0)
+    mask = nova.policy.participants(0)
     p = sample_weights(nova, mask)
     deltas, steps = {}, {}
     for k in p:   # FedAvg clients give the raw Δ_k and τ_k
-        task = ClientTask(k, 0, avg.client_idx[k], stream_seed(avg.cfg.seed, k, 0))
-        out = {"delta": torch.zeros(avg.D, device=avg.device)}
-        res = avg.worker.train(task, theta0, theta0[:0], out)
+        task = ClientTask(k, 0, avg.view.worker.client_idx[k], stream_seed(avg.built.cfg.seed, k, 0))
+        out = {"delta": torch.zeros(avg.built.flat.size, device=avg.built.device)}
+        res = avg.view.worker.train(task, theta0, theta0[:0], out)
         deltas[k], steps[k] = out["delta"].double().cpu().numpy(), res.steps
     assert len(set(steps.values())) > 1, "the test needs unequal τ_k"
     if rule == "steps":
         a = {k: float(steps[k]) for k in p}
     else:
         a = {k: sum((1 - 0.5 ** t) / 0.5 for t in range(1, steps[k] + 1)) for k in p}
-    P = nova.flat.num_params
+    P = nova.built.flat.num_params
     expected = theta0.double().cpu().numpy().copy()
     tau_eff = sum(p[k] * a[k] for k in p)
     expected[:P] += tau_eff * sum(p[k] * deltas[k][:P] / a[k] for k in p)
@@ -151,7 +151,7 @@ def test_scaffold_control_variates_match_hand_formula(linear, server_c):
     c = np.zeros_like(th)
     c_loc = {k: np.zeros_like(th) for k in range(N)}
     for t in range(2):
-        mask = fed.participants(t)
+        mask = fed.policy.participants(t)
         s = sample_weights(fed, mask)
         new_th, dc_sum, c_avg = th.copy(), np.zeros_like(th), np.zeros_like(th)
         for k in s:
@@ -166,16 +166,16 @@ def test_scaffold_control_variates_match_hand_formula(linear, server_c):
         th, c = new_th, (c + dc_sum / N if server_c == "increment" else c_avg)
         fed.round(t)
         np.testing.assert_allclose(theta(fed), th, atol=1e-5, rtol=0)
-        np.testing.assert_allclose(fed.algo.c.double().cpu().numpy(), c, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(fed.built.algo.c.double().cpu().numpy(), c, atol=1e-5, rtol=0)
         for k in s:
-            np.testing.assert_allclose(fed.algo.client_state(k)["c"].double().cpu().numpy(), c_loc[k],
+            np.testing.assert_allclose(fed.built.algo.client_state(k)["c"].double().cpu().numpy(), c_loc[k],
                                        atol=1e-5, rtol=0)
     # round 0 by itself: c_k⁺ is the mean of the client's two full-batch gradients (not zero)
     assert np.abs(c).max() > 1e-3
     # a client that never took part has no state at all (memory ∝ participating hosted clients)
-    never = set(range(N)) - set(np.flatnonzero(fed.participants(0) | fed.participants(1)).tolist())
+    never = set(range(N)) - set(np.flatnonzero(fed.policy.participants(0) | fed.policy.participants(1)).tolist())
     for k in never:
-        assert fed.algo.client_state(k) == {}
+        assert fed.built.algo.client_state(k) == {}
 
 
 def test_scaffold_identical_clients_zero_correction(linear):
@@ -183,8 +183,8 @@ def test_scaffold_identical_clients_zero_correction(linear):
     next round is exactly FedAvg's."""
     def fed_for(name):
         fed = make_fed(**{"algorithm.name": name, "aggregation.weighting": "uniform"})
-        for k in range(1, fed.K):
-            fed.client_idx[k] = fed.client_idx[0]
+        for k in range(1, fed.built.num_clients):
+            fed.view.worker.client_idx[k] = fed.view.worker.client_idx[0]
         return fed
     sc, avg = fed_for("scaffold"), fed_for("fedavg")
     sc.round(0)
@@ -204,15 +204,15 @@ def test_feddyn_h_and_server_update_two_rounds(linear):
     lr, K, N, alpha = 0.1, 2, 4, 0.5
     fed = make_fed(**{"algorithm.name": "feddyn", "algorithm.feddyn.alpha": alpha,
                       "algorithm.feddyn.max_grad_norm": None, "train.clients_per_round": 3, "train.lr": lr})
-    n = fed.num_samples.astype(np.float64)
+    n = fed.built.num_samples.astype(np.float64)
     a_k = alpha / (N * n / n.sum())
-    np.testing.assert_allclose(fed.algo.alpha_k, a_k, rtol=1e-12)
+    np.testing.assert_allclose(fed.built.algo.alpha_k, a_k, rtol=1e-12)
     assert np.ptp(a_k) > 0
     xy = {k: client_xy(fed, k) for k in range(N)}
     th = theta(fed)
     h = {k: np.zeros_like(th) for k in range(N)}
     for t in range(2):
-        mask = fed.participants(t)
+        mask = fed.policy.participants(t)
         s = sample_weights(fed, mask)
         avg_step = np.zeros_like(th)
         for k in s:
@@ -225,18 +225,18 @@ def test_feddyn_h_and_server_update_two_rounds(linear):
         fed.round(t)
         np.testing.assert_allclose(theta(fed), th, atol=1e-5, rtol=0)
         for k in s:
-            np.testing.assert_allclose(fed.algo.client_state(k)["h"].double().cpu().numpy(), h[k],
+            np.testing.assert_allclose(fed.built.algo.client_state(k)["h"].double().cpu().numpy(), h[k],
                                        atol=1e-6, rtol=0)
-        np.testing.assert_allclose(fed.algo.h_sum.double().cpu().numpy(), sum(h.values()), atol=1e-5)
+        np.testing.assert_allclose(fed.built.algo.h_sum.double().cpu().numpy(), sum(h.values()), atol=1e-5)
 
 
 def test_feddyn_clip_and_weight_decay_config():
     fed = make_fed(**{"algorithm.name": "feddyn", "train.weight_decay": 1e-3})
-    task = ClientTask(1, 0, fed.client_idx[1], 0)
-    sgd = fed.algo.local_sgd(task)
+    task = ClientTask(1, 0, fed.view.worker.client_idx[1], 0)
+    sgd = fed.built.algo.local_sgd(task)
     assert sgd.grad_clip == 10.0
-    assert sgd.weight_decay == pytest.approx(fed.algo.alpha_k[1] + 1e-3)
-    assert fed.algo.sgd.weight_decay == 1e-3       # the shared config is not modified
+    assert sgd.weight_decay == pytest.approx(fed.built.algo.alpha_k[1] + 1e-3)
+    assert fed.built.algo.sgd.weight_decay == 1e-3       # the shared config is not modified
 
 
 # ------------------------------------------------------------ server optimizers
@@ -323,7 +323,7 @@ def test_elastic_sensitivity_and_zeta_match_formula(linear):
     th = theta(fed)
     sens = {k: np.zeros(2) for k in range(N)}
     for t in range(2):
-        mask = fed.participants(t)
+        mask = fed.policy.participants(t)
         s = sample_weights(fed, mask)
         G = {k: softmax_grad(th, *xy[k]) for k in s}
         for k in s:
@@ -334,9 +334,9 @@ def test_elastic_sensitivity_and_zeta_match_formula(linear):
         th = th + np.concatenate([zeta[0] * step[:nW], zeta[1] * step[nW:]])
         fed.round(t)
         for k in s:
-            np.testing.assert_allclose(fed.algo.client_state(k)["sensitivity"].double().cpu().numpy(),
+            np.testing.assert_allclose(fed.built.algo.client_state(k)["sensitivity"].double().cpu().numpy(),
                                        sens[k], rtol=1e-4)
-        np.testing.assert_allclose(fed.algo.last_zeta, zeta, atol=1e-5)
+        np.testing.assert_allclose(fed.built.algo.last_zeta, zeta, atol=1e-5)
         np.testing.assert_allclose(theta(fed), th, atol=1e-5, rtol=0)
     assert np.all((zeta >= tau - 1e-9) & (zeta <= 1 + tau))
     assert np.ptp(zeta) > 1e-3           # tensors do get different step sizes

@@ -18,7 +18,7 @@ from conftest import assert_same_bits, run_fedmpi, run_here, server_parts
 from fedmpi.component import Stat
 from fedmpi.aggregation.weighting import build_weighting
 from fedmpi.log.reader import read
-from fedmpi.runtime.channel import plan_uplink
+from fedmpi.runtime.collective import plan_uplink
 from fedmpi.runtime.server import STATUS_NONFINITE, STATUS_OK, ArrivalSum, Uplink, ordered_sum
 
 QUICK = ["--set", "runtime.threads=1", "--set", "runtime.progress=false",

@@ -16,6 +16,7 @@ from fedmpi.methods.fedgps import FedGPS, supcon_loss
 from fedmpi.data.surrogate import make_surrogate
 from fedmpi.errors import ConfigError
 from fedmpi.runtime.federation import Federation
+from fedmpi.runtime.policy import SynchronousRound
 from fedmpi.training.loop import stream_seed
 from fedmpi.training.loop import LocalTrainer, SGDConfig
 
@@ -37,13 +38,17 @@ def make_fed(**over) -> Federation:
 
 
 def fixed_participants(fed: Federation, rounds: list[list[int]]) -> None:
-    """Replace the sampler: round t uses exactly the clients ``rounds[t]``."""
-    def participants(t: int) -> np.ndarray:
-        mask = np.zeros(fed.K, dtype=bool)
-        mask[rounds[t]] = True
-        return mask
-    fed.participants = participants
-    fed.m = len(rounds[0])
+    """Replace the round policy's sampler: round t uses exactly the clients ``rounds[t]``
+    (the methods see it too: their context asks the policy)."""
+    K = fed.built.num_clients
+
+    class Fixed(SynchronousRound):
+        def participants(self, t: int) -> np.ndarray:
+            mask = np.zeros(K, dtype=bool)
+            mask[rounds[t]] = True
+            return mask
+
+    fed.policy = Fixed(fed.built.cfg.seed, K, fed.policy.max_participants)
 
 
 # --------------------------------------------------------------------- surrogate
@@ -108,7 +113,7 @@ def test_supcon_by_hand():
 # ------------------------------------------------------------------ prototypes
 def test_prototype_aggregation_is_count_weighted_mean():
     fed = make_fed(**{"train.local_steps": 1, "algorithm.fedgps.dynamic": False})
-    algo: FedGPS = fed.algo
+    algo: FedGPS = fed.built.algo
     sent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     finish = algo.finish_client
 
@@ -117,22 +122,22 @@ def test_prototype_aggregation_is_count_weighted_mean():
         sent[task.client] = (out["proto_sum"].clone().view(algo.C, -1), out["proto_count"].clone())
     algo.finish_client = record
     theta0 = fed.global_state.clone()
-    model0 = copy.deepcopy(fed.flat.model)
-    extras = torch.zeros(algo.exchange().downlink, device=fed.device)
+    model0 = copy.deepcopy(fed.built.flat.model)
+    extras = torch.zeros(algo.exchange().downlink, device=fed.built.device)
     algo.fill_downlink(extras, 0)
     assert extras[0] == 0          # no prototypes in round 0
     fed.round(0)
-    assert set(sent) == set(range(fed.K))
+    assert set(sent) == set(range(fed.built.num_clients))
 
     # client 0 by hand: one step, its features of the drawn surrogate batch at θ0
-    idx = fed.client_idx[0]
-    seed = stream_seed(fed.cfg.seed, 0, 0)
+    idx = fed.view.worker.client_idx[0]
+    seed = stream_seed(fed.built.cfg.seed, 0, 0)
     cfg = SGDConfig(lr=0.05, batch_size=16, local_steps=1)
-    (batch,) = list(LocalTrainer(fed.flat, fed.data).batches(idx, cfg, torch.Generator().manual_seed(seed)))
+    (batch,) = list(LocalTrainer(fed.built.flat, fed.built.data).batches(idx, cfg, torch.Generator().manual_seed(seed)))
     gen = algo.surrogate_generator(seed)
     xs, ys = algo.draw_surrogate(gen)
     model0.train()
-    feat = model0.features(torch.cat([fed.data.prepare(fed.data.x_train[batch], train=True), xs]))
+    feat = model0.features(torch.cat([fed.built.data.prepare(fed.built.data.x_train[batch], train=True), xs]))
     fs = feat[batch.numel():].detach()
     for c in range(algo.C):
         torch.testing.assert_close(sent[0][0][c], fs[ys == c].sum(0), atol=1e-4, rtol=1e-5)
@@ -158,8 +163,8 @@ def test_nonself_gradient_three_cases():
     fed = make_fed(**{"data.num_clients": 5, "algorithm.fedgps.static": False,
                       "data.partition.min_size": 10})
     fixed_participants(fed, [[0, 1], [1, 2, 3], [0, 1, 4]])
-    algo: FedGPS = fed.algo
-    P = fed.flat.num_params
+    algo: FedGPS = fed.built.algo
+    P = fed.built.flat.num_params
     fed.round(0)
     assert all(algo.nonself_gradient(k, 0) is None for k in range(5))
     theta1 = fed.global_state[:P].clone()
@@ -168,8 +173,8 @@ def test_nonself_gradient_three_cases():
     d = {k: algo.last_delta[k].clone() for k in (1, 2, 3)}
     assert algo.last_round == {0: 0, 1: 1, 2: 1, 3: 1}
 
-    mask2 = fed.participants(2)
-    algo.begin_round(2, mask2, fed.global_state, fed.state.dev[fed.D:])
+    mask2 = fed.policy.participants(2)
+    algo.begin_round(2, mask2, fed.global_state, fed.view.extras)
     dbar = theta2 - theta1
     torch.testing.assert_close(dbar, (d[1] + d[2] + d[3]) / 3, atol=1e-6, rtol=0)
 
@@ -196,9 +201,9 @@ def test_nonself_gradient_removes_own_update_under_sample_weights():
                       "data.partition.min_size": 10, "aggregation.weighting": "samples",
                       "data.partition.alpha": 0.3})
     fixed_participants(fed, [[0, 1], [1, 2, 3], [0, 1, 4]])
-    algo: FedGPS = fed.algo
-    P = fed.flat.num_params
-    n = {k: len(fed.client_idx[k]) for k in range(5)}
+    algo: FedGPS = fed.built.algo
+    P = fed.built.flat.num_params
+    n = {k: len(fed.view.worker.client_idx[k]) for k in range(5)}
     assert len({n[1], n[2], n[3]}) == 3, n                 # the weights really differ
     fed.round(0)
     theta1 = fed.global_state[:P].clone()
@@ -207,7 +212,7 @@ def test_nonself_gradient_removes_own_update_under_sample_weights():
     d = {k: algo.last_delta[k].clone() for k in (1, 2, 3)}
     torch.testing.assert_close(dbar, sum(n[k] * d[k] for k in (1, 2, 3)) / (n[1] + n[2] + n[3]),
                                atol=1e-6, rtol=0)
-    algo.begin_round(2, fed.participants(2), fed.global_state, fed.state.dev[fed.D:])
+    algo.begin_round(2, fed.policy.participants(2), fed.global_state, fed.view.extras)
     got = algo.nonself_gradient(1, 2).clone()
     want = (n[2] * d[2] + n[3] * d[3]) / (n[2] + n[3])
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
@@ -216,9 +221,9 @@ def test_nonself_gradient_removes_own_update_under_sample_weights():
 
 def test_per_tensor_sum_norm():
     fed = make_fed(**{"algorithm.fedgps.norm": "per_tensor_sum", "algorithm.fedgps.static": False})
-    algo: FedGPS = fed.algo
-    v = torch.randn(fed.flat.num_params)
-    expected = sum(float(torch.linalg.vector_norm(v[s.slice])) for s in fed.flat.param_segments)
+    algo: FedGPS = fed.built.algo
+    v = torch.randn(fed.built.flat.num_params)
+    expected = sum(float(torch.linalg.vector_norm(v[s.slice])) for s in fed.built.flat.param_segments)
     assert float(algo._norm(v)) == pytest.approx(expected, rel=1e-5)
     assert float(algo._norm(v)) > float(torch.linalg.vector_norm(v))
 
@@ -228,25 +233,25 @@ def test_per_tensor_sum_norm():
 def test_rectified_step_is_exact(static):
     """One step with perturbation e: θ_new = θ − lr·∇F(θ + e), bit for bit (no residue of e)."""
     fed = make_fed(**{"algorithm.fedgps.static": static})
-    algo: FedGPS = fed.algo
-    theta = fed.flat.params.clone()
+    algo: FedGPS = fed.built.algo
+    theta = fed.built.flat.params.clone()
     e = torch.randn(theta.numel(), generator=torch.Generator().manual_seed(0))
     algo._e.copy_(0.5 * e / torch.linalg.vector_norm(e))
-    model = copy.deepcopy(fed.flat.model)
+    model = copy.deepcopy(fed.built.flat.model)
     with torch.no_grad():
-        for p, seg in zip(model.parameters(), fed.flat.param_segments):
+        for p, seg in zip(model.parameters(), fed.built.flat.param_segments):
             p.add_(algo._e[seg.slice].view_as(p))
 
-    idx, seed, lr = fed.client_idx[1], 17, 0.1
+    idx, seed, lr = fed.view.worker.client_idx[1], 17, 0.1
     cfg = SGDConfig(lr=lr, batch_size=16, local_steps=1)
     gen = algo.surrogate_generator(seed) if static else None
     if static:
         algo._psum.zero_()
         algo._pcount.zero_()
-    fed.trainer.train(idx, cfg, seed, algo.step_hooks(True, gen, None))
+    fed.view.worker.trainer.train(idx, cfg, seed, algo.step_hooks(True, gen, None))
 
-    (batch,) = list(fed.trainer.batches(idx, cfg, torch.Generator().manual_seed(seed)))
-    x, y = fed.data.prepare(fed.data.x_train[batch], train=True), fed.data.y_train[batch]
+    (batch,) = list(fed.view.worker.trainer.batches(idx, cfg, torch.Generator().manual_seed(seed)))
+    x, y = fed.built.data.prepare(fed.built.data.x_train[batch], train=True), fed.built.data.y_train[batch]
     model.train()
     if static:
         xs, ys = algo.draw_surrogate(algo.surrogate_generator(seed))
@@ -256,9 +261,9 @@ def test_rectified_step_is_exact(static):
     grads = torch.autograd.grad(loss, list(model.parameters()))
     # the loop's update is θ.add_(g, alpha=−lr); the same op here keeps it bit-exact
     expected = torch.cat([t.add(g.reshape(-1), alpha=-lr) for t, g in
-                          zip(theta.split([s.numel for s in fed.flat.param_segments]), grads)])
-    assert torch.equal(fed.flat.params, expected)
-    assert not torch.equal(fed.flat.params, expected + algo._e)
+                          zip(theta.split([s.numel for s in fed.built.flat.param_segments]), grads)])
+    assert torch.equal(fed.built.flat.params, expected)
+    assert not torch.equal(fed.built.flat.params, expected + algo._e)
 
 
 # ------------------------------------------------------------------- evaluation
@@ -268,26 +273,26 @@ def test_evaluation_on_first_c_logits():
     accs = {}
     for mode in ("first", "all"):
         fed = make_fed(**{"algorithm.fedgps.eval_logits": mode})
-        head = fed.flat.model.classifier
-        assert head.out_features == 2 * fed.data.num_classes
-        base = fed.evaluate()
+        head = fed.built.flat.model.classifier
+        assert head.out_features == 2 * fed.built.data.num_classes
+        base = fed.view.evaluate()
         with torch.no_grad():
-            head.bias[fed.data.num_classes:] += 1e4
-        fed.state.dev[: fed.D].copy_(fed.flat.vector)
-        accs[mode] = (base, fed.evaluate())
+            head.bias[fed.built.data.num_classes:] += 1e4
+        fed.global_state.copy_(fed.built.flat.vector)
+        accs[mode] = (base, fed.view.evaluate())
     assert accs["first"][1] == accs["first"][0]
     assert accs["all"][1]["test_accuracy"] == 0.0
 
 
 def test_ablation_switches_and_errors():
     dyn = make_fed(**{"algorithm.fedgps.static": False})
-    assert dyn.flat.model.classifier.out_features == 10 and dyn.algo.exchange().downlink == 0
-    assert [s.name for s in list(dyn.algo.exchange().uplink)] == ["delta"]
+    assert dyn.built.flat.model.classifier.out_features == 10 and dyn.built.algo.exchange().downlink == 0
+    assert [s.name for s in list(dyn.built.algo.exchange().uplink)] == ["delta"]
     st = make_fed(**{"algorithm.fedgps.dynamic": False})
-    assert [s.name for s in list(st.algo.exchange().uplink)] == ["delta", "proto_sum", "proto_count"]
+    assert [s.name for s in list(st.built.algo.exchange().uplink)] == ["delta", "proto_sum", "proto_count"]
     st.round(0)
     st.round(1)
-    assert st.algo.last_delta == {}      # static only keeps no update history
+    assert st.built.algo.last_delta == {}      # static only keeps no update history
     with pytest.raises(ConfigError, match="algorithm.fedgps.static"):
         make_fed(**{"algorithm.fedgps.static": False, "algorithm.fedgps.dynamic": False})
 
@@ -384,12 +389,12 @@ def test_eq6_loss_and_gradient_against_plain_torch(align):
                       "algorithm.fedgps.lambda2": lam2, "algorithm.fedgps.temperature": tau,
                       "algorithm.fedgps.align_labels": align, "algorithm.fedgps.dynamic": False,
                       "algorithm.fedgps.surrogate_batch": 12, "train.batch_size": 8})
-    algo: FedGPS = fed.algo
+    algo: FedGPS = fed.built.algo
     C, d = algo.C, algo.feat_dim
-    protos = torch.randn(C, d, generator=torch.Generator().manual_seed(5)).to(fed.device)
-    idx = fed.client_idx[0][:8]
-    x, y = fed.data.prepare(fed.data.x_train[idx], train=True), fed.data.y_train[idx]
-    flat = fed.trainer.flat
+    protos = torch.randn(C, d, generator=torch.Generator().manual_seed(5)).to(fed.built.device)
+    idx = fed.view.worker.client_idx[0][:8]
+    x, y = fed.built.data.prepare(fed.built.data.x_train[idx], train=True), fed.built.data.y_train[idx]
+    flat = fed.view.worker.trainer.flat
     flat.model.train()
     algo._psum.zero_()
     algo._pcount.zero_()
@@ -424,15 +429,15 @@ def test_sign_and_first_participation_options():
                       "data.partition.min_size": 10, "algorithm.fedgps.sign": "against",
                       "algorithm.fedgps.first_participation": "global"})
     fixed_participants(fed, [[0, 1], [1, 2, 3], [0, 1, 4]])
-    algo: FedGPS = fed.algo
-    P = fed.flat.num_params
+    algo: FedGPS = fed.built.algo
+    P = fed.built.flat.num_params
     fed.round(0)
     assert algo.nonself_gradient(2, 0) is None          # no Δ̄ in round 0
     theta1 = fed.global_state[:P].clone()
     fed.round(1)
     dbar = fed.global_state[:P].clone() - theta1
     d = {k: algo.last_delta[k].clone() for k in (1, 2, 3)}
-    algo.begin_round(2, fed.participants(2), fed.global_state, fed.state.dev[fed.D:])
+    algo.begin_round(2, fed.policy.participants(2), fed.global_state, fed.view.extras)
     torch.testing.assert_close(algo.nonself_gradient(4, 2).clone(), dbar, atol=0, rtol=0)
     assert algo.perturbation(1, 2)
     others = (d[2] + d[3]) / 2
@@ -442,15 +447,15 @@ def test_sign_and_first_participation_options():
 
 def test_presets_and_explicit_keys():
     """preset paper/authors set each source's values; a key set explicitly wins."""
-    paper = make_fed(**{"algorithm.fedgps.preset": "paper"}).algo
+    paper = make_fed(**{"algorithm.fedgps.preset": "paper"}).built.algo
     assert (paper.lambda1, paper.w_surrogate, paper.lambda2) == (0.1, 0.0, 0.2)
     assert (paper.norm_kind, paper.align_shifted, paper.eval_all) == ("global", False, False)
     assert (paper.sign, paper.first_global, paper.augment) == (-1.0, True, False)
-    auth = make_fed(**{"algorithm.fedgps.preset": "authors", "algorithm.fedgps.lambda1": 0.5}).algo
+    auth = make_fed(**{"algorithm.fedgps.preset": "authors", "algorithm.fedgps.lambda1": 0.5}).built.algo
     assert (auth.lambda1, auth.w_surrogate, auth.lambda2) == (0.5, 0.1, 0.1)
     assert (auth.norm_kind, auth.align_shifted, auth.eval_all) == ("per_tensor_sum", True, True)
     assert (auth.sign, auth.first_global, auth.augment) == (1.0, False, True)
-    none = make_fed().algo          # no preset: the documented built-in defaults
+    none = make_fed().built.algo          # no preset: the documented built-in defaults
     assert (none.lambda1, none.w_surrogate, none.lambda2, none.norm_kind) == (1.0, 0.1, 0.1, "global")
     assert (none.align_shifted, none.eval_all, none.sign, none.augment) == (False, False, 1.0, False)
 
@@ -461,7 +466,7 @@ def test_authors_surrogate_normalisation_and_crop_flip():
     fed = make_fed(**{"algorithm.fedgps.surrogate_normalize": "authors",
                       "algorithm.fedgps.surrogate_augment": "crop_flip",
                       "algorithm.fedgps.surrogate_batch": 6, "algorithm.fedgps.dynamic": False})
-    algo: FedGPS = fed.algo
+    algo: FedGPS = fed.built.algo
     raw = algo.surrogate.x * 0.25 + 0.5
     assert raw.min() >= -1e-6 and raw.max() <= 1 + 1e-6          # clamp [0, 1] then authors' norm
     xs, ys = algo.draw_surrogate(algo.surrogate_generator(4))
@@ -480,7 +485,7 @@ def test_authors_surrogate_normalisation_and_crop_flip():
 def test_download_bytes_as_written():
     """Table 5: the download is θ^t + Δθ^t (+ prototypes) from round 1 on."""
     fed = make_fed()
-    a, P, E = fed.algo, fed.flat.num_params, fed.algo.exchange().downlink
-    assert a.traffic(0, 0)[1] == 4 * (fed.D + E)
-    assert a.traffic(0, 3)[1] == 4 * (fed.D + E + P)
-    assert make_fed(**{"algorithm.fedgps.dynamic": False}).algo.traffic(0, 3)[1] == 4 * (fed.D + E)
+    a, P, E = fed.built.algo, fed.built.flat.num_params, fed.built.algo.exchange().downlink
+    assert a.traffic(0, 0)[1] == 4 * (fed.built.flat.size + E)
+    assert a.traffic(0, 3)[1] == 4 * (fed.built.flat.size + E + P)
+    assert make_fed(**{"algorithm.fedgps.dynamic": False}).built.algo.traffic(0, 3)[1] == 4 * (fed.built.flat.size + E)

@@ -390,22 +390,22 @@ def _fiarse_reference(fed: Federation, theta: torch.Tensor, batches: list, froze
     decay. Returns the upload (w_final − θ) ⊙ M_sent over the parameters."""
     from torch.func import functional_call
 
-    model = copy.deepcopy(fed.flat.model)
+    model = copy.deepcopy(fed.built.flat.model)
     names = [n for n, _ in model.named_parameters()]
     norm = {f"{m}.{p}" for m, mod in model.named_modules()
             if isinstance(mod, (nn.BatchNorm2d, nn.GroupNorm, nn.LayerNorm))
             for p, _ in mod.named_parameters()}
-    segs = {s.name: s for s in fed.flat.param_segments}
+    segs = {s.name: s for s in fed.built.flat.param_segments}
     w = {n: theta[segs[n].offset:segs[n].offset + segs[n].numel].view(segs[n].shape).clone()
          for n in names}
     mags = torch.cat([w[n].abs().reshape(-1) for n in names if n not in norm])
-    k = math.floor(level * fed.flat.num_params) - sum(w[n].numel() for n in names if n in norm)
+    k = math.floor(level * fed.built.flat.num_params) - sum(w[n].numel() for n in names if n in norm)
     thr = torch.topk(mags, k).values.min()
     sent = {n: torch.ones_like(w[n]) if n in norm else (w[n].abs() >= thr).float() for n in names}
     start = {n: w[n] * sent[n] for n in names}
     w = {n: start[n].clone() for n in names}
     buf = {}
-    cfg_t = fed.cfg.train
+    cfg_t = fed.built.cfg.train
     for step, (x, y) in enumerate(batches):
         ind = {n: torch.ones_like(w[n]) if n in norm else (w[n].abs() >= thr).float() for n in names}
         eff = {n: (w[n] * ind[n]).requires_grad_(True) for n in names}
@@ -433,7 +433,7 @@ def test_fiarse_training_path_end_to_end(rule):
     fed = _fiarse_fed(**{"algorithm.fiarse.below_threshold": rule})
     theta = fed.global_state.clone()
     batches, uploads = [], {}
-    orig_batches, orig_update = fed.trainer.batches, fed.worker.train
+    orig_batches, orig_update = fed.view.worker.trainer.batches, fed.view.worker.train
 
     def spy_batches(indices, sgd, gen, sampler=None):
         for b in orig_batches(indices, sgd, gen, sampler):
@@ -443,13 +443,13 @@ def test_fiarse_training_path_end_to_end(rule):
     def spy_update(task, state, extras, out):
         batches.clear()
         res = orig_update(task, state, extras, out)
-        data = fed.data
-        uploads[task.client] = (out["delta"][: fed.flat.num_params].clone(),
+        data = fed.built.data
+        uploads[task.client] = (out["delta"][: fed.built.flat.num_params].clone(),
                                 [(data.prepare(data.x_train[b], train=True), data.y_train[b])
                                  for b in batches])
         return res
 
-    fed.trainer.batches, fed.worker.train = spy_batches, spy_update
+    fed.view.worker.trainer.batches, fed.view.worker.train = spy_batches, spy_update
     fed.round(0)
     for client, level in ((0, 1.0), (1, 0.25)):
         got, data = uploads[client]
@@ -478,7 +478,7 @@ def test_fiarse_budget_rules_by_hand(budget):
     ``maskable``: FIARSE's code, ``topk(|θ|, int(r·numel))`` over the maskable
     (non-norm) entries. Sizes from the state's parameter shapes; r = 1/4."""
     fed = _fiarse_fed(**{"algorithm.fiarse.budget": budget})
-    model, P = fed.flat.model, fed.flat.num_params
+    model, P = fed.built.flat.model, fed.built.flat.num_params
     norm = {f"{m}.{p}" for m, mod in model.named_modules() if isinstance(mod, nn.BatchNorm2d)
             for p, _ in mod.named_parameters()}
     params = dict(model.named_parameters())
@@ -486,8 +486,8 @@ def test_fiarse_budget_rules_by_hand(budget):
     maskable = sum(math.prod(p.shape) for n, p in params.items() if n not in norm)
     k = int(0.25 * maskable) if budget == "maskable" else math.floor(0.25 * d) - (d - maskable)
     theta = fed.global_state
-    sub = fed.algo.submodel(theta, 1, 0)                   # client 1: level 1/4
-    segs = [fed.flat.segment(n) for n in params if n not in norm]
+    sub = fed.built.algo.submodel(theta, 1, 0)                   # client 1: level 1/4
+    segs = [fed.built.flat.segment(n) for n in params if n not in norm]
     kept = sum(int(sub.mask[s.slice].sum()) for s in segs)
     mags = torch.cat([theta[s.slice].abs() for s in segs])
     assert kept == k
@@ -501,20 +501,20 @@ def test_heterofl_masked_cross_entropy():
     fed = Federation(cfg(**{"algorithm.name": "heterofl", "algorithm.heterofl.masked_ce": True,
                             "data.partition.method": "shards",
                             "data.partition.classes_per_client": 2}), Comm())
-    algo = fed.algo
-    task = ClientTask(1, 0, fed.client_idx[1], 0)
-    present = torch.unique(fed.data.y_train[fed.client_idx[1]])
-    assert len(present) < fed.data.num_classes
+    algo = fed.built.algo
+    task = ClientTask(1, 0, fed.view.worker.client_idx[1], 0)
+    present = torch.unique(fed.built.data.y_train[fed.view.worker.client_idx[1]])
+    assert len(present) < fed.built.data.num_classes
     algo._sub = algo.submodel(fed.global_state, int(algo.client_level[1]), 0)
-    algo._flat = fed.trainer.flat
+    algo._flat = fed.view.worker.trainer.flat
     hooks = algo.hooks(task, fed.global_state, torch.zeros(0))
-    x = fed.data.prepare(fed.data.x_train[fed.client_idx[1][:16]], train=True)
-    y = fed.data.y_train[fed.client_idx[1][:16]]
-    logits = fed.trainer.flat.model(x)
-    keep = torch.zeros(fed.data.num_classes, dtype=torch.bool, device=logits.device)
+    x = fed.built.data.prepare(fed.built.data.x_train[fed.view.worker.client_idx[1][:16]], train=True)
+    y = fed.built.data.y_train[fed.view.worker.client_idx[1][:16]]
+    logits = fed.view.worker.trainer.flat.model(x)
+    keep = torch.zeros(fed.built.data.num_classes, dtype=torch.bool, device=logits.device)
     keep[present] = True
     want = F.cross_entropy(torch.where(keep, logits, torch.zeros_like(logits)), y)
-    torch.testing.assert_close(hooks.loss_fn(fed.trainer.flat, x, y), want)
+    torch.testing.assert_close(hooks.loss_fn(fed.view.worker.trainer.flat, x, y), want)
     assert not torch.allclose(want, F.cross_entropy(logits, y))
 
 
@@ -659,12 +659,12 @@ def test_scalefl_round_on_digits_width_only():
     blocks it is scaled in width only (HeteroFL's nested masks at the width that
     meets the budget) and says so in the log."""
     fed = Federation(cfg(**{"algorithm.name": "scalefl"}), Comm())
-    nested = Extractor(fed.flat, "nested")
+    nested = Extractor(fed.built.flat, "nested")
     for r in LEVELS:
-        skip, width = fed.algo.extractor.depth_plan(r)
+        skip, width = fed.built.algo.extractor.depth_plan(r)
         assert skip == set()
-        torch.testing.assert_close(fed.algo.extractor.extract(fed.global_state, r, 0).mask,
+        torch.testing.assert_close(fed.built.algo.extractor.extract(fed.global_state, r, 0).mask,
                                    nested.extract(fed.global_state, width ** 2, 0).mask)
     fed.round(0)
     assert torch.isfinite(fed.global_state).all()
-    assert fed.algo.extractor.skippable == []
+    assert fed.built.algo.extractor.skippable == []

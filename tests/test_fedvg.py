@@ -16,6 +16,7 @@ from fedmpi.data.datasets import synthetic_dataset
 from fedmpi.data.validation import (CIFAR100_CLASSES, CLASS_MAPS, build_validation,
     imbalanced_counts)
 from fedmpi.errors import ConfigError, DataError
+from fedmpi.runtime.collective import plan_uplink
 from fedmpi.runtime.federation import Federation
 
 
@@ -35,7 +36,7 @@ def make_fed(**over) -> Federation:
 
 def rows_from(fed: Federation, deltas: torch.Tensor) -> dict[str, torch.Tensor]:
     """The per-client statistics a weighting receives, with only ``delta`` given."""
-    return {"delta": deltas.to(fed.device)}
+    return {"delta": deltas.to(fed.built.device)}
 
 
 def hand_val_grads(fed: Federation, theta_k: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
@@ -45,15 +46,15 @@ def hand_val_grads(fed: Federation, theta_k: torch.Tensor, batch_size: int) -> l
     scoring batch with its own statistics), batches of ``batch_size`` in order,
     Σ_b CE_sum(b)/N accumulated; one gradient per named parameter (BN weight
     and bias included)."""
-    model = copy.deepcopy(fed.flat.model)
+    model = copy.deepcopy(fed.built.flat.model)
     named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     with torch.no_grad():
-        for seg in fed.flat.segments:
+        for seg in fed.built.flat.segments:
             named[seg.name].copy_(theta_k[seg.offset:seg.offset + seg.numel].view(seg.shape))
     model.train()
-    idx = torch.as_tensor(fed.partition.validation_indices)
-    x = fed.data.prepare(fed.data.x_train[idx], train=False)
-    y = fed.data.y_train[idx]
+    idx = torch.as_tensor(fed.built.partition.validation_indices)
+    x = fed.built.data.prepare(fed.built.data.x_train[idx], train=False)
+    y = fed.built.data.y_train[idx]
     params = list(model.parameters())
     grads = [torch.zeros_like(p) for p in params]
     for a in range(0, len(y), batch_size):
@@ -71,8 +72,8 @@ def hand_val_norms(fed: Federation, theta_k: torch.Tensor, batch_size: int = 10_
 # ------------------------------------------------------------------ weights
 def test_identical_client_models_get_uniform_weights():
     fed = make_fed()
-    delta = 0.01 * torch.randn(fed.D, generator=torch.Generator().manual_seed(0))
-    s = fed.weighting.weights(fed.global_state, np.arange(4), rows_from(fed, delta.repeat(4, 1)))
+    delta = 0.01 * torch.randn(fed.built.flat.size, generator=torch.Generator().manual_seed(0))
+    s = fed.built.weighting.weights(fed.global_state, np.arange(4), rows_from(fed, delta.repeat(4, 1)))
     np.testing.assert_allclose(s, 0.25, atol=1e-12)
 
 
@@ -85,16 +86,16 @@ def test_weights_match_hand_formula_and_larger_norm_gets_smaller_weight():
     norms per batch all fail here."""
     bs = 64
     fed = make_fed(**{"model.name": "cnn", "aggregation.fedvg.batch_size": bs})
-    n_val = len(fed.partition.validation_indices)
+    n_val = len(fed.built.partition.validation_indices)
     assert n_val % bs and n_val > 2 * bs            # ≥ 3 batches, the last one shorter
     gen = torch.Generator().manual_seed(1)
     theta = fed.global_state.clone()
-    deltas = torch.stack([0.02 * torch.randn(fed.D, generator=gen) * (k + 1) for k in range(3)])
-    deltas = deltas.to(fed.device)                 # θ + Δ_k on the federation's device
+    deltas = torch.stack([0.02 * torch.randn(fed.built.flat.size, generator=gen) * (k + 1) for k in range(3)])
+    deltas = deltas.to(fed.built.device)                 # θ + Δ_k on the federation's device
     clients = np.array([0, 2, 3])
-    s = fed.weighting.weights(fed.global_state, clients, rows_from(fed, deltas))
+    s = fed.built.weighting.weights(fed.global_state, clients, rows_from(fed, deltas))
     hand = np.stack([hand_val_norms(fed, theta + d, bs) for d in deltas])
-    names = [n for n, _ in fed.flat.model.named_parameters()]
+    names = [n for n, _ in fed.built.flat.model.named_parameters()]
     assert any("bn" in n or "body.1" in n for n in names) and hand.shape[1] == len(names)
     gbar = hand.mean(1)
     inv = 1.0 / (gbar + 1e-8)
@@ -102,20 +103,20 @@ def test_weights_match_hand_formula_and_larger_norm_gets_smaller_weight():
     assert s.sum() == pytest.approx(1.0)
     order = np.argsort(gbar)                       # larger Ḡ → strictly smaller weight
     assert np.all(np.diff(s[order]) < 0)
-    logged = fed.reports.drain(0)[0].arrays["fedvg/grad_norm"]   # the round's reports
+    logged = fed.built.reports.drain(0)[0].arrays["fedvg/grad_norm"]   # the round's reports
     assert np.isnan(logged[1]).all() and np.isfinite(logged[clients]).all()
     np.testing.assert_allclose(logged[clients], hand, rtol=1e-4, atol=1e-7)
-    assert "fedvg/grad_norm" not in fed.reports.drain(1)[0].arrays   # reported once, per round
+    assert "fedvg/grad_norm" not in fed.built.reports.drain(1)[0].arrays   # reported once, per round
 
 
 def test_fedvg_avg_mixes_sample_weights():
     fed = make_fed(**{"aggregation.weighting": "fedvg_avg"})
     gen = torch.Generator().manual_seed(2)
-    deltas = torch.stack([0.05 * torch.randn(fed.D, generator=gen) for _ in range(4)])
-    s = fed.weighting.weights(fed.global_state, np.arange(4), rows_from(fed, deltas))
+    deltas = torch.stack([0.05 * torch.randn(fed.built.flat.size, generator=gen) for _ in range(4)])
+    s = fed.built.weighting.weights(fed.global_state, np.arange(4), rows_from(fed, deltas))
     ref = make_fed()
-    s_vg = ref.weighting.weights(ref.global_state, np.arange(4), rows_from(ref, deltas))
-    nk = fed.num_samples / fed.num_samples.sum()
+    s_vg = ref.built.weighting.weights(ref.global_state, np.arange(4), rows_from(ref, deltas))
+    nk = fed.built.num_samples / fed.built.num_samples.sum()
     np.testing.assert_allclose(s, (s_vg + nk) / 2, rtol=1e-6)
 
 
@@ -129,10 +130,10 @@ def test_scores_formula_and_nonfinite():
 def test_layer_and_block_weights_sum_to_one_and_apply_per_segment(granularity):
     fed = make_fed(**{"model.name": "cnn", "aggregation.fedvg.granularity": granularity,
                       "aggregation.fedvg.batch_size": 100})
-    w = fed.weighting
+    w = fed.built.weighting
     gen = torch.Generator().manual_seed(3)
-    deltas = torch.stack([0.05 * torch.randn(fed.D, generator=gen) * (1 + k) for k in range(3)])
-    deltas = deltas.to(fed.device)
+    deltas = torch.stack([0.05 * torch.randn(fed.built.flat.size, generator=gen) * (1 + k) for k in range(3)])
+    deltas = deltas.to(fed.built.device)
     clients = np.array([0, 1, 3])
     s = w.weights(fed.global_state, clients, rows_from(fed, deltas))
     S = w._S
@@ -145,7 +146,7 @@ def test_layer_and_block_weights_sum_to_one_and_apply_per_segment(granularity):
     theta = fed.global_state.clone()
     norms = np.stack([hand_val_norms(fed, theta + d, 100) for d in deltas])
     names = w.layer_names
-    groups = names if granularity == "layer" else [block_of(fed.flat.model, n) for n in names]
+    groups = names if granularity == "layer" else [block_of(fed.built.flat.model, n) for n in names]
     for g, gname in enumerate(w.group_names):
         members = [i for i, n in enumerate(groups) if n == gname]
         inv = 1.0 / (norms[:, members].mean(1) + 1e-8)
@@ -155,35 +156,35 @@ def test_layer_and_block_weights_sum_to_one_and_apply_per_segment(granularity):
     # combination: every segment (params and BN buffers) gets its group's weights
     agg = w.combine(s, deltas)
     col = {n: g for g, n in enumerate(w.group_names)}
-    for seg in fed.flat.segments:
+    for seg in fed.built.flat.segments:
         if granularity == "layer":
             owner = seg.name if seg.is_param else seg.name.rpartition(".")[0] + ".weight"
         else:
-            owner = block_of(fed.flat.model, seg.name)
-        sk = torch.as_tensor(S[:, col[owner]], dtype=torch.float32, device=fed.device)
+            owner = block_of(fed.built.flat.model, seg.name)
+        sk = torch.as_tensor(S[:, col[owner]], dtype=torch.float32, device=fed.built.device)
         torch.testing.assert_close(agg[seg.slice], sk @ deltas[:, seg.slice], atol=1e-7, rtol=1e-6)
     # a non-layout statistic (other size) uses the summary weight s_k
-    other = torch.randn(3, 7, generator=gen).to(fed.device)
+    other = torch.randn(3, 7, generator=gen).to(fed.built.device)
     torch.testing.assert_close(w.combine(s, other),
-                               torch.as_tensor(s, dtype=torch.float32, device=fed.device) @ other)
+                               torch.as_tensor(s, dtype=torch.float32, device=fed.built.device) @ other)
 
 
 def test_resnet_blocks():
     fed = make_fed(**{"model.name": "resnet18", "aggregation.fedvg.granularity": "block",
                       "aggregation.fedvg.norm": "delta"})
-    assert fed.weighting.group_names == ["stem", "layer1.0", "layer1.1", "layer2.0", "layer2.1",
+    assert fed.built.weighting.group_names == ["stem", "layer1.0", "layer1.1", "layer2.0", "layer2.1",
                                          "layer3.0", "layer3.1", "layer4.0", "layer4.1", "head"]
 
 
 def test_delta_norm_needs_no_validation_pass(monkeypatch):
     fed = make_fed(**{"aggregation.fedvg.norm": "delta", "data.validation.fraction": 0.0})
-    w = fed.weighting
+    w = fed.built.weighting
     assert w.val is None
     monkeypatch.setattr(w.scratch.model, "forward", lambda *a: pytest.fail("forward called"))
     gen = torch.Generator().manual_seed(4)
-    deltas = torch.stack([0.1 * torch.randn(fed.D, generator=gen) * (k + 1) for k in range(4)])
+    deltas = torch.stack([0.1 * torch.randn(fed.built.flat.size, generator=gen) * (k + 1) for k in range(4)])
     s = w.weights(fed.global_state, np.arange(4), rows_from(fed, deltas))
-    gbar = np.array([np.mean([float(d[seg.slice].abs().sum()) for seg in fed.flat.param_segments])
+    gbar = np.array([np.mean([float(d[seg.slice].abs().sum()) for seg in fed.built.flat.param_segments])
                      for d in deltas])
     inv = 1 / (gbar + 1e-8)
     np.testing.assert_allclose(s, inv / inv.sum(), rtol=1e-5)
@@ -215,10 +216,10 @@ def test_spectral_weights_count_only_matrices_by_default(spectral_1d):
                       "aggregation.fedvg.batch_size": 100})
     gen = torch.Generator().manual_seed(11)
     theta = fed.global_state.clone()
-    deltas = torch.stack([0.05 * torch.randn(fed.D, generator=gen) * (k + 1) for k in range(3)])
-    s = fed.weighting.weights(fed.global_state, np.arange(3), rows_from(fed, deltas.to(fed.device)))
+    deltas = torch.stack([0.05 * torch.randn(fed.built.flat.size, generator=gen) * (k + 1) for k in range(3)])
+    s = fed.built.weighting.weights(fed.global_state, np.arange(3), rows_from(fed, deltas.to(fed.built.device)))
     gbar = []
-    for d in deltas.to(fed.device):
+    for d in deltas.to(fed.built.device):
         vals = []
         for g in hand_val_grads(fed, theta + d, 100):
             if g.dim() >= 2:
@@ -238,11 +239,11 @@ def test_spectral_layer_granularity_gives_unscored_layers_the_mean_weight():
     fed = make_fed(**{"model.name": "cnn", "aggregation.fedvg.norm": "spectral",
                       "aggregation.fedvg.granularity": "layer",
                       "aggregation.fedvg.batch_size": 100})
-    w = fed.weighting
+    w = fed.built.weighting
     gen = torch.Generator().manual_seed(12)
     theta = fed.global_state.clone()
-    deltas = torch.stack([0.05 * torch.randn(fed.D, generator=gen) * (k + 1) ** 2
-                          for k in range(3)]).to(fed.device)
+    deltas = torch.stack([0.05 * torch.randn(fed.built.flat.size, generator=gen) * (k + 1) ** 2
+                          for k in range(3)]).to(fed.built.device)
     s = w.weights(fed.global_state, np.arange(3), rows_from(fed, deltas))
     grads = [hand_val_grads(fed, theta + d, 100) for d in deltas]
     scored = [i for i, g in enumerate(grads[0]) if g.dim() >= 2]
@@ -259,8 +260,8 @@ def test_spectral_layer_granularity_gives_unscored_layers_the_mean_weight():
     np.testing.assert_allclose(w._S, want, rtol=1e-4)
     np.testing.assert_allclose(s, want.mean(1), rtol=1e-4)
     assert np.abs(mean - 1 / 3).max() > 1e-3            # the mean, visibly not uniform
-    one_d = next(seg for seg in fed.flat.param_segments if len(seg.shape) == 1)
-    sk = torch.as_tensor(mean, dtype=torch.float32, device=fed.device)
+    one_d = next(seg for seg in fed.built.flat.param_segments if len(seg.shape) == 1)
+    sk = torch.as_tensor(mean, dtype=torch.float32, device=fed.built.device)
     torch.testing.assert_close(w.combine(s, deltas)[one_d.slice], sk @ deltas[:, one_d.slice],
                                atol=1e-7, rtol=1e-4)
 
@@ -268,13 +269,13 @@ def test_spectral_layer_granularity_gives_unscored_layers_the_mean_weight():
 def test_scoring_leaves_global_bn_statistics_unchanged():
     fed = make_fed(**{"model.name": "cnn", "aggregation.fedvg.batch_size": 50})
     theta = fed.global_state.clone()
-    bufs = [s for s in fed.flat.segments if not s.is_param]
+    bufs = [s for s in fed.built.flat.segments if not s.is_param]
     assert bufs  # the CNN has BN running statistics
     gen = torch.Generator().manual_seed(6)
-    deltas = torch.stack([0.1 * torch.randn(fed.D, generator=gen) for _ in range(2)]).to(fed.device)
-    fed.weighting.weights(fed.global_state, np.arange(2), rows_from(fed, deltas))
+    deltas = torch.stack([0.1 * torch.randn(fed.built.flat.size, generator=gen) for _ in range(2)]).to(fed.built.device)
+    fed.built.weighting.weights(fed.global_state, np.arange(2), rows_from(fed, deltas))
     torch.testing.assert_close(fed.global_state, theta, atol=0, rtol=0)
-    scratch = fed.weighting.scratch.vector            # the scored θ_k's buffers too
+    scratch = fed.built.weighting.scratch.vector            # the scored θ_k's buffers too
     for seg in bufs:
         torch.testing.assert_close(scratch[seg.slice], (theta + deltas[1])[seg.slice])
     # and a whole round keeps buffers = Σ_k s_k (buffers of θ_k), nothing else
@@ -287,14 +288,14 @@ def test_scale_adversary_gets_smallest_weight():
     fed = make_fed(**{"adversary.clients": [2], "adversary.kind": "scale",
                       "adversary.factor": 10.0, "train.local_steps": 5})
     captured = {}
-    orig = fed.weighting.weights
+    orig = fed.built.weighting.weights
 
     def spy(f, clients, rows):
         s = orig(f, clients, rows)
         captured["s"], captured["clients"] = s, list(clients)
         return s
 
-    fed.weighting.weights = spy
+    fed.built.weighting.weights = spy
     fed.round(0)
     s = captured["s"]
     assert captured["clients"] == [0, 1, 2, 3]
@@ -318,19 +319,19 @@ def _round0_norms(algo: str, **over) -> tuple[np.ndarray, np.ndarray]:
                       "aggregation.fedvg.batch_size": 100, **over})
     logged = _capture_log(fed)
     fed.round(0)
-    return logged["fedvg/grad_norm"], fed.history[-1]
+    return logged["fedvg/grad_norm"], fed.log.history[-1]
 
 
 def _capture_log(fed: Federation) -> dict:
     """The per-round arrays of the rows the runtime logs."""
     logged: dict = {}
-    orig = fed.recorder.append
+    orig = fed.log.append
 
     def spy(row):
         logged.update(row.arrays)
         return orig(row)
 
-    fed.recorder.append = spy
+    fed.log.append = spy
     return logged
 
 
@@ -359,14 +360,14 @@ def test_fedvg_scores_the_trained_client_model(algo):
     computed by hand in plain torch."""
     fed = make_fed(**{"algorithm.name": algo, "train.momentum": 0.5, "train.local_steps": 3})
     trained = {}
-    orig = fed.worker.train
+    orig = fed.view.worker.train
 
     def spy(task, state, extras, out):
         res = orig(task, state, extras, out)
-        trained[task.client] = fed.trainer.flat.vector.clone()
+        trained[task.client] = fed.view.worker.trainer.flat.vector.clone()
         return res
 
-    fed.worker.train = spy
+    fed.view.worker.train = spy
     logged = _capture_log(fed)
     fed.round(0)
     gn = logged["fedvg/grad_norm"]
@@ -382,15 +383,15 @@ def test_fedvg_substitutes_weights_of_every_weighted_stat(algo, granularity):
     """Every weighted statistic of the method reaches server_update as Σ_k s_k^{(g)} x_k."""
     fed = make_fed(**{"algorithm.name": algo, "model.name": "cnn",
                       "aggregation.fedvg.granularity": granularity})
-    weighted = [s for s, _ in fed.uplink_plan.gathered]
+    weighted = [s for s, _ in plan_uplink(list(fed.built.stats), fed.built.server.rows_needed).gathered]
     assert any(s.name == "delta" for s in weighted)
     seen = {}
-    orig_w, orig_u = fed.weighting.weights, fed.algo.server_update
+    orig_w, orig_u = fed.built.weighting.weights, fed.built.algo.server_update
 
     def spy_w(f, clients, rows):
         s = orig_w(f, clients, rows)
         seen["rows"] = {k: v.clone() for k, v in rows.items()}
-        seen["s"], seen["S"] = s, fed.weighting._S.copy()
+        seen["s"], seen["S"] = s, fed.built.weighting._S.copy()
         return s
 
     def spy_u(state, agg, info):
@@ -398,20 +399,20 @@ def test_fedvg_substitutes_weights_of_every_weighted_stat(algo, granularity):
         seen["info"] = info
         return orig_u(state, agg, info)
 
-    fed.weighting.weights, fed.algo.server_update = spy_w, spy_u
+    fed.built.weighting.weights, fed.built.algo.server_update = spy_w, spy_u
     fed.round(0)
     np.testing.assert_allclose(seen["info"].weights, seen["s"])
     rows, S = seen["rows"], seen["S"]
-    for stat, off in fed.uplink_plan.gathered:
+    for stat, off in plan_uplink(list(fed.built.stats), fed.built.server.rows_needed).gathered:
         if stat.combine != "weighted":
             continue                       # per-client statistics are never combined
         x = rows[stat.name]
         got = seen["agg"][stat.name]
-        if granularity == "model" or stat.size not in (fed.D, fed.flat.num_params):
+        if granularity == "model" or stat.size not in (fed.built.flat.size, fed.built.flat.num_params):
             want = torch.as_tensor(seen["s"], dtype=torch.float32, device=x.device) @ x
         else:
             want = torch.empty(stat.size, device=x.device)
-            for a, b, g in fed.weighting.spans:
+            for a, b, g in fed.built.weighting.spans:
                 if a < stat.size:
                     Sg = S[:, g] if g < S.shape[1] else S.mean(1)
                     want[a:min(b, stat.size)] = (torch.as_tensor(Sg, dtype=torch.float32, device=x.device)
@@ -422,26 +423,26 @@ def test_fedvg_substitutes_weights_of_every_weighted_stat(algo, granularity):
 # -------------------------------------------------------- validation set
 def test_holdout_validation_is_the_partition_holdout():
     fed = make_fed()
-    val = fed.weighting.val
-    idx = fed.partition.validation_indices
+    val = fed.built.weighting.val
+    idx = fed.built.partition.validation_indices
     assert len(val) == len(idx) > 0 and val.source == "holdout"
-    torch.testing.assert_close(val.x, fed.data.prepare(fed.data.x_train[torch.as_tensor(idx)], train=False))
-    assert not set(idx) & set(np.concatenate(fed.partition.client_indices))
+    torch.testing.assert_close(val.x, fed.built.data.prepare(fed.built.data.x_train[torch.as_tensor(idx)], train=False))
+    assert not set(idx) & set(np.concatenate(fed.built.partition.client_indices))
 
 
 def test_size_fraction_and_imbalance():
     cfg = config_from_dict(cfg_dict(**{"data.validation.fraction": 0.3,
                                        "data.validation.size_fraction": 0.5}))
     fed_full = make_fed(**{"data.validation.fraction": 0.3})
-    full = fed_full.weighting.val
-    data = fed_full.data
-    half = build_validation(cfg, data, fed_full.partition.validation_indices, torch.device("cpu"))
+    full = fed_full.built.weighting.val
+    data = fed_full.built.data
+    half = build_validation(cfg, data, fed_full.built.partition.validation_indices, torch.device("cpu"))
     np.testing.assert_array_less(np.abs(half.class_counts - full.class_counts / 2), 1.01)
     # ρ = 0.5 over 10 classes, N' = ⌊|D_val|/2⌋: s_i = ⌊0.5^i / Σ_j 0.5^j · N'⌋ (clipped)
     assert list(imbalanced_counts(np.full(4, 100), 0.5, 150)) == [80, 40, 20, 10]
     assert list(imbalanced_counts(np.array([30, 100, 100, 100]), 0.5, 150)) == [30, 40, 20, 10]
     cfg = config_from_dict(cfg_dict(**{"data.validation.fraction": 0.3, "data.validation.rho": 0.5}))
-    imb = build_validation(cfg, data, fed_full.partition.validation_indices, torch.device("cpu"))
+    imb = build_validation(cfg, data, fed_full.built.partition.validation_indices, torch.device("cpu"))
     want = imbalanced_counts(full.class_counts, 0.5, len(full) // 2)
     np.testing.assert_array_equal(imb.class_counts, want)
     assert want[1] > want[2] > want[3] and want[0] == full.class_counts[0]  # class 0 clipped
@@ -519,8 +520,11 @@ def init(self, *args, **kwargs):
 FedVG.score, Federation.__init__ = score, init
 """
 SCORE_REPORT = r"""
-if feds[0].is_server:
-    print("STREAM", feds[0].stream_rows, "CALLS", calls)
+from fedmpi.runtime.collective import plan_uplink
+b = feds[0].built
+if b.rank == 0:   # rows stream at world size > 1 when a statistic travels per client
+    rows = plan_uplink(list(b.stats), b.server.rows_needed).row_size
+    print("STREAM", bool(rows) and b.world_size > 1, "CALLS", calls)
 """
 
 
@@ -590,14 +594,14 @@ def test_fedvg_scores_the_reaggregated_model_under_ecgr():
     by hand, and differ from those of the locally trained θ_k."""
     fed = make_fed(**{"ecgr.enabled": True, "train.momentum": 0.5, "train.local_steps": 4})
     models = {}
-    orig = fed.worker.train
+    orig = fed.view.worker.train
 
     def spy(task, state, extras, out):   # the upload after every transform
         res = orig(task, state, extras, out)
-        models[task.client] = (state + out["delta"], fed.trainer.flat.vector.clone())
+        models[task.client] = (state + out["delta"], fed.view.worker.trainer.flat.vector.clone())
         return res
 
-    fed.worker.train = spy
+    fed.view.worker.train = spy
     logged = _capture_log(fed)
     fed.round(0)
     gn = logged["fedvg/grad_norm"]

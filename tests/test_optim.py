@@ -188,27 +188,27 @@ def test_optimizer_state_keep_and_reset_match_torch_optimizers_kept_alive_or_fre
         fed = build_fed(KEEP, **{f"train.{k}": v for k, v in train.items()},
                         **{"train.optimizer_state": mode})
         ref = _federated_reference(fed, make_opt, 4, keep=mode == "keep")
-        sat_out = [~fed.participants(t) for t in range(4)]
+        sat_out = [~fed.policy.participants(t) for t in range(4)]
         assert any(m.any() for m in sat_out)   # some client skips a round between participations
         for t in range(4):
             fed.round(t)
-        P = fed.flat.num_params
+        P = fed.built.flat.num_params
         torch.testing.assert_close(fed.global_state[:P], ref, atol=2e-6, rtol=0)
         finals[mode] = fed.global_state[:P].clone()
         if mode == "keep":   # the state is the client's own, on its (this) rank
-            kept = fed.algo.client_state(0)
+            kept = fed.built.algo.client_state(0)
             assert set(kept) == ({"optimizer/step", "optimizer/momentum"} if kind == "sgd_momentum"
                                  else {"optimizer/step", "optimizer/exp_avg", "optimizer/exp_avg_sq"})
-            turns = sum(int(fed.participants(t)[0]) for t in range(4))
+            turns = sum(int(fed.policy.participants(t)[0]) for t in range(4))
             assert float(kept["optimizer/step"]) == 3 * turns
     assert (finals["keep"] - finals["reset"]).abs().max() > 1e-4
 
 
 def test_optimizer_state_reset_is_the_default_and_keeps_no_client_state():
     fed = build_fed(KEEP, **{"train.optimizer": "adam"})
-    assert fed.cfg.train.optimizer_state == "reset"
+    assert fed.built.cfg.train.optimizer_state == "reset"
     fed.round(0)
-    assert all(not fed.algo.client_state(k) for k in range(fed.K))
+    assert all(not fed.built.algo.client_state(k) for k in range(fed.built.num_clients))
 
 
 def test_optimizer_state_keep_without_state_is_reset_bit_for_bit():
@@ -219,17 +219,17 @@ def test_optimizer_state_keep_without_state_is_reset_bit_for_bit():
         a.round(t)
         b.round(t)
     assert torch.equal(a.global_state, b.global_state)
-    assert not a.algo.client_state(0)
+    assert not a.built.algo.client_state(0)
 
 
 def test_nonfinite_kept_state_is_dropped():
     fed = build_fed(KEEP, **{"train.optimizer": "adam", "train.optimizer_state": "keep"})
     fed.round(0)
-    k = int(fed.participants(0).nonzero()[0][0])
-    fed.worker.kept.of(k, fed.device).exp_avg_sq[3] = float("inf")
-    assert fed.worker.kept.drop_if_nonfinite(k)
-    assert not fed.algo.client_state(k)
-    assert float(fed.worker.kept.of(k, fed.device).step) == 0   # fresh again
+    k = int(fed.policy.participants(0).nonzero()[0][0])
+    fed.view.worker.kept.of(k, fed.built.device).exp_avg_sq[3] = float("inf")
+    assert fed.view.worker.kept.drop_if_nonfinite(k)
+    assert not fed.built.algo.client_state(k)
+    assert float(fed.view.worker.kept.of(k, fed.built.device).step) == 0   # fresh again
 
 
 @pytest.mark.parametrize("over", [

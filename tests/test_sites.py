@@ -246,9 +246,9 @@ from fedmpi.config.schema import config_from_dict
 from fedmpi.runtime.federation import Federation
 fed = Federation(config_from_dict(json.loads(sys.argv[1])), Comm())
 fed.round(0)
-got = fed.evaluate()
-sites = {k: v.tolist() for k, v in fed.site_metrics.items()}
-json.dump({"got": got, "sites": sites}, open(f"{sys.argv[2]}/evaluate_{fed.rank}.json", "w"))
+got = fed.view.evaluate()
+sites = {k: v.tolist() for k, v in fed.view.site_metrics.items()}
+json.dump({"got": got, "sites": sites}, open(f"{sys.argv[2]}/evaluate_{fed.built.rank}.json", "w"))
 '''
 
 
@@ -269,17 +269,17 @@ def test_federation_evaluate_is_collective_and_the_same_at_n3(tmp_path):
     assert res[1]["got"] == res[2]["got"] == {} and res[1]["sites"] == {}
     alone = build_fed(WINE_SITES)
     alone.round(0)
-    expected = alone.evaluate()
+    expected = alone.view.evaluate()
     assert res[0]["got"].keys() == expected.keys()
     for name, v in expected.items():
         assert res[0]["got"][name] == pytest.approx(v, abs=1e-6), name
-    for name, v in alone.site_metrics.items():
+    for name, v in alone.view.site_metrics.items():
         np.testing.assert_allclose(res[0]["sites"][name], v, atol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("where", ["clients", "both"])
 def test_federation_evaluate_runs_the_per_site_evaluation(where):
-    """Federation.evaluate() under clients/both evaluates on the sites' held-out samples
+    """Federation.view.evaluate() under clients/both evaluates on the sites' held-out samples
     (rank 0 holds no test data under clients: it used to return NaN): the combined values
     are scikit-learn's on the pooled held-out samples, site_metrics each site's."""
     from torch.nn.utils import vector_to_parameters
@@ -288,15 +288,15 @@ def test_federation_evaluate_runs_the_per_site_evaluation(where):
 
     fed = build_fed(WINE_SITES, **{"eval.where": where})
     fed.round(0)
-    got = fed.evaluate()
-    model = copy.deepcopy(fed.flat.model).eval()
-    vector_to_parameters(fed.global_state[: fed.flat.num_params].clone(), model.parameters())
+    got = fed.view.evaluate()
+    model = copy.deepcopy(fed.built.flat.model).eval()
+    vector_to_parameters(fed.global_state[: fed.built.flat.num_params].clone(), model.parameters())
     probs, labels, per_site = [], [], []
     for k in range(3):
-        idx = torch.as_tensor(fed.partition.client_test_indices[k])
+        idx = torch.as_tensor(fed.built.partition.client_test_indices[k])
         with torch.no_grad():
-            p = torch.softmax(model(fed.data.prepare(fed.data.x_train[idx], train=False)), 1)
-        y = fed.data.y_train[idx].numpy()
+            p = torch.softmax(model(fed.built.data.prepare(fed.built.data.x_train[idx], train=False)), 1)
+        y = fed.built.data.y_train[idx].numpy()
         probs.append((p.double() / p.double().sum(1, keepdim=True)).numpy())
         labels.append(y)
         per_site.append(accuracy_score(y, p.argmax(1).numpy()))
@@ -306,8 +306,8 @@ def test_federation_evaluate_runs_the_per_site_evaluation(where):
     assert got[f"{prefix}test_loss"] == pytest.approx(log_loss(Y, P, labels=[0, 1, 2]), abs=1e-5)
     assert got[f"{prefix}macro_f1"] == pytest.approx(
         f1_score(Y, P.argmax(1), average="macro"), abs=1e-12)
-    np.testing.assert_allclose(fed.site_metrics["test_accuracy"], per_site, atol=1e-12)
-    np.testing.assert_array_equal(fed.site_metrics["test_samples"], [len(y) for y in labels])
+    np.testing.assert_allclose(fed.view.site_metrics["test_accuracy"], per_site, atol=1e-12)
+    np.testing.assert_array_equal(fed.view.site_metrics["test_samples"], [len(y) for y in labels])
     if where == "both":   # the server's test set as well, under its own names
         assert np.isfinite(got["test_accuracy"]) and got["test_loss"] != got["clients_test_loss"]
     else:

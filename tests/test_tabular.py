@@ -97,12 +97,12 @@ def _fed(**over) -> Federation:
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "fedavg")
 def test_methods_run_on_feature_vectors(over):
     fed = _fed(**over)
-    assert fed.data.input_shape == (30,)
+    assert fed.built.data.input_shape == (30,)
     before = fed.global_state.clone()
     for t in range(2):
         fed.round(t)
-    fed.finish_pending_row()
-    last = fed.history[-1]
+    fed.log.finish_pending()
+    last = fed.log.history[-1]
     assert np.isfinite(last["train_loss"]) and np.isfinite(last["test_accuracy"])
     assert not torch.equal(fed.global_state, before)
     if "eval.metrics" in over:

@@ -258,12 +258,12 @@ def test_a_components_min_local_steps_floors_the_partition_and_its_preview(tmp_p
         UserCode().check(config_from_dict(set_dotted(copy.deepcopy(d), {"train.local_steps": 2})))
 
     fed = build_fed(d)
-    assert min(_epoch_batches(int(n), 32) for n in fed.num_samples) >= 3
+    assert min(_epoch_batches(int(n), 32) for n in fed.built.num_samples) >= 3
     path = tmp_path / "needy.yaml"
-    path.write_text(fed.cfg.to_yaml())
+    path.write_text(fed.built.cfg.to_yaml())
     assert main(["partition", str(path), "--out", str(tmp_path / "preview")]) == 0
     rows = (tmp_path / "preview" / "partition.csv").read_text().split()[1:]
-    assert [int(r.split(",")[1]) for r in rows] == [int(n) for n in fed.num_samples]
+    assert [int(r.split(",")[1]) for r in rows] == [int(n) for n in fed.built.num_samples]
     capsys.readouterr()
     three = config_from_dict(set_dotted(copy.deepcopy(d), {"train.local_epochs": 3}))
     assert UserCode().data_needs(three).min_batches == 0

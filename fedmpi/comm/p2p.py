@@ -49,6 +49,11 @@ class PointToPoint(Endpoint):
 
         self._wait(flat, what, patient, piece_done if on_done is not None else None)
 
+    def done(self, requests: list) -> bool:
+        """Whether every request of ``requests`` (a list from :meth:`start_send` /
+        :meth:`start_recv`) is complete (``Testall``: progresses MPI, never blocks)."""
+        return bool(self.MPI.Request.Testall(requests))
+
     def wait_any(self, requests: list, what: str, until: float = float("inf")) -> list[int]:
         """Sleep-poll until at least one of ``requests`` (lists from :meth:`start_send` /
         :meth:`start_recv`) is complete, or ``time.monotonic()`` reaches ``until``; returns

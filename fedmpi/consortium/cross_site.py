@@ -58,7 +58,7 @@ from fedmpi.config.core import Config
 
 if TYPE_CHECKING:
     from fedmpi.runtime.evaluation import FinalEvaluation
-    from fedmpi.runtime.federation import Federation
+    from fedmpi.runtime.view import RankView
 
 __all__ = ["CrossSite", "CrossSiteValidation", "final_evaluations", "model_files", "validate"]
 
@@ -94,7 +94,7 @@ def model_files(names: list[str]) -> list[str]:
     return files
 
 
-def validate(fed: Federation, rounds: int, save: Optional[Path] = None) -> Optional[CrossSite]:
+def validate(view: RankView, rounds: int, save: Optional[Path] = None) -> Optional[CrossSite]:
     """The cross-site validation of the module docstring on this rank (a collective:
     every rank calls it after round ``rounds − 1``); :class:`CrossSite` on rank 0, None
     elsewhere. ``save``: rank 0 writes each local model there as it arrives
@@ -102,10 +102,11 @@ def validate(fed: Federation, rounds: int, save: Optional[Path] = None) -> Optio
     from fedmpi.imports import run_objects, runtime_error_line
     from fedmpi.job.outputs import write_model
     from fedmpi.data.silos import agree_on_errors, site_names
-    from fedmpi.runtime.channel import Mirror
+    from fedmpi.runtime.collective import Mirror
 
-    cfg, comm, K, D = fed.cfg, fed.comm, fed.K, fed.D
-    ctx, algo, evals = fed.ctx, fed.algo, fed.evals
+    b, comm, worker, evals = view.built, view.comm, view.worker, view.evaluation
+    cfg, K, D = b.cfg, b.num_clients, b.flat.size
+    ctx, algo = b.ctx, b.algo
     names = site_names(cfg)
     metric_names = list(metrics.nan_scalars(cfg.eval.metrics))
     M = len(metric_names)
@@ -120,36 +121,36 @@ def validate(fed: Federation, rounds: int, save: Optional[Path] = None) -> Optio
             table[column, i, M] = n
 
     # 1. θ^T and round T's extras, as the round's own state Bcast
-    state, extras = fed.state.dev[:D], fed.state.dev[D:]
-    if fed.is_server and extras.numel():
+    state, extras = view.state, view.extras
+    if view.is_server and extras.numel():
         algo.fill_downlink(extras, rounds)
-    fed.channel.broadcast_state(rounds)
+    view.send_state(rounds)
     algo.begin_round(rounds, np.ones(K, dtype=bool), state, extras)
     if evals.client_tests:
         ctx.flat.load(state)
         evaluate_here(0)
 
     # 2. waves: train, then each host's model to every rank, evaluated where the data is
-    hosts = [[k for k in range(K) if fed.host[k] == r] for r in range(comm.size)]
+    hosts = [[k for k in range(K) if b.host[k] == r] for r in range(comm.size)]
     mine = hosts[comm.rank]
-    own = torch.empty(D, device=fed.device) if mine else None
-    buf = Mirror((D,), torch.float32, fed.device)
+    own = torch.empty(D, device=b.device) if mine else None
+    buf = Mirror((D,), torch.float32, b.device)
     files = model_files(names)
     for w in range(max(len(h) for h in hosts)):
         error = None
         if w < len(mine):
             j = mine[w]
             try:
-                fed.worker.train(fed.worker.task(j, rounds), state, extras, fed.scratch)
+                worker.train(worker.task(j, rounds), state, extras, worker.scratch)
             except Exception as exc:  # noqa: BLE001 - every rank stops with this line
-                line, _ = runtime_error_line(exc, run_objects(algo, fed.flat.model, fed.weighting,
-                                                              fed.transforms))
+                line, _ = runtime_error_line(exc, run_objects(algo, b.flat.model, b.weighting,
+                                                              b.transforms))
                 error = (f"cross-site validation: the local training of site {names[j]!r} "
                          f"(client {j}) failed: {line}")
             else:
-                assert own is not None and fed.trainer is not None, "a rank hosting sites"
-                own.copy_(fed.trainer.flat.vector)
-                fed.reports.take_client_values(j)   # nothing is uploaded
+                assert own is not None and worker.trainer is not None, "a rank hosting sites"
+                own.copy_(worker.trainer.flat.vector)
+                b.reports.take_client_values(j)   # nothing is uploaded
         agree_on_errors(comm, error, RuntimeError, "cross-site training agreement Allreduce")
         for r, hosted in enumerate(hosts):
             if w >= len(hosted):
@@ -167,11 +168,11 @@ def validate(fed: Federation, rounds: int, save: Optional[Path] = None) -> Optio
                 ctx.flat.load(buf.dev)
             if evals.client_tests:
                 evaluate_here(j + 1)
-            if save is not None and fed.is_server:
+            if save is not None and view.is_server:
                 write_model(ctx.flat.model, save / files[j])
 
     # 3. every cell to rank 0
-    total = np.zeros_like(table) if fed.is_server else None
+    total = np.zeros_like(table) if view.is_server else None
     comm.reduce_sum(table, total, what="cross-site table Reduce")
     if total is None:
         return None
@@ -221,19 +222,20 @@ class CrossSiteValidation:
         claim([out / MODELS_DIR / f for f in files], overwrite,
               "fedmpi run (eval.cross_site_models)")
 
-    def run(self, fed: Federation, rounds: int) -> None:
+    def run(self, view: RankView, rounds: int) -> None:
         """Collective: :func:`validate`, logged on rank 0."""
         save = None
-        if self.cfg.eval.cross_site_models and fed.is_server:
+        if self.cfg.eval.cross_site_models and view.is_server:
             assert self.out is not None, "claimed at set-up"
             save = self.out / MODELS_DIR
             save.mkdir(exist_ok=True)
         start = time.perf_counter()
-        result = validate(fed, rounds, save)
-        if result is not None and fed.writer is not None:
+        result = validate(view, rounds, save)
+        writer = view.writer
+        if result is not None and writer is not None:
             files = model_files(result.sites) if save is not None else None
-            write_log(fed.writer, result, files)
-            fed.writer.set_attr("/", "cross_site_seconds", time.perf_counter() - start)
+            write_log(writer, result, files)
+            writer.set_attr("/", "cross_site_seconds", time.perf_counter() - start)
 
 
 def final_evaluations(cfg: Config) -> list[FinalEvaluation]:

@@ -108,6 +108,10 @@ class Mode:
 
     #: the server steps this run applies (``train.rounds``)
     steps: int
+    #: the model version the next step produces from (steps applied so far)
+    version: int = 0
+    #: a round waited ``runtime.round_timeout`` for ``min_updates`` in vain
+    timed_out: bool = False
 
     def begin(self, now: float) -> Actions:
         raise NotImplementedError

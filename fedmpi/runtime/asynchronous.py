@@ -33,52 +33,79 @@ the clock's time of the step (``/rounds/virtual_seconds`` on the virtual clock,
 """
 from __future__ import annotations
 
-import heapq
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 import torch
 
-from fedmpi.component import ClientTask
+from fedmpi.comm.endpoint import CommTimeout
+from fedmpi.job import signals
 from fedmpi.round.modes import INF, Actions, Buffered, Deadline, Job, Mode, Step
 from fedmpi.round.staleness import Staleness
 from fedmpi.runtime.server import (M_RAW, M_STATUS, M_TIME, STATUS_FAILED, STATUS_NONFINITE,
                                    STATUS_OK, Uplink)
-from fedmpi.training.loop import stream_seed
 from fedmpi.training.vecops import all_finite
 
 if TYPE_CHECKING:
-    from fedmpi.runtime.federation import Federation
+    from fedmpi.comm.world import Comm
+    from fedmpi.config.core import Config
+    from fedmpi.runtime.build import Built
+    from fedmpi.runtime.collective import CollectiveExchange, UplinkPlan
+    from fedmpi.runtime.worker import Worker
 
-CMD_JOB = 3
+# the round loop's commands (fedmpi.runtime.federation: CMD_ROUND, CMD_STOP, CMD_ABORT)
+CMD_ROUND, CMD_JOB = 0, 3
 HEAD_TAG, STATE_TAG, META_TAG, ROW_TAG = 41_001, 41_002, 41_003, 41_004
 ERR_BYTES = 1024
 
 
-def make_mode(fed: Federation, start: int) -> Mode:
+def make_mode(cfg: Config, start: int) -> Mode:
     """The run's round policy, at step ``start`` (a resumed run)."""
-    r, cfg = fed.cfg.round, fed.cfg
+    r = cfg.round
     st = Staleness(r.staleness, r.staleness_a, r.staleness_b, r.max_staleness)
+    K = cfg.data.num_clients
+    m = cfg.train.clients_per_round or K
     steps = cfg.train.rounds
     mode: Mode
     if r.mode == "deadline":
         assert r.deadline is not None, "round_checks requires it"
-        mode = Deadline(cfg.seed, fed.K, fed.m, steps, r.deadline, r.min_updates, r.late, st,
+        mode = Deadline(cfg.seed, K, m, steps, r.deadline, r.min_updates, r.late, st,
                         timeout=cfg.runtime.round_timeout)
     else:
-        mode = Buffered(cfg.seed, fed.K, r.concurrency or fed.m, steps, r.buffer, st)
+        mode = Buffered(cfg.seed, K, r.concurrency or m, steps, r.buffer, st)
     mode.version = start
     return mode
 
 
-def work(fed: Federation, client: int) -> float:
+def work(cfg: Config, num_samples: np.ndarray, client: int) -> float:
     """Samples client ``client``'s local training processes (the virtual clock's work)."""
-    t = fed.cfg.train
+    t = cfg.train
     if t.local_steps:
         return float(t.local_steps * t.batch_size)
-    return float(t.local_epochs * fed.num_samples[client])
+    return float(t.local_epochs * num_samples[client])
+
+
+@dataclass(frozen=True)
+class LoopCalls:
+    """What the point-to-point rounds ask of the round loop
+    (:class:`~fedmpi.runtime.federation.Federation`), whose status and log they share."""
+
+    #: rank 0: step t's command (a stop requested, a failure, the end, a stage's budget)
+    command: Callable[[int], int]
+    #: rank 0: the flags of the stop header of (command, t)
+    stop_flags: Callable[[int, int], int]
+    #: every rank: a stop header (t, command, flags) arrived — checkpoint, release
+    after_stop: Callable[[int, int, int], None]
+    #: rank 0: client k raised (its one line); the next command aborts
+    fail_client: Callable[[int, str], None]
+    #: rank 0: rank r saw stop signal s
+    worker_signal: Callable[[int, int], None]
+    #: rank 0: a step's Uplink through the server step, log row and evaluation
+    server_step: Callable[[int, Uplink, float, tuple[int, int]], None]
+    #: rank 0: whether the run has failed
+    failed: Callable[[], bool]
 
 
 @dataclass
@@ -95,16 +122,18 @@ class _Flight:
 class AsyncRounds:
     """The deadline and buffered rounds of one rank (module docstring)."""
 
-    def __init__(self, fed: Federation) -> None:
-        self.fed = fed
-        self.comm = fed.comm
-        cfg = fed.cfg
+    def __init__(self, cfg: Config, comm: Comm, built: Built, exchange: CollectiveExchange,
+                 worker: Worker, plan: UplinkPlan, calls: LoopCalls) -> None:
+        self.cfg, self.comm, self.b, self.worker, self.calls = cfg, comm, built, worker, calls
+        self.state = exchange.state   # θ ‖ extras on the device, mirrored on the host
+        self.K, self.D = built.num_clients, built.flat.size
         self.virtual = cfg.round.clock == "virtual"
         slow = cfg.system.slowdown
-        self.slowdown = np.asarray(slow if slow is not None else [1.0] * fed.K, dtype=np.float64)
+        self.slowdown = np.asarray(slow if slow is not None else [1.0] * self.K, dtype=np.float64)
         self.unit = cfg.round.sample_seconds
-        self.plan = fed.uplink_plan
-        self.F = fed.channel.meta_fields
+        self.plan = plan
+        self.F = exchange.meta_fields
+        self.round_reports = built.reports.reporter("round")
         self.meta_len = self.F + 1 + ERR_BYTES // 8
         self.mode: Optional[Mode] = None
         self.flights: dict[int, _Flight] = {}
@@ -116,7 +145,7 @@ class AsyncRounds:
         #: the float buffers (BatchNorm statistics) of each version a job in flight or an
         #: update waiting for its step started from
         self.buffers: dict[int, torch.Tensor] = {}
-        self.P = fed.flat.num_params
+        self.P = built.flat.num_params
         self.t0 = 0.0
         self.now = 0.0
         self.sent_down = 0
@@ -130,28 +159,26 @@ class AsyncRounds:
         return self.now if self.virtual else time.monotonic() - self.t0
 
     def duration(self, job: Job) -> float:
-        return float(self.slowdown[job.client] * work(self.fed, job.client) * self.unit)
+        return float(self.slowdown[job.client] * work(self.cfg, self.b.num_samples, job.client)
+                     * self.unit)
 
     # ------------------------------------------------------------------ rank 0
     def round(self, t: int) -> int:
         """Round (server step) ``t`` on this rank; the command, as :meth:`Federation.round`."""
-        fed = self.fed
-        if not fed.is_server:
+        if self.comm.rank != 0:
             return self._serve(t)
-        from fedmpi.runtime.federation import CMD_ABORT, CMD_ROUND, CMD_STOP
-
         t_start = time.perf_counter()
-        cmd = fed.plan_command(t)
+        cmd = self.calls.command(t)
         if cmd != CMD_ROUND:
             self._finish(t, cmd)
             return cmd
         if self.mode is None:
             self.t0 = time.monotonic()
-            self.mode = make_mode(fed, t)
+            self.mode = make_mode(self.cfg, t)
             self._apply(self.mode.begin(self.clock()))
-        while not self.queue and fed.failure is None:
+        while not self.queue and not self.calls.failed():
             self._next_event()
-        if fed.failure is not None:
+        if self.calls.failed():
             return CMD_ROUND   # the next round's command is ABORT
         step, starts = self.queue.pop(0)
         self._step(t, step, t_start)
@@ -189,12 +216,10 @@ class AsyncRounds:
             self._arrive(clients[i])
 
     def _check_timeout(self) -> None:
-        if getattr(self.mode, "timed_out", False):
-            from fedmpi.comm.endpoint import CommTimeout
-
-            raise CommTimeout(f"round {self.mode.version} did not reach round.min_updates="  # type: ignore[union-attr]
-                              f"{self.fed.cfg.round.min_updates} accepted updates within "
-                              f"runtime.round_timeout={self.fed.cfg.runtime.round_timeout:g}s")
+        if self.mode is not None and self.mode.timed_out:
+            raise CommTimeout(f"round {self.mode.version} did not reach round.min_updates="
+                              f"{self.cfg.round.min_updates} accepted updates within "
+                              f"runtime.round_timeout={self.cfg.runtime.round_timeout:g}s")
 
     def _arrive(self, client: int) -> None:
         flight = self.flights.pop(client)
@@ -202,10 +227,10 @@ class AsyncRounds:
         assert self.mode is not None
         if int(flight.meta[M_STATUS]) == STATUS_FAILED:
             text = flight.meta[self.F + 1:].view(np.uint8).tobytes().rstrip(b"\0")
-            self.fed.fail_client(client, text.decode(errors="replace"))
+            self.calls.fail_client(client, text.decode(errors="replace"))
         signal = int(flight.meta[self.F])
         if signal:
-            self.fed.worker_signal(int(self.fed.host[client]), signal)
+            self.calls.worker_signal(int(self.b.host[client]), signal)
         self._apply(self.mode.arrive(flight.job, self.clock()))
 
     def _apply(self, acts: Actions) -> None:
@@ -220,16 +245,16 @@ class AsyncRounds:
                 self._send_job(job)
 
     def _send_job(self, job: Job) -> None:
-        fed = self.fed
-        dest = int(fed.host[job.client])
-        state = fed.state.dev
-        if job.version not in self.buffers and self.P < fed.D:
-            self.buffers[job.version] = state[self.P: fed.D].clone()
+        dest = int(self.b.host[job.client])
+        state = self.state.dev
+        D = self.D
+        if job.version not in self.buffers and self.P < D:
+            self.buffers[job.version] = state[self.P: D].clone()
         end = self.clock() + self.duration(job) if self.virtual else INF
         if dest == 0:   # world size 1: rank 0 trains the job itself, now
             meta = np.zeros(self.meta_len, dtype=np.float64)
-            row = torch.zeros(self.plan.row_size, dtype=torch.float32, device=fed.device)
-            self._train(job.client, job.version, state[: fed.D], state[fed.D:], meta, row)
+            row = torch.zeros(self.plan.row_size, dtype=torch.float32, device=self.b.device)
+            self._train(job.client, job.version, state[:D], state[D:], meta, row)
             self.flights[job.client] = _Flight(job, [], meta, row, end)
             return
         if job.version not in self.versions:
@@ -249,25 +274,24 @@ class AsyncRounds:
 
     def _reap(self) -> None:
         """Drop the θ copies and headers whose sends completed."""
-        MPI = self.comm.MPI
         for v in [v for v, (_, sends) in self.versions.items()
-                  if all(MPI.Request.Testall(s) for s in sends)]:
+                  if all(self.comm.done(s) for s in sends)]:
             del self.versions[v]
-        self.heads = [(h, r) for h, r in self.heads if not MPI.Request.Testall(r)]
+        self.heads = [(h, r) for h, r in self.heads if not self.comm.done(r)]
 
     def _step(self, t: int, step: Step, t_start: float) -> None:
         """Apply ``step`` as round ``t`` (server step, log row, evaluation), then start the
         jobs the policy started after it."""
-        fed = self.fed
+        b, D = self.b, self.D
         assert step.version == t, (step.version, t)
-        fed.reports.round = t
+        b.reports.round = t
         updates = sorted(step.updates, key=lambda u: u.job.client)
-        K = fed.K
+        K = self.K
         meta = np.zeros((K, self.F), dtype=np.float64)
         mask = np.zeros(K, dtype=bool)
         clients = np.asarray([u.job.client for u in updates], dtype=np.int64)
         rows = torch.zeros((len(updates), self.plan.row_size), dtype=torch.float32,
-                           device=fed.device)
+                           device=b.device)
         version = np.full(K, np.nan)
         weight = np.full(K, np.nan)
         arrival = np.full(K, np.nan)
@@ -279,33 +303,32 @@ class AsyncRounds:
             mask[k] = True
             rows[i].copy_(f.row)
             for stat, off in self.plan.gathered:
-                if stat.name == "delta" and u.staleness and self.P < fed.D:
+                if stat.name == "delta" and u.staleness and self.P < D:
                     # float buffers are statistics, not trained: a stale update's
                     # b_k − b_v is rebased on the current b (b_k − b_now), so the step
                     # averages the clients' statistics (a stale Δ of running variances
                     # added to newer ones can turn them negative)
-                    rows[i, off + self.P:off + fed.D].add_(self.buffers[u.job.version])
-                    rows[i, off + self.P:off + fed.D].sub_(fed.state.dev[self.P: fed.D])
+                    rows[i, off + self.P:off + D].add_(self.buffers[u.job.version])
+                    rows[i, off + self.P:off + D].sub_(self.state.dev[self.P:D])
                 if stat.combine == "weighted" and u.weight != 1.0:
                     rows[i, off:off + stat.size].mul_(u.weight)
             version[k], weight[k], arrival[k] = u.job.version, u.weight, u.arrived
             bytes_up += f.meta.nbytes + f.row.numpy().nbytes
         for u in step.dropped:
             self.arrived.pop(u.job, None)
-            fed.reports_round.event(f"update of client {u.job.client} (from step {u.job.version}, "
+            self.round_reports.event(f"update of client {u.job.client} (from step {u.job.version}, "
                                     f"staleness {u.staleness}) dropped", client=u.job.client)
         gathered = {s.name: rows[:, off:off + s.size] for s, off in self.plan.gathered}
-        signals = np.zeros(fed.size, dtype=np.int64)
         up = Uplink(round=t, mask=mask, meta=meta, rows=gathered, row_clients=clients,
-                    signals=signals)
-        rep = fed.reports_round
+                    signals=np.zeros(self.comm.size, dtype=np.int64))
+        rep = self.round_reports
         rep.clients("version", version)
         rep.clients("staleness_weight", weight)
         rep.clients("arrival_seconds", arrival)
         rep.scalar("virtual_seconds" if self.virtual else "elapsed_seconds", step.time)
         if step.missing:
             rep.event(f"round {t} closed without clients {list(step.missing)} (still training)")
-        fed.async_server_round(t, up, t_start, (bytes_up, self.sent_down))
+        self.calls.server_step(t, up, t_start, (bytes_up, self.sent_down))
         self.sent_down = 0
         live = {f.job.version for f in self.flights.values()} | \
             {j.version for j in self.arrived} | {j.version for _, js in self.queue for j in js}
@@ -314,7 +337,6 @@ class AsyncRounds:
 
     def _finish(self, t: int, cmd: int) -> None:
         """Rank 0 at the stop: wait for the jobs in flight (discarded), then STOP/ABORT."""
-        fed = self.fed
         if self.flights:
             self.comm.wait([f.reqs for f in self.flights.values()], "jobs in flight at the stop")
             self.flights.clear()
@@ -326,18 +348,17 @@ class AsyncRounds:
         if self.heads:
             self.comm.wait([r for _, r in self.heads], "job headers", patient=False)
             self.heads.clear()
-        flags = fed.stop_flags(cmd, t)
+        flags = self.calls.stop_flags(cmd, t)
         heads = []
-        for r in range(1, fed.size):
+        for r in range(1, self.comm.size):
             head = np.array([cmd, -1, t, flags], dtype=np.int64)
             heads.append((head, self.comm.start_send(head, r, HEAD_TAG)))
         self.comm.wait([r for _, r in heads], "stop headers", patient=False)
-        fed.after_stop_header(t, flags)
+        self.calls.after_stop(t, cmd, flags)
 
     # ------------------------------------------------------------------ workers
     def _serve(self, t: int) -> int:
         """A worker: train the jobs rank 0 sends until it sends STOP or ABORT."""
-        fed = self.fed
         head = np.zeros(4, dtype=np.int64)
         while True:
             self.comm.wait([self.comm.start_recv(head, 0, HEAD_TAG)], "next job header")
@@ -346,15 +367,15 @@ class AsyncRounds:
                 if self.up_reqs:
                     self.comm.wait([self.up_reqs], "last update send", patient=False)
                     self.up_reqs = []
-                fed.after_stop_header(version, flags)
+                self.calls.after_stop(version, cmd, flags)
                 return cmd
-            self.comm.wait([self.comm.start_recv(fed.state.host, 0, STATE_TAG)], "θ of a job",
+            self.comm.wait([self.comm.start_recv(self.state.host, 0, STATE_TAG)], "θ of a job",
                            patient=False)
-            fed.state.push()
+            self.state.push()
             if self.up_reqs:   # the previous update must be out before its buffers are reused
                 self.comm.wait([self.up_reqs], "previous update send", patient=False)
                 self.up_reqs = []
-            self._train(client, version, fed.state.dev[: fed.D], fed.state.dev[fed.D:],
+            self._train(client, version, self.state.dev[: self.D], self.state.dev[self.D:],
                         self.up_meta, self.up_row)
             self.up_reqs = self.comm.start_send(self.up_meta, 0, META_TAG) + \
                 self.comm.start_send(self.up_row.numpy(), 0, ROW_TAG)
@@ -362,30 +383,29 @@ class AsyncRounds:
     def _train(self, k: int, version: int, state: torch.Tensor, extras: torch.Tensor,
                meta: np.ndarray, row: torch.Tensor) -> None:
         """Client ``k``'s update from θ_version = ``state`` into ``meta`` and ``row``."""
-        fed = self.fed
-        mask = np.zeros(fed.K, dtype=bool)
+        b, worker = self.b, self.worker
+        mask = np.zeros(self.K, dtype=bool)
         mask[k] = True
-        fed.algo.begin_round(version, mask, state, extras)
+        b.algo.begin_round(version, mask, state, extras)
         meta.fill(0.0)
         t0 = time.perf_counter()
-        worker = fed.worker
-        task = ClientTask(k, version, fed.client_idx[k], stream_seed(fed.cfg.seed, k, version))
+        task = worker.task(k, version)
         try:
-            result = worker.train(task, fed.transforms.received(state), extras, fed.scratch)
+            result = worker.train(task, b.transforms.received(state), extras, worker.scratch)
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, then the job stops
             meta[M_STATUS] = STATUS_FAILED
-            text = fed.client_error_line(exc, k, version)
+            text = worker.error_line(exc, k, version)
             raw = text.encode()[: ERR_BYTES - 1]
             meta[self.F + 1:].view(np.uint8)[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
         else:
-            finite = all(all_finite(v) for v in fed.scratch.values())
-            raw_w = fed.weighting.raw(k)
+            finite = all(all_finite(v) for v in worker.scratch.values())
+            raw_w = b.weighting.raw(k)
             meta[: self.F] = (STATUS_OK if finite else STATUS_NONFINITE, raw_w, result.loss_sum,
                               result.samples, result.steps, 0.0,
-                              *fed.reports.take_client_values(k))
+                              *b.reports.take_client_values(k))
             for stat, off in self.plan.gathered:
-                row[off:off + stat.size].copy_(fed.scratch[stat.name])
-        if fed.device.type == "cuda":
-            torch.cuda.synchronize(fed.device)
+                row[off:off + stat.size].copy_(worker.scratch[stat.name])
+        if b.device.type == "cuda":
+            torch.cuda.synchronize(b.device)
         meta[M_TIME] = time.perf_counter() - t0
-        meta[self.F] = fed.signal_now()
+        meta[self.F] = signals.requested_signum()

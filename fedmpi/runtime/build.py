@@ -131,6 +131,11 @@ class Built:
     frozen_digest: str = ""      # SHA-256 of the frozen parameters (the same on every rank)
 
     @property
+    def num_clients(self) -> int:
+        """K."""
+        return len(self.num_samples)
+
+    @property
     def stats(self) -> tuple[Stat, ...]:
         """The method's uplink statistics, then the transforms'."""
         return self.server.stats

@@ -49,19 +49,33 @@ def _finish_pending_quietly(fed: Federation) -> None:
 
     The run is failing already, so a second error here is reported, not raised:
     the first one is the one the job exits with."""
-    t = fed.recorder.pending.round if fed.recorder.pending is not None else -1
+    t = fed.log.pending.round if fed.log.pending is not None else -1
     try:
-        fed.finish_pending_row()
+        fed.log.finish_pending()
     except Exception as exc:  # noqa: BLE001 - reported; the original failure propagates
         message = f"round {t} not logged: its evaluation failed too ({type(exc).__name__}: {exc})"
         print(f"fedmpi: error: {message}", file=sys.stderr, flush=True)
-        if fed.writer is not None:
-            fed.writer.event(t, fed.rank, -1, message)
+        if fed.log.writer is not None:
+            fed.log.writer.event(t, fed.built.rank, -1, message)
 
 
 def _writer(fed: Optional[Federation]):
     """The log of ``fed`` (None before the build or rank 0's log)."""
-    return fed.writer if fed is not None else None
+    return fed.log.writer if fed is not None else None
+
+
+def _best_model(fed: Federation, out: Path) -> Callable[[int, float], None]:
+    """``checkpoint.keep_best``'s save: the global model of round ``t`` to ``best.pt``,
+    its round in the log's root attributes (:mod:`fedmpi.runtime.callbacks`)."""
+    def save(t: int, value: float) -> None:
+        b, writer = fed.built, fed.log.writer
+        assert writer is not None, "rank 0 of a run with a log"
+        b.flat.load(fed.global_state)
+        write_model(b.flat.model, out / "best.pt")
+        for name, v in (("best_round", t), ("best_metric", b.cfg.checkpoint.keep_best.metric),
+                        ("best_value", value)):
+            writer.set_attr("/", name, v)
+    return save
 
 
 def _close_quietly(after: Optional[AfterRound], status: str) -> None:
@@ -160,9 +174,9 @@ def check(cfg: Config, comm: Optional[Comm] = None) -> str:
     b = fed.built
     hosted = comm.max_int(len(b.hosted), what="dry run summary")
     return (f"dry run passed on {comm.size} rank(s): data {b.data.num_classes} classes, inputs "
-            f"{tuple(b.data.input_shape)}, {fed.K} clients (up to {hosted} per rank, one "
+            f"{tuple(b.data.input_shape)}, {b.num_clients} clients (up to {hosted} per rank, one "
             f"forward/backward batch each, one evaluation batch); model {cfg.model.name} "
-            f"({fed.D} values, {b.num_outputs} outputs); method {cfg.algorithm.name}; "
+            f"({b.flat.size} values, {b.num_outputs} outputs); method {cfg.algorithm.name}; "
             f"weighting {cfg.aggregation.weighting}; transforms {list(cfg.transforms) or 'none'}")
 
 
@@ -180,27 +194,28 @@ def _run(cfg: Config, out_dir: Optional[str | Path], comm: Comm, resume: bool,
         check_trackers(cfg)   # a missing extra is bad input before anything is written
         for evaluation in finals:
             evaluation.claim(out, resume, overwrite)
-        opened = guard.open_run(fed.run_state(), fed.log_header(), out, resume, overwrite)
-        fed.use_log(opened)
+        opened = guard.open_run(fed.run_state(), guard.LogHeader.of(fed.built), out, resume,
+                                overwrite)
+        fed.log.history = opened.history   # the rounds a resumed run has logged
         try:
             trackers = open_trackers(cfg)
         except Exception:
-            fed.writer.set_status("failed")
-            fed.writer.close()
+            opened.writer.set_status("failed")
+            opened.writer.close()
             raise
-        fed.recorder.after = after = AfterRound(cfg, fed.save_best, trackers, callbacks)
+        fed.log.after = after = AfterRound(cfg, _best_model(fed, out), trackers, callbacks)
         return opened.restored
 
     fed, restored = set_up(cfg, comm, out, code, open_dir, dry=not resume)
     try:
         start = checkpoint.resume(fed.run_state(), restored) if resume else 0
     except CommTimeout as exc:
-        guard.setup_timed_out(comm, exc, fed.writer)
-    fed.checkpoint_round = start
+        guard.setup_timed_out(comm, exc, fed.log.writer)
+    fed.status.checkpoint_round = start
     if comm.timeout_key == "runtime.setup_timeout":
         comm.timeout, comm.timeout_key = cfg.runtime.round_timeout, "runtime.round_timeout"
     if after is not None:
-        after.replay(fed.history)   # a resumed run's best value and patience count
+        after.replay(fed.log.history)   # a resumed run's best value and patience count
 
     progress = None
     if comm.rank == 0 and cfg.runtime.progress:
@@ -218,49 +233,52 @@ def _run(cfg: Config, out_dir: Optional[str | Path], comm: Comm, resume: bool,
             if cmd != CMD_ROUND:
                 break
             if progress is not None:
-                if fed.history:   # with eval.overlap the newest row lags one round behind
-                    h = fed.history[-1]
+                if fed.log.history:   # with eval.overlap the newest row lags one round behind
+                    h = fed.log.history[-1]
                     progress.set_postfix(acc=f"{h['test_accuracy']:.4f}",
                                          loss=f"{h['train_loss']:.4f}", refresh=False)
                 progress.update(1)
             t += 1
         if cmd == CMD_ABORT:
             status = "failed"
-        elif fed.stop_reason is not None and t < cfg.train.rounds:
+        elif fed.status.stop_reason is not None and t < cfg.train.rounds:
             status = "interrupted"
         else:   # every rank knows the status from the headers: a collective is safe
             for evaluation in finals:
-                evaluation.run(fed, t)
+                evaluation.run(fed.view, t)
     except OutputError as exc:   # disk full: one line naming the file, exit 1
-        guard.write_failed(fed.writer, comm, exc, t)
+        guard.write_failed(fed.log.writer, comm, exc, t)
     except KeyboardInterrupt:   # a second Ctrl-C: the log must not stay "running"
-        if fed.writer is not None:
+        writer = fed.log.writer
+        if writer is not None:
             try:
-                fed.writer.event(t, comm.rank, -1, "interrupted twice (SIGINT): stopped in "
-                                 f"round {t} without a checkpoint of it")
-                fed.writer.set_status("failed")
-                fed.writer.close()
+                writer.event(t, comm.rank, -1, "interrupted twice (SIGINT): stopped in "
+                             f"round {t} without a checkpoint of it")
+                writer.set_status("failed")
+                writer.close()
             except Exception:  # noqa: BLE001 - the stop itself must not be delayed
                 pass
         raise   # run() aborts every rank
     except CommTimeout as exc:   # one line naming the missing ranks; lock released
         _finish_pending_quietly(fed)
         _close_quietly(after, "failed")
-        guard.end_job(fed.writer, comm, exc, t)
+        guard.end_job(fed.log.writer, comm, exc, t)
     except Exception as exc:  # noqa: BLE001 - a rank outside local training failed
-        line, user = runtime_error_line(exc, run_objects(fed.algo, fed.flat.model, fed.weighting,
-                                                         fed.transforms, fed.built.rule))
+        b = fed.built
+        line, user = runtime_error_line(exc, run_objects(b.algo, b.flat.model, b.weighting,
+                                                         b.transforms, b.rule))
         line = f"{line} (round {t} on rank {comm.rank})"
         if show_traceback() or not user:   # a fedmpi bug: show where
             traceback.print_exc()
         _finish_pending_quietly(fed)
-        if fed.writer is not None:
-            fed.writer.event(t, comm.rank, -1, line)
-            fed.writer.set_status("failed")
-            fed.writer.close()
+        writer = fed.log.writer
+        if writer is not None:
+            writer.event(t, comm.rank, -1, line)
+            writer.set_status("failed")
+            writer.close()
         _close_quietly(after, "failed")
         if comm.size == 1:   # nobody waits in a collective: an exception, not an abort
-            logged = len(fed.history) + (fed.recorder.pending is not None)
+            logged = len(fed.log.history) + (fed.log.pending is not None)
             kept = guard.discard_unstarted(out, logged, resume)
             raise RunFailed(line, log_path=str(out / "log.h5") if kept else None) from exc
         if comm.rank != 0:
@@ -280,26 +298,29 @@ def _run(cfg: Config, out_dir: Optional[str | Path], comm: Comm, resume: bool,
         if status == "interrupted":
             raise RunInterrupted("the run was interrupted (rank 0 reports where)", quiet=True)
         return None
+    log, run = fed.log, fed.status
+    assert log.writer is not None, "rank 0 of a run has its log open"
     if status != "failed":   # a failed run has no final model
-        fed.release()   # the copy model.pt is written from does not add to the peak
-        fed.flat.load(fed.global_state)
-        write_model(fed.flat.model, out / "model.pt")
-    fed.writer.set_status(status)
-    fed.writer.close()
+        # (the stop released the uplink buffers: the copy model.pt is written from does
+        # not add to the peak)
+        fed.built.flat.load(fed.global_state)
+        write_model(fed.built.flat.model, out / "model.pt")
+    log.writer.set_status(status)
+    log.writer.close()
     if after is not None:
         after.close(status)
     if status == "failed":
-        logged = len(fed.history) + (fed.recorder.pending is not None)
+        logged = len(log.history) + (log.pending is not None)
         kept = guard.discard_unstarted(out, logged, resume)
-        raise RunFailed(str(fed.failure), log_path=str(out / "log.h5") if kept else None)
+        raise RunFailed(str(run.failure), log_path=str(out / "log.h5") if kept else None)
     if status == "interrupted":
-        raise RunInterrupted(guard.interrupted_message(fed.stop_reason, t, cfg.train.rounds,
-                                                       fed.checkpoint_round, out),
+        raise RunInterrupted(guard.interrupted_message(run.stop_reason, t, cfg.train.rounds,
+                                                       run.checkpoint_round, out),
                              log_path=str(out / "log.h5"))
     names = ("test_accuracy", *metrics.extra_names(cfg.eval.metrics))
-    final: dict = next((h for h in reversed(fed.history) if not np.isnan(h["test_accuracy"])), {})
+    final: dict = next((h for h in reversed(log.history) if not np.isnan(h["test_accuracy"])), {})
     result = {n: float(final.get(n, float("nan"))) for n in names}
-    last = fed.history[-1] if fed.history else {}
+    last = log.history[-1] if log.history else {}
     for _, part in fed.built.components:   # the components' own final numbers (ε)
         for name in part.final_scalars:
             result[name] = float(last.get(name, float("nan")))

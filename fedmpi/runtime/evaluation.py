@@ -56,8 +56,8 @@ if TYPE_CHECKING:
     from fedmpi.config.core import Config
     from fedmpi.data.base import Dataset
     from fedmpi.training.flat import FlatModel
-    from fedmpi.runtime.channel import Channel
-    from fedmpi.runtime.federation import Federation
+    from fedmpi.runtime.exchange import Exchange
+    from fedmpi.runtime.view import RankView
 
 Scalars = dict[str, float]
 
@@ -82,9 +82,9 @@ class FinalEvaluation(Protocol):
     def claim(self, out: Path, resume: bool, overwrite: bool) -> None:
         """Rank 0: refuse (:class:`~fedmpi.errors.UserError`) what it would replace."""
 
-    def run(self, fed: Federation, rounds: int) -> None:
+    def run(self, view: RankView, rounds: int) -> None:
         """Collective: evaluate the global model after ``rounds`` rounds; rank 0 logs
-        (``fed.writer``)."""
+        (``view.writer``)."""
 
 
 class Evaluation:
@@ -122,13 +122,13 @@ class Evaluation:
         """Whether round ``t``'s evaluation is a collective every rank joins."""
         return self.shards(t) or self.on_clients(t)
 
-    def join(self, t: int, state: torch.Tensor, ctx, algo, channel: Channel) -> None:
+    def join(self, t: int, state: torch.Tensor, ctx, algo, exchange: Exchange) -> None:
         """Take part in round ``t``'s collective evaluation (workers, and rank 0 on a
         path that logs nothing: the workers wait in it)."""
         if self.shards(t):
-            self.sharded(state, ctx, channel)
+            self.sharded(state, ctx, exchange)
         elif self.on_clients(t):
-            self.clients(state, ctx, algo, channel)
+            self.clients(state, ctx, algo, exchange)
             self.sites = {}
 
     def take_sites(self) -> dict[str, np.ndarray]:
@@ -152,16 +152,16 @@ class Evaluation:
                 and not self.shards(t) and t + 1 < self.cfg.train.rounds and not self.owned
                 and self.where == "server")
 
-    def run(self, t: int, state: torch.Tensor, ctx, algo, channel: Channel) -> Scalars:
+    def run(self, t: int, state: torch.Tensor, ctx, algo, exchange: Exchange) -> Scalars:
         """The scalars of round ``t``'s global ``state``; NaN off eval rounds, ``{}`` on
         workers of a sharded evaluation (which is collective)."""
         if not self.is_eval_round(t):
             return self.none()
         if self.shards(t):
-            return self.sharded(state, ctx, channel)
-        return self.now(state, ctx, algo, channel)
+            return self.sharded(state, ctx, exchange)
+        return self.now(state, ctx, algo, exchange)
 
-    def now(self, state: torch.Tensor, ctx, algo, channel: Channel) -> Scalars:
+    def now(self, state: torch.Tensor, ctx, algo, exchange: Exchange) -> Scalars:
         """The scalars of ``state`` where ``eval.where`` says: ``server`` — rank 0's test
         set, on this rank alone (:meth:`here`, no messages); ``clients`` / ``both`` — the
         per-site evaluation, a collective every rank joins (:meth:`clients`): the
@@ -169,7 +169,7 @@ class Evaluation:
         ``{}`` on workers, the per-client arrays in :attr:`sites` on rank 0."""
         if self.where == "server":
             return self.here(state, ctx, algo)
-        sites = self.clients(state, ctx, algo, channel)
+        sites = self.clients(state, ctx, algo, exchange)
         if self.where == "clients" or self.rank != 0:
             return sites
         return {**self.here(state, ctx, algo), **{f"clients_{k}": v for k, v in sites.items()}}
@@ -184,26 +184,26 @@ class Evaluation:
         loss, _, n = ctx.test(state, slice(None), collect)
         return collect.scalars(loss, int(n))
 
-    def sharded(self, state: torch.Tensor, ctx, channel: Channel) -> Scalars:
+    def sharded(self, state: torch.Tensor, ctx, exchange: Exchange) -> Scalars:
         """Every rank evaluates a contiguous slice of the test set; one ``Reduce`` of
         (Σ loss, n, confusion matrix); the scalars on rank 0, ``{}`` elsewhere."""
-        theta = channel.broadcast_eval_state()
+        theta = exchange.send_eval_state()
         n = ctx.data.y_test.numel()
         part = slice(self.rank * n // self.size, (self.rank + 1) * n // self.size)
         C = ctx.data.num_classes
         collect = metrics.Collector(C, (), ctx.device)
         loss, _, count = ctx.test(theta, part, collect)
         sums = np.concatenate([[loss, count], collect.confusion.cpu().numpy().ravel()])
-        total = channel.reduce_eval(sums.astype(np.float64))
+        total = exchange.reduce_eval(sums.astype(np.float64))
         if total is None:
             return {}
         return metrics.scalars(total[0], total[1], total[2:], C, self.names)
 
-    def clients(self, state: torch.Tensor, ctx, algo, channel: Channel) -> Scalars:
+    def clients(self, state: torch.Tensor, ctx, algo, exchange: Exchange) -> Scalars:
         """Every client evaluates θ on its held-out samples; one ``Reduce`` of the
         ``[K, F]`` table (module docstring). Rank 0: the combined scalars (and the
         per-client arrays in :attr:`sites`); ``{}`` elsewhere."""
-        theta = channel.broadcast_eval_state()
+        theta = exchange.send_eval_state()
         C, K = ctx.data.num_classes, ctx.cfg.data.num_clients
         cells = metrics.confusion_size(C)
         scored = metrics.score_metrics(self.names)
@@ -216,7 +216,7 @@ class Evaluation:
             table[k, :2] = loss, n
             table[k, 2:2 + cells] = collect.confusion.cpu().numpy()
             table[k, 2 + cells:] = [site[metrics.metric_name(m)] for m in scored]
-        total = channel.reduce_eval(table.ravel())
+        total = exchange.reduce_eval(table.ravel())
         if total is None:
             return {}
         return self._combine(total.reshape(table.shape), C, scored)

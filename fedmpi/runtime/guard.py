@@ -51,6 +51,7 @@ from fedmpi.training.vecops import all_finite
 
 if TYPE_CHECKING:  # annotations only: the log (h5py) is imported when rank 0 opens it
     from fedmpi.log.writer import LogWriter
+    from fedmpi.runtime.build import Built
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,12 @@ class LogHeader:
     class_counts: np.ndarray      # [K, C] training samples per client and class
     run_info: dict                # what ran (fedmpi.job.provenance)
     reports: Reports
+
+    @classmethod
+    def of(cls, built: Built) -> LogHeader:
+        """The header of the rank ``built``."""
+        return cls(num_samples=built.num_samples, class_counts=built.partition.class_counts,
+                   run_info=built.run_info, reports=built.reports)
 
 
 @dataclass(frozen=True)

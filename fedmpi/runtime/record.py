@@ -32,8 +32,10 @@ if TYPE_CHECKING:  # annotations only: h5py is imported when rank 0 opens the lo
 class RoundRecorder:
     """Builds, defers and appends the log rows; keeps the run's history."""
 
-    def __init__(self, host: np.ndarray, world_size: int, reports: Reports) -> None:
+    def __init__(self, host: np.ndarray, world_size: int, reports: Reports,
+                 evaluate: Optional[Callable[[int], dict[str, float]]] = None) -> None:
         self.host, self.size, self.reports = host, world_size, reports
+        self.evaluate = evaluate   # round t's scalars of the current θ (a pending row's)
         self.history: list[dict] = []
         self.pending: Optional[RoundRow] = None
         #: rank 0's listener (fedmpi.runtime.callbacks.AfterRound): row -> a stop request or None
@@ -100,13 +102,14 @@ class RoundRecorder:
                 self.stop_request = reason
                 self.event(row.round, 0, -1, f"stop requested ({reason}); checkpoint and finish")
 
-    def finish_pending(self, evaluate: Callable[[int], dict[str, float]]) -> None:
+    def finish_pending(self) -> None:
         """Evaluate the pending round's model and append its row. The state still holds
         that round's θ: it changes only at the next aggregation, and this runs before it.
         ``wall_seconds`` of that round excludes this evaluation; ``eval_seconds`` is it."""
         if self.pending is None:
             return
+        assert self.evaluate is not None, "a row is pending only where rounds are evaluated"
         row, self.pending = self.pending, None
         t0 = time.perf_counter()
-        row.scalars.update(evaluate(row.round), eval_seconds=time.perf_counter() - t0)
+        row.scalars.update(self.evaluate(row.round), eval_seconds=time.perf_counter() - t0)
         self.append(row)

@@ -15,7 +15,7 @@ none of them runs the local loop or passes the trainer on:
 5. the method's ``finish_client`` (per-client state, further statistics);
 6. the transforms' ``on_upload`` (the final rewrite of what is uploaded);
 7. the upload: status (ok / non-finite), metadata row (with the components' declared
-   per-client values) and the statistics into the channel.
+   per-client values) and the statistics into the exchange (:mod:`fedmpi.runtime.exchange`).
 
 Each hosted participant trains with its own RNG stream (seed, client, round), so
 results do not depend on the rank layout. A client that raises is reported (its error
@@ -37,8 +37,8 @@ from fedmpi.errors import show_traceback
 from fedmpi.imports import run_objects, runtime_error_line
 from fedmpi.log.row import Reports
 from fedmpi.methods.base import Algorithm
-from fedmpi.runtime.channel import Channel
-from fedmpi.runtime.server import M_TIME, STATUS_NONFINITE, STATUS_OK
+from fedmpi.runtime.exchange import Exchange
+from fedmpi.runtime.server import STATUS_NONFINITE, STATUS_OK
 from fedmpi.training.dataparallel import DataParallel
 from fedmpi.training.loop import LocalTrainer, TrainResult, stream_seed
 from fedmpi.training.optim import KeptStates
@@ -103,8 +103,8 @@ class Worker:
         return f"{line} (round {t}, client {client} on rank {self.rank})"
 
     def run(self, t: int, mask: np.ndarray, hosted: list[int], state: torch.Tensor,
-            extras: torch.Tensor, channel: Channel) -> None:
-        channel.begin_uplink(int(mask.sum()))
+            extras: torch.Tensor, exchange: Exchange) -> None:
+        exchange.begin_uplink(int(mask.sum()))
         mine = [k for k in hosted if mask[k]]
         if mine:
             state = self.transforms.received(state)   # θ as the clients decode it
@@ -113,13 +113,13 @@ class Worker:
             try:
                 result = self.train(self.task(k, t), state, extras, self.scratch)
             except Exception as exc:  # noqa: BLE001 - reported to rank 0, then the job stops
-                channel.put_failure(row, k, self.error_line(exc, k, t))
+                exchange.put_failure(row, k, self.error_line(exc, k, t))
                 continue
             finite = all(all_finite(v) for v in self.scratch.values())
             raw_w = self.weighting.raw(k)
             meta = (STATUS_OK if finite else STATUS_NONFINITE, raw_w, result.loss_sum,
                     result.samples, result.steps, 0.0, *self.reports.take_client_values(k))
-            channel.put_client(row, k, self.scratch, meta, raw_w, finite)
+            exchange.put_update(row, k, self.scratch, meta, raw_w, finite)
             if state.device.type == "cuda":
                 torch.cuda.synchronize(state.device)
-            channel.meta_send[k, M_TIME] = time.perf_counter() - t0
+            exchange.put_seconds(k, time.perf_counter() - t0)

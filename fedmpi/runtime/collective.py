@@ -1,20 +1,28 @@
-"""The round's communication: the only user of :mod:`fedmpi.comm` in the runtime.
+"""The collective exchange: a round as one fixed sequence of collectives.
 
-Per round, in order:
+The first (and default) :class:`~fedmpi.runtime.exchange.Exchange`: every rank reaches
+every step, so a round closes when every participant has reported (the policies that
+wait for all, :attr:`~fedmpi.runtime.policy.RoundPolicy.waits_for_all`). With the
+evaluation collectives it is the only user of :mod:`fedmpi.comm` in the round loop.
 
-1. ``Bcast`` of the int64 header [4 + K]: command, round, flags, participant mask;
-2. ``Bcast`` of the flat global state θ with the method's downlink extras appended;
+Per round, in order (the verbs of the protocol in brackets):
+
+1. ``Bcast`` of the int64 header [4 + K]: command, round, flags, participant mask
+   (:meth:`~CollectiveExchange.control`);
+2. ``Bcast`` of the flat global state θ with the method's downlink extras appended
+   (:meth:`~CollectiveExchange.send_state`);
 3. per-client rows (statistics that must reach rank 0 one client at a time, e.g.
    FedVG's client models) leave the worker as one ``Isend`` per client the moment
    its training ends; rank 0 receives them with ``Testsome`` and hands each to a
    callback (FedVG scores it while later clients train) — or one ``Gatherv``
-   after training (world size 1, or a row longer than one message);
+   after training (world size 1, or a row longer than one message)
+   (:meth:`~CollectiveExchange.put_update`, :meth:`~CollectiveExchange.receive_updates`);
 4. ``Allreduce`` of the per-client metadata rows [K, F] (status word, raw weight,
    loss, samples, steps, time, then the components' declared per-client values) plus
-   one stop-signal slot per rank: it completes
-   only when every rank has finished local training, so every rank knows the
-   statuses; a ``Gather`` of a fixed-size error text per rank only in a round
-   where a client failed;
+   one stop-signal slot per rank: it completes only when every rank has finished local
+   training, so every rank knows the statuses; a ``Gather`` of a fixed-size error text
+   per rank only in a round where a client failed (steps 4 and 5:
+   :meth:`~CollectiveExchange.reduce_updates`);
 5. ``Reduce`` of the pre-reduced statistics Σ_k w̃_k x_k in float64 (none with
    ``runtime.reduction: exact``: every statistic is a row of step 3); when an update
    transform encodes the sums (its :class:`~fedmpi.transforms.base.UplinkCodec`, e.g.
@@ -32,7 +40,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -40,8 +48,9 @@ import torch
 from fedmpi.component import Stat
 from fedmpi.comm.world import Comm
 from fedmpi.training.vecops import add_scaled, pieces
-from fedmpi.runtime.server import (META_FIELDS, M_STATUS, STATUS_FAILED, STATUS_OK, STATUS_RANGE,
-                                   STATUS_WITHHELD, Uplink, is_summed)
+from fedmpi.runtime.exchange import Closes, Header, OnUpdate
+from fedmpi.runtime.server import (META_FIELDS, M_STATUS, M_TIME, STATUS_FAILED, STATUS_OK,
+                                   STATUS_RANGE, STATUS_WITHHELD, Uplink, is_summed)
 
 if TYPE_CHECKING:
     from fedmpi.transforms.base import UplinkCodec
@@ -115,8 +124,10 @@ def plan_uplink(stats: list[Stat], per_client_weighting: bool, exact: bool = Fal
     return UplinkPlan(reduced, gathered, r, g)
 
 
-class Channel:
-    """Preallocated buffers and the collectives of a round on one rank."""
+class CollectiveExchange:
+    """Preallocated buffers and the collectives of a round on one rank: the
+    :class:`~fedmpi.runtime.exchange.Exchange` verbs as one fixed sequence (module
+    docstring). Every verb but the ``put_*`` ones is a collective."""
 
     def __init__(self, comm: Comm, plan: UplinkPlan, state_size: int, extras_size: int,
                  num_clients: int, max_local: int, max_rows: int, host: np.ndarray,
@@ -163,39 +174,47 @@ class Channel:
         # Gatherv after training at world size 1.
         self.stream_rows = bool(plan.row_size) and self.size > 1
         self._row_sends: list = []
-        self.exposed_arrival_seconds = 0.0
+        self._exposed_seconds = 0.0
 
     def release(self) -> None:
         """The run is over: drop the uplink buffers (model-sized), so that writing the
         final files (which copy the model) does not add to the run's peak memory."""
         self.red_send = self.red_recv = self.rows_recv = self.sealed_recv = None
 
+    @property
+    def downlink(self) -> torch.Tensor:
+        return self.state.dev
+
+    def take_exposed_seconds(self) -> float:
+        seconds, self._exposed_seconds = self._exposed_seconds, 0.0
+        return seconds
+
     # ------------------------------------------------------------- downlink
-    def exchange_header(self, t: int) -> tuple[int, int, np.ndarray]:
-        """``Bcast`` of the header rank 0 filled: (command, flags, participant mask).
-        The first one of a run is preceded by the codec's handshake (secure aggregation's
-        key exchange)."""
+    def control(self, t: int, header: Optional[Header]) -> Header:
+        """``Bcast`` of the header rank 0 passes: (command, round, flags, participant
+        mask). The first one of a run is preceded by the codec's handshake (secure
+        aggregation's key exchange)."""
+        if header is not None:
+            self.header[0], self.header[1], self.header[2] = header.command, t, header.flags
+            self.header[HEADER:] = header.mask
         if self.codec is not None and not self._handshake_done:
             self.handshake()
         self.comm.broadcast(self.header, what=f"round {t} header Bcast")
-        return int(self.header[0]), int(self.header[2]), self.header[HEADER:].astype(bool)
+        return Header(int(self.header[0]), t, int(self.header[2]),
+                      self.header[HEADER:].astype(bool))
 
-    def set_header(self, cmd: int, t: int, flags: int, mask: Optional[np.ndarray]) -> None:
-        self.header[0], self.header[1], self.header[2] = cmd, t, flags
-        if mask is not None:
-            self.header[HEADER:] = mask
-
-    def broadcast_state(self, t: int) -> None:
-        """θ and the downlink extras from rank 0's device to every rank's device."""
+    def send_state(self, t: int, to: Optional[np.ndarray] = None) -> None:
+        """θ and the downlink extras from rank 0's device to every rank's device (a
+        ``Bcast``: every rank, whatever ``to`` names)."""
         if self.is_server:
             self.state.pull()
         self.comm.broadcast(self.state.host, what=f"round {t} state Bcast", patient=False)
         if not self.is_server:
             self.state.push()
 
-    def broadcast_eval_state(self) -> torch.Tensor:
+    def send_eval_state(self) -> torch.Tensor:
         """The new θ for a sharded evaluation (workers otherwise get it next round)."""
-        self.broadcast_state(-1)
+        self.send_state(-1)
         return self.state.dev[: self.D]
 
     def reduce_eval(self, sums: np.ndarray) -> Optional[np.ndarray]:
@@ -224,7 +243,7 @@ class Channel:
         if self.plan.reduce_size and self.red_send is not None:
             self.red_send.dev.zero_()
 
-    def put_client(self, row: int, client: int, stats: dict[str, torch.Tensor],
+    def put_update(self, row: int, client: int, stats: dict[str, torch.Tensor],
                    meta: tuple[float, ...], raw_weight: float, accepted: bool) -> None:
         """Client ``client``'s statistics: add to the reduce buffer (if finite), fill
         its row (streamed at once when rows stream) and its metadata row."""
@@ -262,6 +281,9 @@ class Channel:
             self.rows_send.dev[row].zero_()
             self._send_row(row, client)
 
+    def put_seconds(self, client: int, seconds: float) -> None:
+        self.meta_send[client, M_TIME] = seconds
+
     def _send_row(self, row: int, client: int) -> None:
         if not self.rows_send.shared:
             self.rows_send.host_t[row].copy_(self.rows_send.dev[row])
@@ -272,11 +294,18 @@ class Channel:
         """Participants in rank-major order: the row layout on rank 0."""
         return [int(k) for r in range(self.size) for k in np.flatnonzero(mask & (self.host == r))]
 
-    def collect(self, t: int, mask: np.ndarray, signal: int,
-                on_arrival: Callable[[int, dict[str, torch.Tensor]], None]) -> Optional[Uplink]:
-        """Steps 3–5 of the round; the :class:`Uplink` record on rank 0, None elsewhere."""
+    def receive_updates(self, t: int, mask: np.ndarray, on_update: OnUpdate,
+                        closes: Closes) -> None:
+        """Step 3 on rank 0 where rows stream: every participant's row, handed to
+        ``on_update`` as it arrives; nothing elsewhere. The round closes when every
+        participant has reported, whatever ``closes`` would say earlier: the collectives
+        that follow need every rank (the round loop pairs this exchange with a policy
+        that waits for all)."""
         if self.stream_rows and self.is_server:
-            self._receive_rows(t, mask, on_arrival)
+            self._receive_rows(t, mask, on_update)
+
+    def reduce_updates(self, t: int, mask: np.ndarray, signal: int) -> Optional[Uplink]:
+        """Steps 4–5 of the round; the :class:`Uplink` record on rank 0, None elsewhere."""
         self.signal_send[self.rank] = signal
         self.comm.allreduce_sum(self.up_send, self.up_recv, what=f"round {t} metadata Allreduce")
         if self._row_sends:
@@ -360,7 +389,7 @@ class Channel:
                       signals=signals)
 
     def _receive_rows(self, t: int, mask: np.ndarray,
-                      on_arrival: Callable[[int, dict[str, torch.Tensor]], None]) -> None:
+                      on_arrival: OnUpdate) -> None:
         """Rank 0: receive every participant's row as it is sent and hand it on
         while the others still train."""
         order = self.row_order(mask)
@@ -380,4 +409,4 @@ class Channel:
         self.comm.wait(reqs, f"round {t} per-client rows", on_done=arrived)
         # server work after the last client arrived is not hidden behind training: it
         # counts as aggregation (the log's aggregate_seconds), not as overhead
-        self.exposed_arrival_seconds = time.perf_counter() - last[0]
+        self._exposed_seconds = time.perf_counter() - last[0]
