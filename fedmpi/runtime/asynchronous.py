@@ -251,6 +251,9 @@ class AsyncRounds:
         if job.version not in self.buffers and self.P < D:
             self.buffers[job.version] = state[self.P: D].clone()
         end = self.clock() + self.duration(job) if self.virtual else INF
+        # a job's message: its int64 header and θ_v (counted alike when rank 0 hosts the
+        # client at world size 1, so the log does not depend on the world size)
+        self.sent_down += 4 * 8 + state.numel() * state.element_size()
         if dest == 0:   # world size 1: rank 0 trains the job itself, now
             meta = np.zeros(self.meta_len, dtype=np.float64)
             row = torch.zeros(self.plan.row_size, dtype=torch.float32, device=self.b.device)
@@ -265,7 +268,6 @@ class AsyncRounds:
         reqs = self.comm.start_send(head, dest, HEAD_TAG)
         self.heads.append((head, reqs))
         sends.append(self.comm.start_send(theta.numpy(), dest, STATE_TAG))
-        self.sent_down += head.nbytes + theta.numpy().nbytes
         meta = np.zeros(self.meta_len, dtype=np.float64)
         row = torch.zeros(self.plan.row_size, dtype=torch.float32)
         recv = self.comm.start_recv(meta, dest, META_TAG) + \
