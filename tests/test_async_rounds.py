@@ -76,3 +76,36 @@ def test_a_method_that_needs_the_whole_cohort_is_refused_naming_both_keys(tmp_pa
     line = proc.stderr.strip().splitlines()
     assert len(line) == 1 and "algorithm.name" in line[0] and "round.mode" in line[0], line
     assert not (tmp_path / "x").exists()
+
+
+def test_a_wall_clock_run_replayed_at_another_world_size_is_the_same_model(tmp_path):
+    """A deadline run on the wall clock at -n 3 (which updates are late depends on the
+    machine), replayed from its log in one process: the same model bits and the same
+    recorded steps (runtime.replay, runtime.reduction: exact)."""
+    args = ["run", "configs/quickstart.yaml", *SMALL, "--set", "train.rounds=5",
+            "--set", "runtime.reduction=exact", "--set", "round.mode=deadline",
+            "--set", "round.deadline=0.05", "--set", "round.late=carry"]
+    run_fedmpi([*args, "--out", str(tmp_path / "wall")], n=3)
+    run_here([*args, "--set", f"runtime.replay={tmp_path / 'wall'}",
+              "--out", str(tmp_path / "replay")])
+    assert (tmp_path / "wall" / "model.pt").read_bytes() == \
+        (tmp_path / "replay" / "model.pt").read_bytes()
+    a, b = read(tmp_path / "wall" / "log.h5"), read(tmp_path / "replay" / "log.h5")
+    for name in ("version", "staleness_weight"):
+        assert np.array_equal(a.clients[name], b.clients[name], equal_nan=True)
+    assert np.array_equal(a.rounds["test_accuracy"], b.rounds["test_accuracy"])
+
+
+@pytest.mark.parametrize("what", ["missing", "sync"])
+def test_a_log_that_cannot_be_replayed_is_one_line_naming_the_key(tmp_path, what):
+    path = tmp_path / "nothing.h5"
+    over = ["--set", "round.mode=buffered"]
+    if what == "sync":   # the log of a synchronous run has no arrival order
+        run_here(["run", "configs/quickstart.yaml", *SMALL, "--out", str(tmp_path / "s")])
+        path = tmp_path / "s"
+    proc = run_fedmpi(["run", "configs/quickstart.yaml", *SMALL, *over,
+                       "--set", f"runtime.replay={path}", "--out", str(tmp_path / "x")],
+                      n=0, check=False)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "runtime.replay" in lines[0] and str(path) in lines[0], lines

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fedmpi.round.clock import RoundTimeout, simulate
-from fedmpi.round.modes import Buffered, Deadline, sample, sample_idle, synchronous
+from fedmpi.round.modes import Buffered, Deadline, Replay, sample, sample_idle, synchronous
 from fedmpi.round.staleness import Staleness
 from fedmpi.runtime.build import participants
 
@@ -132,3 +132,42 @@ def test_buffered_a_client_contributes_once_per_step_and_waits_for_it():
         clients = [u.job.client for u in s.updates]
         assert len(clients) == len(set(clients))
         assert all(u.staleness == 0 for u in s.updates)
+
+
+def _record(steps):
+    return [[(u.job.client, u.job.version, u.weight) for u in s.updates] for s in steps]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: Deadline(5, 8, 4, 12, deadline=2.5, late="carry", staleness=Staleness("polynomial", a=1.0)),
+    lambda: Buffered(5, 8, 5, 12, buffer=2, staleness=Staleness("hinge", a=1.0, b=1)),
+])
+def test_replay_applies_the_recorded_steps_whatever_the_arrival_order(make):
+    """A deadline (carry) and a buffered schedule recorded under one set of speeds, replayed
+    under speeds that reverse who is fast: every step aggregates the same (client, version,
+    weight), and every job starts from the version it names (the runtime sends θ_v then)."""
+    slow = [1.0, 1.2, 5.0, 1.1, 3.0, 1.3, 0.9, 2.2]
+    steps = simulate(make(), dur(slow))
+    record = _record(steps)
+    assert any(v < t for t, s in enumerate(record) for _, v, _ in s), "nothing stale to replay"
+    starts = []
+
+    def log(job, end):
+        starts.append(job)
+
+    replay = Replay(record)
+    again = simulate(replay, dur([10.0 / s for s in slow]), log=log)
+    assert [sorted(s) for s in _record(again)] == [sorted(s) for s in record]
+    assert [s.version for s in again] == list(range(len(record)))
+    # a job (k, v) starts while θ_v is the newest model: after step v − 1, before step v
+    applied = {s.version: s.time for s in again}
+    for job in starts:
+        assert job.version == 0 or applied[job.version - 1] <= job.start
+        assert job.version not in applied or job.start <= applied[job.version]
+
+
+def test_replay_from_a_resumed_step_refuses_updates_from_before_it():
+    record = [[(0, 0, 1.0)], [(1, 0, 0.5), (2, 1, 1.0)], [(0, 2, 1.0)]]
+    Replay(record, start=2)
+    with pytest.raises(ValueError, match="from version 0, before the resumed step 1"):
+        Replay(record, start=1)

@@ -383,6 +383,10 @@ class RuntimeConfig(CopyOnRead):
                         pattern=r"cuda(:\d+)?", pattern_help="cuda[:N]")
     out_dir: str = param("runs", "parent directory of run outputs")
     checkpoint_every: int = param(0, "checkpoint every N rounds (0 = only at exit)", ge=0)
+    replay: str | None = param(None, "a deadline or buffered run's log (or run directory): "
+                               "apply the server steps it recorded, each with the same "
+                               "updates (client, model version, staleness weight), in "
+                               "order; null = the round policy decides")
     round_timeout: float = param(600.0, "abort if a round's collective waits longer "
                                  "(seconds), naming the ranks and hosts that are missing", gt=0)
     setup_timeout: float = param(1800.0, "start-up limit (seconds): every rank must have "

@@ -60,8 +60,9 @@ def round_checks(cfg: Config) -> None:
         raise ConfigError(f"config key 'system.slowdown' must have one factor per client "
                           f"(data.num_clients = {cfg.data.num_clients}), got {len(slow)}")
     if r.mode == "sync":
-        if r.clock == "virtual" or slow is not None:
-            return   # the virtual clock of a synchronous run is logged, nothing else changes
+        if cfg.runtime.replay is not None:
+            raise ConfigError("config key 'runtime.replay' needs round.mode deadline or "
+                              "buffered (a synchronous run has no arrival order to replay)")
         return
     if r.mode == "deadline" and r.deadline is None:
         raise ConfigError("config key 'round.deadline' must be set with round.mode 'deadline'")

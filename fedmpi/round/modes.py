@@ -266,3 +266,67 @@ class Buffered(Mode):
 def synchronous(seed: int, num_clients: int, per_round: int, steps: int) -> Deadline:
     """FedAvg's round as a policy: no deadline, the step when every participant reported."""
     return Deadline(seed, num_clients, per_round, steps, deadline=INF, min_updates=1)
+
+
+class Replay(Mode):
+    """A recorded deadline or buffered run again (``runtime.replay``): step t aggregates
+    exactly the updates (client k, version v, weight s) the record lists for it.
+
+    An update is a function of (k, v) alone (the client trains from θ_v with the RNG
+    stream (seed, k, v)), so the replay's model is the original's whatever the arrival
+    order. Job (k, v) starts when θ_v is the newest model and k has no job in flight (each
+    client's jobs in version order, as the original ran them); step t is applied once its
+    updates are in *and* every job of version t has started (else a client still busy
+    could not start from θ_t any more). Jobs whose updates the original dropped are not
+    run: they changed nothing.
+    """
+
+    def __init__(self, record: list[list[tuple[int, int, float]]], start: int = 0) -> None:
+        self.record, self.steps, self.version = record, len(record), start
+        todo: dict[int, list[int]] = {}
+        for t in range(start, self.steps):
+            for k, v, _ in record[t]:
+                if v < start:
+                    raise ValueError(f"step {t} of the record aggregates an update from "
+                                     f"version {v}, before the resumed step {start}")
+                todo.setdefault(k, []).append(v)
+        self.todo = {k: sorted(vs) for k, vs in todo.items()}   # per client, to start
+        self.busy: set[int] = set()
+        self.arrived: dict[tuple[int, int], tuple[Job, float]] = {}
+
+    @property
+    def done(self) -> bool:
+        return self.version >= self.steps
+
+    def begin(self, now: float) -> Actions:
+        return Actions(start=self._start(now))
+
+    def _start(self, now: float) -> list[Job]:
+        jobs = []
+        for k in sorted(self.todo):
+            vs = self.todo[k]
+            if vs and vs[0] == self.version and k not in self.busy:
+                jobs.append(Job(k, vs.pop(0), now, self.version))
+                self.busy.add(k)
+        return jobs
+
+    def arrive(self, job: Job, now: float) -> Actions:
+        self.busy.discard(job.client)
+        self.arrived[(job.client, job.version)] = (job, now)
+        steps: list[Step] = []
+        start = self._start(now)   # a client that was busy at its version's turn
+        while not self.done and self._ready():
+            t = self.version
+            updates = []
+            for k, v, w in self.record[t]:
+                j, at = self.arrived.pop((k, v))
+                updates.append(Update(j, at, t - v, w))
+            steps.append(Step(t, now, tuple(updates)))
+            self.version += 1
+            start += self._start(now)
+        return Actions(steps=steps, start=start)
+
+    def _ready(self) -> bool:
+        t = self.version
+        started = all(not vs or vs[0] != t for vs in self.todo.values())
+        return started and all((k, v) in self.arrived for k, v, _ in self.record[t])

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
@@ -42,7 +43,9 @@ import torch
 
 from fedmpi.comm.endpoint import CommTimeout
 from fedmpi.job import signals
-from fedmpi.round.modes import INF, Actions, Buffered, Deadline, Job, Mode, Step
+from fedmpi.errors import ConfigError, LogFormatError
+from fedmpi.log.reader import read
+from fedmpi.round.modes import INF, Actions, Buffered, Deadline, Job, Mode, Replay, Step
 from fedmpi.round.staleness import Staleness
 from fedmpi.runtime.server import (M_RAW, M_STATUS, M_TIME, STATUS_FAILED, STATUS_NONFINITE,
                                    STATUS_OK, Uplink)
@@ -61,8 +64,37 @@ HEAD_TAG, STATE_TAG, META_TAG, ROW_TAG = 41_001, 41_002, 41_003, 41_004
 ERR_BYTES = 1024
 
 
-def make_mode(cfg: Config, start: int) -> Mode:
-    """The run's round policy, at step ``start`` (a resumed run)."""
+def read_record(cfg: Config) -> list[list[tuple[int, int, float]]]:
+    """The steps of the run ``runtime.replay`` names (its log, or its run directory): for
+    each, the (client, version, staleness weight) of the updates it aggregated, from
+    ``/clients/version`` and ``/clients/staleness_weight``. ConfigError naming the key and
+    the file when it cannot be replayed by this run."""
+    path = Path(cfg.runtime.replay or "")
+    if path.is_dir():
+        path = path / "log.h5"
+    try:
+        log = read(path)
+    except LogFormatError as exc:
+        raise ConfigError(f"config key 'runtime.replay': {exc}") from None
+    version, weight = log.clients.get("version"), log.clients.get("staleness_weight")
+    if version is None or weight is None:
+        raise ConfigError(f"config key 'runtime.replay': {path} is not the log of a deadline "
+                          "or buffered run (no /clients/version)")
+    K, rounds = cfg.data.num_clients, cfg.train.rounds
+    if version.shape[1] != K or version.shape[0] < rounds:
+        raise ConfigError(f"config key 'runtime.replay': {path} records {version.shape[0]} "
+                          f"steps of {version.shape[1]} clients; this run needs {rounds} "
+                          f"steps of data.num_clients = {K}")
+    return [[(int(k), int(version[t, k]), float(weight[t, k]))
+             for k in np.flatnonzero(~np.isnan(version[t]))] for t in range(rounds)]
+
+
+def make_mode(cfg: Config, start: int,
+              record: Optional[list[list[tuple[int, int, float]]]] = None) -> Mode:
+    """The run's round policy, at step ``start`` (a resumed run); the recorded steps
+    again under ``runtime.replay``."""
+    if record is not None:
+        return Replay(record, start)
     r = cfg.round
     st = Staleness(r.staleness, r.staleness_a, r.staleness_b, r.max_staleness)
     K = cfg.data.num_clients
@@ -147,6 +179,9 @@ class AsyncRounds:
         self.buffers: dict[int, torch.Tensor] = {}
         self.P = built.flat.num_params
         self.t0 = 0.0
+        self.applied = 0   # rank 0: θ is θ_applied
+        #: runtime.replay: the recorded steps' (client, version, weight)
+        self.record = read_record(cfg) if cfg.runtime.replay else None
         self.now = 0.0
         self.sent_down = 0
         # a worker: one update in flight
@@ -174,7 +209,8 @@ class AsyncRounds:
             return cmd
         if self.mode is None:
             self.t0 = time.monotonic()
-            self.mode = make_mode(self.cfg, t)
+            self.mode = make_mode(self.cfg, t, self.record)
+            self.applied = t
             self._apply(self.mode.begin(self.clock()))
         while not self.queue and not self.calls.failed():
             self._next_event()
@@ -182,6 +218,7 @@ class AsyncRounds:
             return CMD_ROUND   # the next round's command is ABORT
         step, starts = self.queue.pop(0)
         self._step(t, step, t_start)
+        self.applied = t + 1
         for job in starts:
             self._send_job(job)
         return CMD_ROUND
@@ -234,15 +271,17 @@ class AsyncRounds:
         self._apply(self.mode.arrive(flight.job, self.clock()))
 
     def _apply(self, acts: Actions) -> None:
-        """Queue the policy's steps; start its jobs now, or after the steps not yet
-        applied (a job starts from the policy's newest version)."""
+        """Queue the policy's steps; start each of its jobs now if it trains from the
+        model rank 0 holds, else right after the queued step that makes its version."""
         for step in acts.steps:
             self.queue.append((step, []))
-        if self.queue:
-            self.queue[-1][1].extend(acts.start)
-        else:
-            for job in acts.start:
+        for job in acts.start:
+            after = job.version - self.applied - 1   # the queued step producing θ_v
+            assert -1 <= after < len(self.queue), (job, self.applied, len(self.queue))
+            if after < 0:
                 self._send_job(job)
+            else:
+                self.queue[after][1].append(job)
 
     def _send_job(self, job: Job) -> None:
         dest = int(self.b.host[job.client])
