@@ -2,11 +2,16 @@
 rounds of :mod:`fedmpi.runtime.asynchronous` under ``mpiexec``, on the virtual clock."""
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+
 import numpy as np
 import pytest
 import torch
 
-from conftest import SMALL, assert_same_bits, run_at_world_sizes, run_fedmpi, run_here
+from conftest import (SMALL, assert_same_bits, fedmpi_cmd, mpiexec_path, run_at_world_sizes,
+                      run_fedmpi, run_here, wait_rounds)
 from fedmpi.log.reader import read
 
 pytestmark = pytest.mark.mpi
@@ -109,3 +114,66 @@ def test_a_log_that_cannot_be_replayed_is_one_line_naming_the_key(tmp_path, what
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "runtime.replay" in lines[0] and str(path) in lines[0], lines
+
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The pid of MPI rank ``rank`` among ``launcher``'s descendants (PMI_RANK)."""
+    kids, todo = [], [launcher]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                c = [int(x) for x in f.read().split()]
+        except OSError:
+            continue
+        kids += c
+        todo += c
+    for p in kids:
+        try:
+            with open(f"/proc/{p}/environ", "rb") as f:
+                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+        except OSError:
+            continue
+        if env.get(b"PMI_RANK") == str(rank).encode() and b"python" in open(
+                f"/proc/{p}/cmdline", "rb").read():
+            return p
+    raise AssertionError(f"rank {rank} not found under pid {launcher}")
+
+
+def test_a_stopped_silo_does_not_stop_deadline_rounds_and_rejoins(tmp_path):
+    """-n 4, wall clock: rank 2 (clients 1, 4, 7) is stopped with SIGSTOP while 15 more
+    rounds close without it; after SIGCONT its clients report again and the run ends 0."""
+    mpi = mpiexec_path()
+    if mpi is None:
+        pytest.skip("mpiexec not found")
+    out = tmp_path / "run"
+    cmd = [mpi, "-n", "4", *fedmpi_cmd(
+        "run", "configs/quickstart.yaml", "--set", "train.rounds=60", "--set",
+        "round.mode=deadline", "--set", "round.deadline=0.2", "--set", "round.late=carry",
+        "--set", "round.min_updates=2", "--set", "round.max_staleness=100",
+        "--set", "runtime.progress=false", "--set", "runtime.round_timeout=120",
+        "--out", str(out))]
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_rounds(out, 5, proc)
+        pid = _rank_pid(proc.pid, 2)
+        os.kill(pid, signal.SIGSTOP)
+        stopped = wait_rounds(out, 1, proc)   # the rounds logged when the stop took effect
+        resumed = wait_rounds(out, stopped + 15, proc)
+        os.kill(pid, signal.SIGCONT)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    log = read(out / "log.h5")
+    version = log.clients["version"]
+    theirs = [1, 4, 7]   # rank 1 + c mod 3 == 2
+    # an update of theirs trained from a model sent after the stop cannot arrive before SIGCONT
+    during = version[stopped + 2: resumed, :][:, theirs]
+    # (a job sent while the row of the step before was being written: version stopped + 1)
+    assert np.all(np.isnan(during) | (during <= stopped + 1)), during
+    after = version[resumed:, :][:, theirs]
+    assert np.any(~np.isnan(after) & (after >= resumed)), "its clients never trained again"
+    assert log.rounds["test_accuracy"].size == 60
