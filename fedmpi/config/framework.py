@@ -34,7 +34,7 @@ __all__ = ["FRAMEWORK", "METRIC_NAMES", "framework_checks", "FrameworkConfig", "
            "PartitionConfig", "SilosConfig", "TabularConfig", "ValidationConfig", "ModelConfig",
            "MLPConfig", "TrainConfig", "EarlyStoppingConfig", "AlgorithmConfig",
            "AggregationConfig", "SystemConfig", "PrivacyConfig", "DPConfig", "SecAggConfig",
-           "EvalConfig", "CheckpointConfig", "KeepBestConfig", "LoggingConfig", "MLflowConfig",
+           "EvalConfig", "PersonalConfig", "CheckpointConfig", "KeepBestConfig", "LoggingConfig", "MLflowConfig",
            "RuntimeConfig"]
 
 _DATASETS = ("digits", "mnist", "fashionmnist", "cifar10", "cifar100", "svhn", "stl10",
@@ -337,6 +337,16 @@ class EvalConfig(CopyOnRead):
 
 
 @dataclass(frozen=True)
+class PersonalConfig(CopyOnRead):
+    """``personal.*``: parameters that stay at their site (docs/personalisation.md)."""
+
+    params: list[str] = param([], "name patterns (fnmatch, e.g. 'fc2.*') of parameters and "
+                              "float buffers that are trained at each site and never leave its "
+                              "rank (kept per client, excluded from every message), besides "
+                              "those the method declares (fedbn, fedper, fedrep)")
+
+
+@dataclass(frozen=True)
 class KeepBestConfig(CopyOnRead):
     """``checkpoint.keep_best.*``: the best model (:mod:`fedmpi.runtime.callbacks`)."""
 
@@ -451,6 +461,7 @@ class FrameworkConfig(CopyOnRead):
                                   "with the config), applied in this order around any method",
                                   **_IMPORT)
     privacy: PrivacyConfig = section(PrivacyConfig)
+    personal: PersonalConfig = section(PersonalConfig)
     eval: EvalConfig = section(EvalConfig)
     checkpoint: CheckpointConfig = section(CheckpointConfig)
     logging: LoggingConfig = section(LoggingConfig)

@@ -214,7 +214,10 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
         return build_model(spec, data.input_shape, outputs, cfg.model.norm)
 
     check_fits(comm, make)   # too large: one line before anything model-sized is allocated
-    flat = FlatModel(make(), device)
+    model = make()
+    with blame("algorithm.name", algo_class):   # parameters that never leave their site
+        personal = algo_class.personal_names(cfg, model)
+    flat = FlatModel(model, device, personal=personal)
     frozen_digest = same_frozen(comm, flat)
     accel = Accel.from_config(cfg.runtime, device)
     forward = accel.wrap(flat.model)   # compiled once, shared by training and evaluation
