@@ -370,3 +370,46 @@ def test_world_size_and_resume_identity(tmp_path):
         assert set(got["clients"]) == set(ref["clients"]) and len(ref["clients"]) == 4
         for k, state in ref["clients"].items():
             assert torch.equal(got["clients"][k]["personal"], state["personal"]), (other, k)
+
+
+# ---------------------------------------------------------------- per-site table
+def test_site_models_table_matches_hand(tmp_path):
+    """/site_models: global and personal columns = the last per-site evaluation; local
+    only = full-batch GD from w^0 for (participations × τ) steps; fine-tuned = E epochs
+    of full-batch GD from θ^T with the site's head — all scored by hand."""
+    import yaml
+
+    from fedmpi.log.reader import read
+
+    over = {"algorithm.name": "fedper", "eval.where": "clients", "eval.client_holdout": 0.25,
+            "eval.local_only": True, "eval.finetune_epochs": 3}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg_dict(**over)))
+    run_here(["run", str(path), "--out", str(tmp_path / "run")])
+    log = read(tmp_path / "run" / "log.h5")
+    acc = np.asarray(log.arrays["site_models/test_accuracy"])
+    assert [str(m) for m in log.arrays["site_models/models"]] == \
+        ["local only", "global", "personal", "fine-tuned"]
+    np.testing.assert_allclose(acc[:, 1], log.clients["test_accuracy"][-1])
+    np.testing.assert_allclose(acc[:, 2], log.clients["personal_test_accuracy"][-1])
+
+    fed = make_fed(**over)   # the same split and w^0
+    w0 = {k: v.clone() for k, v in fed.flat.model.state_dict().items()}
+    for t in range(2):
+        fed.round(t)
+    theta = named(fed, fed.global_state)
+    for k in range(fed.K):
+        test = torch.as_tensor(fed.partition.client_test_indices[k], device=fed.device)
+        xt = fed.data.prepare(fed.data.x_train[test], train=False)
+        yt = fed.data.y_train[test]
+        x, y = client_xy(fed, k)
+        steps = STEPS * sum(int(fed.participants(t)[k]) for t in range(2))
+        local = fresh(fed, w0)
+        gd(local, x, y, steps, LR, {n for n, _ in local.named_parameters()})
+        head = personal_named(fed, fed.algo.personal.of(k))
+        tuned = fresh(fed, {**w0, **theta, **head})
+        gd(tuned, x, y, 3, LR, {n for n, _ in tuned.named_parameters()})
+        for col, m in ((0, local), (3, tuned)):
+            with torch.no_grad():
+                want = float((m(xt).argmax(1) == yt).double().mean())
+            assert acc[k, col] == pytest.approx(want, abs=1e-9), (k, col)

@@ -331,6 +331,14 @@ class EvalConfig(CopyOnRead):
                              "evaluated on every site's held-out data, on the ranks holding "
                              "it: /cross_site/<metric> [sites, 1 + sites] (not with secure "
                              "aggregation or differential privacy)")
+    local_only: bool = param(False, "after the last round, each site also trains alone from the "
+                             "initial model for the local steps it took in the federation and "
+                             "scores it on its held-out data (/site_models; needs eval.where "
+                             "clients or both)")
+    finetune_epochs: int = param(0, "after the last round, each site fine-tunes the final global "
+                                 "model for this many local epochs and scores it on its held-out "
+                                 "data (/site_models; needs eval.where clients or both); 0 = off",
+                                 ge=0)
     cross_site_models: bool = param(False, "with eval.cross_site: rank 0 writes each site's "
                                     "local model to local_models/<site>.pt (refused if one "
                                     "exists, unless --overwrite or --resume)")
@@ -620,6 +628,10 @@ def _eval_checks(cfg: Config) -> None:
             raise ConfigError(f"config key 'eval.sharded' must be false when eval.where is "
                               f"{e.where!r} (the clients evaluate their own data)")
     _cross_site_checks(cfg)
+    for key, on in (("eval.local_only", e.local_only), ("eval.finetune_epochs", e.finetune_epochs)):
+        if on and e.where == "server":
+            raise ConfigError(f"config keys {key!r} and 'eval.where': the site models are scored "
+                              "on each site's held-out data; set eval.where: clients or both")
     allowed = _metric_names(cfg)
     for key in ("train.early_stopping.metric", "checkpoint.keep_best.metric"):
         metric = cfg.get(key)

@@ -129,6 +129,9 @@ class Built:
     num_outputs: int = 0         # the model's output width the method needs (C; FedGPS: 2C)
     run_info: dict = field(default_factory=dict)   # what ran (fedmpi.job.provenance), for the log
     frozen_digest: str = ""      # SHA-256 of the frozen parameters (the same on every rank)
+    #: w^0, the exchanged part of the initial model (``eval.local_only``: each site's
+    #: local-only model starts there, :mod:`fedmpi.consortium.site_models`)
+    initial: torch.Tensor | None = None
 
     @property
     def stats(self) -> tuple[Stat, ...]:
@@ -270,7 +273,8 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
     info = run_info(cfg, algo, weighting, list(transforms), code.model, local.files, rule)
     return Built(cfg, rank, size, device, data, partition, num_samples, flat, accel, forward, algo,
                  weighting, transforms, rule, host, hosted, ctx, reports, server,
-                 num_outputs=outputs, run_info=info, frozen_digest=frozen_digest)
+                 num_outputs=outputs, run_info=info, frozen_digest=frozen_digest,
+                 initial=flat.vector.detach().clone() if cfg.eval.local_only else None)
 
 
 def same_frozen(comm: Comm, flat: FlatModel) -> str:
