@@ -413,3 +413,33 @@ def test_site_models_table_matches_hand(tmp_path):
             with torch.no_grad():
                 want = float((m(xt).argmax(1) == yt).double().mean())
             assert acc[k, col] == pytest.approx(want, abs=1e-9), (k, col)
+
+
+def test_report_prints_the_per_site_table(tmp_path):
+    """summary.md's "Per-site models": one row per site with the four columns and
+    Δ = max(personal, fine-tuned) − max(local only, global), recomputed here."""
+    import yaml
+
+    from fedmpi.log.reader import read
+    from fedmpi.report.site_models import site_model_lines
+
+    over = {"algorithm.name": "ditto", "eval.where": "clients", "eval.client_holdout": 0.25,
+            "eval.local_only": True, "eval.finetune_epochs": 1, "train.rounds": 1}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg_dict(**over)))
+    run_here(["run", str(path), "--out", str(tmp_path / "run")])
+    log = read(tmp_path / "run" / "log.h5")
+    acc = np.asarray(log.arrays["site_models/test_accuracy"])
+    lines = site_model_lines(log)
+    assert "## Per-site models" in lines
+    i = lines.index("**Accuracy**") if "**Accuracy**" in lines else \
+        next(j for j, ln in enumerate(lines) if ln.startswith("**") and "ccuracy" in ln)
+    rows = lines[i + 4:i + 4 + len(acc)]
+    for k, row in enumerate(rows):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert [float(c) for c in cells[1:5]] == pytest.approx(acc[k], abs=5e-5)
+        want = max(acc[k, 2], acc[k, 3]) - max(acc[k, 0], acc[k, 1])
+        assert float(cells[5]) == pytest.approx(want, abs=5e-4)
+    assert fedmpi_main(["report", str(tmp_path / "run" / "log.h5"),
+                        "--out", str(tmp_path / "rep")]) == 0
+    assert "## Per-site models" in (tmp_path / "rep" / "summary.md").read_text()
