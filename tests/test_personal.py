@@ -443,3 +443,13 @@ def test_report_prints_the_per_site_table(tmp_path):
     assert fedmpi_main(["report", str(tmp_path / "run" / "log.h5"),
                         "--out", str(tmp_path / "rep")]) == 0
     assert "## Per-site models" in (tmp_path / "rep" / "summary.md").read_text()
+    # fedmpi compare: the mean site of each model and of Δ, with the spread over runs
+    from fedmpi.compare import compare_logs
+
+    table = compare_logs([log, log])
+    row = table.rows[0]
+    assert row.metrics["sites personal"] == pytest.approx((acc[:, 2].mean(), 0.0))
+    assert row.metrics["sites local only"] == pytest.approx((acc[:, 0].mean(), 0.0))
+    deltas = np.maximum(acc[:, 2], acc[:, 3]) - np.maximum(acc[:, 0], acc[:, 1])
+    assert row.metrics["sites Δ"] == pytest.approx((deltas.mean(), 0.0))
+    assert "final sites personal" in table.markdown()

@@ -85,12 +85,35 @@ def run_metrics(log: RunLog | PathLike, target: float | None = None) -> RunMetri
         if name in log.rounds:
             m.final_metrics[name] = float(log.rounds[name][evaluated[-1]]) if evaluated.size \
                 else math.nan
+    m.final_metrics.update(site_means(log))
     eps = log.rounds.get("epsilon")
     if eps is not None and len(eps):
         m.epsilon = float(eps[-1])
     if target is not None:
         m.rounds_to_target = rounds_to_target(rounds, acc, target)
     return m
+
+
+def site_means(log: RunLog) -> dict[str, float]:
+    """The per-site table's accuracy (``/site_models``, docs/personalisation.md) as the mean
+    over sites of each model — ``sites <model>`` — and of Δ (best of personal and
+    fine-tuned − best of local only and global); {} without it. Fractions, so that
+    ``fedmpi compare`` prints them with their spread over the seeds of a group."""
+    from fedmpi.report.site_models import delta, site_model_tables
+
+    found = site_model_tables(log)
+    acc = found[1].get("test_accuracy") if found is not None else None
+    if acc is None:
+        return {}
+    out = {}
+    for c, name in enumerate(("local only", "global", "personal", "fine-tuned")):
+        if np.isfinite(acc[:, c]).any():
+            out[f"sites {name}"] = float(np.nanmean(acc[:, c]))
+    deltas = [delta(row) for row in acc]
+    finite = [d for d in deltas if math.isfinite(d)]
+    if finite:
+        out["sites Δ"] = float(np.mean(finite))
+    return out
 
 
 # -- config helpers ----------------------------------------------------------------
