@@ -39,7 +39,7 @@ __all__ = ["FRAMEWORK", "METRIC_NAMES", "framework_checks", "FrameworkConfig", "
 
 _DATASETS = ("digits", "mnist", "fashionmnist", "cifar10", "cifar100", "svhn", "stl10",
              "imagefolder", "hdf5", "synthetic")
-_TABULAR = ("tabular", "breast_cancer", "wine")
+_TABULAR = ("tabular", "breast_cancer", "wine", "medpar")
 _IMPORT: dict[str, Any] = dict(pattern=IMPORT_PATTERN, pattern_help="pkg.module:attr")
 _MEDMNIST: dict[str, Any] = dict(pattern=r"medmnist:\S+", pattern_help="medmnist:<flag>")
 _DATASET_PATTERN: dict[str, Any] = dict(pattern=f"medmnist:\\S+|{IMPORT_PATTERN}",
@@ -67,7 +67,7 @@ class PartitionConfig(CopyOnRead):
     """``data.partition.*``: how the training pool is split among the clients."""
 
     method: str = param("dirichlet", "how the training pool is split",
-                        choices=("iid", "dirichlet", "shards", "file", "silos"))
+                        choices=("iid", "dirichlet", "shards", "file", "silos", "institutions"))
     alpha: float = param(0.5, "Dirichlet concentration", gt=0)
     classes_per_client: int = param(2, "classes per client (shards)", ge=1)
     min_size: int = param(10, "minimum samples per client", ge=0)
