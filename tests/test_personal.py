@@ -81,9 +81,10 @@ def weights(fed, mask):
     return {int(k): float(v) for k, v in zip(ks, n / n.sum())}
 
 
-def hand_split(fed, rounds: int, personal: set, head_steps: int = 0):
+def hand_split(fed, rounds: int, personal: set, head_steps: int = 0, clients=None):
     """FedPer (head_steps 0) or FedRep: global shared state and every client's personal
-    state after ``rounds`` rounds, by hand."""
+    state after ``rounds`` rounds, by hand; ``clients`` (a dict) receives each participant's
+    trained shared state of the last round."""
     init = {k: v.clone() for k, v in fed.flat.model.state_dict().items()}
     glob = {k: v for k, v in init.items() if k not in personal}
     mine = {k: {n: init[n].clone() for n in personal} for k in range(fed.K)}
@@ -101,6 +102,8 @@ def hand_split(fed, rounds: int, personal: set, head_steps: int = 0):
                 gd(m, x, y, STEPS, LR, trainable)
             sd = m.state_dict()
             mine[k] = {n: sd[n].clone() for n in personal}
+            if clients is not None and t == rounds - 1:
+                clients[k] = {n: sd[n].clone() for n in glob}
             for n in glob:
                 if glob[n].is_floating_point():
                     new[n] += sk * sd[n].double()
@@ -242,6 +245,55 @@ def test_apfl_matches_hand(adaptive):
             torch.testing.assert_close(got, v[k][n], atol=2e-5, rtol=0, msg=f"{k} {n}")
     if adaptive:
         assert any(abs(alpha[k] - 0.3) > 1e-4 for k in fed.algo.alpha)
+
+
+# ------------------------------------------------------------------ composition
+def _vec(fed, state: dict) -> torch.Tensor:
+    return torch.cat([state[s.name].flatten().double() for s in fed.flat.segments])
+
+
+@pytest.mark.parametrize("over", [
+    {"privacy.secure_aggregation": True},
+    {"privacy.dp.level": "client", "privacy.dp.clip": 0.05, "privacy.dp.noise_multiplier": 0.0,
+     "aggregation.weighting": "uniform"},
+    {"aggregation.rule": "median"},
+    {"compression.uplink": "int8"},
+], ids=["secagg", "client_dp", "median", "int8"])
+def test_personal_parts_compose_outside_the_exchange(over):
+    """FedPer (head personal) with secure aggregation, client-level DP (clip C, σ = 0),
+    the coordinate-wise median and an int8 uplink, one round: every client's head is the
+    hand-trained one — no mask, clip, noise, rule or quantiser touches it (the personal part
+    is outside the DP guarantee, docs/personalisation.md) — and the shared part is what the
+    composition makes of the hand-trained bodies: the weighted mean (secure aggregation;
+    int8 within its quantisation step), w⁰ + (1/m) Σ Δ_k min(1, C/‖Δ_k‖) (DP-FedAvg), the
+    coordinate-wise median of the bodies (median)."""
+    personal = {"3.weight", "3.bias"}
+    fed = make_fed(**{"algorithm.name": "fedper", **over})
+    w0 = _vec(fed, named(fed, fed.global_state))
+    bodies: dict = {}
+    glob, mine = hand_split(fed, 1, personal, clients=bodies)
+    fed.round(0)
+    assert set(fed.algo.personal.parts) == set(bodies) and len(bodies) == 3
+    for k, part in fed.algo.personal.parts.items():
+        for n, v in personal_named(fed, part).items():
+            torch.testing.assert_close(v, mine[k][n].to(v), atol=2e-5, rtol=0, msg=f"{k} {n}")
+    got = _vec(fed, named(fed, fed.global_state))
+    X = torch.stack([_vec(fed, bodies[k]) for k in sorted(bodies)])
+    if "privacy.dp.level" in over:
+        C = over["privacy.dp.clip"]
+        deltas = X - w0
+        scale = torch.clamp(C / deltas.norm(dim=1), max=1.0)
+        assert bool((scale < 1).all())   # the clip binds: a missed clip would show
+        want = w0 + (deltas * scale[:, None]).sum(0) / len(bodies)
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
+    elif "aggregation.rule" in over:
+        torch.testing.assert_close(got, X.median(dim=0).values, atol=2e-6, rtol=0)
+    else:
+        want = _vec(fed, glob)
+        step = (X - w0).abs().max().item() / 127 if "compression.uplink" in over else 2e-6
+        torch.testing.assert_close(got, want, atol=step, rtol=0)
+        if "compression.uplink" in over:
+            assert not torch.allclose(got, want, atol=1e-7, rtol=0)   # it did quantise
 
 
 # ------------------------------------------------------------------ refusals, bytes
