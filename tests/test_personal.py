@@ -404,12 +404,14 @@ def test_personal_parameters_are_in_no_message(tmp_path, personal):
 
 
 @pytest.mark.mpi
-def test_world_size_and_resume_identity(tmp_path):
-    """FedPer under exact reduction: -n 1, -n 3, and 2 rounds under -n 3 resumed to 4
-    under -n 2 give the same model and the same personal heads (the checkpoint's)."""
+@pytest.mark.parametrize("method", ["fedper", "apfl"])
+def test_world_size_and_resume_identity(tmp_path, method):
+    """FedPer (a personal head) and APFL (a personal model v_k and a learned α_k) under
+    exact reduction: -n 1, -n 3, and 2 rounds under -n 3 resumed to 4 under -n 2 give the
+    same model and every client the same personal state (the checkpoint's)."""
     from conftest import run_fedmpi
 
-    args = ["run", "configs/quickstart.yaml", *MPI_BASE, "--set", "algorithm.name=fedper"]
+    args = ["run", "configs/quickstart.yaml", *MPI_BASE, "--set", f"algorithm.name={method}"]
     four = ["--set", "train.rounds=4"]
     run_here([*args, *four, "--out", str(tmp_path / "n1")], env=ENV)
     run_fedmpi_many([[*args, *four, "--out", str(tmp_path / "n3")],
@@ -421,7 +423,10 @@ def test_world_size_and_resume_identity(tmp_path):
         assert torch.equal(got["global_state"], ref["global_state"]), other
         assert set(got["clients"]) == set(ref["clients"]) and len(ref["clients"]) == 4
         for k, state in ref["clients"].items():
-            assert torch.equal(got["clients"][k]["personal"], state["personal"]), (other, k)
+            assert set(got["clients"][k]) == set(state) and state, (other, k)
+            assert any(key in state for key in ("personal", "apfl/v")), sorted(state)
+            for key, value in state.items():
+                assert torch.equal(got["clients"][k][key], value), (other, k, key)
 
 
 # ---------------------------------------------------------------- per-site table
