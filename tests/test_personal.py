@@ -341,7 +341,11 @@ def test_logged_bytes_leave_the_head_out(tmp_path):
 
 # ------------------------------------------------------------------------ MPI
 SPY = r"""
-import numpy as _np, torch as _torch, fedmpi.comm as _comm
+import numpy as _np, torch as _torch
+try:   # fedmpi.comm is a package on main (the communicator in fedmpi/comm/world.py)
+    from fedmpi.comm.world import Comm as _Comm
+except ImportError:
+    from fedmpi.comm import Comm as _Comm
 import personal_models as _pm
 _PAT = _pm.SENTINEL[:4].numpy().tobytes()
 _SEEN = [0, 0]   # buffers scanned, buffers holding the sentinel
@@ -373,10 +377,10 @@ def _wrap(fn):
 
 for _name in ("broadcast", "reduce_sum", "gatherv_rows", "scatterv_rows", "gather_fixed",
               "start_send", "allreduce_sum", "allreduce_max", "gather_processes"):
-    if hasattr(_comm.Comm, _name):
-        setattr(_comm.Comm, _name, _wrap(getattr(_comm.Comm, _name)))
+    if hasattr(_Comm, _name):
+        setattr(_Comm, _name, _wrap(getattr(_Comm, _name)))
 """
-REPORT = "print('SENTINEL', _comm.Comm.__module__, *_SEEN, *sorted(_WHAT), flush=True)"
+REPORT = "print('SENTINEL', _Comm.__module__, *_SEEN, *sorted(_WHAT), flush=True)"
 MPI_BASE = ["--set", "model.name=personal_models:sentinel_mlp", "--set", "train.rounds=2",
             "--set", "data.num_clients=4", "--set", "train.clients_per_round=3",
             "--set", "runtime.reduction=exact", "--set", "runtime.progress=false",
