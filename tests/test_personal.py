@@ -252,13 +252,17 @@ def _vec(fed, state: dict) -> torch.Tensor:
     return torch.cat([state[s.name].flatten().double() for s in fed.flat.segments])
 
 
-@pytest.mark.parametrize("over", [
-    {"privacy.secure_aggregation": True},
-    {"privacy.dp.level": "client", "privacy.dp.clip": 0.05, "privacy.dp.noise_multiplier": 0.0,
-     "aggregation.weighting": "uniform"},
-    {"aggregation.rule": "median"},
-    {"compression.uplink": "int8"},
-], ids=["secagg", "client_dp", "median", "int8"])
+#: what the exchanged vector composes with (docs/personalisation.md, "Composition")
+COMPOSE = {
+    "secagg": {"privacy.secure_aggregation": True},
+    "client_dp": {"privacy.dp.level": "client", "privacy.dp.clip": 0.05,
+                  "privacy.dp.noise_multiplier": 0.0, "aggregation.weighting": "uniform"},
+    "median": {"aggregation.rule": "median"},
+    "int8": {"compression.uplink": "int8"},
+}
+
+
+@pytest.mark.parametrize("over", list(COMPOSE.values()), ids=list(COMPOSE))
 def test_personal_parts_compose_outside_the_exchange(over):
     """FedPer (head personal) with secure aggregation, client-level DP (clip C, σ = 0),
     the coordinate-wise median and an int8 uplink, one round: every client's head is the
@@ -294,6 +298,32 @@ def test_personal_parts_compose_outside_the_exchange(over):
         torch.testing.assert_close(got, want, atol=step, rtol=0)
         if "compression.uplink" in over:
             assert not torch.allclose(got, want, atol=1e-7, rtol=0)   # it did quantise
+
+
+@pytest.mark.parametrize("method", ["fedbn", "ditto", "apfl"])
+def test_personal_state_is_the_plain_runs_under_every_composition(method):
+    """FedBN (norm layers), Ditto (v_k) and APFL (v_k, α_k), one round under each
+    composition above: every participant's personal state is bit for bit the plain run's
+    (the round starts from the same w⁰, so only a composition that reached into the
+    personal state could change it), and the shared part did change where it must (DP's
+    binding clip, the median, int8)."""
+    extra = {"model.name": "personal_models:bn_mlp"} if method == "fedbn" else {}
+    ref = make_fed(**{"algorithm.name": method, **extra})
+    ref.round(0)
+    ks = np.flatnonzero(ref.participants(0)).tolist()
+    for name, over in COMPOSE.items():
+        fed = make_fed(**{"algorithm.name": method, **extra, **over})
+        fed.round(0)
+        for k in ks:
+            want, got = ref.algo.client_state(k), fed.algo.client_state(k)
+            # (int8 adds its error-feedback store compression/error: shared-part only)
+            assert want and set(want) <= set(got), (name, k, sorted(got))
+            for key, value in want.items():
+                assert torch.equal(got[key], value), (name, k, key)
+            if "compression/error" in got:   # the quantiser's residual: exchanged entries only
+                assert got["compression/error"].numel() == fed.flat.size, name
+        if name != "secagg":
+            assert not torch.equal(fed.global_state, ref.global_state), name
 
 
 # ------------------------------------------------------------------ refusals, bytes
