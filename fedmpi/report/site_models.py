@@ -13,41 +13,23 @@ import math
 
 import numpy as np
 
+from fedmpi.compare.runs import SITE_MODEL_COLUMNS, site_delta, site_model_arrays
 from fedmpi.log.reader import RunLog
 from fedmpi.report.derived import METRIC_LABELS, clean_label, metric_names, metric_text
 
 __all__ = ["site_model_lines", "site_model_tables"]
 
-_COLUMNS = ("local only", "global", "personal", "fine-tuned")
-_NAMES = ("sites", "models", "test_samples")
-
 
 def site_model_tables(log: RunLog) -> tuple[list[str], dict[str, np.ndarray]] | None:
-    """(site names, {metric: [K, 4]}) of ``log``; None without a consistent table."""
-    sites, models = log.arrays.get("site_models/sites"), log.arrays.get("site_models/models")
-    if sites is None or models is None or sites.ndim != 1 or \
-            [str(m) for m in models] != list(_COLUMNS):
+    """(site names, {metric: [K, 4]}) of ``log``, the run's metrics first; None without a
+    consistent table (:func:`fedmpi.compare.runs.site_model_arrays`)."""
+    got = site_model_arrays(log)
+    if got is None:
         return None
-    k = len(sites)
-    found = {key.split("/", 1)[1]: np.asarray(a, dtype=np.float64)
-             for key, a in log.arrays.items()
-             if key.startswith("site_models/") and key.split("/", 1)[1] not in _NAMES
-             and a.shape == (k, 4) and a.dtype.kind in "biuf"}
+    sites, found = got
     order = [m for m in (*metric_names(log), "test_loss") if m in found]
     order += sorted(m for m in found if m not in order)
-    if not order:
-        return None
     return [clean_label(str(s)) for s in sites], {m: found[m] for m in order}
-
-
-def delta(row: np.ndarray, lower_is_better: bool = False) -> float:
-    """Best of (personal, fine-tuned) minus best of (local only, global); NaN where either
-    side has no finite value. For a loss, "best" is the lowest and Δ < 0 is a gain."""
-    pick = np.nanmin if lower_is_better else np.nanmax
-    mine, others = row[2:], row[:2]
-    if not np.isfinite(mine).any() or not np.isfinite(others).any():
-        return math.nan
-    return float(pick(mine) - pick(others))
 
 
 def site_model_lines(log: RunLog) -> list[str]:
@@ -65,9 +47,9 @@ def site_model_lines(log: RunLog) -> list[str]:
            "loss, lowest; Δ < 0 is better). — : not computed."]
     for name, a in tables.items():
         loss = name.endswith("loss")
-        deltas = [delta(r, loss) for r in a]
+        deltas = [site_delta(r, loss) for r in a]
         out += ["", f"**{METRIC_LABELS.get(name, name)}**", "",
-                "| site | " + " | ".join(_COLUMNS) + " | Δ |", "|" + "---|" * 6]
+                "| site | " + " | ".join(SITE_MODEL_COLUMNS) + " | Δ |", "|" + "---|" * 6]
         for i, site in enumerate(sites):
             count = f" ({int(n[i])})" if n is not None and n.shape == (len(sites),) else ""
             cells = [metric_text(v) if math.isfinite(v) else "—" for v in a[i]]
