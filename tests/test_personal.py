@@ -435,6 +435,13 @@ def test_personal_parameters_are_in_no_message(tmp_path, personal):
     assert len(lines) == 3 and all(int(ln[2]) > 10 for ln in lines), proc.stdout[-2000:]
     found = sum(int(ln[3]) for ln in lines)
     assert (found == 0) if personal else (found > 0), lines
+    # bytes logged at -n 3 are the exchanged entries only: 3 uploads a round of the body
+    # (64·16 + 16 floats), plus head (16·10 + 10) and tag (16) when they are not personal
+    from fedmpi.log.reader import read
+
+    up = read(tmp_path / "run" / "log.h5").rounds["bytes_up"]
+    shared = 64 * 16 + 16 + (0 if personal else 16 * 10 + 10 + 16)
+    np.testing.assert_array_equal(up, 3 * 4 * shared)
 
 
 @pytest.mark.mpi
