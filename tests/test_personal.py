@@ -445,14 +445,17 @@ def test_personal_parameters_are_in_no_message(tmp_path, personal):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("method", ["fedper", "apfl"])
+@pytest.mark.parametrize("method", ["fedper", "fedbn", "apfl"])
 def test_world_size_and_resume_identity(tmp_path, method):
-    """FedPer (a personal head) and APFL (a personal model v_k and a learned α_k) under
-    exact reduction: -n 1, -n 3, and 2 rounds under -n 3 resumed to 4 under -n 2 give the
-    same model and every client the same personal state (the checkpoint's)."""
+    """FedPer (a personal head), FedBN (personal BatchNorm weights and running statistics)
+    and APFL (a personal model v_k and a learned α_k) under exact reduction: -n 1, -n 3,
+    and 2 rounds under -n 3 resumed to 4 under -n 2 give the same model and every client
+    the same personal state (the checkpoint's)."""
     from conftest import run_fedmpi
 
     args = ["run", "configs/quickstart.yaml", *MPI_BASE, "--set", f"algorithm.name={method}"]
+    if method == "fedbn":
+        args += ["--set", "model.name=personal_models:bn_mlp"]
     four = ["--set", "train.rounds=4"]
     run_here([*args, *four, "--out", str(tmp_path / "n1")], env=ENV)
     run_fedmpi_many([[*args, *four, "--out", str(tmp_path / "n3")],
