@@ -1,9 +1,9 @@
 """Personalised FL per site (issue 47): FedAvg, FedAvg + fine-tune, FedBN, FedPer, FedRep,
-Ditto, APFL and the site training alone, on digits split by Dirichlet(0.1) and
-Dirichlet(0.5), on the breast-cancer table split by Dirichlet(0.5) and on medpar's 21
-hospitals (natural silos: :mod:`fedmpi.data.institutions`), several seeds, one
-process at a time (world size 1: results do not depend on it). The model is an MLP with
-BatchNorm (so that FedBN has norm layers) for every method. Each site scores on its own
+Ditto, APFL and the site training alone, on digits split by Dirichlet(0.1),
+Dirichlet(0.5) and uniformly (IID), on the breast-cancer table split by Dirichlet(0.5)
+and on medpar's 21 hospitals (natural silos: :mod:`fedmpi.data.institutions`), several
+seeds, one process at a time (world size 1: results do not depend on it). The model is an
+MLP with BatchNorm (so that FedBN has norm layers) for every method. Each site scores on its own
 held-out quarter the four models of ``/site_models`` (:mod:`fedmpi.consortium.site_models`):
 local only (``eval.local_only``: from w^0 for the local steps the site took), the global
 model, its personal model and the global model fine-tuned one epoch at the site
@@ -45,6 +45,7 @@ METHODS = {
 DATA = {
     "digits Dir(0.1)": (["data.dataset=digits", "data.partition.alpha=0.1"], 10),
     "digits Dir(0.5)": (["data.dataset=digits", "data.partition.alpha=0.5"], 10),
+    "digits IID": (["data.dataset=digits", "data.partition.method=iid"], 10),
     "breast_cancer Dir(0.5)": (["data.dataset=breast_cancer", "data.partition.alpha=0.5"], 5),
     # natural silos: 21 Arizona hospitals (fedmpi/data/institutions.py; extra [institutions])
     "medpar hospitals": (["data.dataset=medpar", "data.partition.method=institutions",
