@@ -17,8 +17,9 @@ from fedmpi.config.framework import METRIC_NAMES
 from fedmpi.log.schema import PathLike
 from fedmpi.log.reader import RunLog, as_run_log, ended_without_status
 
-__all__ = ["EXTRA_METRICS", "RunMetrics", "config_value", "flatten_config", "is_percent",
-           "logged_metrics", "rounds_to_target", "run_config", "run_metrics"]
+__all__ = ["EXTRA_METRICS", "RunMetrics", "SITE_MODEL_COLUMNS", "config_value", "flatten_config",
+           "is_percent", "logged_metrics", "rounds_to_target", "run_config", "run_metrics",
+           "site_delta", "site_means", "site_model_arrays"]
 
 #: ``/rounds/<metric>`` series beyond test_accuracy that the table and report show.
 EXTRA_METRICS: tuple[str, ...] = tuple(m for m in METRIC_NAMES if m != "accuracy")
@@ -85,12 +86,65 @@ def run_metrics(log: RunLog | PathLike, target: float | None = None) -> RunMetri
         if name in log.rounds:
             m.final_metrics[name] = float(log.rounds[name][evaluated[-1]]) if evaluated.size \
                 else math.nan
+    m.final_metrics.update(site_means(log))
     eps = log.rounds.get("epsilon")
     if eps is not None and len(eps):
         m.epsilon = float(eps[-1])
     if target is not None:
         m.rounds_to_target = rounds_to_target(rounds, acc, target)
     return m
+
+
+#: the columns of ``/site_models/<metric>`` (:mod:`fedmpi.consortium.site_models`)
+SITE_MODEL_COLUMNS = ("local only", "global", "personal", "fine-tuned")
+_SITE_MODEL_NAMES = ("sites", "models", "test_samples")
+
+
+def site_model_arrays(log: RunLog) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
+    """(site names as logged, {metric: [K, 4]}) of ``/site_models``; None unless
+    ``/site_models/sites`` names K rows, ``/site_models/models`` the four columns and a
+    numeric metric array is [K, 4] (a log is untrusted input)."""
+    sites, models = log.arrays.get("site_models/sites"), log.arrays.get("site_models/models")
+    if sites is None or models is None or sites.ndim != 1 or \
+            [str(m) for m in models] != list(SITE_MODEL_COLUMNS):
+        return None
+    k = len(sites)
+    found = {key.split("/", 1)[1]: np.asarray(a, dtype=np.float64)
+             for key, a in log.arrays.items()
+             if key.startswith("site_models/")
+             and key.split("/", 1)[1] not in _SITE_MODEL_NAMES
+             and a.shape == (k, 4) and a.dtype.kind in "biuf"}
+    return (sites, found) if found else None
+
+
+def site_delta(row: np.ndarray, lower_is_better: bool = False) -> float:
+    """Best of (personal, fine-tuned) minus best of (local only, global); NaN where either
+    side has no finite value. For a loss, "best" is the lowest and Δ < 0 is a gain."""
+    pick = np.nanmin if lower_is_better else np.nanmax
+    mine, others = row[2:], row[:2]
+    if not np.isfinite(mine).any() or not np.isfinite(others).any():
+        return math.nan
+    return float(pick(mine) - pick(others))
+
+
+def site_means(log: RunLog) -> dict[str, float]:
+    """The per-site table's accuracy (``/site_models``, docs/personalisation.md) as the mean
+    over sites of each model — ``sites <model>`` — and of Δ (best of personal and
+    fine-tuned − best of local only and global); {} without it. Fractions, so that
+    ``fedmpi compare`` prints them with their spread over the seeds of a group."""
+    found = site_model_arrays(log)
+    acc = found[1].get("test_accuracy") if found is not None else None
+    if acc is None:
+        return {}
+    out = {}
+    for c, name in enumerate(SITE_MODEL_COLUMNS):
+        if np.isfinite(acc[:, c]).any():
+            out[f"sites {name}"] = float(np.nanmean(acc[:, c]))
+    deltas = [site_delta(row) for row in acc]
+    finite = [d for d in deltas if math.isfinite(d)]
+    if finite:
+        out["sites Δ"] = float(np.mean(finite))
+    return out
 
 
 # -- config helpers ----------------------------------------------------------------

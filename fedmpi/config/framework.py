@@ -37,12 +37,12 @@ __all__ = ["FRAMEWORK", "METRIC_NAMES", "framework_checks", "with_components", "
            "PartitionConfig", "SilosConfig", "TabularConfig", "ValidationConfig", "ModelConfig",
            "MLPConfig", "TrainConfig", "EarlyStoppingConfig", "AlgorithmConfig",
            "AggregationConfig", "SystemConfig", "PrivacyConfig", "DPConfig", "SecAggConfig",
-           "EvalConfig", "CheckpointConfig", "KeepBestConfig", "LoggingConfig", "MLflowConfig",
+           "EvalConfig", "PersonalConfig", "CheckpointConfig", "KeepBestConfig", "LoggingConfig", "MLflowConfig",
            "RuntimeConfig"]
 
 _DATASETS = ("digits", "mnist", "fashionmnist", "cifar10", "cifar100", "svhn", "stl10",
              "imagefolder", "hdf5", "synthetic")
-_TABULAR = ("tabular", "breast_cancer", "wine")
+_TABULAR = ("tabular", "breast_cancer", "wine", "medpar")
 _IMPORT: dict[str, Any] = dict(pattern=IMPORT_PATTERN, pattern_help="pkg.module:attr")
 _MEDMNIST: dict[str, Any] = dict(pattern=r"medmnist:\S+", pattern_help="medmnist:<flag>")
 _DATASET_PATTERN: dict[str, Any] = dict(pattern=f"medmnist:\\S+|{IMPORT_PATTERN}",
@@ -73,7 +73,7 @@ class PartitionConfig(CopyOnRead):
     """``data.partition.*``: how the training pool is split among the clients."""
 
     method: str = param("dirichlet", "how the training pool is split",
-                        choices=("iid", "dirichlet", "shards", "file", "silos"))
+                        choices=("iid", "dirichlet", "shards", "file", "silos", "institutions"))
     alpha: float = param(0.5, "Dirichlet concentration", gt=0)
     classes_per_client: int = param(2, "classes per client (shards)", ge=1)
     min_size: int = param(10, "minimum samples per client", ge=0)
@@ -335,9 +335,27 @@ class EvalConfig(CopyOnRead):
                              "evaluated on every site's held-out data, on the ranks holding "
                              "it: /cross_site/<metric> [sites, 1 + sites] (not with secure "
                              "aggregation or differential privacy)")
+    local_only: bool = param(False, "after the last round, each site also trains alone from the "
+                             "initial model for the local steps it took in the federation and "
+                             "scores it on its held-out data (/site_models; needs eval.where "
+                             "clients or both)")
+    finetune_epochs: int = param(0, "after the last round, each site fine-tunes the final global "
+                                 "model for this many local epochs and scores it on its held-out "
+                                 "data (/site_models; needs eval.where clients or both); 0 = off",
+                                 ge=0)
     cross_site_models: bool = param(False, "with eval.cross_site: rank 0 writes each site's "
                                     "local model to local_models/<site>.pt (refused if one "
                                     "exists, unless --overwrite or --resume)")
+
+
+@dataclass(frozen=True)
+class PersonalConfig(CopyOnRead):
+    """``personal.*``: parameters that stay at their site (docs/personalisation.md)."""
+
+    params: list[str] = param([], "name patterns (fnmatch, e.g. 'fc2.*') of parameters and "
+                              "float buffers that are trained at each site and never leave its "
+                              "rank (kept per client, excluded from every message), besides "
+                              "those the method declares (fedbn, fedper, fedrep)")
 
 
 @dataclass(frozen=True)
@@ -460,6 +478,7 @@ class FrameworkConfig(CopyOnRead):
                                   **_IMPORT)
     round: RoundConfig = section(RoundConfig)
     privacy: PrivacyConfig = section(PrivacyConfig)
+    personal: PersonalConfig = section(PersonalConfig)
     eval: EvalConfig = section(EvalConfig)
     checkpoint: CheckpointConfig = section(CheckpointConfig)
     logging: LoggingConfig = section(LoggingConfig)
@@ -650,6 +669,10 @@ def _eval_checks(cfg: Config) -> None:
             raise ConfigError(f"config key 'eval.sharded' must be false when eval.where is "
                               f"{e.where!r} (the clients evaluate their own data)")
     _cross_site_checks(cfg)
+    for key, on in (("eval.local_only", e.local_only), ("eval.finetune_epochs", e.finetune_epochs)):
+        if on and e.where == "server":
+            raise ConfigError(f"config keys {key!r} and 'eval.where': the site models are scored "
+                              "on each site's held-out data; set eval.where: clients or both")
     allowed = _metric_names(cfg)
     for key in ("train.early_stopping.metric", "checkpoint.keep_best.metric"):
         metric = cfg.get(key)

@@ -221,6 +221,10 @@ def check_components(cfg: Config, method: Optional[type[Algorithm]] = None,
                           f"{cfg.algorithm.name!r} trains with a loss that couples the samples "
                           "of a batch beyond their mean, so a batch cannot be shared among the "
                           "ranks of a silo; use runtime.ranks_per_silo: 1")
+    if method is not None:
+        from fedmpi.methods import personal   # above the config layer (module docstring)
+
+        personal.check(cfg, method)   # what personal parameters and models refuse
     if method is not None and method.spec_for(cfg).owns_evaluation and cfg.eval.cross_site:
         raise ConfigError(f"config keys 'eval.cross_site' and 'algorithm.name': method "
                           f"{cfg.algorithm.name!r} evaluates its resource levels itself (its "

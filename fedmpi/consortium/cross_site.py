@@ -239,5 +239,9 @@ class CrossSiteValidation:
 
 
 def final_evaluations(cfg: Config) -> list[FinalEvaluation]:
-    """The final evaluations ``cfg`` asks for (``eval.cross_site``), for the driver."""
-    return [CrossSiteValidation(cfg)] if cfg.eval.cross_site else []
+    """The final evaluations ``cfg`` asks for (``eval.cross_site``; the per-site models of
+    :mod:`fedmpi.consortium.site_models`), for the driver."""
+    from fedmpi.consortium import site_models
+
+    cross: list[FinalEvaluation] = [CrossSiteValidation(cfg)] if cfg.eval.cross_site else []
+    return [*cross, *site_models.final_evaluations(cfg)]

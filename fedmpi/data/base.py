@@ -15,7 +15,7 @@ import dataclasses
 import zipfile
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -67,6 +67,11 @@ class Dataset:
     std: tuple[float, ...]
     scale: float
     augment: bool = False
+    #: the institution of every training-pool sample, for data sets whose sites are real
+    #: institutions (:mod:`fedmpi.data.institutions`; ``data.partition.method:
+    #: institutions``), and the institutions' names; None / () otherwise
+    groups: Optional[np.ndarray] = None
+    group_names: tuple[str, ...] = ()
     # Per-device (gain, offset) of the affine normalisation; not part of the value.
     _affine: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, init=False, repr=False, compare=False

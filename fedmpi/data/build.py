@@ -52,6 +52,10 @@ def load_pool(cfg: Config, data: Optional[Any] = None) -> Dataset:
             pool = tabular.load_embedded(d.dataset)
         # data.augment applies to these too (and refuses inputs that are not images)
         return dataclasses.replace(pool, augment=True) if d.augment else pool
+    from fedmpi.data.institutions import INSTITUTION_SETS, load_institutions
+
+    if d.dataset in INSTITUTION_SETS:
+        return load_institutions(d.dataset)
     from fedmpi.data.datasets import load_dataset
 
     return load_dataset(d.dataset, d.root, d.download, augment=d.augment,
@@ -70,7 +74,7 @@ def build_partition(cfg: Config, dataset: Dataset, needs: DataNeeds) -> Partitio
         classes_per_client=p.classes_per_client, min_size=p.min_size, file=p.file,
         validation_fraction=cfg.data.validation.fraction, num_classes=dataset.num_classes,
         min_batches=needs.min_batches, min_batches_key=needs.min_batches_key,
-        batch_size=cfg.train.batch_size)
+        batch_size=cfg.train.batch_size, groups=dataset.groups)
     _check_batchnorm_sizes(cfg, part)
     return part
 

@@ -32,7 +32,7 @@ from fedmpi.errors import ConfigError, DataError
 __all__ = ["PARTITION_METHODS", "Partition", "check_batch_floor", "local_batches",
            "make_partition", "stratified_holdout"]
 
-PARTITION_METHODS: tuple[str, ...] = ("iid", "dirichlet", "shards", "file")
+PARTITION_METHODS: tuple[str, ...] = ("iid", "dirichlet", "shards", "file", "institutions")
 
 
 @dataclass(eq=False)
@@ -228,6 +228,20 @@ def _file_split(
     return clients, held
 
 
+def split_institutions(groups: np.ndarray | None, pool: np.ndarray,
+                       num_clients: int) -> list[np.ndarray]:
+    """One client per institution: the pool samples of institution k (natural silos)."""
+    if groups is None:
+        raise ConfigError("config key 'data.partition.method': 'institutions' needs a data set "
+                          "whose sites are institutions (data.dataset: medpar)")
+    count = int(groups.max()) + 1 if groups.size else 0
+    if num_clients != count:
+        raise ConfigError(f"config key 'data.num_clients' must be {count} with "
+                          f"data.partition.method 'institutions' (one client per institution), "
+                          f"got {num_clients}")
+    return [pool[groups[pool] == k] for k in range(count)]
+
+
 def local_batches(n: int, batch_size: int) -> int:
     """Batches of one local epoch over ``n`` samples, as :func:`fedmpi.training.loop.epoch_bounds`
     forms them: ⌈n/B⌉, less one when a one-sample remainder joins the previous batch."""
@@ -268,6 +282,7 @@ def make_partition(
     min_batches: int = 0,
     batch_size: int = 1,
     min_batches_key: str = "",
+    groups: np.ndarray | None = None,
 ) -> Partition:
     r"""Split the training pool into a stratified server hold-out and ``num_clients`` clients.
 
@@ -323,7 +338,9 @@ def make_partition(
         clients, validation = _file_split(y, num_clients, file, validation_fraction, holdout_rng)
     else:
         validation, pool = stratified_holdout(y, validation_fraction, holdout_rng)
-        if method == "iid":
+        if method == "institutions":
+            clients = split_institutions(groups, pool, num_clients)
+        elif method == "iid":
             clients = split_iid(pool, num_clients, split_rng)
         elif method == "dirichlet":
             need = max(min_size, 1)

@@ -10,8 +10,9 @@ rules live in :mod:`fedmpi.aggregation`, update transforms in :mod:`fedmpi.trans
 from __future__ import annotations
 
 from fedmpi.component import Registry
-from fedmpi.methods import (base, elastic, fedavg, fedavgm, feddyn, fedgps, fedlagc, fednova,
-                            fedopt, fedprox, fedrolex, fiarse, heterofl, scaffold, scalefl)
+from fedmpi.methods import (apfl, base, ditto, elastic, fedavg, fedavgm, fedbn, feddyn, fedgps,
+                            fedlagc, fednova, fedopt, fedper, fedprox, fedrolex, fiarse, heterofl,
+                            scaffold, scalefl)
 from fedmpi.config.core import Config
 
 #: ``algorithm.name`` names → method classes
@@ -25,7 +26,8 @@ def register_method(cls: type[base.Algorithm]) -> type[base.Algorithm]:
 
 _BUILTIN = (fedavg.FedAvg, fedavgm.FedAvgM, fedopt.FedAdam, fedopt.FedYogi, fedprox.FedProx,
             scaffold.Scaffold, feddyn.FedDyn, fednova.FedNova, elastic.Elastic, fedgps.FedGPS,
-            fedlagc.FedLAGC, heterofl.HeteroFL, fedrolex.FedRolex, fiarse.FIARSE, scalefl.ScaleFL)
+            fedlagc.FedLAGC, heterofl.HeteroFL, fedrolex.FedRolex, fiarse.FIARSE, scalefl.ScaleFL,
+            fedbn.FedBN, fedper.FedPer, fedper.FedRep, ditto.Ditto, apfl.APFL)
 for _cls in _BUILTIN:
     register_method(_cls)
 

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from fedmpi.component import ClientTask, Component, RoundInfo, Stat
+from fedmpi.methods.personal import PersonalParts, matching
 from fedmpi.training.flat import FlatModel
 from fedmpi.training.loop import SGDConfig, StepHooks, TrainResult, sgd_config, step_decay_lr
 
@@ -96,6 +97,10 @@ class MethodSpec:
     #: (``round.mode: deadline | buffered``): no statistic summed over a round's cohort,
     #: no per-round state shared by the clients (downlink extras)
     asynchronous: bool = False
+    #: the method gives each client a model of its own: personal parameters
+    #: (:meth:`Algorithm.personal_names`) or a personal model (Ditto, APFL) that never
+    #: leaves its rank; the per-site evaluation scores it (docs/personalisation.md)
+    personal: bool = False
 
     def num_outputs(self, num_classes: int) -> int:
         """Width of the model's classifier head for ``num_classes`` classes."""
@@ -185,11 +190,23 @@ class Algorithm(Component):
         self.state_size = layout.size          # D: parameters + float buffers
         self.num_params = layout.num_params    # P
         self.num_clients = num_clients
+        #: the entries the local loop steps: personal parameters (never exchanged) and P
+        self.num_trained = layout.num_personal_params + layout.num_params
         self.sgd = sgd_config(cfg)
         lr = cfg.algorithm.server_lr     # null = the method's default (FedAdam/FedYogi: 0.01)
         self.server_lr = self.spec_for(cfg).default_server_lr if lr is None else float(lr)
         self._client_stores: list[ClientVectors] = []
+        #: each hosted client's personal part (:mod:`fedmpi.methods.personal`), if any
+        self.personal = (PersonalParts(layout, self.client_store) if layout.personal_size
+                         else None)
         self.hparams("params")   # a user method's block algorithm.params: checked now
+
+    @classmethod
+    def personal_names(cls, cfg: Config, model: torch.nn.Module) -> set[str]:
+        """The parameters and float buffers of ``model`` that stay at their site
+        (:mod:`fedmpi.methods.personal`): ``personal.params``' name patterns; FedBN, FedPer
+        and FedRep add their own."""
+        return matching(model, cfg.personal.params)
 
     @classmethod
     def spec_for(cls, cfg: Config) -> MethodSpec:
@@ -273,6 +290,33 @@ class Algorithm(Component):
         θ^{t−1}). Default: nothing."""
 
     # --------------------------------------------------------- per-client state
+    def enter_client(self, client: int, flat: FlatModel) -> None:
+        """Worker, before ``client`` trains on ``flat``: load its personal part."""
+        if self.personal is not None:
+            self.personal.enter(client, flat)
+
+    def leave_client(self, client: int, flat: FlatModel) -> None:
+        """Worker, after ``client`` trained: keep its personal part, reset the model's."""
+        if self.personal is not None:
+            self.personal.leave(client, flat)
+
+    def personal_model(self, client: int, state: torch.Tensor, flat: FlatModel) -> bool:
+        """Load hosted client ``client``'s personal model, given the global ``state``, into
+        ``flat`` for its evaluation (:attr:`MethodSpec.personal`); False when the method
+        gives clients none. Default: the global state with the client's personal
+        parameters; :meth:`leave_personal_model` puts the initial ones back."""
+        if self.personal is None:
+            return False
+        flat.load(state)
+        self.personal.enter(client, flat)
+        return True
+
+    def leave_personal_model(self, flat: FlatModel) -> None:
+        """After :meth:`personal_model`'s evaluation: the model's personal part back to the
+        initial one."""
+        if self.personal is not None:
+            flat.load_personal(self.personal.initial.to(flat.device))
+
     def client_state(self, client: int) -> dict[str, torch.Tensor]:
         """Per-client tensors kept on the hosting worker (checkpointed by id):
         the client's vector from every :meth:`client_store` that has one."""

@@ -23,6 +23,7 @@ from fedmpi.log.schema import PathLike
 from fedmpi.log.reader import RunLog, as_run_log
 
 from fedmpi.report.cross_site import cross_site_lines
+from fedmpi.report.site_models import site_model_lines
 from fedmpi.report.derived import (METRIC_LABELS, OVERLAPPED, TIME_PARTS, byte_unit, level_labels,
     metric_names, metric_text, site_labels, time_split)
 
@@ -174,6 +175,7 @@ def summary_markdown(log: RunLog | PathLike, target: float | None = None,
     out += _client_lines(log)
     out += _rule_lines(log)
     out += cross_site_lines(log)
+    out += site_model_lines(log)
     out += ["", "## Events", ""]
     out += _event_lines(log)
     if plots or plots_note:

@@ -129,6 +129,9 @@ class Built:
     num_outputs: int = 0         # the model's output width the method needs (C; FedGPS: 2C)
     run_info: dict = field(default_factory=dict)   # what ran (fedmpi.job.provenance), for the log
     frozen_digest: str = ""      # SHA-256 of the frozen parameters (the same on every rank)
+    #: w^0, the exchanged part of the initial model (``eval.local_only``: each site's
+    #: local-only model starts there, :mod:`fedmpi.consortium.site_models`)
+    initial: torch.Tensor | None = None
 
     @property
     def num_clients(self) -> int:
@@ -219,7 +222,10 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
         return build_model(spec, data.input_shape, outputs, cfg.model.norm)
 
     check_fits(comm, make)   # too large: one line before anything model-sized is allocated
-    flat = FlatModel(make(), device)
+    model = make()
+    with blame("algorithm.name", algo_class):   # parameters that never leave their site
+        personal = algo_class.personal_names(cfg, model)
+    flat = FlatModel(model, device, personal=personal)
     frozen_digest = same_frozen(comm, flat)
     accel = Accel.from_config(cfg.runtime, device)
     forward = accel.wrap(flat.model)   # compiled once, shared by training and evaluation
@@ -272,7 +278,8 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
     info = run_info(cfg, algo, weighting, list(transforms), code.model, local.files, rule)
     return Built(cfg, rank, size, device, data, partition, num_samples, flat, accel, forward, algo,
                  weighting, transforms, rule, host, hosted, ctx, reports, server,
-                 num_outputs=outputs, run_info=info, frozen_digest=frozen_digest)
+                 num_outputs=outputs, run_info=info, frozen_digest=frozen_digest,
+                 initial=flat.vector.detach().clone() if cfg.eval.local_only else None)
 
 
 def same_frozen(comm: Comm, flat: FlatModel) -> str:

@@ -30,7 +30,12 @@ Policies (every rank derives them from the config, so no message decides them):
   consortium's silos need not allow. With ``clients`` these combined values are
   ``/rounds/<metric>`` and rank 0 reads no test file; with ``both`` rank 0's
   test-set values keep those names and the combined ones are
-  ``/rounds/clients_<metric>``. Not overlapped, not sharded;
+  ``/rounds/clients_<metric>``. Not overlapped, not sharded. With a method that gives
+  each client a model of its own (``MethodSpec.personal``, or ``personal.params``) every
+  site also scores its personal model (:meth:`Algorithm.personal_model`, on the rank
+  hosting it: nothing personal travels, only the table's sums) in the same ``Reduce``:
+  ``/clients/personal_<metric>`` and the combined ``/rounds/personal_<metric>``
+  (docs/personalisation.md);
 * **overlapped** (``eval.overlap``, world size > 1) — round t's model is
   evaluated on rank 0 while the workers train round t + 1 (rank 0 is idle
   then); before a checkpoint, at a stop and after the last round it is
@@ -73,6 +78,19 @@ def test_state(flat: FlatModel, forward, data: Dataset, accel: Accel, batch_size
     return float(loss), float(correct), float(n)
 
 
+def personal_models(cfg: Config) -> bool:
+    """Whether the run's clients have models of their own (personal parameters or a
+    personal model: :attr:`MethodSpec.personal`)."""
+    from fedmpi.methods import algorithm_class
+
+    if cfg.personal.params:
+        return True
+    try:
+        return algorithm_class(cfg).spec_for(cfg).personal
+    except Exception:  # noqa: BLE001 - a method given as an object: judged by the config
+        return False
+
+
 class FinalEvaluation(Protocol):
     """An evaluation of a completed run (:func:`fedmpi.runtime.driver.run`'s ``final``):
     :meth:`claim` on rank 0 at set-up, before the run directory is opened; :meth:`run`
@@ -105,14 +123,20 @@ class Evaluation:
                 metrics.user_metric(m)
         self.where = cfg.eval.where
         self.client_tests = client_tests or {}      # hosted client -> held-out pool indices
+        #: sites also score their personal models (docs/personalisation.md)
+        self.personal = self.where != "server" and personal_models(cfg)
         self.sites: dict[str, np.ndarray] = {}      # per-client arrays of the last evaluation
 
     def none(self) -> Scalars:
         """The scalars of a round that is not evaluated (or not yet)."""
         own = metrics.nan_scalars(self.names)
-        if self.where != "both":
+        if self.where == "server":
             return own
-        return {**own, **{f"clients_{k}": v for k, v in own.items()}}
+        sites = {**own, **({f"personal_{k}": v for k, v in own.items()} if self.personal
+                           else {})}
+        if self.where == "clients":
+            return sites
+        return {**own, **{f"clients_{k}": v for k, v in sites.items()}}
 
     def on_clients(self, t: int) -> bool:
         """Whether round ``t`` is evaluated by every client (collective, every rank)."""
@@ -207,19 +231,39 @@ class Evaluation:
         C, K = ctx.data.num_classes, ctx.cfg.data.num_clients
         cells = metrics.confusion_size(C)
         scored = metrics.score_metrics(self.names)
-        table = np.zeros((K, 2 + cells + len(scored)), dtype=np.float64)
+        width = 2 + cells + len(scored)
+        table = np.zeros((2 if self.personal else 1, K, width), dtype=np.float64)
         if self.client_tests:
             ctx.flat.load(theta)   # evaluation leaves the model unchanged (eval mode)
         for k in sorted(self.client_tests):
-            collect, loss, n = self.on_site(k, ctx, algo)
-            site = collect.scalars(loss, n) if n else metrics.nan_scalars(self.names)
-            table[k, :2] = loss, n
-            table[k, 2:2 + cells] = collect.confusion.cpu().numpy()
-            table[k, 2 + cells:] = [site[metrics.metric_name(m)] for m in scored]
+            self._row(table[0, k], k, ctx, algo, cells, scored)
+        if self.personal:   # each site's own model, on the rank hosting it
+            for k in sorted(self.client_tests):
+                algo.personal_model(k, theta, ctx.flat)
+                self._row(table[1, k], k, ctx, algo, cells, scored)
+                algo.leave_personal_model(ctx.flat)
+            if self.client_tests:
+                ctx.flat.load(theta)
         total = exchange.reduce_eval(table.ravel())
         if total is None:
             return {}
-        return self._combine(total.reshape(table.shape), C, scored)
+        total = total.reshape(table.shape)
+        out = self._combine(total[0], C, scored)
+        if self.personal:
+            sites = self.sites
+            mine = self._combine(total[1], C, scored)
+            self.sites = {**sites, **{f"personal_{k}": v for k, v in self.sites.items()
+                                      if k != "test_samples"}}
+            out.update({f"personal_{k}": v for k, v in mine.items()})
+        return out
+
+    def _row(self, row: np.ndarray, k: int, ctx, algo, cells: int, scored: list[str]) -> None:
+        """Site ``k``'s (Σ loss, n, confusion, scored metrics) of the loaded model."""
+        collect, loss, n = self.on_site(k, ctx, algo)
+        site = collect.scalars(loss, n) if n else metrics.nan_scalars(self.names)
+        row[:2] = loss, n
+        row[2:2 + cells] = collect.confusion.cpu().numpy()
+        row[2 + cells:] = [site[metrics.metric_name(m)] for m in scored]
 
     def on_site(self, client: int, ctx, algo) -> tuple[metrics.Collector, float, int]:
         """The model loaded in ``ctx.flat`` on hosted client ``client``'s held-out

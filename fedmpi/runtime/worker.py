@@ -63,7 +63,7 @@ class Worker:
         self.parallel = parallel   # the ranks of a silo share every batch (runtime.ranks_per_silo)
         # train.optimizer_state: keep — each hosted client's optimizer state, kept in the
         # method's per-client stores so checkpoints carry it (fedmpi.training.optim)
-        self.kept = (KeptStates(cfg.train.optimizer, cfg.train.momentum, algo.num_params,
+        self.kept = (KeptStates(cfg.train.optimizer, cfg.train.momentum, algo.num_trained,
                                 algo.client_store)
                      if cfg.train.optimizer_state == "keep" else None)
 
@@ -79,6 +79,7 @@ class Worker:
         sgd = algo.local_sgd(task)
         start = algo.trained(task, state)
         trainer.flat.load(start)
+        algo.enter_client(task.client, trainer.flat)   # its personal part, if any
         hooks = stages.wrap_hooks(algo.hooks(task, start, extras), task)
         if self.parallel is not None:
             hooks = self.parallel.wrap(hooks, sgd, trainer)
@@ -89,6 +90,7 @@ class Worker:
         torch.sub(trainer.flat.vector, start, out=out["delta"])
         stages.on_delta(task, out)
         algo.finish_client(task, start, extras, out, result)
+        algo.leave_client(task.client, trainer.flat)
         stages.on_upload(task, out)
         return result
 

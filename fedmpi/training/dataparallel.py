@@ -113,7 +113,7 @@ class DataParallel:
                         (trainer.forward(xs).sum() * 0.0).backward()
             finally:
                 self.syncing = False
-            reduce.sum_([flat.grad, loss], "silo gradient Allreduce")
+            reduce.sum_([flat.train_grad, loss], "silo gradient Allreduce")
             if inner is not None:
                 inner.complete(flat)
             return loss[0]

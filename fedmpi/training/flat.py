@@ -14,6 +14,21 @@ but not of the vector the federation exchanges, aggregates and checkpoints each 
 (every method, weighting, transform, rule and privacy stage sees only ``vector``). With
 every parameter trainable, ``frozen`` is empty and the layout is the one above.
 
+**Personal** parameters and buffers (``personal``: names, from the method or
+``personal.params``; docs/personalisation.md) are trained but never exchanged either. They
+share one storage with the vector, laid out so that the exchanged vector and the trained
+parameters are each contiguous::
+
+    storage = [ q_1 .. q_j | p_1 .. p_m | b_1 .. b_n | c_1 .. c_i ]
+               personal     vector (size D, exchanged)  personal
+               params       params      buffers         buffers
+    train_grad = [ grad of q | grad of p ]       grad = its p part (size P)
+
+The local loop steps :attr:`train_params` with :attr:`train_grad` (size Pq + P); every
+method, weighting, transform, rule and privacy stage still sees only ``vector`` and
+``grad``. :meth:`personal_state` / :meth:`load_personal` move the personal part (Pq +
+personal buffer entries) in and out, one client at a time.
+
 so that
 
 * a Bcast of the global state lands directly in the model (no copy),
@@ -26,7 +41,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Collection, Optional
 
 import torch
 from torch import nn
@@ -55,24 +70,53 @@ class FlatModel:
     """
 
     def __init__(self, model: nn.Module, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, personal: Collection[str] = ()) -> None:
         self.model = model.to(device)
+        personal = set(personal)
         every = list(self.model.named_parameters())
-        params = [(n, p) for n, p in every if p.requires_grad]
+        trained = [(n, p) for n, p in every if p.requires_grad]
+        params = [(n, p) for n, p in trained if n not in personal]
+        own = [(n, p) for n, p in trained if n in personal]
         fixed = [(n, p) for n, p in every if not p.requires_grad]
-        buffers = [(n, b) for n, b in self.model.named_buffers() if b.is_floating_point()]
+        floats = [(n, b) for n, b in self.model.named_buffers() if b.is_floating_point()]
+        buffers = [(n, b) for n, b in floats if n not in personal]
+        own_buffers = [(n, b) for n, b in floats if n in personal]
         self.num_params = sum(p.numel() for _, p in params)
         self.size = self.num_params + sum(b.numel() for _, b in buffers)
+        #: Pq, the personal parameters' entries (at the front of :attr:`train_params`)
+        self.num_personal_params = sum(p.numel() for _, p in own)
+        self.personal_size = self.num_personal_params + sum(b.numel() for _, b in own_buffers)
         self.device = torch.device(device)
-        self.vector = torch.empty(self.size, dtype=dtype, device=self.device)
+        Pq = self.num_personal_params
+        self._storage = torch.empty(self.size + self.personal_size, dtype=dtype,
+                                    device=self.device)
+        self.vector = self._storage[Pq:Pq + self.size]
+        #: the parameters the local loop steps: personal ones, then the exchanged ones
+        self.train_params = self._storage[:Pq + self.num_params]
         self.frozen = torch.empty(sum(p.numel() for _, p in fixed), dtype=dtype,
                                   device=self.device)
         self._grad: Optional[torch.Tensor] = None   # made on first use (:attr:`grad`)
         self._params = [p for _, p in params]
+        self._personal_params = [p for _, p in own]
         segments: list[Segment] = []
         frozen: list[Segment] = []
+        mine: list[Segment] = []
         offset = 0
         with torch.no_grad():
+            at = 0   # personal entries: params at the front of the storage, buffers at its end
+            for name, t in [*own, *own_buffers]:
+                n = t.numel()
+                where = at if at < Pq else Pq + self.size + at - Pq
+                view = self._storage[where:where + n].view_as(t)
+                view.copy_(t)
+                if isinstance(t, nn.Parameter):
+                    t.data = view
+                else:
+                    module_name, _, attr = name.rpartition(".")
+                    owner = self.model.get_submodule(module_name) if module_name else self.model
+                    owner._buffers[attr] = view
+                mine.append(Segment(name, at, n, tuple(t.shape), isinstance(t, nn.Parameter)))
+                at += n
             at = 0
             for name, p in fixed:
                 n = p.numel()
@@ -100,6 +144,8 @@ class FlatModel:
         self.segments: tuple[Segment, ...] = tuple(segments)
         #: the frozen parameters' segments, offsets into :attr:`frozen`
         self.frozen_segments: tuple[Segment, ...] = tuple(frozen)
+        #: the personal parameters' and buffers' segments, offsets into :meth:`personal_state`
+        self.personal_segments: tuple[Segment, ...] = tuple(mine)
 
     @property
     def params(self) -> torch.Tensor:
@@ -124,19 +170,49 @@ class FlatModel:
         """Copy a flat state vector (size D) into the model."""
         self.vector.copy_(state[: self.size], non_blocking=True)
 
+    def personal_state(self) -> torch.Tensor:
+        """A copy of the personal part (personal parameters, then personal buffers;
+        size :attr:`personal_size`)."""
+        Pq, D = self.num_personal_params, self.size
+        return torch.cat([self._storage[:Pq], self._storage[Pq + D:]])
+
+    def load_personal(self, part: torch.Tensor) -> None:
+        """Copy a personal part (as :meth:`personal_state` made it) into the model."""
+        Pq, D = self.num_personal_params, self.size
+        self._storage[:Pq].copy_(part[:Pq])
+        self._storage[Pq + D:].copy_(part[Pq:])
+
     @property
-    def grad(self) -> torch.Tensor:
-        """The flat gradient; every parameter's ``.grad`` is a view into it. Made on first
-        use (a rank that never trains, such as the aggregator, never holds it); the local
-        loop touches it (``zero_grad``) before any backward pass."""
+    def train_grad(self) -> torch.Tensor:
+        """The gradient of :attr:`train_params` (personal, then exchanged parameters);
+        :attr:`grad` is its exchanged part. Made on first use (a rank that never trains,
+        such as the aggregator, never holds it); the local loop touches it
+        (``zero_grad``) before any backward pass."""
         if self._grad is None:
-            self._grad = torch.zeros(self.num_params, dtype=self.vector.dtype, device=self.device)
+            Pq = self.num_personal_params
+            self._grad = torch.zeros(Pq + self.num_params, dtype=self.vector.dtype,
+                                     device=self.device)
+            at = 0
+            for p in self._personal_params:
+                p.grad = self._grad[at:at + p.numel()].view_as(p)
+                at += p.numel()
             for p, s in zip(self._params, self.param_segments):
-                p.grad = self._grad[s.slice].view_as(p)
+                p.grad = self._grad[Pq + s.offset:Pq + s.offset + s.numel].view_as(p)
         return self._grad
 
+    @property
+    def grad(self) -> torch.Tensor:
+        """The flat gradient of the exchanged parameters; every such parameter's ``.grad``
+        is a view into it (a view into :attr:`train_grad`)."""
+        return self.train_grad[self.num_personal_params:]
+
+    @property
+    def personal_grad(self) -> torch.Tensor:
+        """The personal parameters' gradient (the front of :attr:`train_grad`)."""
+        return self.train_grad[:self.num_personal_params]
+
     def zero_grad(self) -> None:
-        self.grad.zero_()
+        self.train_grad.zero_()
 
     def segment(self, name: str) -> Segment:
         for s in self.segments:

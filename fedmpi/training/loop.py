@@ -172,7 +172,7 @@ class LocalTrainer:
     def momentum_buf(self) -> torch.Tensor:
         """The SGD momentum buffer b (model-sized: made only when momentum is used)."""
         if self._momentum is None:
-            self._momentum = torch.zeros_like(self.flat.grad)
+            self._momentum = torch.zeros_like(self.flat.train_grad)
         return self._momentum
 
     def _loss(self, out: torch.Tensor, y: torch.Tensor, cfg: SGDConfig) -> torch.Tensor:
@@ -200,7 +200,8 @@ class LocalTrainer:
         """The Adam/AdamW optimizer of this trainer for a new client-round: reset, or
         continuing from the client's ``kept`` state."""
         if self._adaptive is None or self._adaptive.kind != cfg.optimizer:
-            self._adaptive = AdaptiveOptimizer(cfg.optimizer, self.flat.params, self.flat.grad)
+            self._adaptive = AdaptiveOptimizer(cfg.optimizer, self.flat.train_params,
+                                               self.flat.train_grad)
         if kept is None:
             self._adaptive.reset(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
         else:
@@ -243,7 +244,8 @@ class LocalTrainer:
         torch.manual_seed(seed)
         model = flat.model
         model.train()
-        params, grad = flat.params, flat.grad
+        # the exchanged parameters and any personal ones (FlatModel.train_params)
+        params, grad = flat.train_params, flat.train_grad
         fresh = True   # b ← g at the first step
         if kept is not None and kept.momentum is not None:
             buf, fresh = kept.momentum, not bool(kept.step[0] > 0)
