@@ -102,8 +102,8 @@ class DataParallel:
         self.batch: tuple[int, slice] = (0, slice(0, 0))
         self.dropouts = [m for m in model.modules()
                          if isinstance(m, nn.modules.dropout._DropoutNd)]
-        for m in self.dropouts:
-            m.forward = types.MethodType(_full_batch_forward(self), m)  # type: ignore[method-assign]
+        for d in self.dropouts:
+            d.forward = types.MethodType(_full_batch_forward(self), d)  # type: ignore[method-assign]
 
     def wrap(self, hooks: StepHooks, cfg: SGDConfig, trainer: LocalTrainer) -> StepHooks:
         """``hooks`` with the step's gradient computed on this rank's share of every batch
