@@ -4,7 +4,8 @@
   ``fsync``, rename over the target (atomic on POSIX), ``fsync`` the directory. A write
   that fails half-way (disk full: ``torch.save`` then reports "unexpected pos …")
   leaves the previous file untouched and raises :class:`OutputError` naming the path.
-* :func:`write_model`: ``model.pt``, the global model's ``state_dict``. BatchNorm's
+* :func:`write_model`: ``model.pt``, the global model's ``state_dict`` (with the
+  preprocessing its inputs need, :mod:`fedmpi.data.preprocessing`). BatchNorm's
   integer ``num_batches_tracked`` is not part of the federated state θ — each rank's
   copy counts only the batches *it* trained — so it is written at its initial value 0
   (it only matters for ``momentum=None`` BatchNorm, which no fedmpi model uses): the
@@ -131,14 +132,18 @@ def _disk_full(path: Path) -> bool:
 
 
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``state_dict`` on the CPU with ``num_batches_tracked`` at 0 (module docstring)."""
+    """``state_dict`` on the CPU with ``num_batches_tracked`` at 0 (module docstring), with
+    the model's preprocessing record in its ``_metadata``
+    (:mod:`fedmpi.data.preprocessing`)."""
+    from fedmpi.data import preprocessing
+
     state = {}
     for name, value in model.state_dict().items():
         value = value.detach().to("cpu", copy=True)
         if name.rsplit(".", 1)[-1] == "num_batches_tracked":
             value.zero_()
         state[name] = value
-    return state
+    return preprocessing.with_record(state, preprocessing.of(model))
 
 
 def write_model(model: torch.nn.Module, path: str | os.PathLike) -> None:

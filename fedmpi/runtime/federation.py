@@ -22,6 +22,7 @@ import torch
 from fedmpi.comm import Comm
 from fedmpi.job import checkpoint, signals
 from fedmpi.job.checkpoint_file import checkpoint_path
+from fedmpi.data import preprocessing
 from fedmpi.job.outputs import write_model
 from fedmpi.runtime import guard, silo
 from fedmpi.runtime.build import build, participants
@@ -142,7 +143,8 @@ class Federation:
             hosted=self.my_clients, device=self.device, global_state=self.global_state,
             components=parts, clients=self.algo,
             after_resume=lambda t: self.algo.after_resume(self.ctx, t), out_dir=self.out_dir,
-            frozen_digest=self.frozen_digest)
+            frozen_digest=self.frozen_digest,
+            preprocessing=preprocessing.of(self.flat.model) or {})
 
     def participants(self, t: int) -> np.ndarray:
         """Boolean mask of S_t: m of K clients without replacement, RNG (seed, t)."""
