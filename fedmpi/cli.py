@@ -397,9 +397,10 @@ def one_line(exc: BaseException) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     if args.command != "run":   # only a run is requeued: other commands die by the signal
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             if signal.getsignal(sig) is signals._exit_interrupted:
-                signal.signal(sig, signal.SIG_DFL)
+                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
+                              else signal.SIG_DFL)
     before = os.environ.get("FEDMPI_TRACEBACK")
     if args.traceback:   # every rank parses the same argv; worker code reads the variable
         os.environ["FEDMPI_TRACEBACK"] = "1"

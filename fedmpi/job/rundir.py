@@ -11,7 +11,7 @@ Conventions (docs/cluster.md, "Run directories"):
   ``--overwrite`` is given; then the previous run's files (those three, ``config.yaml``
   and leftover temporary checkpoint files) are deleted first. A previous run that
   produced nothing — a readable fedmpi log with no round in it, no checkpoint, no
-  ``model.pt`` or ``best.pt``: a run that failed or was stopped before its first round,
+  ``best.pt`` (a ``model.pt`` beside it is the initial model): a run that failed or was stopped before its first round,
   however it ended (a traceback, an abort under MPI, a kill) — holds no result and is
   replaced without ``--overwrite``, with a note, so it never blocks the corrected rerun.
 * **Resume only the same run.** The *fingerprint* is the SHA-256 of the canonical JSON of
@@ -245,7 +245,9 @@ def _unstarted_run(path: Path, present: list[str]) -> Optional[str]:
     """How the previous run in ``path`` ended (``"failed"``, ``"was interrupted"``, ...)
     if it produced nothing (no round in a readable fedmpi log, no checkpoint, no model;
     module docstring), else None. Called under the lock, so its writer is gone."""
-    if present != ["log.h5"] or (path / "best.pt").exists():
+    # model.pt beside a log of no round is the initial model (written by releases before
+    # 48 for a run stopped at start-up): no result either
+    if present not in (["log.h5"], ["log.h5", "model.pt"]) or (path / "best.pt").exists():
         return None
     from fedmpi.errors import LogFormatError
     from fedmpi.log.reader import read

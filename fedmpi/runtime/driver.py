@@ -279,7 +279,8 @@ def _run(cfg: Config, out_dir: Optional[str | Path], comm: Comm, resume: bool,
         if status == "interrupted":
             raise RunInterrupted("the run was interrupted (rank 0 reports where)", quiet=True)
         return None
-    if status != "failed":   # a failed run has no final model
+    logged = len(fed.history) + (fed.recorder.pending is not None)
+    if status != "failed" and guard.has_result(out, logged, resume):   # else: no final model
         fed.release()   # the copy model.pt is written from does not add to the peak
         fed.flat.load(fed.global_state)
         write_model(fed.flat.model, out / "model.pt")
@@ -288,13 +289,13 @@ def _run(cfg: Config, out_dir: Optional[str | Path], comm: Comm, resume: bool,
     if after is not None:
         after.close(status)
     if status == "failed":
-        logged = len(fed.history) + (fed.recorder.pending is not None)
         kept = guard.discard_unstarted(out, logged, resume)
         raise RunFailed(str(fed.failure), log_path=str(out / "log.h5") if kept else None)
     if status == "interrupted":
+        kept = guard.discard_unstarted(out, logged, resume)
         raise RunInterrupted(guard.interrupted_message(fed.stop_reason, t, cfg.train.rounds,
-                                                       fed.checkpoint_round, out),
-                             log_path=str(out / "log.h5"))
+                                                       fed.checkpoint_round, out, kept),
+                             log_path=str(out / "log.h5") if kept else None)
     names = ("test_accuracy", *metrics.extra_names(cfg.eval.metrics))
     final: dict = next((h for h in reversed(fed.history) if not np.isnan(h["test_accuracy"])), {})
     result = {n: float(final.get(n, float("nan"))) for n in names}

@@ -195,7 +195,9 @@ class Federation:
         """Rank 0: the round's command, flags and participants into the header."""
         if self.stop_reason is None and signals.requested():
             self.stop_reason = f"{signals.requested()} on rank 0"
-            self.recorder.event(t, 0, -1, f"stop requested ({self.stop_reason}); checkpoint and exit")
+            # before any round there is nothing to checkpoint: the driver's line says so
+            self.recorder.event(t, 0, -1, f"stop requested ({self.stop_reason}); checkpoint and exit",
+                                echo=bool(self.history))
         cmd = CMD_ROUND
         if self.failure is not None:
             cmd = CMD_ABORT
