@@ -32,6 +32,12 @@ from fedmpi.errors import (EXIT_USAGE, RunFailed, RunInterrupted, UserCodeError,
 from fedmpi.job.outputs import EXIT_WRITE_FAILED, OutputError, quiet_h5py_errors
 
 
+def _add_set(p: argparse.ArgumentParser) -> None:
+    """The ``--set KEY=VALUE`` option of every command that reads a config."""
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.lr=0.1 (repeatable)")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedmpi", description="MPI-native federated learning.")
     p.add_argument("--version", action="version", version=f"fedmpi {__version__}")
@@ -42,8 +48,7 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run an experiment (alone or under mpirun -n N)")
     run.add_argument("config", help="YAML config file")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config key, e.g. --set train.lr=0.1 (repeatable)")
+    _add_set(run)
     run.add_argument("--out", default=None, help="output directory (default runtime.out_dir/<name>)")
     run.add_argument("--resume", action="store_true",
                      help="continue from <out>/checkpoint.pt and <out>/log.h5 (any number of ranks)")
@@ -53,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="validate a config and print it resolved")
     check.add_argument("config")
-    check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    _add_set(check)
     check.add_argument("--dry-run", action="store_true",
                        help="also build every rank (data, model, method, weighting, transforms) "
                             "and run one forward/backward batch per client and one evaluation "
@@ -122,8 +127,7 @@ def _parser() -> argparse.ArgumentParser:
                                          "labels, per-feature mean/std/range/missing): only "
                                          "summaries leave a site; alone or under mpirun -n N")
     stats.add_argument("config", help="YAML config file (the sites of its data.* keys)")
-    stats.add_argument("--set", dest="overrides", action="append", default=[],
-                       metavar="KEY=VALUE")
+    _add_set(stats)
     stats.add_argument("--out", default=None,
                        help="output directory for stats.md and stats.json (default "
                             "runtime.out_dir/<name>/stats)")
@@ -141,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
     part = sub.add_parser("partition", help="partition preview without training: class-count "
                                             "heatmap and client sizes")
     part.add_argument("config", help="YAML config file")
-    part.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    _add_set(part)
     part.add_argument("--out", default=None,
                       help="output directory (default runtime.out_dir/<name>)")
     part.add_argument("--export", nargs="?", const="", default=None, metavar="DIR",

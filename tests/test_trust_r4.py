@@ -82,3 +82,143 @@ def test_other_commands_keep_ctrl_c_as_keyboard_interrupt():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "handlers True True" in proc.stdout, proc.stdout
+
+
+# --------------------------------------- 4, 5 a report is derived output
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    import fedmpi
+
+    out = tmp_path_factory.mktemp("r4") / "run"
+    fedmpi.run(ROOT / "configs" / "quickstart.yaml", QUICK[3::2], out=out)
+    return out
+
+
+def test_a_report_is_regenerated_without_overwrite_but_an_edited_one_is_not(finished,
+                                                                            monkeypatch):
+    """The advice "install matplotlib, then run fedmpi report again" works as written: the
+    summary-only report of a machine without matplotlib is replaced by the full one. A
+    summary the user edited since is theirs: refused without --overwrite (one line)."""
+    import fedmpi.report as report
+    from fedmpi.job.outputs import ExistingFiles
+
+    monkeypatch.setattr(report, "have_matplotlib", lambda: False)
+    first = report.write_report(finished / "log.h5")
+    assert [p.name for p in first] == ["summary.md"]
+    assert "then run fedmpi report again" in first[0].read_text()
+    monkeypatch.undo()
+    again = {p.name for p in report.write_report(finished / "log.h5")}
+    assert {"summary.md", "accuracy.png"} <= again
+    assert "then run fedmpi report again" not in (finished / "report" / "summary.md").read_text()
+    summary = finished / "report" / "summary.md"
+    summary.write_text(summary.read_text() + "\nmy notes\n")
+    with pytest.raises(ExistingFiles, match="summary.md"):
+        report.write_report(finished / "log.h5")
+    assert summary.read_text().endswith("my notes\n")
+    report.write_report(finished / "log.h5", overwrite=True)
+
+
+def test_overwrite_removes_the_old_runs_report_and_stats(tmp_path):
+    """``--overwrite`` replaces a run and what was derived from it: the old report/ and
+    stats/ files go (a summary reading "8 of 8 rounds" must not sit beside a new 1-round
+    log); a file of the user's in report/ stays."""
+    import fedmpi
+    from fedmpi.report import write_report
+
+    out = tmp_path / "run"
+    fedmpi.run(ROOT / "configs" / "quickstart.yaml", QUICK[3::2], out=out)
+    write_report(out / "log.h5")
+    from fedmpi.cli import main
+    assert main(["stats", "configs/quickstart.yaml", "--out", str(out / "stats"),
+                 *(a for v in QUICK[3::2] for a in ("--set", v))]) == 0
+    assert (out / "stats" / "stats.md").exists()
+    (out / "report" / "notes.txt").write_text("mine\n")
+    fedmpi.run(ROOT / "configs" / "quickstart.yaml", QUICK[3::2], out=out, overwrite=True)
+    assert sorted(p.name for p in (out / "report").iterdir()) == ["notes.txt"]
+    assert not (out / "stats").exists()
+
+
+# ------------------------------------------------ 4 advice that works as written
+def test_the_cross_site_refusal_names_every_key_and_following_it_works():
+    from fedmpi.config.schema import config_from_dict
+    from fedmpi.errors import ConfigError
+
+    base = {"data": {"num_clients": 4}, "privacy": {"secure_aggregation": True},
+            "eval": {"cross_site": True, "cross_site_models": True, "client_holdout": 0.2}}
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(base)
+    line = str(err.value)
+    assert "set eval.cross_site: false and eval.cross_site_models: false" in line, line
+    base["eval"].update(cross_site=False, cross_site_models=False)
+    config_from_dict(base)     # the advice, followed literally, is a valid config
+
+
+def test_a_silo_path_that_is_a_directory_is_named_as_one(tmp_path):
+    from fedmpi.data.tabular import read_named_table
+    from fedmpi.errors import DataError
+
+    (tmp_path / "silo_0.csv").mkdir()
+    with pytest.raises(DataError, match=r"silo_0.csv: is a directory, not a data file"):
+        read_named_table(tmp_path / "silo_0.csv")
+
+
+@pytest.mark.parametrize("path,near", [
+    ("exampels.trimmed_mean_rule:TrimmedMean", "(did you mean 'examples'?)"),
+    ("examples.trimed_mean_rule:TrimmedMean", "(did you mean 'examples.trimmed_mean_rule'?)"),
+    ("examples.trimmed_mean_rule:TrimedMean", "(did you mean 'TrimmedMean'?)"),
+])
+def test_an_import_path_typo_gets_did_you_mean(path, near, monkeypatch):
+    from fedmpi.errors import ConfigError
+    from fedmpi.imports import resolve
+
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(ConfigError) as err:
+        resolve(path, "aggregation.rule", "a rule")
+    assert near in str(err.value) and "'aggregation.rule'" in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("command", ["run", "check", "stats", "partition"])
+def test_set_has_help_in_every_command_that_reads_a_config(command, capsys):
+    from fedmpi.cli import main
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--set KEY=VALUE override a config key" in text, text
+
+
+# ------------------------------------------------------- 7 silo files by site
+def test_silo_files_named_by_site(tmp_path):
+    """``data.silos.path: .../{site}.csv`` with ``data.silos.names``: ``partition --export``
+    writes one file per site name and a run reads them (the same model as files by
+    index); {site} without names is refused naming the key."""
+    import torch
+    import yaml
+
+    import fedmpi
+    from fedmpi.cli import main
+    from fedmpi.config.schema import config_from_dict
+    from fedmpi.errors import ConfigError
+
+    names = ["Mercy", "St Jude", "Charité"]
+    models = {}
+    for how, where in (("{site}", "site"), ("silo_{client}", "client")):
+        root = tmp_path / where
+        cfg = yaml.safe_load((ROOT / "configs" / "tabular_silos.yaml").read_text())
+        cfg["data"]["num_clients"] = 3
+        cfg["data"]["silos"].update(path=str(root / f"{how}.csv"), test=str(root / "test.csv"),
+                                    validation=str(root / "validation.csv"), names=names)
+        cfg["train"]["rounds"] = 1
+        config = tmp_path / f"{where}.yaml"
+        config.write_text(yaml.safe_dump(cfg, allow_unicode=True))
+        assert main(["partition", str(config), "--out", str(root / "preview"), "--export"]) == 0
+        models[how] = torch.load(fedmpi.run(config, out=root / "run").out_dir / "model.pt",
+                                 weights_only=True)
+    assert sorted(p.name for p in (tmp_path / "site").glob("*.csv")) == sorted(
+        ["Mercy.csv", "St Jude.csv", "Charité.csv", "test.csv", "validation.csv"])
+    a, b = models.values()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ConfigError, match="'data.silos.path' uses {site}, which needs "
+                                          "data.silos.names"):
+        config_from_dict({"data": {"partition": {"method": "silos"}, "num_clients": 2,
+                                   "silos": {"path": "s/{site}.csv", "test": "t.csv"}}})

@@ -99,11 +99,11 @@ class _Sites:
 
     def read(self, k: int) -> tuple[Any, np.ndarray, Optional[list[str]]]:
         if self.silos:
-            from fedmpi.data.silos import read_silo
+            from fedmpi.data.silos import read_silo, silo_path
 
             x, y = read_silo(self.cfg, k, self.loader, finite=False)   # missing values counted
             path = self.cfg.data.silos.path
-            names = _column_names(path.format(client=k), self.cfg.data.tabular.label) \
+            names = _column_names(silo_path(path, self.cfg, k), self.cfg.data.tabular.label) \
                 if path is not None and x.ndim == 2 else None
             return x, y, names
         idx = self.partition.client_indices[k]

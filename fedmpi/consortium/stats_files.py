@@ -119,4 +119,7 @@ def write_stats(report: StatsReport, out: str | os.PathLike, config: str = "",
     md, js = out / "stats.md", out / "stats.json"
     write_text(md, stats_markdown(report, config))
     write_text(js, stats_json(report))
+    from fedmpi.job.outputs import record_written
+
+    record_written(out, "stats", [md, js])   # run --overwrite removes them with the run
     return [md, js]

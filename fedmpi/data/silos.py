@@ -4,7 +4,8 @@ Pooled (every other method): every rank loads the whole pool and computes the
 same partition (:func:`~fedmpi.data.build_partition`), as before.
 
 Silo-local: client ``k``'s samples are read **only on the rank that hosts k**,
-from ``data.silos.path`` with ``{client}`` replaced by ``k`` (a CSV, Parquet or
+from ``data.silos.path`` with ``{client}`` replaced by ``k`` and ``{site}`` by its name in
+``data.silos.names`` (a CSV, Parquet or
 HDF5 table, :mod:`fedmpi.data.tabular`) or from ``fn(k)`` for
 ``data.silos.loader: "pkg.module:fn"`` returning ``(x [n_k, ...], y [n_k])``.
 Rank 0 alone reads the test set (``data.silos.test``) and the server validation
@@ -145,7 +146,7 @@ def silo_table(cfg: Config, client: int, loader: Optional[Callable[[int], Any]] 
     """Client ``client``'s silo as a checked :class:`~fedmpi.data.tabular.Table`."""
     s = cfg.data.silos
     if s.path is not None or loader is None:
-        return read_named_table(s.path.format(client=client), cfg.data.tabular.label, finite)
+        return read_named_table(silo_path(s.path, cfg, client), cfg.data.tabular.label, finite)
     try:
         x, y = loader(client)
     except UserError:
@@ -207,6 +208,15 @@ def _match_reference(tables: Sequence[Table], ref: tuple[str, Any, tuple[int, ..
         if t.x.shape[1:] != shape:
             raise DataError(f"{t.path}: rows of shape {tuple(t.x.shape[1:])}, but client 0's "
                             f"{path} has {shape}; every silo table needs the same features")
+
+
+def silo_path(template: str, cfg: Config, client: int) -> str:
+    """A per-client file template (``data.silos.path``, ``data.silos.client_test``) for
+    ``client``: ``{client}`` is its index, ``{site}`` its name in ``data.silos.names``
+    (a consortium's files named by site: ``silos/{site}.csv``)."""
+    names = cfg.data.silos.names
+    return template.format(client=client,
+                           site=str(names[client]) if names is not None else str(client))
 
 
 def site_names(cfg: Config) -> list[str]:
@@ -283,7 +293,7 @@ def _silos(cfg: Config, comm: Any, hosted: list[int], is_server: bool,
         for k in hosted:
             silo[k] = silo_table(cfg, k, loader)
             if clients_evaluate(cfg) and s.client_test is not None:
-                own_test[k] = read_named_table(s.client_test.format(client=k), label)
+                own_test[k] = read_named_table(silo_path(s.client_test, cfg, k), label)
         if is_server and cfg.eval.where != "clients":
             test_table = read_named_table(s.test, label)
         if is_server and _server_reads_validation(cfg, needs):
@@ -401,7 +411,7 @@ def _digests(cfg: Config, comm: Any, hosted: list[int], is_server: bool,
     # the test and validation files only where rank 0 reads them (eval.where, DataNeeds)
     test = s.test if cfg.eval.where != "clients" else None
     validation = s.validation if _server_reads_validation(cfg, needs) else None
-    paths = [s.path.format(client=k) for k in range(K)] + [test, validation]
+    paths = [silo_path(s.path, cfg, k) for k in range(K)] + [test, validation]
     rows = np.zeros((K + 2, 32), dtype=np.int64)
     mine = hosted + [r for r in (K, K + 1) if paths[r] is not None] if is_server else hosted
     for r in mine:

@@ -12,6 +12,11 @@
   file is the same for any world size.
 * :class:`OutputError` (exit status 1, not 2: the input was fine, the machine failed)
   carries one line ``<path>: cannot write (<reason>)``.
+* :func:`record_written` / :func:`own_files` / :func:`remove_written`: a command that
+  writes derived output (``report``, ``stats``) lists what it wrote, with SHA-256, in
+  ``.fedmpi-<command>.json`` beside it: its files nobody changed since are its own — a
+  report is regenerated without ``--overwrite``, and ``run --overwrite`` removes the
+  replaced run's report and stats (issue 48).
 * :func:`claim`: nothing fedmpi writes replaces a file it did not create in this
   command without ``--overwrite`` (issue 26): every command that writes files (``run``
   through :mod:`fedmpi.job.rundir`; ``report``, ``compare --out``, ``partition`` and
@@ -57,6 +62,66 @@ def claim(paths: "Sequence[str | os.PathLike]", overwrite: bool, what: str) -> N
     raise ExistingFiles(f"{what}: {shown} exist{'s' if len(existing) == 1 else ''} already and "
                         "would be replaced; fedmpi replaces only files it created itself in "
                         "this command: add --overwrite to replace them, or choose another --out")
+
+
+def _manifest(directory: Path, command: str) -> Path:
+    return Path(directory) / f".fedmpi-{command}.json"
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def record_written(directory: Path, command: str, paths: Sequence[Path]) -> None:
+    """List ``paths`` (files of ``directory``) with their SHA-256 as written by ``command``."""
+    import json
+
+    from fedmpi.job.safefile import write_text
+
+    write_text(_manifest(directory, command),
+               json.dumps({p.name: _sha256(p) for p in paths}, indent=1, sort_keys=True) + "\n")
+
+
+def own_files(directory: Path, command: str | None = None) -> set[str]:
+    """The names in ``directory`` that ``command`` (None: any command) listed as written
+    and that nobody changed since (same SHA-256; plain files, not links)."""
+    import json
+
+    own: set[str] = set()
+    pattern = _manifest(Path("."), command or "*").name
+    for manifest in sorted(Path(directory).glob(pattern)):
+        try:
+            listed = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            continue
+        for name, digest in (listed.items() if isinstance(listed, dict) else ()):
+            path = Path(directory) / str(name)
+            if "/" not in str(name) and path.is_file() and not path.is_symlink() \
+                    and _sha256(path) == digest:
+                own.add(str(name))
+    return own
+
+
+def remove_written(directory: Path) -> None:
+    """Delete what derived-output commands wrote in ``directory`` and nobody changed since,
+    their lists, and ``directory`` itself if that left it empty."""
+    directory = Path(directory)
+    if not directory.is_dir() or directory.is_symlink():
+        return
+    for name in own_files(directory):
+        (directory / name).unlink()
+    for manifest in directory.glob(_manifest(Path("."), "*").name):
+        manifest.unlink()
+    try:
+        directory.rmdir()
+    except OSError:   # a file of the user's is there
+        pass
 
 
 def reason(exc: BaseException) -> str:

@@ -8,8 +8,9 @@ Conventions (docs/cluster.md, "Run directories"):
   :mod:`fedmpi.job.lock`; its names are re-exported here.
 * **No silent replacement.** A fresh run into a directory holding a previous run
   (``log.h5``, ``checkpoint.pt`` or ``model.pt``) stops with exit 2 unless
-  ``--overwrite`` is given; then the previous run's files (those three, ``config.yaml``
-  and leftover temporary checkpoint files) are deleted first. A previous run that
+  ``--overwrite`` is given; then the previous run's files (those three, ``config.yaml``,
+  leftover temporary checkpoint files, and the report and stats derived from it in
+  ``report/`` and ``stats/``) are deleted first. A previous run that
   produced nothing — a readable fedmpi log with no round in it, no checkpoint, no
   ``best.pt`` (a ``model.pt`` beside it is the initial model): a run that failed or was stopped before its first round,
   however it ended (a traceback, an abort under MPI, a kill) — holds no result and is
@@ -56,7 +57,8 @@ _SIDE_FILES = ("config.yaml", "best.pt", "local_models/*.pt", "local_models/.*.p
                *(f".{name}.tmp-*" for name in (*RUN_FILES, "config.yaml", "best.pt")))
 #: Every name fedmpi writes in a run directory: none of them may be a symbolic link
 #: (``local_models/``: eval.cross_site_models, :mod:`fedmpi.consortium.cross_site`).
-WRITTEN = (LOCK_NAME, *RUN_FILES, *_SIDE_FILES, "report", "local_models")
+WRITTEN = (LOCK_NAME, *RUN_FILES, *_SIDE_FILES, "report", "local_models", "stats")
+
 
 #: Config keys (``fnmatch`` patterns) that may differ between a checkpoint and the run
 #: resuming it: how long to run, where the data lives, how to evaluate, how to execute.
@@ -235,6 +237,10 @@ def prepare(out: str | os.PathLike, cfg: Config, resume: bool, overwrite: bool) 
             for pattern in RUN_FILES + _SIDE_FILES:
                 for old in path.glob(pattern):
                     old.unlink()
+            # the report and stats derived from the replaced run (issue 48)
+            from fedmpi.job.outputs import remove_written
+            for derived in ("report", "stats"):
+                remove_written(path / derived)
     except BaseException:
         release()
         raise
