@@ -4,7 +4,9 @@ The silo-of-two Dropout check is in tests/test_silo.py and the one-site re-scori
 cross-site cell in tests/test_cross_site.py; this file holds the rest."""
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 import signal
 import subprocess
 import sys
@@ -222,3 +224,78 @@ def test_silo_files_named_by_site(tmp_path):
                                           "data.silos.names"):
         config_from_dict({"data": {"partition": {"method": "silos"}, "num_clients": 2,
                                    "silos": {"path": "s/{site}.csv", "test": "t.csv"}}})
+
+
+# ----------------------------------------------------------- 5 stale or misleading output
+def test_cross_site_colours_span_the_matrix_not_0_to_1(monkeypatch, tmp_path):
+    """A cross-site matrix in 0.90-1.00 gets the whole colour scale (a fixed 0-1 scale
+    painted it one colour); a loss matrix too, and an undefined cell stays out of it."""
+    import numpy as np
+
+    from fedmpi.log.reader import RunLog
+    from fedmpi.report.cross_site import plot_cross_site
+    from test_report_plots import drawn_figure
+
+    acc = np.array([[0.95, 0.91, 0.99], [0.93, 0.97, 0.90]])
+    loss = np.array([[0.2, np.nan, 0.4], [0.3, 0.25, 0.35]])
+    log = RunLog(path=str(tmp_path / "log.h5"), attrs={"status": "completed"},
+                 config={"name": "x"}, rounds={}, clients={}, events={},
+                 arrays={"cross_site/sites": np.array(["a", "b"], dtype=object),
+                         "cross_site/models": np.array(["global", "a", "b"], dtype=object),
+                         "cross_site/test_accuracy": acc, "cross_site/test_loss": loss})
+    fig = drawn_figure(monkeypatch, plot_cross_site, log, tmp_path / "cross_site.png")
+    clims = [ax.images[0].get_clim() for ax in fig.axes if ax.images]
+    assert clims == [(0.90, 0.99), (0.2, 0.4)], clims
+
+
+def test_silo_files_are_recorded_as_the_config_names_them(tmp_path, monkeypatch):
+    """run_info and the report name a silo file as the config does (a relative path stays
+    relative): no machine path in a file a site may share."""
+    import yaml
+
+    import fedmpi
+    from fedmpi.cli import main
+    from fedmpi.job.provenance import read_run_info
+    from fedmpi.log.reader import read
+    from fedmpi.report import write_report
+
+    monkeypatch.chdir(tmp_path)
+    cfg = yaml.safe_load((ROOT / "configs" / "tabular_silos.yaml").read_text())
+    cfg["data"]["num_clients"] = 2
+    cfg["data"]["silos"].update(path="silos/site_{client}.csv", test="silos/test.csv",
+                                validation="silos/validation.csv", names=None)
+    cfg["train"]["rounds"] = 1
+    Path("c.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["partition", "c.yaml", "--out", "preview", "--export"]) == 0
+    log = fedmpi.run("c.yaml", out="run").log_path
+    silos = read_run_info(read(log).attrs)["data"]["silos"]
+    # the template as written; the test file, which the config makes absolute, by name
+    assert silos["path"] == "silos/site_{client}.csv"
+    assert [f["path"] for f in silos["files"]][:3] == ["silos/site_0.csv", "silos/site_1.csv",
+                                                      "…/test.csv"]
+    text = "".join(p.read_text() for p in write_report(log) if p.suffix == ".md")
+    assert "`silos/site_0.csv`" in text and "| data.silos.test | …/test.csv |" in text
+    assert str(tmp_path / "silos") not in text and str(tmp_path / "silos") not in \
+        json.dumps(read_run_info(read(log).attrs), ensure_ascii=False)
+
+
+def test_a_tracker_that_fails_to_open_leaves_no_run_directory(tmp_path, monkeypatch):
+    """An MLflow server that answers with an error (here: the tracker raising as
+    MLflowTracker does) stops the run with its one line and leaves nothing — no log.h5,
+    config.yaml or model.pt — so the same command runs once the server is fixed."""
+    import fedmpi
+    import fedmpi.runtime.driver as driver
+    from fedmpi.errors import ConfigError
+
+    def refuse(cfg, run_name=None):
+        raise ConfigError("logging.mlflow.tracking_uri: MLflow cannot use tracking URI "
+                          "'http://x': INTERNAL_ERROR")
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(driver, "open_trackers", refuse)
+    with pytest.raises(ConfigError, match="INTERNAL_ERROR"):
+        fedmpi.run(ROOT / "configs" / "quickstart.yaml", QUICK[3::2], out=out)
+    assert not out.exists() or sorted(p.name for p in out.iterdir()) == [], \
+        sorted(p.name for p in out.iterdir())
+    monkeypatch.undo()
+    fedmpi.run(ROOT / "configs" / "quickstart.yaml", QUICK[3::2], out=out)   # no --overwrite

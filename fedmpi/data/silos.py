@@ -219,6 +219,18 @@ def silo_path(template: str, cfg: Config, client: int) -> str:
                            site=str(names[client]) if names is not None else str(client))
 
 
+def shown_path(path: str) -> str:
+    """``path`` as logs and reports record it: a relative path as given; an absolute one
+    without its machine directories, from the first part holding a template field (else
+    the file name) on: ``/home/me/data/{site}/x.csv`` -> ``…/{site}/x.csv``. A site may
+    share a report; the SHA-256 beside the name identifies the file."""
+    if not os.path.isabs(path):
+        return path
+    parts = path.replace(os.sep, "/").split("/")
+    first = next((i for i, part in enumerate(parts) if "{" in part), len(parts) - 1)
+    return "…/" + "/".join(parts[first:])
+
+
 def site_names(cfg: Config) -> list[str]:
     """The name of every client's site, in client order, for reports, logs and
     ``fedmpi stats``: ``data.silos.names`` when given; else, for silo files, the part of
@@ -419,5 +431,5 @@ def _digests(cfg: Config, comm: Any, hosted: list[int], is_server: bool,
     summed = np.zeros_like(rows)
     comm.allreduce_sum(rows, summed, what="silo digest Allreduce")
     roles = [f"client {k}" for k in range(K)] + ["test", "validation"]
-    return [(roles[r], os.path.abspath(str(paths[r])),
+    return [(roles[r], shown_path(str(paths[r])),
              bytes(summed[r].astype(np.uint8)).hex()) for r in range(K + 2) if paths[r] is not None]

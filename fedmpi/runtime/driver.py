@@ -183,9 +183,10 @@ def _run(cfg: Config, out_dir: Optional[str | Path], comm: Comm, resume: bool,
         fed.use_log(opened)
         try:
             trackers = open_trackers(cfg)
-        except Exception:
-            fed.writer.set_status("failed")
+        except Exception:   # an MLflow server that answers with an error: no round ran,
+            fed.writer.set_status("failed")   # so nothing may block the next plain run
             fed.writer.close()
+            guard.discard_unstarted(out, 0, resume)
             raise
         fed.recorder.after = after = AfterRound(cfg, fed.save_best, trackers, callbacks)
         return opened.restored
