@@ -198,7 +198,7 @@ def info_lines(ranks: Optional[int] = None) -> list[str]:
     from fedmpi.comm import cuda_aware_mpi, mpi_library_version
 
     lines = [f"fedmpi {__version__}", f"python {platform.python_version()}",
-             f"torch {torch.__version__}", f"numpy {numpy.__version__}"]
+             f"torch {torch.__version__}", _torchvision_line(), f"numpy {numpy.__version__}"]
     try:
         import mpi4py
 
@@ -224,7 +224,50 @@ def info_lines(ranks: Optional[int] = None) -> list[str]:
                  "{} torch threads per rank from {}".format(*default_threads(ranks)) +
                  f"{'; oversubscribed' if ranks > usable_cores() else ''}):")
     lines.extend("  " + line for line in describe(plan(ranks, gpus)))
+    lines.append("optional packages:")
+    lines.extend(f"  {line}" for line in optional_lines())
     return lines
+
+
+#: The optional packages (distribution name, the fedmpi extra that installs it).
+OPTIONAL_PACKAGES = (("matplotlib", "plot"), ("pandas", "tabular"), ("pyarrow", "tabular"),
+                     ("dp-accounting", "privacy"), ("cryptography", "privacy"),
+                     ("tensorboard", "tensorboard"), ("mlflow", "mlflow"),
+                     ("transformers", "peft"), ("peft", "peft"))
+
+
+def optional_lines() -> list[str]:
+    """``<package> <version>`` of every :data:`OPTIONAL_PACKAGES` entry, or how to install
+    it (from the installed metadata: nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for name, extra in OPTIONAL_PACKAGES:
+        try:
+            out.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            out.append(f"{name} not installed (pip install 'fedmpi[{extra}]')")
+    return out
+
+
+def _torchvision_line() -> str:
+    """torchvision's version, and its import error when it cannot be imported beside this
+    torch (a mismatched pair fails inside a user's model, issue 48)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("torchvision")
+    except PackageNotFoundError:
+        return "torchvision not installed (pip install torchvision)"
+    try:
+        import torchvision  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any failure is what the user needs to see
+        from fedmpi.errors import root_cause
+
+        why = root_cause(exc)
+        return (f"torchvision {installed} (cannot be imported: {type(why).__name__}: "
+                + " ".join(str(why).split()) + ")")
+    return f"torchvision {installed}"
 
 
 def launcher_choice() -> tuple[str, str]:

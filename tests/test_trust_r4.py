@@ -299,3 +299,81 @@ def test_a_tracker_that_fails_to_open_leaves_no_run_directory(tmp_path, monkeypa
         sorted(p.name for p in out.iterdir())
     monkeypatch.undo()
     fedmpi.run(ROOT / "configs" / "quickstart.yaml", QUICK[3::2], out=out)   # no --overwrite
+
+
+# ------------------------------------------------- 6 user-code errors show their cause
+USER_MODEL = '''
+from torch import nn
+
+def _load_ops():
+    raise RuntimeError("operator torchvision::nms does not exist")
+
+class Net(nn.Module):
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        try:
+            _load_ops()
+        except RuntimeError as exc:
+            raise ImportError("cannot import name 'detection' from 'torchvision.models'") from exc
+'''
+
+
+def test_a_failing_user_model_names_the_root_cause_in_its_one_line(tmp_path, monkeypatch,
+                                                                    capsys):
+    """The torch/torchvision case of the issue: the model's ImportError is raised from the
+    real cause, which the one line (no --traceback) names too."""
+    from fedmpi.cli import main
+
+    (tmp_path / "mymodel_r4.py").write_text(USER_MODEL)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = [str(ROOT / a) if a.startswith("configs/") else a for a in QUICK]
+    assert main([*args, "--set", "model.name=mymodel_r4:Net", "--out", "run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "ImportError: cannot import name 'detection'" in err[0], err
+    assert err[0].endswith("; root cause: RuntimeError: operator torchvision::nms does not "
+                           "exist"), err
+
+
+def test_root_cause_follows_the_chain_but_not_a_hidden_context():
+    from fedmpi.errors import code_error_line, root_cause
+
+    def chained(hide: bool) -> BaseException:
+        try:
+            try:
+                raise OSError("libtorchvision.so: undefined symbol")
+            except OSError:
+                if hide:
+                    raise ValueError("outer") from None
+                raise ValueError("outer")
+        except ValueError as exc:
+            return exc
+
+    shown, hidden = chained(False), chained(True)
+    assert isinstance(root_cause(shown), OSError) and root_cause(hidden) is hidden
+    assert code_error_line("model", None, shown).endswith(
+        "; root cause: OSError: libtorchvision.so: undefined symbol")
+    assert "root cause" not in code_error_line("model", None, hidden)
+
+
+def test_info_lists_torchvision_and_the_optional_packages(monkeypatch):
+    """Versions as the installed metadata gives them; a package that is absent says which
+    extra installs it; a torchvision that cannot be imported says why."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import fedmpi.cli as cli
+
+    lines = cli.info_lines()
+    assert f"torchvision {version('torchvision')}" in lines
+    for name in ("matplotlib", "pandas", "pyarrow", "dp-accounting", "cryptography",
+                 "tensorboard", "mlflow", "transformers", "peft"):
+        try:
+            want = f"  {name} {version(name)}"
+        except PackageNotFoundError:
+            want = f"  {name} not installed (pip install 'fedmpi["
+        assert any(line.startswith(want) for line in lines), (name, lines)
+    monkeypatch.setitem(sys.modules, "torchvision", None)   # import torchvision fails
+    line = cli._torchvision_line()
+    assert line.startswith(f"torchvision {version('torchvision')} (cannot be imported: "
+                           "ModuleNotFoundError"), line
