@@ -377,3 +377,67 @@ def test_info_lists_torchvision_and_the_optional_packages(monkeypatch):
     line = cli._torchvision_line()
     assert line.startswith(f"torchvision {version('torchvision')} (cannot be imported: "
                            "ModuleNotFoundError"), line
+
+
+# ------------------------------------------------------------- 8 the suite's reliability
+def test_the_error_line_is_read_by_the_launcher_before_the_abort(monkeypatch):
+    """Why rank 0's setup_timeout line could be lost: under mpiexec stderr is a pipe to
+    the launcher's proxy, and MPI_Abort reaches that proxy on another channel; handled
+    first, it ends the job with the line still in the pipe. guard.end_job now aborts
+    only once the pipe's reader has taken every byte. Deterministic: the reader reads
+    only when the waiting rank polls (time.sleep), and the abort must find the pipe
+    empty with the line read."""
+    import threading
+
+    import fedmpi.job.stdio as stdio
+    from fedmpi.runtime import guard
+
+    r, w = os.pipe()
+    read_text: list[bytes] = []
+    go, done = threading.Event(), threading.Event()
+
+    def proxy():                     # the launcher's proxy, reading when asked
+        go.wait()
+        read_text.append(os.read(r, 65536))
+        done.set()
+
+    def poll(seconds):               # the waiting rank's poll lets the proxy read once
+        go.set()
+        done.wait(10)
+
+    class FakeComm:
+        rank = 0
+        aborted_with: list[int] = []
+
+        def abort(self, code):
+            self.aborted_with = [code, stdio.unread_bytes(w)]
+            raise SystemExit(code)
+
+    threading.Thread(target=proxy, daemon=True).start()
+    monkeypatch.setattr(stdio.time, "sleep", poll)
+    monkeypatch.setattr(sys, "stderr", os.fdopen(w, "w", closefd=False))
+    monkeypatch.setattr(guard, "release", lambda: None)
+    comm = FakeComm()
+    with pytest.raises(SystemExit):
+        guard.end_job(None, comm, RuntimeError("start-up: rank 2 did not finish"), 0)
+    assert comm.aborted_with == [1, 0], comm.aborted_with
+    assert read_text == [b"fedmpi: error: start-up: rank 2 did not finish\n"], read_text
+    os.close(r)
+    os.close(w)
+
+
+def test_wait_until_read_gives_up_on_a_reader_that_is_gone_and_ignores_files(tmp_path):
+    from fedmpi.job.stdio import unread_bytes, wait_until_read
+
+    r, w = os.pipe()
+    os.write(w, b"line\n")
+    assert unread_bytes(w) == 5
+    assert wait_until_read(w, limit=0.05) is False      # nobody reads: the abort goes on
+    os.read(r, 5)
+    assert wait_until_read(w, limit=0.05) is True
+    with open(tmp_path / "f", "w") as f:
+        f.write("x")
+        f.flush()
+        assert unread_bytes(f.fileno()) == 0 and wait_until_read(f.fileno(), 0.05)
+    os.close(r)
+    os.close(w)

@@ -112,7 +112,7 @@ def run(cfg: Config, out_dir: Optional[str | Path] = None, comm: Optional[Comm] 
         print(f"fedmpi: error: rank {comm.rank}: interrupted twice (SIGINT); stopping every "
               "rank now, without a checkpoint", file=sys.stderr, flush=True)
         release()
-        comm.abort(130)   # the other ranks would otherwise wait in a collective
+        guard.abort_job(comm, 130)   # the other ranks would otherwise wait in a collective
         raise
     finally:
         signals.restore()
@@ -269,7 +269,7 @@ def _run(cfg: Config, out_dir: Optional[str | Path], comm: Comm, resume: bool,
             time.sleep(ABORT_GRACE_SECONDS)
         print(f"fedmpi: error: {line}", file=sys.stderr, flush=True)
         release()   # abort skips run()'s finally
-        comm.abort(1)
+        guard.abort_job(comm, 1)
     finally:
         if progress is not None:
             progress.close()

@@ -157,8 +157,17 @@ def end_job(writer: Optional[LogWriter], comm, exc: BaseException, t: int) -> No
         except OutputError:
             pass
     release()
-    comm.abort(1)
+    abort_job(comm, 1)
     raise SystemExit(1)   # not reached: abort ends the process
+
+
+def abort_job(comm, code: int) -> None:
+    """End every rank with ``code`` once the launcher has read this rank's error line
+    (:func:`fedmpi.job.stdio.wait_until_read`: an abort must not overtake it)."""
+    from fedmpi.job.stdio import wait_until_read
+
+    wait_until_read()
+    comm.abort(code)
 
 
 def diverged(state: torch.Tensor, t: int, checkpoint_file: Optional[Path],
