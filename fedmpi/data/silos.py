@@ -400,17 +400,6 @@ def _silos(cfg: Config, comm: Any, hosted: list[int], is_server: bool,
                      num_samples, _digests(cfg, comm, hosted, is_server, needs))
 
 
-def sha256_file(path: str) -> str:
-    """SHA-256 (hex) of a file's bytes."""
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _digests(cfg: Config, comm: Any, hosted: list[int], is_server: bool,
              needs: DataNeeds) -> list[tuple[str, str, str]]:
     """Collective: ``(role, path, SHA-256)`` of every silo file — client ``k``'s hashed on
@@ -424,6 +413,8 @@ def _digests(cfg: Config, comm: Any, hosted: list[int], is_server: bool,
     test = s.test if cfg.eval.where != "clients" else None
     validation = s.validation if _server_reads_validation(cfg, needs) else None
     paths = [silo_path(s.path, cfg, k) for k in range(K)] + [test, validation]
+    from fedmpi.job.outputs import sha256_file
+
     rows = np.zeros((K + 2, 32), dtype=np.int64)
     mine = hosted + [r for r in (K, K + 1) if paths[r] is not None] if is_server else hosted
     for r in mine:

@@ -68,7 +68,8 @@ def _manifest(directory: Path, command: str) -> Path:
     return Path(directory) / f".fedmpi-{command}.json"
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: str | os.PathLike) -> str:
+    """SHA-256 (hex) of a file's bytes (silo digests, the derived-output lists)."""
     import hashlib
 
     h = hashlib.sha256()
@@ -85,7 +86,7 @@ def record_written(directory: Path, command: str, paths: Sequence[Path]) -> None
     from fedmpi.job.safefile import write_text
 
     write_text(_manifest(directory, command),
-               json.dumps({p.name: _sha256(p) for p in paths}, indent=1, sort_keys=True) + "\n")
+               json.dumps({p.name: sha256_file(p) for p in paths}, indent=1, sort_keys=True) + "\n")
 
 
 def own_files(directory: Path, command: str | None = None) -> set[str]:
@@ -103,7 +104,7 @@ def own_files(directory: Path, command: str | None = None) -> set[str]:
         for name, digest in (listed.items() if isinstance(listed, dict) else ()):
             path = Path(directory) / str(name)
             if "/" not in str(name) and path.is_file() and not path.is_symlink() \
-                    and _sha256(path) == digest:
+                    and sha256_file(path) == digest:
                 own.add(str(name))
     return own
 
