@@ -32,6 +32,12 @@ from fedmpi.errors import (EXIT_USAGE, RunFailed, RunInterrupted, UserCodeError,
 from fedmpi.job.outputs import EXIT_WRITE_FAILED, OutputError, quiet_h5py_errors
 
 
+def _add_set(p: argparse.ArgumentParser) -> None:
+    """The ``--set KEY=VALUE`` option of every command that reads a config."""
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.lr=0.1 (repeatable)")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedmpi", description="MPI-native federated learning.")
     p.add_argument("--version", action="version", version=f"fedmpi {__version__}")
@@ -42,8 +48,7 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run an experiment (alone or under mpirun -n N)")
     run.add_argument("config", help="YAML config file")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config key, e.g. --set train.lr=0.1 (repeatable)")
+    _add_set(run)
     run.add_argument("--out", default=None, help="output directory (default runtime.out_dir/<name>)")
     run.add_argument("--resume", action="store_true",
                      help="continue from <out>/checkpoint.pt and <out>/log.h5 (any number of ranks)")
@@ -53,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="validate a config and print it resolved")
     check.add_argument("config")
-    check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    _add_set(check)
     check.add_argument("--dry-run", action="store_true",
                        help="also build every rank (data, model, method, weighting, transforms) "
                             "and run one forward/backward batch per client and one evaluation "
@@ -122,8 +127,7 @@ def _parser() -> argparse.ArgumentParser:
                                          "labels, per-feature mean/std/range/missing): only "
                                          "summaries leave a site; alone or under mpirun -n N")
     stats.add_argument("config", help="YAML config file (the sites of its data.* keys)")
-    stats.add_argument("--set", dest="overrides", action="append", default=[],
-                       metavar="KEY=VALUE")
+    _add_set(stats)
     stats.add_argument("--out", default=None,
                        help="output directory for stats.md and stats.json (default "
                             "runtime.out_dir/<name>/stats)")
@@ -141,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
     part = sub.add_parser("partition", help="partition preview without training: class-count "
                                             "heatmap and client sizes")
     part.add_argument("config", help="YAML config file")
-    part.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    _add_set(part)
     part.add_argument("--out", default=None,
                       help="output directory (default runtime.out_dir/<name>)")
     part.add_argument("--export", nargs="?", const="", default=None, metavar="DIR",
@@ -194,7 +198,7 @@ def info_lines(ranks: Optional[int] = None) -> list[str]:
     from fedmpi.comm.library import cuda_aware_mpi, mpi4py_version, mpi_library_version
 
     lines = [f"fedmpi {__version__}", f"python {platform.python_version()}",
-             f"torch {torch.__version__}", f"numpy {numpy.__version__}"]
+             f"torch {torch.__version__}", _torchvision_line(), f"numpy {numpy.__version__}"]
     try:
         lines.append(f"mpi4py {mpi4py_version()}")
     except ImportError:
@@ -218,7 +222,50 @@ def info_lines(ranks: Optional[int] = None) -> list[str]:
                  "{} torch threads per rank from {}".format(*default_threads(ranks)) +
                  f"{'; oversubscribed' if ranks > usable_cores() else ''}):")
     lines.extend("  " + line for line in describe(plan(ranks, gpus)))
+    lines.append("optional packages:")
+    lines.extend(f"  {line}" for line in optional_lines())
     return lines
+
+
+#: The optional packages (distribution name, the fedmpi extra that installs it).
+OPTIONAL_PACKAGES = (("matplotlib", "plot"), ("pandas", "tabular"), ("pyarrow", "tabular"),
+                     ("dp-accounting", "privacy"), ("cryptography", "privacy"),
+                     ("tensorboard", "tensorboard"), ("mlflow", "mlflow"),
+                     ("transformers", "peft"), ("peft", "peft"))
+
+
+def optional_lines() -> list[str]:
+    """``<package> <version>`` of every :data:`OPTIONAL_PACKAGES` entry, or how to install
+    it (from the installed metadata: nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for name, extra in OPTIONAL_PACKAGES:
+        try:
+            out.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            out.append(f"{name} not installed (pip install 'fedmpi[{extra}]')")
+    return out
+
+
+def _torchvision_line() -> str:
+    """torchvision's version, and its import error when it cannot be imported beside this
+    torch (a mismatched pair fails inside a user's model, issue 48)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("torchvision")
+    except PackageNotFoundError:
+        return "torchvision not installed (pip install torchvision)"
+    try:
+        import torchvision  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any failure is what the user needs to see
+        from fedmpi.errors import root_cause
+
+        why = root_cause(exc)
+        return (f"torchvision {installed} (cannot be imported: {type(why).__name__}: "
+                + " ".join(str(why).split()) + ")")
+    return f"torchvision {installed}"
 
 
 def launcher_choice() -> tuple[str, str]:
@@ -395,9 +442,10 @@ def one_line(exc: BaseException) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     if args.command != "run":   # only a run is requeued: other commands die by the signal
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             if signal.getsignal(sig) is signals._exit_interrupted:
-                signal.signal(sig, signal.SIG_DFL)
+                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
+                              else signal.SIG_DFL)
     before = os.environ.get("FEDMPI_TRACEBACK")
     if args.traceback:   # every rank parses the same argv; worker code reads the variable
         os.environ["FEDMPI_TRACEBACK"] = "1"

@@ -120,13 +120,33 @@ def _shown(filename: str) -> str:
     return rel if not rel.startswith("..") else os.path.abspath(filename)
 
 
+def root_cause(exc: BaseException) -> BaseException:
+    """The innermost exception of ``exc``'s chain: ``raise ... from cause`` and the
+    exception being handled when ``exc`` was raised (unless ``from None`` hid it)."""
+    seen = {id(exc)}
+    while True:
+        inner = exc.__cause__ if exc.__cause__ is not None else \
+            (exc.__context__ if not exc.__suppress_context__ else None)
+        if inner is None or id(inner) in seen:
+            return exc
+        seen.add(id(inner))
+        exc = inner
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+
+
 def code_error_line(what: str, path: Optional[str], exc: BaseException) -> str:
-    """``<what> (<path>) raised <Type>: <message> [at file:line]`` on one line."""
-    message = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+    """``<what> (<path>) raised <Type>: <message> [at file:line][; root cause: <Type>:
+    <message>]`` on one line: the chain's innermost exception too (a model that fails
+    because an import inside it failed names that import's error)."""
     frame = user_frame(exc)
     at = f" at {_shown(frame.filename)}:{frame.lineno}" if frame is not None else ""
     name = f"{what} ({path})" if path else what
-    return f"{name} raised {type(exc).__name__}: {message}{at}"
+    root = root_cause(exc)
+    cause = f"; root cause: {type(root).__name__}: {_one_line(root)}" if root is not exc else ""
+    return f"{name} raised {type(exc).__name__}: {_one_line(exc)}{at}{cause}"
 
 
 class UserCodeError(ConfigError):

@@ -81,17 +81,44 @@ def resolve(path: str, key: str, expected: str) -> Any:
         obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name is not None and module_name.startswith(exc.name):   # the module itself
-            raise ConfigError(f"config key {key!r}: no module named {exc.name!r} (from {path!r}; "
-                              f"expected {expected})") from None
+            raise ConfigError(f"config key {key!r}: no module named {exc.name!r}"
+                              f"{_near_module(exc.name)} (from {path!r}; expected {expected})"
+                              ) from None
         raise ConfigError(f"config key {key!r}: importing {module_name!r} failed: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - user code failed at import time
         raise UserCodeError(object_name(key), path, exc) from exc
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ConfigError(f"config key {key!r}: {module_name!r} has no attribute {attr!r} "
-                              f"(expected {expected})")
+            from fedmpi.config.fields import suggest
+
+            near = suggest(part, [n for n in dir(obj) if not n.startswith("_")])
+            raise ConfigError(f"config key {key!r}: {module_name!r} has no attribute {attr!r}"
+                              f"{near} (expected {expected})")
         obj = getattr(obj, part)
     return obj
+
+
+def _near_module(name: str) -> str:
+    """`` (did you mean 'pkg.mod'?)`` for a module ``name`` that does not exist: the
+    closest name among its would-be siblings (the modules and package folders on
+    ``sys.path``, or the modules of its parent package)."""
+    import pkgutil
+
+    from fedmpi.config.fields import suggest
+
+    parent, _, _ = name.rpartition(".")
+    try:
+        where = list(importlib.import_module(parent).__path__) if parent else \
+            [p or os.getcwd() for p in sys.path]
+    except (ImportError, AttributeError):
+        return ""
+    names = {m.name for m in pkgutil.iter_modules(where)}
+    for d in where:   # namespace packages (a folder of modules without __init__.py)
+        try:
+            names.update(e.name for e in os.scandir(d) if e.is_dir() and e.name.isidentifier())
+        except OSError:
+            pass
+    return suggest(name, sorted(f"{parent}.{n}" if parent else n for n in names))
 
 
 def accepts(obj: Any, nargs: int) -> bool:

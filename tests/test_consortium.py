@@ -183,6 +183,31 @@ def test_stats_noise_is_the_gaussian_mechanism_dp_accounting_calibrates(sites, t
         assert abs(noise.mean()) < 0.1 * sigma * delta_b, block
 
 
+def test_stats_with_noise_have_totals_that_add_up(sites, tmp_path):
+    """Under DP (large noise: ε = 0.5 at three small sites) every count shown is a whole
+    number ≥ 0 and the "all sites" row is the sum of the site rows, in stats.json and in
+    stats.md's table (issue 48: totals that did not add up to their rows)."""
+    root, frames, config = sites
+    out = tmp_path / "dp"
+    assert main(["stats", str(config), "--out", str(out), "--epsilon", "0.5",
+                 "--clip", "0", "200"]) == 0
+    report = json.loads((out / "stats.json").read_text())
+    sites_, total = report["sites"], report["total"]
+    counts = [s["samples"] for s in sites_] + [c for s in sites_ for c in s["classes"]]
+    counts += [f[k] for s in sites_ for f in s["features"] for k in ("values", "missing")]
+    assert all(c == int(c) and c >= 0 for c in counts), counts
+    assert total["samples"] == sum(s["samples"] for s in sites_)
+    assert total["classes"] == [sum(c) for c in zip(*(s["classes"] for s in sites_))]
+    for key in ("values", "missing"):
+        assert [f[key] for f in total["features"]] == \
+            [sum(v) for v in zip(*([f[key] for f in s["features"]] for s in sites_))], key
+    md = (out / "stats.md").read_text().split("## Sites")[1].split("## Per")[0]
+    rows = [line.split("|")[3:-1] for line in md.splitlines() if line.startswith("| ")][1:]
+    *each, everyone = [[int(v) for v in row] for row in rows]
+    assert everyone == [sum(v) for v in zip(*each)], rows
+    assert "all-sites row is the sum" in (out / "stats.md").read_text()
+
+
 def test_stats_with_noise_summarise_the_clipped_values(sites, tmp_path):
     """With a very large ε the noise vanishes and what remains is pandas' summary of the
     values clipped to the declared range (age clipped at 50 changes every site's mean)."""

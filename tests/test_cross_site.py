@@ -21,7 +21,7 @@ from conftest import ROOT, mpiexec_path
 from fedmpi.config.schema import config_from_dict
 from fedmpi.errors import ConfigError
 from fedmpi.log.reader import read
-from test_sites import held_out_split, mlp_probs
+from test_sites import held_out_positions, held_out_split, mlp_probs
 
 K, ROUNDS = 6, 3
 NAMES = ["Mercy", "St Jude", "Charité", "Karolinska", "Mayo", "Hôpital Lariboisière"]
@@ -98,6 +98,31 @@ def _cells(root, models: list[dict]) -> dict[str, np.ndarray]:
     return out
 
 
+def _one_site_row(silo_file, model_files) -> dict[str, list[float]]:
+    """What one site recomputes with its own files only (issue 48.2): its silo table (the
+    documented hold-out rule picks its held-out rows), and the model files it received,
+    each carrying the preprocessing the federation applied — no other site's data and no
+    pooled statistic computed here."""
+    import pandas as pd
+    from fedmpi.data import preprocessing
+
+    frame = pd.read_csv(silo_file)
+    k = int(silo_file.stem.rsplit("_", 1)[1])
+    held = frame.iloc[held_out_positions(len(frame), k)]
+    y = held["label"].to_numpy()
+    row: dict[str, list[float]] = {"test_accuracy": [], "test_loss": []}
+    for f in model_files:
+        state = torch.load(f, weights_only=True)
+        x = preprocessing.apply(preprocessing.read(f), held.drop(columns="label").to_numpy())
+        h = x
+        for i in (1, 3):
+            h = torch.relu(h @ state[f"body.{i}.weight"].T + state[f"body.{i}.bias"])
+        p = torch.softmax(h @ state["classifier.weight"].T + state["classifier.bias"], 1).numpy()
+        row["test_accuracy"].append(accuracy_score(y, p.argmax(1)))
+        row["test_loss"].append(log_loss(y, p, labels=[0, 1]))
+    return row
+
+
 def test_matrix_at_n4_is_sklearns_the_same_at_n1_and_averages_to_the_next_round(silos):
     mpi = mpiexec_path()
     if mpi is None:
@@ -127,6 +152,21 @@ def test_matrix_at_n4_is_sklearns_the_same_at_n1_and_averages_to_the_next_round(
         # column 0 is the last round's per-site evaluation of the same global model
         np.testing.assert_array_equal(got[:, 0], log.clients[name][-1], err_msg=name)
     assert np.isnan(expect["auroc"]).any()     # a site holding one class: no AUROC, as logged
+    # one site alone (St Jude) re-scores its cells of the global model and of its own
+    # local model from its silo file and the two model files it holds
+    row = _one_site_row(root / "silo_1.csv", [out / "model.pt", out / "local_models" / FILES[1]])
+    for name, values in row.items():
+        np.testing.assert_allclose(log.arrays[f"cross_site/{name}"][1, [0, 2]], values,
+                                   atol=1e-5, err_msg=name)
+    from fedmpi.data import preprocessing
+    from fedmpi.job.provenance import read_run_info
+    record = preprocessing.read(out / "model.pt")
+    assert read_run_info(log.attrs)["preprocessing"] == record
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["preprocessing"] == record
+    _, _, mean, std = held_out_split(root)      # the pooled training rows' statistics
+    np.testing.assert_allclose(record["mean"], mean, rtol=1e-5)
+    np.testing.assert_allclose(record["std"], std, rtol=1e-5)
+
     # the local models are not the global one, and differ from each other
     assert all(not torch.equal(models[0]["classifier.weight"], m["classifier.weight"])
                for m in models[1:])

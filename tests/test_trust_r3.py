@@ -534,7 +534,9 @@ def test_a_previous_run_that_logged_no_round_is_replaced_without_overwrite(tmp_p
     assert "replacing a previous run" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("what", ["a round", "a checkpoint", "a model", "not a log"])
+# a bare model.pt beside a log of no round is the initial model, no result (issue 48.3,
+# tests/test_trust_r4.py); a best.pt is one
+@pytest.mark.parametrize("what", ["a round", "a checkpoint", "a best model", "not a log"])
 def test_a_previous_run_with_anything_in_it_is_still_protected(tmp_path, what):
     from fedmpi.errors import RunDirError
     from fedmpi.job.lock import release
@@ -544,8 +546,8 @@ def test_a_previous_run_with_anything_in_it_is_still_protected(tmp_path, what):
     _leave_log(out, "failed", rounds=1 if what == "a round" else 0)
     if what == "a checkpoint":
         (out / "checkpoint.pt").write_bytes(b"x")
-    if what == "a model":
-        (out / "model.pt").write_bytes(b"x")
+    if what == "a best model":
+        (out / "best.pt").write_bytes(b"x")
     if what == "not a log":
         (out / "log.h5").write_text("my notes, not a fedmpi log\n")
     with pytest.raises(RunDirError, match="holds a previous run"):

@@ -86,7 +86,8 @@ class SilosConfig(CopyOnRead):
     """``data.silos.*``: silo-local data (:mod:`fedmpi.data.silos`); each rank reads only
     the silos it hosts."""
 
-    path: str | None = param(None, "silos: per-client file template with {client} "
+    path: str | None = param(None, "silos: per-client file template with {client} (index) "
+                             "or {site} (name in data.silos.names) "
                              "(.csv/.parquet: feature columns + data.tabular.label; .h5: x, y)")
     loader: str | None = param(None, "silos: pkg.module:fn called as fn(client) -> "
                                "(x, y) on the rank hosting the client", **_IMPORT)
@@ -588,8 +589,9 @@ def _data_checks(cfg: Config) -> None:
                               "must be set when data.partition.method is 'silos'")
         if s.path is not None and not _client_template(s.path):
             raise ConfigError(f"config key 'data.silos.path' must be a file template with "
-                              f"{{client}} as its only field, e.g. silos/{{client}}.csv; got "
-                              f"{s.path!r}")
+                              f"{{client}} (the client's index) or {{site}} (its name in "
+                              f"data.silos.names) as its only fields, e.g. silos/{{client}}.csv; "
+                              f"got {s.path!r}")
         if s.test is None and cfg.eval.where != "clients":
             raise ConfigError("config key 'data.silos.test' is required when "
                               "data.partition.method is 'silos' (rank 0 reads the test set), "
@@ -598,6 +600,11 @@ def _data_checks(cfg: Config) -> None:
             raise ConfigError("config key 'eval.sharded' must be false when data.partition.method "
                               "is 'silos' (rank 0 alone holds the test set)")
     names = d.silos.names
+    for key in ("path", "client_test"):
+        template = getattr(d.silos, key)
+        if names is None and template is not None and "{site}" in template:
+            raise ConfigError(f"config key 'data.silos.{key}' uses {{site}}, which needs "
+                              "data.silos.names (one name per client)")
     if names is not None:
         if len(names) != d.num_clients:
             raise ConfigError(f"config key 'data.silos.names' must give one name per client: "
@@ -614,9 +621,10 @@ def _data_checks(cfg: Config) -> None:
 
 
 def _client_template(path: str) -> bool:
-    """Whether ``path`` is a file template whose only field is ``{client}``."""
+    """Whether ``path`` is a file template whose only fields are ``{client}`` and
+    ``{site}`` (:func:`fedmpi.data.silos.silo_path`), naming each client's file apart."""
     try:
-        return path.format(client=0) != path.format(client=1)
+        return path.format(client=0, site="a") != path.format(client=1, site="b")
     except (KeyError, IndexError, ValueError):
         return False
 
@@ -659,7 +667,8 @@ def _eval_checks(cfg: Config) -> None:
                               "'silos' (with pooled data use eval.client_holdout)")
         if not _client_template(s.client_test):
             raise ConfigError(f"config key 'data.silos.client_test' must be a file template "
-                              f"with {{client}} as its only field, got {s.client_test!r}")
+                              f"with {{client}} or {{site}} as its only fields, got "
+                              f"{s.client_test!r}")
     if e.where != "server":
         if s.client_test is None and e.client_holdout is None:
             raise ConfigError(f"config key 'eval.client_holdout' (a share such as 0.2) or "
@@ -691,14 +700,17 @@ def _cross_site_checks(cfg: Config) -> None:
                           "(the local models are trained by the cross-site validation)")
     if not e.cross_site:
         return
+    # every key to change, so the advice works as written (issue 48)
+    off = "set eval.cross_site: false" + (" and eval.cross_site_models: false"
+                                          if e.cross_site_models else "")
     if p.secure_aggregation:
         raise ConfigError("config keys 'eval.cross_site' and 'privacy.secure_aggregation': "
                           "a site's local model is its update in the clear, which secure "
-                          "aggregation promises rank 0 never sees; set eval.cross_site: false")
+                          f"aggregation promises rank 0 never sees; {off}")
     if p.dp.level != "none":
         raise ConfigError(f"config keys 'eval.cross_site' and 'privacy.dp.level' "
                           f"({p.dp.level!r}): a site's local model is its update without the "
-                          f"privacy accounting's noise or budget; set eval.cross_site: false")
+                          f"privacy accounting's noise or budget; {off}")
     if s.client_test is None and e.client_holdout is None:
         raise ConfigError("config key 'eval.client_holdout' (a share such as 0.2) or "
                           "'data.silos.client_test' must be set with eval.cross_site: every "

@@ -18,9 +18,12 @@ composition).
 * the smallest and largest values are **withheld** (their sensitivity is the whole
   range): the tables show the declared range instead.
 
-Rank 0 post-processes the noisy rows (which costs no privacy): counts below 0 read 0,
-means are clamped into ``[lo, hi]`` and standard deviations into ``[0, hi − lo]``
-(:func:`fedmpi.consortium.summaries.describe`).
+Rank 0 post-processes the noisy rows (which costs no privacy): each site's counts are
+rounded to whole numbers ≥ 0 (:func:`fedmpi.consortium.summaries.round_counts`; the
+all-sites counts are then the sum of the sites' rows as shown), means are clamped into
+``[lo, hi]`` and standard deviations into ``[0, hi − lo]``
+(:func:`fedmpi.consortium.summaries.describe`). A site's sample count and its class
+counts are noised apart, so its class counts need not add up to its samples.
 
 With H channels of P values per sample (tabular: P = 1, H features), one record moves
 the blocks of the row by at most (L2 norm)

@@ -37,8 +37,8 @@ from fedmpi.config.core import Config
 from fedmpi.errors import UserError
 
 from fedmpi.consortium.noise import StatsPrivacy
-from fedmpi.consortium.summaries import (RowLayout, SiteStats, combine, describe, summarise,
-    widen)
+from fedmpi.consortium.summaries import (RowLayout, SiteStats, combine, describe,
+    round_counts, summarise, widen)
 
 __all__ = ["NAME_BYTES", "StatsReport", "collect_stats"]
 
@@ -99,11 +99,11 @@ class _Sites:
 
     def read(self, k: int) -> tuple[Any, np.ndarray, Optional[list[str]]]:
         if self.silos:
-            from fedmpi.data.silos import read_silo
+            from fedmpi.data.silos import read_silo, silo_path
 
             x, y = read_silo(self.cfg, k, self.loader, finite=False)   # missing values counted
             path = self.cfg.data.silos.path
-            names = _column_names(path.format(client=k), self.cfg.data.tabular.label) \
+            names = _column_names(silo_path(path, self.cfg, k), self.cfg.data.tabular.label) \
                 if path is not None and x.ndim == 2 else None
             return x, y, names
         idx = self.partition.client_indices[k]
@@ -229,6 +229,8 @@ def collect_stats(cfg: Config, comm: Any, privacy: Optional[StatsPrivacy] = None
     if table is None:
         return None
 
+    if privacy is not None:   # whole counts per site, so the all-sites row is their sum
+        table = round_counts(table, layout, per_sample)
     label = "feature" if tabular else "channel"
     fnames = agreed_names or [f"{'x' if tabular else 'channel '}{i}" for i in range(shape[0])]
     labels = site_names(cfg)

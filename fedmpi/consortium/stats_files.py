@@ -65,7 +65,10 @@ def stats_markdown(report: StatsReport, config: str = "") -> str:
                    f"[{p['clip'][0]:g}, {p['clip'][1]:g}] first, so means and standard "
                    "deviations are those of the clipped values; minimum and maximum withheld "
                    "(the declared range instead); noise std per block: "
-                   + ", ".join(f"{b} {v:.4g}" for b, v in p["noise_std"].items()))
+                   + ", ".join(f"{b} {v:.4g}" for b, v in p["noise_std"].items())
+                   + "; counts are rounded per site, so the all-sites row is the sum of the "
+                   "sites' rows, but a site's class counts are noised apart from its "
+                   "samples and need not add up to them")
     out += [f"- note: {n}" for n in report.notes]
     classes = range(report.num_classes)
     head = ["site", "client", "samples", *(f"class {j}" for j in classes), "missing values"]
@@ -119,4 +122,7 @@ def write_stats(report: StatsReport, out: str | os.PathLike, config: str = "",
     md, js = out / "stats.md", out / "stats.json"
     write_text(md, stats_markdown(report, config))
     write_text(js, stats_json(report))
+    from fedmpi.job.outputs import record_written
+
+    record_written(out, "stats", [md, js])   # run --overwrite removes them with the run
     return [md, js]

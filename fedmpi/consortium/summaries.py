@@ -36,7 +36,7 @@ from typing import Any, Optional
 import numpy as np
 
 __all__ = ["BLOCKS", "FeatureStats", "RowLayout", "SiteStats", "combine", "describe",
-           "summarise", "widen"]
+           "round_counts", "summarise", "widen"]
 
 #: The blocks of a row, in order; the first five are sums (noised under DP), the last two
 #: extremes (withheld under DP).
@@ -146,6 +146,19 @@ def describe(row: np.ndarray, layout: RowLayout, name: str, client: int,
         features.append(FeatureStats(fname, values, floor(missing[c]), float(mean), std,
                                      float(get("min")[c]), float(get("max")[c])))
     return SiteStats(name, client, n, [floor(v) for v in get("classes")], features)
+
+
+def round_counts(rows: np.ndarray, layout: RowLayout, per_sample: int) -> np.ndarray:
+    """Noisy rows ``[K, width]`` post-processed (no privacy cost) into whole counts: each
+    site's sample, class and missing-value counts rounded to the nearest integer ≥ 0, a
+    channel's missing values at most its ``count · per_sample`` values. Done per site
+    before :func:`combine`, so the all-sites counts are the sum of the sites' as shown."""
+    out = rows.copy()
+    for block in ("count", "classes", "missing"):
+        out[:, layout.span(block)] = np.maximum(np.rint(out[:, layout.span(block)]), 0.0)
+    values = out[:, layout.span("count")] * per_sample
+    out[:, layout.span("missing")] = np.minimum(out[:, layout.span("missing")], values)
+    return out
 
 
 def widen(row: np.ndarray, layout: RowLayout, classes: int) -> tuple[np.ndarray, RowLayout]:

@@ -15,6 +15,7 @@ import numpy as np
 
 from fedmpi.data.base import Dataset
 from fedmpi.data.partition import Partition
+from fedmpi.data.silos import silo_path
 from fedmpi.data.tabular import write_table
 from fedmpi.errors import ConfigError
 from fedmpi.config.core import Config
@@ -34,7 +35,7 @@ def silo_files(cfg: Config) -> list[str]:
     """The files a silos config reads: ``data.silos.path`` for every client, the test
     file and the validation file (those set)."""
     s = cfg.data.silos
-    files = [s.path.format(client=k) for k in range(cfg.data.num_clients)] if s.path else []
+    files = [silo_path(s.path, cfg, k) for k in range(cfg.data.num_clients)] if s.path else []
     return files + [f for f in (s.test, s.validation) if f is not None]
 
 
@@ -80,7 +81,7 @@ def plan_export(cfg: Config, data: Dataset, partition: Partition,
     held = np.asarray(partition.validation_indices, dtype=np.int64)
     x, y = data.x_train.cpu().numpy(), data.y_train.cpu().numpy()
     tables: list[tuple[Path, np.ndarray, np.ndarray]] = [
-        (Path(template.format(client=k)), x[idx], y[idx])
+        (Path(silo_path(template, cfg, k)), x[idx], y[idx])
         for k, idx in enumerate(partition.client_indices)]
     tables.append((test, data.x_test.cpu().numpy(), data.y_test.cpu().numpy()))
     if held.size and val is not None:

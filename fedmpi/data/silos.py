@@ -4,7 +4,8 @@ Pooled (every other method): every rank loads the whole pool and computes the
 same partition (:func:`~fedmpi.data.build_partition`), as before.
 
 Silo-local: client ``k``'s samples are read **only on the rank that hosts k**,
-from ``data.silos.path`` with ``{client}`` replaced by ``k`` (a CSV, Parquet or
+from ``data.silos.path`` with ``{client}`` replaced by ``k`` and ``{site}`` by its name in
+``data.silos.names`` (a CSV, Parquet or
 HDF5 table, :mod:`fedmpi.data.tabular`) or from ``fn(k)`` for
 ``data.silos.loader: "pkg.module:fn"`` returning ``(x [n_k, ...], y [n_k])``.
 Rank 0 alone reads the test set (``data.silos.test``) and the server validation
@@ -145,7 +146,7 @@ def silo_table(cfg: Config, client: int, loader: Optional[Callable[[int], Any]] 
     """Client ``client``'s silo as a checked :class:`~fedmpi.data.tabular.Table`."""
     s = cfg.data.silos
     if s.path is not None or loader is None:
-        return read_named_table(s.path.format(client=client), cfg.data.tabular.label, finite)
+        return read_named_table(silo_path(s.path, cfg, client), cfg.data.tabular.label, finite)
     try:
         x, y = loader(client)
     except UserError:
@@ -207,6 +208,27 @@ def _match_reference(tables: Sequence[Table], ref: tuple[str, Any, tuple[int, ..
         if t.x.shape[1:] != shape:
             raise DataError(f"{t.path}: rows of shape {tuple(t.x.shape[1:])}, but client 0's "
                             f"{path} has {shape}; every silo table needs the same features")
+
+
+def silo_path(template: str, cfg: Config, client: int) -> str:
+    """A per-client file template (``data.silos.path``, ``data.silos.client_test``) for
+    ``client``: ``{client}`` is its index, ``{site}`` its name in ``data.silos.names``
+    (a consortium's files named by site: ``silos/{site}.csv``)."""
+    names = cfg.data.silos.names
+    return template.format(client=client,
+                           site=str(names[client]) if names is not None else str(client))
+
+
+def shown_path(path: str) -> str:
+    """``path`` as logs and reports record it: a relative path as given; an absolute one
+    without its machine directories, from the first part holding a template field (else
+    the file name) on: ``/home/me/data/{site}/x.csv`` -> ``…/{site}/x.csv``. A site may
+    share a report; the SHA-256 beside the name identifies the file."""
+    if not os.path.isabs(path):
+        return path
+    parts = path.replace(os.sep, "/").split("/")
+    first = next((i for i, part in enumerate(parts) if "{" in part), len(parts) - 1)
+    return "…/" + "/".join(parts[first:])
 
 
 def site_names(cfg: Config) -> list[str]:
@@ -283,7 +305,7 @@ def _silos(cfg: Config, comm: Any, hosted: list[int], is_server: bool,
         for k in hosted:
             silo[k] = silo_table(cfg, k, loader)
             if clients_evaluate(cfg) and s.client_test is not None:
-                own_test[k] = read_named_table(s.client_test.format(client=k), label)
+                own_test[k] = read_named_table(silo_path(s.client_test, cfg, k), label)
         if is_server and cfg.eval.where != "clients":
             test_table = read_named_table(s.test, label)
         if is_server and _server_reads_validation(cfg, needs):
@@ -378,17 +400,6 @@ def _silos(cfg: Config, comm: Any, hosted: list[int], is_server: bool,
                      num_samples, _digests(cfg, comm, hosted, is_server, needs))
 
 
-def sha256_file(path: str) -> str:
-    """SHA-256 (hex) of a file's bytes."""
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _digests(cfg: Config, comm: Any, hosted: list[int], is_server: bool,
              needs: DataNeeds) -> list[tuple[str, str, str]]:
     """Collective: ``(role, path, SHA-256)`` of every silo file — client ``k``'s hashed on
@@ -401,7 +412,9 @@ def _digests(cfg: Config, comm: Any, hosted: list[int], is_server: bool,
     # the test and validation files only where rank 0 reads them (eval.where, DataNeeds)
     test = s.test if cfg.eval.where != "clients" else None
     validation = s.validation if _server_reads_validation(cfg, needs) else None
-    paths = [s.path.format(client=k) for k in range(K)] + [test, validation]
+    paths = [silo_path(s.path, cfg, k) for k in range(K)] + [test, validation]
+    from fedmpi.job.outputs import sha256_file
+
     rows = np.zeros((K + 2, 32), dtype=np.int64)
     mine = hosted + [r for r in (K, K + 1) if paths[r] is not None] if is_server else hosted
     for r in mine:
@@ -409,5 +422,5 @@ def _digests(cfg: Config, comm: Any, hosted: list[int], is_server: bool,
     summed = np.zeros_like(rows)
     comm.allreduce_sum(rows, summed, what="silo digest Allreduce")
     roles = [f"client {k}" for k in range(K)] + ["test", "validation"]
-    return [(roles[r], os.path.abspath(str(paths[r])),
+    return [(roles[r], shown_path(str(paths[r])),
              bytes(summed[r].astype(np.uint8)).hex()) for r in range(K + 2) if paths[r] is not None]

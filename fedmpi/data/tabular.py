@@ -95,6 +95,9 @@ def read_named_table(path: str | os.PathLike, label: str = "label",
     them (``fedmpi stats`` counts them; training never reads a table so)."""
     path = os.fspath(path)
     suffix = _suffix(path)
+    if os.path.isdir(path):
+        raise DataError(f"{path}: is a directory, not a data file (CSV, Parquet or HDF5); "
+                        "name the file itself")
     if not os.path.isfile(path):
         raise DataError(f"data file not found: {path}")
     columns: Optional[tuple[str, ...]] = None

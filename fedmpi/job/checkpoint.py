@@ -128,6 +128,7 @@ class RunState:
     #: SHA-256 of the model's frozen parameters (``requires_grad=False``), "" without any:
     #: they are rebuilt from the config, never stored, and a resume checks them
     frozen_digest: str = ""
+    preprocessing: dict[str, Any] = field(default_factory=dict)   # the inputs' (fedmpi.data.preprocessing)
 
     @property
     def rank(self) -> int:
@@ -182,6 +183,8 @@ def save(run: RunState, round: int, path: Path) -> Optional[Path]:
     }
     if run.frozen_digest:
         ckpt["frozen_sha256"] = run.frozen_digest
+    if run.preprocessing:   # what a site applies to its inputs (fedmpi.data.preprocessing)
+        ckpt["preprocessing"] = dict(run.preprocessing)
     ckpt["checksum"] = digest(ckpt)
     save_atomic(ckpt, path)
     return path

@@ -4,13 +4,19 @@
   ``fsync``, rename over the target (atomic on POSIX), ``fsync`` the directory. A write
   that fails half-way (disk full: ``torch.save`` then reports "unexpected pos …")
   leaves the previous file untouched and raises :class:`OutputError` naming the path.
-* :func:`write_model`: ``model.pt``, the global model's ``state_dict``. BatchNorm's
+* :func:`write_model`: ``model.pt``, the global model's ``state_dict`` (with the
+  preprocessing its inputs need, :mod:`fedmpi.data.preprocessing`). BatchNorm's
   integer ``num_batches_tracked`` is not part of the federated state θ — each rank's
   copy counts only the batches *it* trained — so it is written at its initial value 0
   (it only matters for ``momentum=None`` BatchNorm, which no fedmpi model uses): the
   file is the same for any world size.
 * :class:`OutputError` (exit status 1, not 2: the input was fine, the machine failed)
   carries one line ``<path>: cannot write (<reason>)``.
+* :func:`record_written` / :func:`own_files` / :func:`remove_written`: a command that
+  writes derived output (``report``, ``stats``) lists what it wrote, with SHA-256, in
+  ``.fedmpi-<command>.json`` beside it: its files nobody changed since are its own — a
+  report is regenerated without ``--overwrite``, and ``run --overwrite`` removes the
+  replaced run's report and stats (issue 48).
 * :func:`claim`: nothing fedmpi writes replaces a file it did not create in this
   command without ``--overwrite`` (issue 26): every command that writes files (``run``
   through :mod:`fedmpi.job.rundir`; ``report``, ``compare --out``, ``partition`` and
@@ -56,6 +62,67 @@ def claim(paths: "Sequence[str | os.PathLike]", overwrite: bool, what: str) -> N
     raise ExistingFiles(f"{what}: {shown} exist{'s' if len(existing) == 1 else ''} already and "
                         "would be replaced; fedmpi replaces only files it created itself in "
                         "this command: add --overwrite to replace them, or choose another --out")
+
+
+def _manifest(directory: Path, command: str) -> Path:
+    return Path(directory) / f".fedmpi-{command}.json"
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """SHA-256 (hex) of a file's bytes (silo digests, the derived-output lists)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def record_written(directory: Path, command: str, paths: Sequence[Path]) -> None:
+    """List ``paths`` (files of ``directory``) with their SHA-256 as written by ``command``."""
+    import json
+
+    from fedmpi.job.safefile import write_text
+
+    write_text(_manifest(directory, command),
+               json.dumps({p.name: sha256_file(p) for p in paths}, indent=1, sort_keys=True) + "\n")
+
+
+def own_files(directory: Path, command: str | None = None) -> set[str]:
+    """The names in ``directory`` that ``command`` (None: any command) listed as written
+    and that nobody changed since (same SHA-256; plain files, not links)."""
+    import json
+
+    own: set[str] = set()
+    pattern = _manifest(Path("."), command or "*").name
+    for manifest in sorted(Path(directory).glob(pattern)):
+        try:
+            listed = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            continue
+        for name, digest in (listed.items() if isinstance(listed, dict) else ()):
+            path = Path(directory) / str(name)
+            if "/" not in str(name) and path.is_file() and not path.is_symlink() \
+                    and sha256_file(path) == digest:
+                own.add(str(name))
+    return own
+
+
+def remove_written(directory: Path) -> None:
+    """Delete what derived-output commands wrote in ``directory`` and nobody changed since,
+    their lists, and ``directory`` itself if that left it empty."""
+    directory = Path(directory)
+    if not directory.is_dir() or directory.is_symlink():
+        return
+    for name in own_files(directory):
+        (directory / name).unlink()
+    for manifest in directory.glob(_manifest(Path("."), "*").name):
+        manifest.unlink()
+    try:
+        directory.rmdir()
+    except OSError:   # a file of the user's is there
+        pass
 
 
 def reason(exc: BaseException) -> str:
@@ -131,14 +198,18 @@ def _disk_full(path: Path) -> bool:
 
 
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``state_dict`` on the CPU with ``num_batches_tracked`` at 0 (module docstring)."""
+    """``state_dict`` on the CPU with ``num_batches_tracked`` at 0 (module docstring), with
+    the model's preprocessing record in its ``_metadata``
+    (:mod:`fedmpi.data.preprocessing`)."""
+    from fedmpi.data import preprocessing
+
     state = {}
     for name, value in model.state_dict().items():
         value = value.detach().to("cpu", copy=True)
         if name.rsplit(".", 1)[-1] == "num_batches_tracked":
             value.zero_()
         state[name] = value
-    return state
+    return preprocessing.with_record(state, preprocessing.of(model))
 
 
 def write_model(model: torch.nn.Module, path: str | os.PathLike) -> None:

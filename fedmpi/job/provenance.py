@@ -85,9 +85,10 @@ def run_info(cfg: Config, algo: Any, weighting: Any, transforms: Sequence[Any],
     data: dict[str, Any] = {"num_clients": cfg.data.num_clients,
                             "partition": cfg.data.partition.method}
     if silos:
-        from fedmpi.data.silos import site_names
+        from fedmpi.data.silos import shown_path, site_names
 
-        data["silos"] = {"path": cfg.data.silos.path, "loader": cfg.data.silos.loader,
+        template = cfg.data.silos.path
+        data["silos"] = {"path": shown_path(template) if template is not None else None, "loader": cfg.data.silos.loader,
                          "names": site_names(cfg),
                          "files": [{"role": r, "path": p, "sha256": h} for r, p, h in files]}
     else:

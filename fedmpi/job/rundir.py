@@ -8,10 +8,11 @@ Conventions (docs/cluster.md, "Run directories"):
   :mod:`fedmpi.job.lock`; its names are re-exported here.
 * **No silent replacement.** A fresh run into a directory holding a previous run
   (``log.h5``, ``checkpoint.pt`` or ``model.pt``) stops with exit 2 unless
-  ``--overwrite`` is given; then the previous run's files (those three, ``config.yaml``
-  and leftover temporary checkpoint files) are deleted first. A previous run that
+  ``--overwrite`` is given; then the previous run's files (those three, ``config.yaml``,
+  leftover temporary checkpoint files, and the report and stats derived from it in
+  ``report/`` and ``stats/``) are deleted first. A previous run that
   produced nothing — a readable fedmpi log with no round in it, no checkpoint, no
-  ``model.pt`` or ``best.pt``: a run that failed or was stopped before its first round,
+  ``best.pt`` (a ``model.pt`` beside it is the initial model): a run that failed or was stopped before its first round,
   however it ended (a traceback, an abort under MPI, a kill) — holds no result and is
   replaced without ``--overwrite``, with a note, so it never blocks the corrected rerun.
 * **Resume only the same run.** The *fingerprint* is the SHA-256 of the canonical JSON of
@@ -56,7 +57,8 @@ _SIDE_FILES = ("config.yaml", "best.pt", "local_models/*.pt", "local_models/.*.p
                *(f".{name}.tmp-*" for name in (*RUN_FILES, "config.yaml", "best.pt")))
 #: Every name fedmpi writes in a run directory: none of them may be a symbolic link
 #: (``local_models/``: eval.cross_site_models, :mod:`fedmpi.consortium.cross_site`).
-WRITTEN = (LOCK_NAME, *RUN_FILES, *_SIDE_FILES, "report", "local_models")
+WRITTEN = (LOCK_NAME, *RUN_FILES, *_SIDE_FILES, "report", "local_models", "stats")
+
 
 #: Config keys (``fnmatch`` patterns) that may differ between a checkpoint and the run
 #: resuming it: how long to run, where the data lives, how to evaluate, how to execute.
@@ -235,6 +237,10 @@ def prepare(out: str | os.PathLike, cfg: Config, resume: bool, overwrite: bool) 
             for pattern in RUN_FILES + _SIDE_FILES:
                 for old in path.glob(pattern):
                     old.unlink()
+            # the report and stats derived from the replaced run (issue 48)
+            from fedmpi.job.outputs import remove_written
+            for derived in ("report", "stats"):
+                remove_written(path / derived)
     except BaseException:
         release()
         raise
@@ -245,7 +251,9 @@ def _unstarted_run(path: Path, present: list[str]) -> Optional[str]:
     """How the previous run in ``path`` ended (``"failed"``, ``"was interrupted"``, ...)
     if it produced nothing (no round in a readable fedmpi log, no checkpoint, no model;
     module docstring), else None. Called under the lock, so its writer is gone."""
-    if present != ["log.h5"] or (path / "best.pt").exists():
+    # model.pt beside a log of no round is the initial model (written by releases before
+    # 48 for a run stopped at start-up): no result either
+    if present not in (["log.h5"], ["log.h5", "model.pt"]) or (path / "best.pt").exists():
         return None
     from fedmpi.errors import LogFormatError
     from fedmpi.log.reader import read

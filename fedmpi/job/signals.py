@@ -21,8 +21,8 @@ A second SIGINT raises :class:`KeyboardInterrupt` (interactive escape hatch:
 Ctrl-C twice stops without a checkpoint); under MPI the driver then aborts the
 communicator, so no rank keeps waiting for the one that left (issue 31).
 Before the run's handlers are installed, :func:`install_early` (the first statement
-of the ``fedmpi`` command, before anything slow is imported) makes SIGTERM/SIGUSR1 exit
-with 75 too: while nothing is written yet the process leaves at once with one line
+of the ``fedmpi`` command, before anything slow is imported) makes SIGTERM/SIGUSR1/SIGINT
+exit with 75 too: while nothing is written yet the process leaves at once with one line
 (:func:`defer_early` ends that phase just before MPI starts); from then on the request
 is kept and :func:`install` carries it over to the run, which stops at its first safe
 point. A stop signal the launcher left *blocked* (pending since the process began) is
@@ -62,8 +62,9 @@ def _handler(signum: int, frame: Optional[FrameType]) -> None:
         _reason, _signum = signal.Signals(signum).name, int(signum)
 
 
-#: The stop signals of the start-up phase (SIGINT keeps Python's KeyboardInterrupt).
-EARLY_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
+#: The stop signals of the start-up phase: SIGINT too (issue 48: a Ctrl-C during ``import
+#: torch`` is one line, not a KeyboardInterrupt traceback from every rank).
+EARLY_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _early: Optional[tuple[str, int]] = None   # a request recorded after defer_early()
 
 
@@ -86,9 +87,10 @@ def _record_early(signum: int, frame: Optional[FrameType]) -> None:
 
 def install_early() -> None:
     """The ``fedmpi`` process, first thing (before torch, numpy and MPI are imported):
-    a SIGTERM or SIGUSR1 before the run's own handlers are installed exits with
+    a SIGTERM, SIGUSR1 or SIGINT before the run's own handlers are installed exits with
     :data:`EXIT_INTERRUPTED` (75) — nothing is written yet, and 75 is what the Slurm
-    wrapper requeues — instead of dying by the signal (15). The two signals are also
+    wrapper requeues — instead of dying by the signal (15) or a traceback from every
+    rank (SIGINT, a Ctrl-C during ``import torch``). The signals are also
     unblocked, so one the launcher left blocked (pending) is acted on now."""
     if threading.current_thread() is threading.main_thread():
         for sig in EARLY_SIGNALS:

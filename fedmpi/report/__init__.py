@@ -79,9 +79,10 @@ def write_report(log: RunLog | PathLike, out_dir: str | os.PathLike | None = Non
     written (``summary.md`` last). Works on a log that is still being written
     or whose run failed (what is in the log up to its last complete round).
     Without matplotlib only ``summary.md`` is written, saying how to get the
-    plots (:data:`PLOT_HINT`; ``fedmpi report`` prints it too). Files of an
-    earlier report in ``out_dir`` are replaced only with ``overwrite``
-    (:func:`fedmpi.job.outputs.claim`).
+    plots (:data:`PLOT_HINT`; ``fedmpi report`` prints it too). An earlier report's
+    files that nobody changed since (``.fedmpi-report.json``,
+    :func:`fedmpi.job.outputs.own_files`) are derived output and are regenerated; any
+    other file there is replaced only with ``overwrite`` (:func:`fedmpi.job.outputs.claim`).
 
     Raises
     ------
@@ -98,10 +99,12 @@ def write_report(log: RunLog | PathLike, out_dir: str | os.PathLike | None = Non
 
     out = output_dir(Path(out_dir) if out_dir is not None
                      else Path(log.path).resolve().parent / "report")
-    from fedmpi.job.outputs import claim
+    from fedmpi.job.outputs import claim, own_files, record_written
 
-    refuse_links(out, (*PLOTS, "summary.md"), "a report directory")
-    claim([out / name for name in (*PLOTS, "summary.md")], overwrite, "fedmpi report")
+    refuse_links(out, (*PLOTS, "summary.md", ".fedmpi-report.json"), "a report directory")
+    own = own_files(out, "report")   # an earlier report's files, unchanged: derived, replaced
+    claim([out / name for name in (*PLOTS, "summary.md") if name not in own], overwrite,
+          "fedmpi report")
     draw = have_matplotlib()
     written: list[Path] = []
     makers = {
@@ -129,4 +132,5 @@ def write_report(log: RunLog | PathLike, out_dir: str | os.PathLike | None = Non
     write_text(summary, summary_markdown(log, target, [p.name for p in written],
                                          None if draw else PLOT_HINT))
     written.append(summary)
+    record_written(out, "report", written)
     return written

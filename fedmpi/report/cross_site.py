@@ -107,7 +107,8 @@ def plot_cross_site(log: RunLog | PathLike, path: Path) -> Path | None:
     """``cross_site.png``: one heatmap per metric, the evaluating sites down, the global
     model and the sites' local models across (a line parts them), each cell's value
     written in it, a site's own model on its own data framed; grey = undefined (AUROC of
-    a site holding one class). Losses: the reversed scale (brighter = better)."""
+    a site holding one class). The colour scale runs from the matrix's smallest to its
+    largest value. Losses: the reversed scale (brighter = better)."""
     log = as_run_log(log)
     cs = cross_site_matrices(log)
     if cs is None:
@@ -121,10 +122,12 @@ def plot_cross_site(log: RunLog | PathLike, path: Path) -> Path | None:
     for ax, name in zip(axes, names):
         a = cs.matrices[name]
         loss = name.endswith("loss")
-        bounded = not loss and np.nanmax(np.abs(np.where(np.isfinite(a), a, 0))) <= 1
+        # the colours span the matrix's own range: a fixed 0-1 scale paints 0.90-1.00 one colour
+        finite = a[np.isfinite(a)]
         im = ax.imshow(canvas.masked(a), aspect="auto", interpolation="nearest",
                        cmap=canvas.colormap("viridis_r" if loss else "viridis"),
-                       **({"vmin": 0.0, "vmax": 1.0} if bounded else {}))
+                       **({"vmin": float(finite.min()), "vmax": float(finite.max())}
+                          if finite.size else {}))
         if k <= 12:
             lo, hi = im.get_clim()
             for (i, j), v in np.ndenumerate(a):

@@ -42,6 +42,12 @@ DIGEST_KEYS: tuple[str, ...] = (
     "train.clients_per_round", "train.local_epochs", "train.local_steps", "train.batch_size",
     "train.lr", "train.momentum", "train.weight_decay", "train.grad_clip", "eval.every")
 
+#: the silo files' keys, shown without their machine directories
+#: (:func:`fedmpi.data.silos.shown_path`)
+_SILO_PATHS = ("data.silos.path", "data.silos.test", "data.silos.validation",
+               "data.silos.client_test")
+
+
 def relevant_keys(flat: dict[str, Any]) -> list[str]:
     """The config keys that matter for this run, in summary order: :data:`DIGEST_KEYS`,
     ``algorithm.server_lr``, the parameter blocks the method declares
@@ -132,8 +138,13 @@ def summary_markdown(log: RunLog | PathLike, target: float | None = None,
            "", "| key | value |", "|---|---|"]
     shown = relevant_keys(flat)
     shown += [k for k in set_keys(flat) if k not in shown]
+    from fedmpi.data.silos import shown_path
+
     for key in shown:
-        out.append(f"| {key} | {_cell(flat[key])} |")
+        value = flat[key]
+        if key in _SILO_PATHS and isinstance(value, str):   # no machine path in a report
+            value = shown_path(value)
+        out.append(f"| {key} | {_cell(value)} |")
     out += _ran_lines(log)
 
     out += ["", "## Results", "",

@@ -28,6 +28,7 @@ from fedmpi.aggregation.weighting import Weighting
 from fedmpi.comm.world import Comm
 from fedmpi.config.core import Config
 from fedmpi.context import Context
+from fedmpi.data import preprocessing
 from fedmpi.data.base import Dataset
 from fedmpi.data.partition import Partition
 from fedmpi.data.silos import build_local
@@ -226,6 +227,7 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
     with blame("algorithm.name", algo_class):   # parameters that never leave their site
         personal = algo_class.personal_names(cfg, model)
     flat = FlatModel(model, device, personal=personal)
+    preprocessing.attach(flat.model, preprocessing.describe(data))   # saved with every model file
     frozen_digest = same_frozen(comm, flat)
     accel = Accel.from_config(cfg.runtime, device)
     forward = accel.wrap(flat.model)   # compiled once, shared by training and evaluation
@@ -276,6 +278,7 @@ def build(cfg: Config, comm: Comm, plan: Callable[[int], np.ndarray],
     server = ServerParts(algo, weighting, rule, transforms, stats, num_samples)
     check_parts(cfg, server, flat.model, size)
     info = run_info(cfg, algo, weighting, list(transforms), code.model, local.files, rule)
+    info["preprocessing"] = preprocessing.describe(data)
     return Built(cfg, rank, size, device, data, partition, num_samples, flat, accel, forward, algo,
                  weighting, transforms, rule, host, hosted, ctx, reports, server,
                  num_outputs=outputs, run_info=info, frozen_digest=frozen_digest,

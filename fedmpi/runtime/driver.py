@@ -127,7 +127,7 @@ def run(cfg: Config, out_dir: Optional[str | Path] = None, comm: Optional[Comm] 
         print(f"fedmpi: error: rank {comm.rank}: interrupted twice (SIGINT); stopping every "
               "rank now, without a checkpoint", file=sys.stderr, flush=True)
         release()
-        comm.abort(130)   # the other ranks would otherwise wait in a collective
+        guard.abort_job(comm, 130)   # the other ranks would otherwise wait in a collective
         raise
     finally:
         signals.restore()
@@ -199,9 +199,10 @@ def _run(cfg: Config, out_dir: Optional[str | Path], comm: Comm, resume: bool,
         fed.log.history = opened.history   # the rounds a resumed run has logged
         try:
             trackers = open_trackers(cfg)
-        except Exception:
-            opened.writer.set_status("failed")
+        except Exception:   # an MLflow server that answers with an error: no round ran,
+            opened.writer.set_status("failed")   # so nothing may block the next plain run
             opened.writer.close()
+            guard.discard_unstarted(out, 0, resume)
             raise
         fed.log.after = after = AfterRound(cfg, _best_model(fed, out), trackers, callbacks)
         return opened.restored
@@ -287,7 +288,7 @@ def _run(cfg: Config, out_dir: Optional[str | Path], comm: Comm, resume: bool,
             time.sleep(ABORT_GRACE_SECONDS)
         print(f"fedmpi: error: {line}", file=sys.stderr, flush=True)
         release()   # abort skips run()'s finally
-        comm.abort(1)
+        guard.abort_job(comm, 1)
     finally:
         if progress is not None:
             progress.close()
@@ -300,7 +301,8 @@ def _run(cfg: Config, out_dir: Optional[str | Path], comm: Comm, resume: bool,
         return None
     log, run = fed.log, fed.status
     assert log.writer is not None, "rank 0 of a run has its log open"
-    if status != "failed":   # a failed run has no final model
+    logged = len(log.history) + (log.pending is not None)
+    if status != "failed" and guard.has_result(out, logged, resume):   # else: no final model
         # (the stop released the uplink buffers: the copy model.pt is written from does
         # not add to the peak)
         fed.built.flat.load(fed.global_state)
@@ -310,13 +312,13 @@ def _run(cfg: Config, out_dir: Optional[str | Path], comm: Comm, resume: bool,
     if after is not None:
         after.close(status)
     if status == "failed":
-        logged = len(log.history) + (log.pending is not None)
         kept = guard.discard_unstarted(out, logged, resume)
         raise RunFailed(str(run.failure), log_path=str(out / "log.h5") if kept else None)
     if status == "interrupted":
+        kept = guard.discard_unstarted(out, logged, resume)
         raise RunInterrupted(guard.interrupted_message(run.stop_reason, t, cfg.train.rounds,
-                                                       run.checkpoint_round, out),
-                             log_path=str(out / "log.h5"))
+                                                       run.checkpoint_round, out, kept),
+                             log_path=str(out / "log.h5") if kept else None)
     names = ("test_accuracy", *metrics.extra_names(cfg.eval.metrics))
     final: dict = next((h for h in reversed(log.history) if not np.isnan(h["test_accuracy"])), {})
     result = {n: float(final.get(n, float("nan"))) for n in names}

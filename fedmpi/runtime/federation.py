@@ -32,6 +32,7 @@ from fedmpi.comm.world import Comm
 from fedmpi.errors import ConfigError
 from fedmpi.job import checkpoint, signals
 from fedmpi.job.checkpoint_file import checkpoint_path
+from fedmpi.data import preprocessing
 from fedmpi.runtime import guard, silo
 from fedmpi.runtime.asynchronous import AsyncRounds, LoopCalls
 from fedmpi.runtime.build import build
@@ -148,7 +149,8 @@ class Federation:
             hosted=b.hosted, device=b.device, global_state=self.global_state,
             components=parts, clients=b.algo,
             after_resume=lambda t: b.algo.after_resume(b.ctx, t), out_dir=self._out,
-            frozen_digest=b.frozen_digest)
+            frozen_digest=b.frozen_digest,
+            preprocessing=preprocessing.of(b.flat.model) or {})
 
     # ----------------------------------------------------------------- round
     def round(self, t: int) -> int:
@@ -218,7 +220,9 @@ class Federation:
         st, b = self.status, self.built
         if st.stop_reason is None and signals.requested():
             st.stop_reason = f"{signals.requested()} on rank 0"
-            self.log.event(t, 0, -1, f"stop requested ({st.stop_reason}); checkpoint and exit")
+            # before any round there is nothing to checkpoint: the driver's line says so
+            self.log.event(t, 0, -1, f"stop requested ({st.stop_reason}); checkpoint and exit",
+                           echo=bool(self.log.history))
         cmd = CMD_ROUND
         if st.failure is not None:
             cmd = CMD_ABORT

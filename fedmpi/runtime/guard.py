@@ -164,8 +164,17 @@ def end_job(writer: Optional[LogWriter], comm, exc: BaseException, t: int) -> No
         except OutputError:
             pass
     release()
-    comm.abort(1)
+    abort_job(comm, 1)
     raise SystemExit(1)   # not reached: abort ends the process
+
+
+def abort_job(comm, code: int) -> None:
+    """End every rank with ``code`` once the launcher has read this rank's error line
+    (:func:`fedmpi.job.stdio.wait_until_read`: an abort must not overtake it)."""
+    from fedmpi.job.stdio import wait_until_read
+
+    wait_until_read()
+    comm.abort(code)
 
 
 def diverged(state: torch.Tensor, t: int, checkpoint_file: Optional[Path],
@@ -201,12 +210,19 @@ def write_failed(writer: Optional[LogWriter], comm, exc: OutputError, t: int) ->
     end_job(writer, comm, exc, t)
 
 
+def has_result(out: Path, logged: int, resume: bool) -> bool:
+    """Whether a run that ended with ``logged`` rounds in its log produced anything: a
+    round, a checkpoint, or a run it continued. One that did not writes no ``model.pt``
+    (the initial model is no result) and leaves nothing behind."""
+    return resume or logged > 0 or checkpoint_path(out).exists()
+
+
 def discard_unstarted(out: Path, logged: int, resume: bool) -> bool:
-    """Rank 0, after a fresh run failed with ``logged`` rounds in its log: a run that
-    failed in its first round (no round logged, no checkpoint) removes the ``log.h5``
-    and ``config.yaml`` it created, so nothing blocks the corrected rerun (issue 26).
-    Returns whether the log is kept."""
-    if resume or logged > 0 or checkpoint_path(out).exists():
+    """Rank 0, after a fresh run failed or was stopped with ``logged`` rounds in its log:
+    a run that ended before its first round was logged (no checkpoint) removes the
+    ``log.h5`` and ``config.yaml`` it created, so nothing blocks the next plain run
+    (issues 26, 48). Returns whether the log is kept."""
+    if has_result(out, logged, resume):
         return True
     for name in ("log.h5", "config.yaml"):   # the directory stays: it may be the user's
         (out / name).unlink(missing_ok=True)
@@ -214,13 +230,16 @@ def discard_unstarted(out: Path, logged: int, resume: bool) -> bool:
 
 
 def interrupted_message(stop_reason: Optional[str], t: int, rounds: int, checkpoint_round: int,
-                        out: Path) -> str:
+                        out: Path, kept: bool = True) -> str:
     """The stop line of a run stopped (``stop_reason``) at round ``t`` of ``rounds``:
-    which rounds the checkpoint in ``out`` holds (< ``checkpoint_round``), or that there
-    is none."""
+    which rounds the checkpoint in ``out`` holds (< ``checkpoint_round``), that there is
+    none, or (``kept`` false) that nothing of it was kept."""
     path = checkpoint_path(out)
     if checkpoint_round > 0 and path.exists():
         return (f"fedmpi: interrupted ({stop_reason}) after {t} of {rounds} rounds; checkpoint "
                 f"{path} (rounds < {checkpoint_round}); continue with: fedmpi run ... --resume")
+    if not kept:
+        return (f"fedmpi: interrupted ({stop_reason}) before round {t} was logged; nothing of "
+                "it was kept: run the same command again")
     return (f"fedmpi: interrupted ({stop_reason}) before round {t}; no checkpoint was "
             f"written, nothing to resume: start again with: fedmpi run ... --overwrite")

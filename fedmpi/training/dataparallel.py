@@ -28,6 +28,27 @@ and the backward pass sums Σ dy and Σ dy·x̂ over the silo:
 This happens only inside the step's gradient (:meth:`DataParallel.wrap`); any other
 forward pass (evaluation, a method's own measurements) is the layer's own.
 
+**Random draws are the one-rank silo's.** Every rank seeds the same streams as the
+one-rank silo (``LocalTrainer.train``: the batch order, the augmentation of the whole
+batch before it is split, DP-SGD's Poisson batches and noise), so those draws are equal
+by construction. A dropout layer (``nn.Dropout``, ``Dropout1d/2d/3d``, ``AlphaDropout``,
+``FeatureAlphaDropout``) draws its mask inside the forward from the global generator; a
+share's forward would draw a mask of the share's shape from the same state on every rank,
+i.e. rank i would reuse the first rows of the batch's mask. Inside the step's gradient
+such a layer therefore runs on the *whole* batch's shape — the share's rows at their
+place, zeros elsewhere — and keeps its share's rows::
+
+    dropout(x_S) := dropout([0; x_S; 0])[S]
+
+The layer's own kernel draws the full-batch mask from the same generator state as the
+one-rank silo, so every mask element is the one-rank silo's, on CPU and CUDA, and the
+generator ends in the same state on every rank. Cost: each dropout layer's elementwise
+work and its saved mask are the whole batch's (R× the share's) on every rank; the
+matrix products stay the share's. Not covered (documented in docs/cluster.md): a draw of
+the user's own forward outside these modules (``F.dropout``, ``torch.rand`` on the share),
+a dropout whose input does not hold the batch on dim 0, and DP-SGD's ``vmap`` way of
+per-sample gradients (:mod:`fedmpi.privacy.dpsgd`), which draws per sample of the share.
+
 What follows the gradient — the method's gradient hook, clipping, weight decay, momentum
 or Adam, the step — runs on every rank on the same summed gradient, so every rank of the
 silo ends the client's training with the same model.
@@ -77,6 +98,12 @@ class DataParallel:
                            if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         for m in self.batchnorms:
             m.forward = types.MethodType(_sync_forward(self), m)   # type: ignore[method-assign]
+        # the batch being split: its size and this rank's rows (inside the gradient)
+        self.batch: tuple[int, slice] = (0, slice(0, 0))
+        self.dropouts = [m for m in model.modules()
+                         if isinstance(m, nn.modules.dropout._DropoutNd)]
+        for d in self.dropouts:
+            d.forward = types.MethodType(_full_batch_forward(self), d)  # type: ignore[method-assign]
 
     def wrap(self, hooks: StepHooks, cfg: SGDConfig, trainer: LocalTrainer) -> StepHooks:
         """``hooks`` with the step's gradient computed on this rank's share of every batch
@@ -94,10 +121,14 @@ class DataParallel:
             n = y.numel()
             rows = share(n, reduce.rank, reduce.size)
             xs, ys = x[rows], y[rows]
+            self.batch = (n, rows)
             self.syncing = True
             try:
                 if inner is not None:
                     loss = inner.part(flat, xs, ys).detach().reshape(1).float()
+                    if not ys.numel() and self.dropouts and n:
+                        with torch.no_grad():   # the batch's masks: the generator moves on
+                            trainer.forward(xs)
                 elif ys.numel():
                     if weights is None:
                         scale: Any = ys.numel() / n
@@ -109,7 +140,9 @@ class DataParallel:
                     loss = (mean.detach() * scale * n).reshape(1).float()
                 else:
                     loss = torch.zeros(1, device=flat.device)
-                    if self.batchnorms:   # the layers' collectives run on every rank
+                    if self.batchnorms or self.dropouts:
+                        # the layers' collectives run, and the batch's masks are drawn,
+                        # on every rank
                         (trainer.forward(xs).sum() * 0.0).backward()
             finally:
                 self.syncing = False
@@ -131,6 +164,26 @@ def _sync_forward(dp: DataParallel):
             factor = (1.0 / float(m.num_batches_tracked) if m.momentum is None
                       else float(m.momentum))
         return _SyncBatchNorm.apply(x, m.weight, m.bias, m, dp, factor)
+    return forward
+
+
+#: the input rank at which a channel dropout holds the batch on dim 0 (below it the
+#: input is one unbatched sample)
+_BATCHED_DIM = {nn.Dropout1d: 3, nn.Dropout2d: 4, nn.Dropout3d: 5}
+
+
+def _full_batch_forward(dp: DataParallel):
+    def forward(m: nn.modules.dropout._DropoutNd, x: torch.Tensor) -> torch.Tensor:
+        n, rows = dp.batch
+        own = type(m).forward
+        if (not (dp.syncing and m.training) or x.dim() != _BATCHED_DIM.get(type(m), x.dim())
+                or x.dim() == 0 or x.shape[0] != rows.stop - rows.start
+                or torch._C._functorch.is_functorch_wrapped_tensor(x)):
+            return own(m, x)
+        rest = x.shape[1:]
+        full = torch.cat([x.new_zeros((rows.start, *rest)), x,
+                          x.new_zeros((n - rows.stop, *rest))])
+        return own(m, full)[rows]
     return forward
 
 
