@@ -31,7 +31,11 @@ by β·Δ per participation, Δ ≈ lr·τ/(1 − ρ)·g. The paper (lr 0.01, 5 
 participations) has β·lr·τ/(1 − ρ) ≈ 0.6 per participation; here (lr 0.05, 2 epochs on ~70
 samples: τ ≈ 7, 50 % sampling, h on for 7 rounds ≈ 3 participations, the first with λ = 0)
 it is ≈ 0.09. The arm measures that ratio (``lambda_over_grad``: mean over the steps where
-h λ ≠ 0, from a probe that only reads the gradient) instead of trusting the estimate.
+h λ ≠ 0, from a probe that only reads the gradient) instead of trusting the estimate: it
+measured 0.24–0.71 at the defaults, because the paper's sign feeds λ back into itself. With
+c = lr·τ/(1 − ρ), a participation moves Δ ≈ −c·(ḡ − h λ), so λ ← λ + βΔ = (1 + βc)·λ − βc·ḡ:
+λ grows geometrically while h = 1, by 1 + βc per participation (FedLAGC's switch-off at
+⌊T/4⌋ is what bounds it; ``gc_strong`` at β = 1 diverged, ‖hλ‖/‖g‖ ≈ 1e13).
 
 Every (arm, seed) is one in-process run through :func:`paper_direction.one_run` (its cache,
 its ``runtime.threads=1`` on CPU); the wall time of each run is recorded (the machine is
