@@ -445,6 +445,46 @@ def test_sign_and_first_participation_options():
                                atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("norm", ["global", "per_tensor_sum"])
+def test_relative_radius_is_lambda_times_the_last_global_update(norm):
+    """radius: relative gives e = λ_g·‖θ^2 − θ^1‖·δ/‖δ‖ (both norms of the kind ``norm``),
+    from the broadcast global models by hand; the same run with radius: absolute gives
+    λ_g·δ/‖δ‖. The radius scales with the update: a 10× larger λ_g·‖Δ̄‖ is a 10× longer e."""
+    def norm_of(fed, v: torch.Tensor) -> float:
+        if norm == "global":
+            return float(torch.linalg.vector_norm(v))
+        return sum(float(torch.linalg.vector_norm(v[s.slice])) for s in fed.built.flat.param_segments)
+
+    got = {}
+    for radius in ("relative", "absolute"):
+        fed = make_fed(**{"data.num_clients": 5, "algorithm.fedgps.static": False,
+                          "data.partition.min_size": 10, "algorithm.fedgps.radius": radius,
+                          "algorithm.fedgps.lambda_g": 0.3, "algorithm.fedgps.norm": norm})
+        fixed_participants(fed, [[0, 1], [1, 2, 3], [0, 1, 4]])
+        algo: FedGPS = fed.built.algo
+        P = fed.built.flat.num_params
+        fed.round(0)
+        theta1 = fed.global_state[:P].clone()
+        fed.round(1)
+        dbar = fed.global_state[:P].clone() - theta1
+        d = {k: algo.last_delta[k].clone() for k in (1, 2, 3)}
+        algo.begin_round(2, fed.policy.participants(2), fed.global_state, fed.view.extras)
+        assert algo.perturbation(1, 2) and algo.perturbation(0, 2)   # δ = Δ̄ for client 0
+        e0 = algo._e.clone()
+        assert algo.perturbation(1, 2)
+        others = (d[2] + d[3]) / 2
+        rho = 0.3 * (norm_of(fed, dbar) if radius == "relative" else 1.0)
+        torch.testing.assert_close(algo._e, rho * others / norm_of(fed, others),
+                                   atol=1e-7, rtol=1e-5)
+        torch.testing.assert_close(e0, rho * dbar / norm_of(fed, dbar), atol=1e-7, rtol=1e-5)
+        got[radius] = algo._e.clone()
+    assert abs(norm_of(fed, dbar) - 1.0) > 0.02      # ‖Δ̄‖ ≠ 1: the two radii differ
+    assert not torch.allclose(got["relative"], got["absolute"])
+    algo.lambda_g = 3.0
+    assert algo.perturbation(1, 2)
+    torch.testing.assert_close(algo._e, 10 * got["absolute"], atol=1e-6, rtol=1e-5)
+
+
 def test_presets_and_explicit_keys():
     """preset paper/authors set each source's values; a key set explicitly wins."""
     paper = make_fed(**{"algorithm.fedgps.preset": "paper"}).built.algo

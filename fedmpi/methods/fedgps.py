@@ -67,6 +67,16 @@ restores the weights and steps on the unperturbed ones (Eq. 8)::
     g  = ∇F_k(θ')               then θ ← θ' is undone by an exact copy back
     g  ← clip(g, 10) (+ wd·θ, momentum)  and  θ ← θ − lr·b   (the shared SGD loop)
 
+**Radius** (``algorithm.fedgps.radius``; beyond the paper). ``absolute`` (default, the
+paper's Eq. 7): ρ = λ_g, a fixed distance in parameter space — tuned for ResNet-18 on
+CIFAR, it is 1–3 whole rounds of the quickstart CNN's global update. ``relative``:
+ρ_t = λ_g·‖Δ̄^t‖, a fraction of the last global update Δ̄^t = θ^t − θ^{t−1} (measured
+in the norm of δ; every worker holds Δ̄^t already). The argument is the paper's own
+(App. B.4): the gradient at θ + ρ·δ/‖δ‖ is read as ∇F_k(θ) + ρ·H δ/‖δ‖, a first-order
+expansion that holds only while ρ stays inside the region the model actually moves
+through; one round's global update is that region's scale, whatever the model's size,
+its parametrisation or the round's learning rate, and it shrinks as training converges.
+
 The perturbation touches parameters only (BatchNorm running statistics are
 updated by the forward pass at θ', as in the code). Clipping is
 ``train.grad_clip`` (set to 10 in the FedGPS configs).
@@ -200,6 +210,10 @@ class FedGPSParams:
     static: bool = param(True, "FedGPS surrogate-alignment objective (Eq. 6)")
     dynamic: bool = param(True, "FedGPS non-self-gradient rectification (Eq. 7-8)")
     lambda_g: float = param(0.5, "FedGPS perturbation radius lambda_g", ge=0)
+    radius: str = param('absolute', "FedGPS radius: absolute = lambda_g (Eq. 7, the paper) or "
+                                    "relative = lambda_g times the norm of the last global "
+                                    "update theta^t - theta^(t-1)",
+                        choices=('absolute', 'relative'))
     norm: str | None = param(None, "norm of delta: global L2 or code's sum of per-tensor L2; "
                                    "null = preset (default global)",
                                    choices=('global', 'per_tensor_sum'))
@@ -267,6 +281,7 @@ class FedGPS(Algorithm):
         self.static, self.dynamic = bool(g.static), bool(g.dynamic)
         o = self.options = resolve_options(g)
         self.lambda_g, self.norm_kind = float(g.lambda_g), o["norm"]
+        self.relative = g.radius == "relative"
         self.lambda1, self.w_surrogate = float(o["lambda1"]), float(o["surrogate_supcon"])
         self.lambda2, self.temperature = float(o["lambda2"]), float(g.temperature)
         self.align_shifted = o["align_labels"] == "shifted"
@@ -392,16 +407,23 @@ class FedGPS(Algorithm):
             return torch.linalg.vector_norm(v)
         return sum(torch.linalg.vector_norm(v[s.slice]) for s in self.param_segments)
 
+    def radius(self, t: int) -> float:
+        """ρ_t = λ_g (``radius: absolute``, Eq. 7) or λ_g·‖Δ̄^t‖ (``relative``), with
+        Δ̄^t = θ^t − θ^{t−1} the last global update in the norm of δ (module docstring)."""
+        if not self.relative:
+            return self.lambda_g
+        return self.lambda_g * float(self._norm(self._dbar))
+
     def perturbation(self, k: int, t: int) -> bool:
-        """Set the step perturbation e = ±λ_g δ/‖δ‖ for client k (+ along the
-        others' update, − against it: ``sign``); False if none."""
+        """Set the step perturbation e = ±ρ_t δ/‖δ‖ for client k (+ along the
+        others' update, − against it: ``sign``; ρ_t: :meth:`radius`); False if none."""
         delta = self.nonself_gradient(k, t)
         if delta is None or self.lambda_g == 0:
             return False
-        norm = float(self._norm(delta))
-        if not (norm > 0 and np.isfinite(norm)):
+        norm, rho = float(self._norm(delta)), self.radius(t)
+        if not (norm > 0 and np.isfinite(norm) and rho > 0 and np.isfinite(rho)):
             return False
-        delta.mul_(self.sign * self.lambda_g / norm)
+        delta.mul_(self.sign * rho / norm)
         return True
 
     # ----------------------------------------------------------------- client
