@@ -30,6 +30,10 @@ x axis are the round numbers of the log, counted from 0):
 ``cross_site.png``         the cross-site validation (``eval.cross_site``): per
                            metric, the sites' held-out data down, the global
                            model and each site's local model across
+``arrivals.png``           a deadline or buffered run (``round.mode``): the
+                           staleness of every aggregated update, sites x
+                           server steps, and each update's arrival time with
+                           the step's (virtual or wall clock)
 =========================  =====================================================
 
 One module per job; every name is importable from ``fedmpi.report``:
@@ -39,6 +43,8 @@ One module per job; every name is importable from ``fedmpi.report``:
 - :mod:`~fedmpi.report.heatmaps` — client weights, gradient norms, partition;
 - :mod:`~fedmpi.report.costs` — time and bytes per round;
 - :mod:`~fedmpi.report.cross_site` — the cross-site validation's heatmaps and tables;
+- :mod:`~fedmpi.report.arrivals` — arrivals, staleness and participation of a deadline or
+  buffered run;
 - :mod:`~fedmpi.report.derived` — what plots and summary both show (the round's
   time split :func:`time_split`, titles, level labels);
 - :mod:`~fedmpi.report.canvas` — matplotlib (the ``plot`` extra, Agg canvas only);
@@ -56,6 +62,7 @@ from fedmpi.log.schema import PathLike
 from fedmpi.log.reader import RunLog, as_run_log
 from fedmpi.job.safefile import refuse_links, write_text
 
+from fedmpi.report.arrivals import plot_arrivals
 from fedmpi.report.canvas import PLOT_HINT, have_matplotlib
 from fedmpi.report.costs import plot_bytes, plot_time
 from fedmpi.report.cross_site import plot_cross_site
@@ -68,7 +75,7 @@ from fedmpi.report.summary import summary_markdown
 #: File names of the plots, in the order the summary lists them.
 PLOTS: tuple[str, ...] = ("accuracy.png", "metrics.png", "client_weights.png", "fedvg_grad_norm.png",
                           "partition.png", "level_accuracy.png", "time_per_round.png",
-                          "bytes_per_round.png", "cross_site.png")
+                          "bytes_per_round.png", "cross_site.png", "arrivals.png")
 
 
 def write_report(log: RunLog | PathLike, out_dir: str | os.PathLike | None = None,
@@ -120,6 +127,7 @@ def write_report(log: RunLog | PathLike, out_dir: str | os.PathLike | None = Non
         "time_per_round.png": lambda p: plot_time(log, p),
         "bytes_per_round.png": lambda p: plot_bytes(log, p),
         "cross_site.png": lambda p: plot_cross_site(log, p),
+        "arrivals.png": lambda p: plot_arrivals(log, p),
     }
     for name in PLOTS:
         path = out / name

@@ -1,6 +1,7 @@
 """``summary.md`` of ``fedmpi report``: the config digest and the keys that matter for the
 run's method, what ran (``run_info``), results, time per round, clients and exclusions,
-the server rule's per-client columns, and the events, as Markdown tables.
+the server rule's per-client columns, a deadline or buffered run's arrivals and staleness,
+and the events, as Markdown tables.
 
 Rounds: "round t" is always the log's ``/rounds/round`` index, counted from 0
 (as in ``fedmpi compare``, the events and the plots' x axes); counts of rounds
@@ -22,6 +23,7 @@ from fedmpi.compare.runs import config_value, run_config, run_metrics
 from fedmpi.log.schema import PathLike
 from fedmpi.log.reader import RunLog, as_run_log
 
+from fedmpi.report.arrivals import arrival_lines
 from fedmpi.report.cross_site import cross_site_lines
 from fedmpi.report.site_models import site_model_lines
 from fedmpi.report.derived import (METRIC_LABELS, OVERLAPPED, TIME_PARTS, byte_unit, level_labels,
@@ -187,6 +189,7 @@ def summary_markdown(log: RunLog | PathLike, target: float | None = None,
     out += _rule_lines(log)
     out += cross_site_lines(log)
     out += site_model_lines(log)
+    out += arrival_lines(log)
     out += ["", "## Events", ""]
     out += _event_lines(log)
     if plots or plots_note:
