@@ -64,7 +64,7 @@ def main() -> None:
                     secs.append(time.perf_counter() - t0)
                     acc.append(res.metrics["test_accuracy"])
                     with h5py.File(res.log_path, "r") as f:
-                        up.append(float(np.mean(f["rounds/bytes_up"][:])))
+                        up.append(float(np.mean(f["rounds/bytes_up_encoded"][:])))
                         # the final round alone swings by points on non-IID silos
                         last.append(float(np.mean(f["rounds/test_accuracy"][-5:])))
                 rows.append({"data": data, "uplink": name, "accuracy": acc, "last5": last,

@@ -63,7 +63,7 @@ def main() -> None:
             continue
         acc = 100 * np.array([L.arrays["submodel/level_accuracy"][-args.last:].mean(0) for L in logs])
         glob = acc.mean(1)
-        mb = float(np.mean([L.rounds["bytes_up"].mean() / 1e6 for L in logs]))
+        mb = float(np.mean([L.rounds["bytes_up_encoded"].mean() / 1e6 for L in logs]))
         cells = [f"{m:.1f} ± {s:.1f}" for m, s in zip(acc.mean(0), acc.std(0))]
         print(f"| {label} | " + " | ".join(cells) + f" | {glob.mean():.1f} ± {glob.std():.1f} | {mb:.2f} |")
         result[key] = {"level_mean": acc.mean(0).tolist(), "level_std": acc.std(0).tolist(),

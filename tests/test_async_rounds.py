@@ -29,7 +29,7 @@ def test_buffered_is_the_same_run_at_any_world_size_with_fedasync_weights(tmp_pa
     """FedBuff with B = 2 and s(τ) = (τ+1)^-0.5: -n 1 and -n 3 give the same bits; every
     logged weight is the polynomial of the logged staleness t − version, and some update
     is stale (the slow client's)."""
-    logs, _ = _run(tmp_path, "--set", "round.mode=buffered", "--set", "round.buffer=2",
+    logs, models = _run(tmp_path, "--set", "round.mode=buffered", "--set", "round.buffer=2",
                    "--set", "round.staleness=polynomial", "--set", "round.staleness_a=0.5")
     assert_same_bits(tmp_path / "n1", tmp_path / "n3")
     for name in ("arrival_seconds",):   # simulated, so the same too
@@ -44,6 +44,13 @@ def test_buffered_is_the_same_run_at_any_world_size_with_fedasync_weights(tmp_pa
     assert tau.max() >= 1, "no stale update: the test would not see the weights"
     assert np.allclose(weight[took], (tau + 1.0) ** -0.5, rtol=0, atol=1e-12)
     assert np.all(np.diff(logs[1].rounds["virtual_seconds"]) > 0)
+    # bytes are those handed to MPI: none at world size 1; at -n 3 each job is its int64
+    # header and θ (float32, D entries) down, each update its float64 metadata and float32
+    # row up — the same number of jobs as updates plus those still in flight at the end
+    assert logs[1].rounds["bytes_up"].sum() == logs[1].rounds["bytes_down"].sum() == 0
+    D = sum(v.numel() for v in models[3].values() if v.is_floating_point())
+    down = logs[3].rounds["bytes_down"]
+    assert down.sum() > 0 and np.all(down % (4 * 8 + 4 * D) == 0), (down, D)
 
 
 def test_deadline_carry_is_the_same_run_at_any_world_size(tmp_path):

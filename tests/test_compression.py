@@ -114,7 +114,7 @@ BASE = ["data.num_clients=6", "train.clients_per_round=4", "train.local_epochs=1
 
 def _bytes_up(out) -> tuple[np.ndarray, np.ndarray]:
     with h5py.File(out / "log.h5", "r") as f:
-        return f["rounds/bytes_up"][:], f["clients/selected"][:].sum(1)
+        return f["rounds/bytes_up_encoded"][:], f["clients/selected"][:].sum(1)
 
 
 def test_logged_bytes_and_checkpointed_error(tmp_path):
@@ -153,7 +153,7 @@ def test_client_dp_is_accounted_as_before(tmp_path):
                      out=tmp_path / "bf16")
     with h5py.File(plain.log_path) as f, h5py.File(packed.log_path) as g:
         assert f["rounds/epsilon"][:] == pytest.approx(g["rounds/epsilon"][:], rel=0, abs=0)
-        assert np.array_equal(g["rounds/bytes_up"][:] * 2, f["rounds/bytes_up"][:])
+        assert np.array_equal(g["rounds/bytes_up_encoded"][:] * 2, f["rounds/bytes_up_encoded"][:])
 
 
 @pytest.mark.parametrize("uplink", ["bf16", "topk"])
@@ -195,7 +195,7 @@ def test_int8_with_error_feedback_does_not_depend_on_world_size(tmp_path):
         ["run", "configs/quickstart.yaml", *SMALL, "--set", "compression.uplink=int8",
          "--set", "runtime.reduction=exact"], tmp_path)
     assert all(torch.equal(models[1][n], models[3][n]) for n in models[1])
-    assert np.array_equal(logs[1].rounds["bytes_up"], logs[3].rounds["bytes_up"])
+    assert np.array_equal(logs[1].rounds["bytes_up_encoded"], logs[3].rounds["bytes_up_encoded"])
 
 
 def test_bf16_downlink(tmp_path, x):
@@ -211,8 +211,8 @@ def test_bf16_downlink(tmp_path, x):
     down = api.run("configs/quickstart.yaml", over + ["compression.downlink=bf16"],
                    out=tmp_path / "down")
     with h5py.File(plain.log_path) as f, h5py.File(down.log_path) as g:
-        assert np.array_equal(g["rounds/bytes_down"][:] * 2, f["rounds/bytes_down"][:])
-        assert np.array_equal(g["rounds/bytes_up"][:], f["rounds/bytes_up"][:])
+        assert np.array_equal(g["rounds/bytes_down_encoded"][:] * 2, f["rounds/bytes_down_encoded"][:])
+        assert np.array_equal(g["rounds/bytes_up_encoded"][:], f["rounds/bytes_up_encoded"][:])
     a = torch.load(plain.out_dir / "model.pt", weights_only=True)
     b = torch.load(down.out_dir / "model.pt", weights_only=True)
     assert not all(torch.equal(a[n], b[n]) for n in a)    # trained from θ̂, not θ
@@ -354,7 +354,7 @@ def test_int8_secure_run_moves_the_model_by_the_decoded_code_sum(tmp_path, monke
     assert np.abs(theta1 - per_client).max() > 1e-5
     D = theta0.size
     with h5py.File(out / "log.h5", "r") as f:
-        assert f["rounds/bytes_up"][:].tolist() == [4 * (2 * D + 8 * math.ceil(D / 256))]
+        assert f["rounds/bytes_up_encoded"][:].tolist() == [4 * (2 * D + 8 * math.ceil(D / 256))]
         assert int(f["compression"].attrs["ring_bits"]) == 16
         assert int(f["compression"].attrs["code_levels"]) == (2 ** 15 - 1) // 4
 

@@ -86,6 +86,6 @@ def test_lora_example_under_mpiexec(tmp_path):
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert trainable < sum(p.numel() for p in model.parameters()) // 10
     with h5py.File(tmp_path / "log.h5", "r") as f:
-        assert list(f["rounds/bytes_up"][:]) == [4 * trainable * 2]
+        assert list(f["rounds/bytes_up_encoded"][:]) == [4 * trainable * 2]
     state = torch.load(tmp_path / "model.pt", weights_only=True)
     assert sum(v.numel() for v in state.values()) == sum(v.numel() for v in model.state_dict().values())

@@ -329,10 +329,10 @@ def test_world_size_invariance_and_log(tmp_path):
     kept = np.rint(kr * sizes).sum(axis=2)                     # [R, V]
     sel = log.clients["selected"]
     expect = [4 * kept[t, log.clients["level"][sel[t]]].sum() for t in range(3)]
-    np.testing.assert_array_equal(log.rounds["bytes_up"], expect)
-    np.testing.assert_array_equal(log.rounds["bytes_down"], expect)
+    np.testing.assert_array_equal(log.rounds["bytes_up_encoded"], expect)
+    np.testing.assert_array_equal(log.rounds["bytes_down_encoded"], expect)
     full = 4 * sizes.sum() * sel.sum(axis=1)
-    assert (log.rounds["bytes_up"] < full).all()
+    assert (log.rounds["bytes_up_encoded"] < full).all()
     np.testing.assert_allclose(kept[:, 0], sizes.sum())        # level 1 keeps everything
     assert log.rounds["test_accuracy"][-1] > 0.3
 

@@ -91,7 +91,7 @@ def test_frozen_backbone_travels_not(tmp_path, setting):
     overrides, vectors = SETTINGS[setting]
     api.run("configs/quickstart.yaml", BASE + overrides, model=frozen_mlp, out=out)
     with h5py.File(out / "log.h5", "r") as f:
-        up = f["rounds/bytes_up"][:]
+        up = f["rounds/bytes_up_encoded"][:]
         selected = f["clients/selected"][:].sum(1)
     # the trainable parameters only (no float buffers here): 394 of the model's 2,474
     assert np.array_equal(up, 4 * 394 * vectors * selected), (up, selected)

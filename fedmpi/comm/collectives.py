@@ -64,8 +64,7 @@ class Collectives(PointToPoint):
         flat = buf.reshape(-1)
         self._stream(list(self._chunks(flat.size, flat.dtype)),
                      lambda s: self.comm.Ibcast(flat[s], root=root), what, patient)
-        sent = flat.nbytes * (self.size - 1) if self.rank == root else 0
-        self.traffic.add("bcast", sent, time.perf_counter() - t0)
+        self.traffic.add("bcast", flat.nbytes if self.rank == root else 0, time.perf_counter() - t0)
 
     def reduce_sum(self, sendbuf: Optional[np.ndarray], recvbuf: np.ndarray | None,
                    root: int = 0, what: str = "Reduce", patient: bool = True,
@@ -100,21 +99,37 @@ class Collectives(PointToPoint):
             count, dtype = ref.size, ref.dtype
         assert dtype is not None
         self._chain_reduce(send, recv, count, np.dtype(dtype), root, what, patient)
-        self.traffic.add("reduce", 0 if self.rank == root else count * np.dtype(dtype).itemsize,
+        self.traffic.add("reduce", self.reduce_sent(self.rank, count, dtype, root),
                          time.perf_counter() - t0)
 
-    def _chain_reduce(self, send: Optional[np.ndarray], recv: Optional[np.ndarray], n: int,
-                      dtype: np.dtype, root: int, what: str, patient: bool) -> None:
-        """The chain of :meth:`reduce_sum` on this rank (its docstring)."""
-        r, size = self.rank, self.size
-        if self._chain is None:   # collective: every rank reaches its first reduce together
-            self._chain = self.comm.Dup()
-        chain = self._chain
+    def _links(self, r: int, root: int) -> tuple[Optional[int], Optional[int], int]:
+        """Rank ``r``'s place in the chain of :meth:`reduce_sum`: (the rank it receives
+        from, the rank it sends to, the last rank of the chain); None: none."""
+        size = self.size
         last = 0 if size == 2 else size - 1          # holds the total after the chain
         source = None if r == 1 else 1 if r == 0 else 0 if r == 2 else r - 1
         dest = 0 if r == 1 else 2 if r == 0 and size > 2 else r + 1 if 1 < r < last else None
         if r == last:
             dest = None if root == last else root
+        return source, dest, last
+
+    def reduce_sent(self, rank: int, count: int, dtype: np.dtype | type, root: int = 0) -> int:
+        """Bytes rank ``rank`` hands MPI in :meth:`reduce_sum` of ``count`` elements of
+        ``dtype``: the whole message once if it sends on in the chain (rank 1, and at
+        world size > 2 every rank but the root that is not last), else 0."""
+        if self.size == 1:
+            return 0
+        _, dest, _ = self._links(rank, root)
+        return count * np.dtype(dtype).itemsize if dest is not None else 0
+
+    def _chain_reduce(self, send: Optional[np.ndarray], recv: Optional[np.ndarray], n: int,
+                      dtype: np.dtype, root: int, what: str, patient: bool) -> None:
+        """The chain of :meth:`reduce_sum` on this rank (its docstring)."""
+        r = self.rank
+        if self._chain is None:   # collective: every rank reaches its first reduce together
+            self._chain = self.comm.Dup()
+        chain = self._chain
+        source, dest, last = self._links(r, root)
         total_from = last if r == root and root != last else None
         tag = TOTAL_TAG if r == last else PART_TAG
         pieces = list(self._chunks(n, dtype))
@@ -287,9 +302,10 @@ class Collectives(PointToPoint):
         if send.size * self.size <= self.chunk(send.dtype):
             req = self.comm.Igather(send, recvbuf if self.rank == root else None, root=root)
             self._wait([req], what, patient)
-        else:
+        else:   # gatherv_rows counts its bytes
             out = recvbuf.reshape(self.size, send.size) if self.rank == root else None
             self.gatherv_rows(send.reshape(1, -1), out, [1] * self.size, root, what, patient)
+            return
         self.traffic.add("gather", 0 if self.rank == root else sendbuf.nbytes, time.perf_counter() - t0)
 
     def gather_processes(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None,
@@ -324,7 +340,9 @@ class Collectives(PointToPoint):
         if self.size == 1:
             np.copyto(recvbuf, sendbuf)
             return
+        t0 = time.perf_counter()
         self._allreduce(sendbuf, recvbuf, self.MPI.MAX, what)
+        self.traffic.add("allreduce", sendbuf.nbytes, time.perf_counter() - t0)
 
     def max_int(self, value: int, what: str = "Allreduce") -> int:
         """Max of an integer over all ranks (setup agreement on error codes)."""
@@ -333,6 +351,7 @@ class Collectives(PointToPoint):
         send = np.array([value], dtype=np.int64)
         recv = np.zeros(1, dtype=np.int64)
         self._wait([self.comm.Iallreduce(send, recv, op=self.MPI.MAX)], what)
+        self.traffic.add("allreduce", send.nbytes, 0.0)
         return int(recv[0])
 
     def barrier(self, what: str = "Barrier") -> None:

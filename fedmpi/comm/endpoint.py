@@ -68,9 +68,17 @@ class CommTimeout(RuntimeError):
     """A collective did not complete within ``runtime.round_timeout``."""
 
 
+#: operations inside a silo (``runtime.ranks_per_silo``: its ranks' sums and relays), not on
+#: the federation's links
+SILO_OPS = ("group",)
+
+
 @dataclass
 class Traffic:
-    """Bytes this rank moved through MPI, by operation."""
+    """Bytes this rank handed MPI to send, by operation: a point-to-point message's
+    buffer, a ``Bcast``'s buffer at its root (once: MPI forwards it to the other ranks),
+    a sum's or a gather's send buffer (the reduction chain's pieces as each rank sends
+    them; a gather's root sends nothing). Nothing where the world size is 1 (no message)."""
 
     sent: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -78,6 +86,10 @@ class Traffic:
     def add(self, op: str, nbytes: int, seconds: float) -> None:
         self.sent[op] = self.sent.get(op, 0) + int(nbytes)
         self.seconds[op] = self.seconds.get(op, 0.0) + seconds
+
+    def wire(self) -> int:
+        """Bytes handed to MPI on the federation's communicator (:data:`SILO_OPS` left out)."""
+        return sum(n for op, n in self.sent.items() if op not in SILO_OPS)
 
     def total_seconds(self) -> float:
         return sum(self.seconds.values())

@@ -426,6 +426,12 @@ class RuntimeConfig(CopyOnRead):
                            "client-id order on rank 0 (bit-identical for every world size "
                            "and rank layout at pinned runtime.threads; evaluation not "
                            "sharded)", choices=("default", "exact"))
+    wire: str = param("float64", "number type of the summed uplink statistics between ranks "
+                      "(runtime.reduction: default, no secure aggregation): float64 = each "
+                      "rank's partial sum as it is, the same float32 model at any world size "
+                      "in practice; float32 = half the bytes, each partial sum rounded once, "
+                      "so the model depends on the world size in the last bits "
+                      "(docs/large-models.md)", choices=("float64", "float32"))
     ranks_per_silo: int = param(1, "ranks that train each silo's clients together, "
                                 "data-parallel: each takes its share of every batch and the "
                                 "gradients are summed over them every step; the workers "

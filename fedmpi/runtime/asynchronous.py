@@ -183,7 +183,9 @@ class AsyncRounds:
         #: runtime.replay: the recorded steps' (client, version, weight)
         self.record = read_record(cfg) if cfg.runtime.replay else None
         self.now = 0.0
-        self.sent_down = 0
+        #: bytes handed to MPI since the last step: jobs sent, updates received (every
+        #: update that arrived, also one the policy then drops)
+        self.sent_down = self.received_up = 0
         # a worker: one update in flight
         self.up_meta = np.zeros(self.meta_len, dtype=np.float64)
         self.up_row = torch.zeros(self.plan.row_size, dtype=torch.float32)
@@ -260,6 +262,8 @@ class AsyncRounds:
 
     def _arrive(self, client: int) -> None:
         flight = self.flights.pop(client)
+        if flight.reqs:   # a message (not a job rank 0 trained itself at world size 1)
+            self.received_up += flight.meta.nbytes + flight.row.numpy().nbytes
         self.arrived[flight.job] = flight
         assert self.mode is not None
         if int(flight.meta[M_STATUS]) == STATUS_FAILED:
@@ -290,9 +294,6 @@ class AsyncRounds:
         if job.version not in self.buffers and self.P < D:
             self.buffers[job.version] = state[self.P: D].clone()
         end = self.clock() + self.duration(job) if self.virtual else INF
-        # a job's message: its int64 header and θ_v (counted alike when rank 0 hosts the
-        # client at world size 1, so the log does not depend on the world size)
-        self.sent_down += 4 * 8 + state.numel() * state.element_size()
         if dest == 0:   # world size 1: rank 0 trains the job itself, now
             meta = np.zeros(self.meta_len, dtype=np.float64)
             row = torch.zeros(self.plan.row_size, dtype=torch.float32, device=self.b.device)
@@ -304,6 +305,7 @@ class AsyncRounds:
             self.versions[job.version] = (state.detach().to("cpu", copy=True), [])
         theta, sends = self.versions[job.version]
         head = np.array([CMD_JOB, job.client, job.version, 0], dtype=np.int64)
+        self.sent_down += head.nbytes + theta.numpy().nbytes   # what this job hands MPI
         reqs = self.comm.start_send(head, dest, HEAD_TAG)
         self.heads.append((head, reqs))
         sends.append(self.comm.start_send(theta.numpy(), dest, STATE_TAG))
@@ -336,7 +338,6 @@ class AsyncRounds:
         version = np.full(K, np.nan)
         weight = np.full(K, np.nan)
         arrival = np.full(K, np.nan)
-        bytes_up = 0
         for i, u in enumerate(updates):
             f = self.arrived.pop(u.job)
             k = u.job.client
@@ -354,7 +355,6 @@ class AsyncRounds:
                 if stat.combine == "weighted" and u.weight != 1.0:
                     rows[i, off:off + stat.size].mul_(u.weight)
             version[k], weight[k], arrival[k] = u.job.version, u.weight, u.arrived
-            bytes_up += f.meta.nbytes + f.row.numpy().nbytes
         for u in step.dropped:
             self.arrived.pop(u.job, None)
             self.round_reports.event(f"update of client {u.job.client} (from step {u.job.version}, "
@@ -369,8 +369,8 @@ class AsyncRounds:
         rep.scalar("virtual_seconds" if self.virtual else "elapsed_seconds", step.time)
         if step.missing:
             rep.event(f"round {t} closed without clients {list(step.missing)} (still training)")
-        self.calls.server_step(t, up, t_start, (bytes_up, self.sent_down))
-        self.sent_down = 0
+        self.calls.server_step(t, up, t_start, (self.received_up, self.sent_down))
+        self.sent_down = self.received_up = 0
         live = {f.job.version for f in self.flights.values()} | \
             {j.version for j in self.arrived} | {j.version for _, js in self.queue for j in js}
         for v in [v for v in self.buffers if v not in live and v < t + 1]:

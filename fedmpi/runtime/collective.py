@@ -132,21 +132,28 @@ class CollectiveExchange:
     def __init__(self, comm: Comm, plan: UplinkPlan, state_size: int, extras_size: int,
                  num_clients: int, max_local: int, max_rows: int, host: np.ndarray,
                  device: torch.device, codec: Optional[UplinkCodec] = None,
-                 meta_fields: int = len(META_FIELDS)) -> None:
+                 meta_fields: int = len(META_FIELDS), wire: str = "float64") -> None:
         self.comm = comm
         self.rank, self.size = comm.rank, comm.size
         self.is_server = self.rank == 0
         self.plan, self.D, self.K, self.host, self.device = plan, state_size, num_clients, host, device
         self.header = np.zeros(HEADER + num_clients, dtype=np.int64)
         self.state = Mirror((state_size + extras_size,), torch.float32, device)
-        # metadata rows [K, F] + one stop-signal slot per rank, summed by one Allreduce
+        # metadata rows [K, F] + one stop-signal slot per rank + per rank the bytes it
+        # handed MPI in the round (up, down), summed by one Allreduce
         self.meta_fields = meta_fields
         nmeta = num_clients * meta_fields
-        self.up_send = np.zeros(nmeta + self.size, dtype=np.float64)
+        self.up_send = np.zeros(nmeta + 3 * self.size, dtype=np.float64)
         self.up_recv = np.zeros_like(self.up_send)
         self.meta_send = self.up_send[:nmeta].reshape(num_clients, meta_fields)
         self.meta_recv = self.up_recv[:nmeta].reshape(num_clients, meta_fields)
-        self.signal_send, self.signal_recv = self.up_send[nmeta:], self.up_recv[nmeta:]
+        end = nmeta + self.size
+        self.signal_send, self.signal_recv = self.up_send[nmeta:end], self.up_recv[nmeta:end]
+        self.moved_send = self.up_send[end:].reshape(self.size, 2)
+        self.moved_recv = self.up_recv[end:].reshape(self.size, 2)
+        self._down = 0   # bytes this rank handed MPI in the round's control and send_state
+        self._mark = 0   # its traffic when the round's uplink began (after send_state)
+        self._early_up = 0   # … and the codec's handshake before the round's header
         self.err_send = np.zeros(ERR_BYTES, dtype=np.uint8)
         self.err_recv = np.zeros((self.size, ERR_BYTES), dtype=np.uint8)
         # float64 sums: partial sums from any rank layout round to the same float32
@@ -158,13 +165,20 @@ class CollectiveExchange:
         self.red_recv = Mirror((plan.reduce_size,), torch.float64, device) if self.is_server else None
         # an encoded uplink (secure aggregation): the int64 codes that travel instead
         self.codec = codec if plan.reduce_size else None
-        wire = self.codec.wire_dtype if self.codec is not None else np.dtype(np.int64)
-        self.sealed_send = np.zeros(plan.reduce_size if self.codec and hosts else 0, dtype=wire)
+        words = self.codec.wire_dtype if self.codec is not None else np.dtype(np.int64)
+        self.sealed_send = np.zeros(plan.reduce_size if self.codec and hosts else 0, dtype=words)
         # rank 0 receives the codes in the float64 sum's own memory (its first bytes, for
         # a wire type narrower than 8 bytes) and opens them there, piece by piece (one
         # accumulator, not two)
-        self.sealed_recv = (self.red_recv.host.view(wire)[: plan.reduce_size]
+        self.sealed_recv = (self.red_recv.host.view(words)[: plan.reduce_size]
                             if self.codec is not None and self.red_recv is not None else None)
+        # runtime.wire: float32 — the plain sums travel as float32 (each rank's float64
+        # partial sum rounded once), received in the float64 sum's first half as above
+        self.wire = np.dtype(wire if self.codec is None else np.float64)
+        narrow = self.wire != np.float64 and plan.reduce_size > 0
+        self.narrow_send = np.zeros(plan.reduce_size if narrow and hosts else 0, dtype=self.wire)
+        self.narrow_recv = (self.red_recv.host.view(self.wire)[: plan.reduce_size]
+                            if narrow and self.red_recv is not None else None)
         self._handshake_done = False
         self.rows_send = Mirror((max_local, plan.row_size), torch.float32, device)
         self.rows_recv = (Mirror((max_rows, plan.row_size), torch.float32, device)
@@ -180,6 +194,7 @@ class CollectiveExchange:
         """The run is over: drop the uplink buffers (model-sized), so that writing the
         final files (which copy the model) does not add to the run's peak memory."""
         self.red_send = self.red_recv = self.rows_recv = self.sealed_recv = None
+        self.narrow_recv = None
 
     @property
     def downlink(self) -> torch.Tensor:
@@ -197,15 +212,25 @@ class CollectiveExchange:
         if header is not None:
             self.header[0], self.header[1], self.header[2] = header.command, t, header.flags
             self.header[HEADER:] = header.mask
+        mark = self.comm.traffic.wire()
         if self.codec is not None and not self._handshake_done:
-            self.handshake()
+            self.handshake()   # every rank sends: uplink bytes of the round
+        self._early_up = self.comm.traffic.wire() - mark
         self.comm.broadcast(self.header, what=f"round {t} header Bcast")
+        self._down = self.comm.traffic.wire() - mark - self._early_up
         return Header(int(self.header[0]), t, int(self.header[2]),
                       self.header[HEADER:].astype(bool))
 
     def send_state(self, t: int, to: Optional[np.ndarray] = None) -> None:
         """θ and the downlink extras from rank 0's device to every rank's device (a
-        ``Bcast``: every rank, whatever ``to`` names)."""
+        ``Bcast``: every rank, whatever ``to`` names). What this rank handed MPI here and
+        in :meth:`control` is the round's downlink; its uplink counts from here."""
+        mark = self.comm.traffic.wire()
+        self._broadcast_state(t)
+        self._mark = self.comm.traffic.wire()
+        self._down += self._mark - mark
+
+    def _broadcast_state(self, t: int) -> None:
         if self.is_server:
             self.state.pull()
         self.comm.broadcast(self.state.host, what=f"round {t} state Bcast", patient=False)
@@ -214,7 +239,7 @@ class CollectiveExchange:
 
     def send_eval_state(self) -> torch.Tensor:
         """The new θ for a sharded evaluation (workers otherwise get it next round)."""
-        self.send_state(-1)
+        self._broadcast_state(-1)
         return self.state.dev[: self.D]
 
     def reduce_eval(self, sums: np.ndarray) -> Optional[np.ndarray]:
@@ -307,6 +332,11 @@ class CollectiveExchange:
     def reduce_updates(self, t: int, mask: np.ndarray, signal: int) -> Optional[Uplink]:
         """Steps 4–5 of the round; the :class:`Uplink` record on rank 0, None elsewhere."""
         self.signal_send[self.rank] = signal
+        # what this rank handed MPI in the round, this Allreduce included; the sends after
+        # it (the statistics Reduce) rank 0 adds in _wire
+        own = self.up_send.nbytes if self.size > 1 else 0
+        self.moved_send[self.rank] = (self.comm.traffic.wire() - self._mark + own + self._early_up,
+                                      self._down)
         self.comm.allreduce_sum(self.up_send, self.up_recv, what=f"round {t} metadata Allreduce")
         if self._row_sends:
             self.comm.wait(self._row_sends, f"round {t} per-client row sends", patient=False)
@@ -315,16 +345,12 @@ class CollectiveExchange:
         if failed:
             self.comm.gather_fixed(self.err_send, self.err_recv, what=f"round {t} error Gather",
                                    patient=False)
+        after = 0   # bytes every rank hands MPI after the metadata Allreduce, summed
         if self.plan.reduce_size and self.codec is not None:
-            self._encoded_reduce(t, mask)
+            after = self._encoded_reduce(t, mask)
         elif self.plan.reduce_size:
-            send = None
-            if self.red_send is not None:
-                self.red_send.pull()
-                send = self.red_send.host
-            self.comm.reduce_sum(send, self.red_recv.host if self.red_recv else None,
-                                 what=f"round {t} statistics Reduce", patient=False,
-                                 count=self.plan.reduce_size, dtype=np.float64)
+            after = self._reduce_sent(self.plan.reduce_size, self.wire)
+            self._plain_reduce(t)
         if self.plan.row_size and not self.stream_rows:
             counts = [int(np.sum(mask & (self.host == r))) for r in range(self.size)]
             send = self.rows_send.host[: counts[self.rank]]
@@ -334,9 +360,35 @@ class CollectiveExchange:
                                    patient=False)
         if not self.is_server:
             return None
-        return self._record(t, mask, failed)
+        return self._record(t, mask, failed, after)
 
-    def _encoded_reduce(self, t: int, mask: np.ndarray) -> None:
+    def _plain_reduce(self, t: int) -> None:
+        """Step 5 without a codec: the float64 partial sums, or (``runtime.wire:
+        float32``) each rounded to float32, summed over ranks in the wire type."""
+        narrow = self.wire != np.float64
+        send = None
+        if self.red_send is not None:
+            self.red_send.pull()
+            send = self.red_send.host
+            if narrow:
+                np.copyto(self.narrow_send, send, casting="same_kind")
+                send = self.narrow_send
+        recv = self.red_recv.host if self.red_recv is not None else None
+        if narrow and recv is not None:
+            recv = self.narrow_recv
+        self.comm.reduce_sum(send, recv, what=f"round {t} statistics Reduce", patient=False,
+                             count=self.plan.reduce_size, dtype=self.wire)
+        if self.red_recv is not None and self.narrow_recv is not None:
+            # widen in place, last piece first: a float32 piece lies at or before the
+            # float64 piece it becomes (through a piece-sized copy: they may overlap)
+            for s in reversed(list(pieces(self.plan.reduce_size))):
+                self.red_recv.host[s] = self.narrow_recv[s].astype(np.float64)
+
+    def _reduce_sent(self, count: int, dtype: np.dtype | type) -> int:
+        """Bytes all ranks together hand MPI in a statistics ``Reduce`` (comm's count)."""
+        return sum(self.comm.reduce_sent(r, count, dtype) for r in range(self.size))
+
+    def _encoded_reduce(self, t: int, mask: np.ndarray) -> int:
         """Step 5 under a codec: agree on what the codec needs to (one ``MAX``
         ``Allreduce``, every rank), seal this rank's partial sum for the accepted clients,
         sum the ring elements on rank 0 and open the total there."""
@@ -344,9 +396,12 @@ class CollectiveExchange:
         accepted = np.flatnonzero(mask & (self.meta_recv[:, M_STATUS] == STATUS_OK))
         if accepted.size < self.codec.min_accepted:   # every rank sees the same statuses
             self.meta_recv[accepted, M_STATUS] = STATUS_WITHHELD
-            return
+            return 0
         mine = [int(k) for k in accepted if self.host[k] == self.rank]
         bound = self.codec.agreement(self.plan.reduce_size)
+        sent = self._reduce_sent(self.plan.reduce_size, self.codec.wire_dtype)
+        if bound is not None and self.size > 1:
+            sent += self.size * bound.nbytes
         if bound is not None:
             agreed = np.empty_like(bound)
             self.comm.allreduce_max(bound, agreed, what=f"round {t} uplink codec agreement Allreduce")
@@ -364,8 +419,9 @@ class CollectiveExchange:
             # type's piece lies at or before the float64 piece it becomes
             for s in reversed(list(pieces(self.plan.reduce_size))):
                 self.red_recv.host_t[s].copy_(self.codec.open(self.sealed_recv[s], s.start))
+        return sent
 
-    def _record(self, t: int, mask: np.ndarray, failed: bool) -> Uplink:
+    def _record(self, t: int, mask: np.ndarray, failed: bool, after: int) -> Uplink:
         meta = self.meta_recv
         reduced: dict[str, torch.Tensor] = {}
         if self.red_recv is not None and self.plan.reduce_size:
@@ -384,9 +440,10 @@ class CollectiveExchange:
             errors = [bytes(self.err_recv[r, :-1]).rstrip(b"\0").decode(errors="replace")
                       for r in range(self.size) if self.err_recv[r, :-1].any()]
         signals = self.signal_recv.astype(np.int64)
+        up, down = self.moved_recv.sum(axis=0)
         return Uplink(round=t, mask=mask.copy(), meta=meta.copy(), reduced=reduced, rows=rows,
                       row_clients=np.asarray(order, dtype=np.int64), errors=errors,
-                      signals=signals)
+                      signals=signals, moved=(int(up) + after, int(down)))
 
     def _receive_rows(self, t: int, mask: np.ndarray,
                       on_arrival: OnUpdate) -> None:

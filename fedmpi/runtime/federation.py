@@ -99,7 +99,8 @@ class Federation:
         self._exchange: Exchange = CollectiveExchange(
             comm, plan, self._D, b.algo.exchange().downlink, K,
             max_local=min(m, len(b.hosted)), max_rows=m, host=b.host, device=b.device,
-            codec=self._codec, meta_fields=len(META_FIELDS) + len(b.reports.client_columns))
+            codec=self._codec, meta_fields=len(META_FIELDS) + len(b.reports.client_columns),
+            wire=cfg.runtime.wire)
         if self._server:
             self._exchange.downlink[: self._D].copy_(b.flat.vector)
         client_idx = {k: torch.as_tensor(b.partition.client_indices[k], device=b.device)
@@ -352,11 +353,12 @@ class Federation:
         t_end = t_eval if overlapped else time.perf_counter()
         sel = [int(k) for k in np.flatnonzero(up.mask)]
         traffic = [b.transforms.traffic(*b.algo.traffic(k, t)) for k in sel]
+        wire = moved if moved is not None else up.moved
+        assert wire is not None, "the exchange counts the bytes it hands MPI"
         row = self.log.row(up, result, {"start": t_start, "agg": t_agg, "eval": t_eval,
                                         "end": t_end,
                                         "arrival": self._exchange.take_exposed_seconds()},
-                           *(moved if moved is not None else
-                             (sum(u for u, _ in traffic), sum(d for _, d in traffic))))
+                           *wire, encoded=(sum(u for u, _ in traffic), sum(d for _, d in traffic)))
         row.scalars.update(evals)
         row.clients.update(self._evals.take_sites())   # /clients/<metric> of a per-site evaluation
         if overlapped:

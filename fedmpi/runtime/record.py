@@ -56,9 +56,12 @@ class RoundRecorder:
         self.reports.emit(Event(t, rank, client, message, echo))
 
     def row(self, up: Uplink, result: ServerResult, times: dict[str, float],
-            bytes_up: int, bytes_down: int) -> RoundRow:
+            bytes_up: int, bytes_down: int, encoded: tuple[int, int] = (0, 0)) -> RoundRow:
         """Round ``up.round``'s row with the components' reports of the round; ``times``
-        has start, agg, eval, end and exposed arrival."""
+        has start, agg, eval, end and exposed arrival. ``bytes_up``/``bytes_down``: what
+        every rank together handed MPI in the round's exchange; ``encoded``: Σ over the
+        participants of each one's update and model at their encoded sizes (what a
+        deployment with one site per client would send)."""
         meta, mask, accepted = up.meta, up.mask, result.accepted
         seen = meta[accepted, M_SEEN].sum()
         per_worker = np.bincount(self.host, weights=meta[:, M_TIME], minlength=self.size)
@@ -70,6 +73,7 @@ class RoundRecorder:
             "test_accuracy": float("nan"), "test_loss": float("nan"),
             "train_loss": meta[accepted, M_LOSS].sum() / seen if seen else float("nan"),
             "wall_seconds": wall, "bytes_up": bytes_up, "bytes_down": bytes_down,
+            "bytes_up_encoded": encoded[0], "bytes_down_encoded": encoded[1],
             "train_seconds": train_seconds, "aggregate_seconds": agg_seconds,
             "eval_seconds": eval_seconds,
             "overhead_seconds": max(0.0, wall - train_seconds - agg_seconds - eval_seconds),

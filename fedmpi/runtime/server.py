@@ -75,6 +75,8 @@ class Uplink:
         row_clients: client id of each row.
         errors: texts of failed clients (only in a round where one failed).
         signals: per rank, the stop signal number it saw (0 = none).
+        moved: (up, down) bytes every rank together handed MPI in the round's exchange
+            (:class:`~fedmpi.comm.endpoint.Traffic`), where the exchange counts them.
     """
 
     round: int
@@ -85,6 +87,7 @@ class Uplink:
     row_clients: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     errors: list[str] = field(default_factory=list)
     signals: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    moved: Optional[tuple[int, int]] = None
 
     @property
     def status(self) -> np.ndarray:

@@ -55,10 +55,12 @@ accountant assumes), and a method that uploads summed statistics besides ``delta
 θ_k − θ̂; the server applies the aggregate to its float32 θ. Method extras (SCAFFOLD's c)
 stay float32.
 
-The logged ``/rounds/bytes_up`` counts each participant's ``delta`` at its encoded size and
-``/rounds/bytes_down`` θ at its (:meth:`Compression.traffic`); other statistics stay float32.
-With secure aggregation a participant's ``delta`` is its ring element, 2 (or 4) bytes per
-entry, plus its 8-byte block maxima; the agreed maxima come back in ``bytes_down``.
+The logged ``/rounds/bytes_up_encoded`` counts each participant's ``delta`` at its encoded size
+and ``/rounds/bytes_down_encoded`` θ at its (:meth:`Compression.traffic`); other statistics stay
+float32. With secure aggregation a participant's ``delta`` is its ring element, 2 (or 4) bytes
+per entry, plus its 8-byte block maxima; the agreed maxima come back in ``bytes_down_encoded``.
+``/rounds/bytes_up``/``bytes_down`` are what the ranks handed MPI: without secure aggregation
+the decoded float64 sums (docs/large-models.md, "What travels on the wire").
 """
 from __future__ import annotations
 
