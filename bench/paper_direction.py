@@ -264,16 +264,15 @@ DIRECTION: list[Comparison] = [
 # and the paper's levels 1/16 and 1/64 are below the MLP's 642 always-kept parameters of
 # 4,738, so its levels here are {1, 1/2, 1/4}, 7 hospitals each.
 MEDPAR = cfg("medpar_hospitals.yaml")
-MEDPAR_FLIP = ("adversary.kind=label_flip", "adversary.clients=[0,1,2]")
 MEDPAR_LAGC = ("system.levels=[1.0,0.5,0.25]", "system.allocation=[7,7,7]", "train.rounds=20",
                "train.clients_per_round=10")
 _VG_FLIP = "configs/medpar_hospitals.yaml: 21 hospitals, hospitals 0-2 flip labels, 30 rounds"
 _VG_CLEAN = "configs/medpar_hospitals.yaml: 21 hospitals, 30 rounds"
-_LAGC = ("configs/medpar_hospitals.yaml, levels {1,1/2,1/4}-{7,7,7}, 10 per round, 20 rounds")
+_LAGC = "configs/medpar_hospitals.yaml, levels {1,1/2,1/4}-{7,7,7}, 10 per round, 20 rounds"
 NATURAL: list[Comparison] = [
-    Comparison("medpar_fedvg_flip", "FedVG", _VG_FLIP + " (accuracy)", MEDPAR, MEDPAR_FLIP,
+    Comparison("medpar_fedvg_flip", "FedVG", _VG_FLIP + " (accuracy)", MEDPAR, FLIP,
                FEDAVG, (FEDVG,)),
-    Comparison("medpar_fedvg_flip_auroc", "FedVG", _VG_FLIP + " (AUROC)", MEDPAR, MEDPAR_FLIP,
+    Comparison("medpar_fedvg_flip_auroc", "FedVG", _VG_FLIP + " (AUROC)", MEDPAR, FLIP,
                FEDAVG, (FEDVG,), metric="auroc"),
     Comparison("medpar_fedlagc", "FedLAGC", _LAGC + " (accuracy, mean over levels)", MEDPAR,
                MEDPAR_LAGC, HETEROFL, (FEDLAGC, FIARSE, NOGC),
