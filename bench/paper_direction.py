@@ -1,14 +1,14 @@
 """Do the methods help? Each paper's claimed direction over its baseline on the embedded data
 (issue 39), paired by seed.
 
-    python bench/paper_direction.py [--suite direction|issue|ablation|search|all]
+    python bench/paper_direction.py [--suite direction|issue|ablation|search|natural|all]
                                     [--seeds 0 1 2] [--quick] [--out runs/paper_direction]
                                     [--only KEY ...] [--summary-only] [--rekey-cache]
 
 A *suite* is a list of comparisons; a comparison is one setting (a config plus ``--set``
 overrides) with a baseline arm and one or more method arms. Every (arm, seed) is one
 in-process ``fedmpi.run`` at world size 1 (results do not depend on the world size) with
-``runtime.threads=1``, run sequentially. Each run's accuracy curve is cached as
+``runtime.threads=1``, run sequentially. Each run's curves are cached as
 ``<out>/cache/<hash>.json``. The hash covers every key of the resolved configuration whose
 value differs from its default (the name left out), so an interrupted sweep resumes where it
 stopped, a changed setting is re-run, one setting reached from two suites runs once, and a
@@ -22,6 +22,11 @@ Per comparison and arm, over the seeds: final test accuracy, the mean of the las
 ("last-5", the curves oscillate), and the difference of last-5 to the baseline *paired by
 seed* (mean ± sample std, ddof = 1) with the number of seeds where the arm is better.
 FedLAGC's test accuracy is the mean over its resource levels (as the runtime logs it).
+A comparison compares test accuracy unless it names another ``/rounds`` curve
+(``metric``: ``auroc``, ``test_loss`` with ``lower_better``); a cache entry keeps every
+curve of :data:`CURVES`, so one run serves every metric (an older entry with accuracy only
+is re-run for another metric). The ``natural`` suite is medpar's 21 hospitals
+(``pip install 'fedmpi[institutions]'``).
 
 Writes ``<out>/<suite>.csv`` (one row per comparison × arm), ``<out>/<suite>_runs.csv``
 (one row per run), ``<out>/<suite>.png`` (paired Δ last-5 with one dot per seed), prints
@@ -46,6 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 QUICK_ROUNDS = 3
 LAST = 5
 COMMON = ("runtime.threads=1", "runtime.progress=false", "runtime.device=cpu")
+#: the /rounds curves a cache entry keeps (a comparison's ``metric`` is one of them)
+CURVES = ("test_accuracy", "auroc", "balanced_accuracy", "macro_f1", "test_loss")
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,8 @@ class Comparison:
     base: Arm
     arms: tuple[Arm, ...]
     also: tuple[tuple[str, str], ...] = ()   # extra (arm, other arm) pairs, e.g. FedLAGC vs FIARSE
+    metric: str = "test_accuracy"            # the /rounds curve compared (e.g. auroc)
+    lower_better: bool = False               # True for test_loss: "better" counts Δ < 0
 
 
 def cfg(name: str) -> str:
@@ -249,8 +258,36 @@ DIRECTION: list[Comparison] = [
                also=(("fedlagc", "fiarse"), ("fedlagc", "fedlagc_nogc"))),
 ]
 
+# Natural silos (issue 50, item 4): medpar's 21 hospitals as they are (no synthetic split),
+# the MLP; 66.4 % of the test stays survived (the majority rate), so each setting is also
+# compared in AUROC (0.5 = no skill). FedLAGC's submodels log accuracy only (AUROC is NaN),
+# and the paper's levels 1/16 and 1/64 are below the MLP's 642 always-kept parameters of
+# 4,738, so its levels here are {1, 1/2, 1/4}, 7 hospitals each.
+MEDPAR = cfg("medpar_hospitals.yaml")
+MEDPAR_LAGC = ("system.levels=[1.0,0.5,0.25]", "system.allocation=[7,7,7]", "train.rounds=20",
+               "train.clients_per_round=10")
+_VG_FLIP = "configs/medpar_hospitals.yaml: 21 hospitals, hospitals 0-2 flip labels, 30 rounds"
+_VG_CLEAN = "configs/medpar_hospitals.yaml: 21 hospitals, 30 rounds"
+_LAGC = "configs/medpar_hospitals.yaml, levels {1,1/2,1/4}-{7,7,7}, 10 per round, 20 rounds"
+NATURAL: list[Comparison] = [
+    Comparison("medpar_fedvg_flip", "FedVG", _VG_FLIP + " (accuracy)", MEDPAR, FLIP,
+               FEDAVG, (FEDVG,)),
+    Comparison("medpar_fedvg_flip_auroc", "FedVG", _VG_FLIP + " (AUROC)", MEDPAR, FLIP,
+               FEDAVG, (FEDVG,), metric="auroc"),
+    Comparison("medpar_fedlagc", "FedLAGC", _LAGC + " (accuracy, mean over levels)", MEDPAR,
+               MEDPAR_LAGC, HETEROFL, (FEDLAGC, FIARSE, NOGC),
+               also=(("fedlagc", "fiarse"), ("fedlagc", "fedlagc_nogc"))),
+    Comparison("medpar_fedlagc_loss", "FedLAGC", _LAGC + " (test loss ×100, mean over levels; "
+               "lower is better)", MEDPAR, MEDPAR_LAGC, HETEROFL, (FEDLAGC, FIARSE, NOGC),
+               also=(("fedlagc", "fiarse"), ("fedlagc", "fedlagc_nogc")), metric="test_loss",
+               lower_better=True),
+    Comparison("medpar_fedvg", "FedVG", _VG_CLEAN + " (accuracy)", MEDPAR, (), FEDAVG, (FEDVG,)),
+    Comparison("medpar_fedvg_auroc", "FedVG", _VG_CLEAN + " (AUROC)", MEDPAR, (), FEDAVG, (FEDVG,),
+               metric="auroc"),
+]
+
 SUITES: dict[str, list[Comparison]] = {"issue": ISSUE, "ablation": ABLATION, "search": SEARCH,
-                                       "direction": DIRECTION}
+                                       "direction": DIRECTION, "natural": NATURAL}
 
 
 # --------------------------------------------------------------------------------- runs
@@ -325,13 +362,15 @@ def rekey_cache(out: Path) -> None:
 
 def one_run(comp: Comparison, arm: Arm, seed: int, out: Path, quick: bool,
             run_missing: bool = True) -> Optional[np.ndarray]:
-    """The test-accuracy curve of one (arm, seed): from ``<out>/cache/<key>.json``, else a
+    """The curve of ``comp.metric`` of one (arm, seed): from ``<out>/cache/<key>.json``, else a
     fresh run (its log under ``<out>/logs/<key>``) unless ``run_missing`` is false."""
     sets = run_sets(comp, arm, seed, quick)
     key = run_key(comp.config, sets)
     cache = out / "cache" / f"{key}.json"
     if cache.exists():
-        return np.asarray(json.loads(cache.read_text())["test_accuracy"], dtype=float)
+        entry = json.loads(cache.read_text())
+        if comp.metric in entry:   # an older entry holds test_accuracy only: re-run it
+            return np.asarray(entry[comp.metric], dtype=float)
     if not run_missing:
         return None
     import fedmpi
@@ -345,14 +384,16 @@ def one_run(comp: Comparison, arm: Arm, seed: int, out: Path, quick: bool,
         print(json.dumps({"comparison": comp.key, "arm": arm.key, "seed": seed,
                           "failed": str(exc).splitlines()[0][:200]}), flush=True)
         return None
-    acc = np.asarray(read(res.log_path).rounds["test_accuracy"], dtype=float)
+    rounds = read(res.log_path).rounds
+    curves = {m: np.asarray(rounds[m], dtype=float).tolist() for m in CURVES if m in rounds}
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps({"config": comp.config, "sets": sets, "seed": seed,
                                  "changed": changed_keys(comp.config, sets),
                                  "seconds": round(time.perf_counter() - t0, 1),
-                                 "test_accuracy": acc.tolist()}, default=str))
+                                 **curves}, default=str))
+    acc = np.asarray(curves.get(comp.metric, [np.nan]), dtype=float)
     print(json.dumps({"comparison": comp.key, "arm": arm.key, "seed": seed,
-                      "final": round(float(acc[-1]), 4),
+                      "metric": comp.metric, "final": round(float(acc[-1]), 4),
                       "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
     return acc
 
@@ -373,7 +414,9 @@ def paired_row(cell: Cell, ref: Cell, seeds: list[int], is_ref: bool) -> dict:
             "last5_mean": last.mean(), "last5_std": std(last),
             "delta_last5_mean": 0.0 if is_ref else d.mean(),
             "delta_last5_std": 0.0 if is_ref else std(d),
-            "seeds_better": 0 if is_ref else int((d > 0).sum()),
+            "seeds_better": 0 if is_ref else int(((-d if cell.comparison.lower_better else d)
+                                                   > 0).sum()),
+            "metric": cell.comparison.metric, "lower_better": cell.comparison.lower_better,
             "per_seed_delta": [] if is_ref else [round(float(v), 2) for v in d]}
 
 
@@ -421,16 +464,19 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     arms = [r for r in rows if not r["is_baseline"]]
     if not arms:
         return
-    fig, ax = plt.subplots(figsize=(8, 0.35 * len(arms) + 1.2))
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(arms) + 1.5))
     y = np.arange(len(arms))[::-1]
     for yi, r in zip(y, arms):
         ax.scatter(r["per_seed_delta"], [yi] * len(r["per_seed_delta"]), s=14, color="0.5", zorder=2)
+        better = -r["delta_last5_mean"] if r["lower_better"] else r["delta_last5_mean"]
         ax.errorbar(r["delta_last5_mean"], yi, xerr=r["delta_last5_std"], fmt="o",
-                    color="C0" if r["delta_last5_mean"] > 0 else "C3", zorder=3)
+                    color="C0" if better > 0 else "C3", zorder=3)
     ax.axvline(0, color="k", lw=0.8)
     ax.set_yticks(y)
-    ax.set_yticklabels([f"{r['method']}: {r['arm']} [{r['comparison']}]" for r in arms], fontsize=7)
-    ax.set_xlabel("Δ test accuracy, mean of last 5 rounds, vs baseline (points, paired by seed)")
+    ax.set_yticklabels([f"{r['method']}: {r['arm']} vs {r['baseline']} [{r['comparison']}]"
+                        for r in arms], fontsize=7)
+    ax.set_xlabel("Δ last-5 vs baseline, ×100, paired by seed (test accuracy unless the "
+                  "setting names its metric;\nblue: the arm is better)", fontsize=8)
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
