@@ -334,8 +334,9 @@ class EvalConfig(CopyOnRead):
     cross_site: bool = param(False, "after the last round, the global model and every site's "
                              "local model (one local training from the final global model) "
                              "evaluated on every site's held-out data, on the ranks holding "
-                             "it: /cross_site/<metric> [sites, 1 + sites] (not with secure "
-                             "aggregation or differential privacy)")
+                             "it: /cross_site/<metric> [sites, 1 + sites]; a personalised method "
+                             "adds each site's personal model: [sites, 1 + 2 sites] (not with "
+                             "secure aggregation or differential privacy)")
     local_only: bool = param(False, "after the last round, each site also trains alone from the "
                              "initial model for the local steps it took in the federation and "
                              "scores it on its held-out data (/site_models; needs eval.where "
@@ -345,8 +346,9 @@ class EvalConfig(CopyOnRead):
                                  "data (/site_models; needs eval.where clients or both); 0 = off",
                                  ge=0)
     cross_site_models: bool = param(False, "with eval.cross_site: rank 0 writes each site's "
-                                    "local model to local_models/<site>.pt (refused if one "
-                                    "exists, unless --overwrite or --resume)")
+                                    "local model to local_models/<site>.pt, a personalised "
+                                    "method's personal models to local_models/personal/<site>.pt "
+                                    "(refused if one exists, unless --overwrite or --resume)")
 
 
 @dataclass(frozen=True)

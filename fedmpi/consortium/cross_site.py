@@ -59,6 +59,7 @@ from fedmpi.config.core import Config
 if TYPE_CHECKING:
     from fedmpi.runtime.evaluation import FinalEvaluation
     from fedmpi.runtime.view import RankView
+    from fedmpi.training.flat import FlatModel
 
 __all__ = ["CrossSite", "CrossSiteValidation", "final_evaluations", "model_files", "validate"]
 
@@ -66,6 +67,11 @@ __all__ = ["CrossSite", "CrossSiteValidation", "final_evaluations", "model_files
 MODELS_DIR = "local_models"
 #: the name of column 0 in ``/cross_site/models``
 GLOBAL = "global model"
+#: a personal model's column name in ``/cross_site/models``: the site's name and this
+PERSONAL = " (personal)"
+#: ``eval.cross_site_models`` under a personalised method: the personal models' folder
+#: inside :data:`MODELS_DIR`
+PERSONAL_DIR = "personal"
 
 
 @dataclass
@@ -74,8 +80,8 @@ class CrossSite:
 
     rounds: int                        # T: the global model after T rounds
     sites: list[str]                   # the rows: site i's held-out data
-    models: list[str]                  # the columns: GLOBAL, then the site names
-    matrices: dict[str, np.ndarray]    # metric -> [K, K + 1]
+    models: list[str]                  # the columns: GLOBAL, the site names[, personal]
+    matrices: dict[str, np.ndarray]    # metric -> [K, K + 1] (personalised: [K, 2K + 1])
     test_samples: np.ndarray           # [K] held-out samples of each site
 
 
@@ -97,20 +103,22 @@ def model_files(names: list[str]) -> list[str]:
 def validate(view: RankView, rounds: int, save: Optional[Path] = None) -> Optional[CrossSite]:
     """The cross-site validation of the module docstring on this rank (a collective:
     every rank calls it after round ``rounds − 1``); :class:`CrossSite` on rank 0, None
-    elsewhere. ``save``: rank 0 writes each local model there as it arrives
+    elsewhere. ``save``: rank 0 writes each local (and personal) model there as it arrives
     (:func:`model_files`)."""
     from fedmpi.imports import run_objects, runtime_error_line
     from fedmpi.job.outputs import write_model
     from fedmpi.data.silos import agree_on_errors, site_names
     from fedmpi.runtime.collective import Mirror
+    from fedmpi.runtime.evaluation import personal_models
 
     b, comm, worker, evals = view.built, view.comm, view.worker, view.evaluation
-    cfg, K, D = b.cfg, b.num_clients, b.flat.size
+    cfg, K, D, P = b.cfg, b.num_clients, b.flat.size, b.flat.personal_size
     ctx, algo = b.ctx, b.algo
+    personal = personal_models(cfg)
     names = site_names(cfg)
     metric_names = list(metrics.nan_scalars(cfg.eval.metrics))
     M = len(metric_names)
-    table = np.zeros((K + 1, K, M + 1), dtype=np.float64)
+    table = np.zeros(((2 if personal else 1) * K + 1, K, M + 1), dtype=np.float64)
 
     def evaluate_here(column: int) -> None:
         """The model in ``ctx.flat`` on this rank's sites: cells (column, i)."""
@@ -133,25 +141,20 @@ def validate(view: RankView, rounds: int, save: Optional[Path] = None) -> Option
     # 2. waves: train, then each host's model to every rank, evaluated where the data is
     hosts = [[k for k in range(K) if b.host[k] == r] for r in range(comm.size)]
     mine = hosts[comm.rank]
-    own = torch.empty(D, device=b.device) if mine else None
-    buf = Mirror((D,), torch.float32, b.device)
+    own = torch.empty(D + P, device=b.device) if mine else None
+    buf = Mirror((D + P,), torch.float32, b.device)
     files = model_files(names)
-    for w in range(max(len(h) for h in hosts)):
-        error = None
-        if w < len(mine):
-            j = mine[w]
-            try:
-                worker.train(worker.task(j, rounds), state, extras, worker.scratch)
-            except Exception as exc:  # noqa: BLE001 - every rank stops with this line
-                line, _ = runtime_error_line(exc, run_objects(algo, b.flat.model, b.weighting,
-                                                              b.transforms))
-                error = (f"cross-site validation: the local training of site {names[j]!r} "
-                         f"(client {j}) failed: {line}")
-            else:
-                assert own is not None and worker.trainer is not None, "a rank hosting sites"
-                own.copy_(worker.trainer.flat.vector)
-                b.reports.take_client_values(j)   # nothing is uploaded
-        agree_on_errors(comm, error, RuntimeError, "cross-site training agreement Allreduce")
+
+    def pack(flat: FlatModel) -> None:
+        """The model in ``flat``, its personal part included, into ``own``."""
+        assert own is not None
+        own[:D].copy_(flat.vector)
+        if P:
+            own[D:].copy_(flat.personal_state())
+
+    def share(w: int, column: int, folder: Optional[Path]) -> None:
+        """Each host's ``own`` (the model of its w-th site j) to every rank in turn,
+        evaluated into column ``column + j``; rank 0 writes it into ``folder``."""
         for r, hosted in enumerate(hosts):
             if w >= len(hosted):
                 continue
@@ -160,25 +163,73 @@ def validate(view: RankView, rounds: int, save: Optional[Path] = None) -> Option
                 assert own is not None
                 buf.dev.copy_(own)
                 buf.pull()
-            comm.broadcast(buf.host, root=r, what=f"cross-site local model {j} Bcast",
+            comm.broadcast(buf.host, root=r, what=f"cross-site model {column + j} Bcast",
                            patient=False)
             if comm.rank != r:
                 buf.push()
-            if evals.client_tests or save is not None:
-                ctx.flat.load(buf.dev)
+            if evals.client_tests or folder is not None:
+                ctx.flat.load(buf.dev[:D])
+                if P:
+                    ctx.flat.load_personal(buf.dev[D:])
             if evals.client_tests:
-                evaluate_here(j + 1)
-            if save is not None and view.is_server:
-                write_model(ctx.flat.model, save / files[j])
+                evaluate_here(column + j)
+            if folder is not None and view.is_server:
+                write_model(ctx.flat.model, folder / files[j])
+            algo.leave_personal_model(ctx.flat)
+
+    for w in range(max(len(h) for h in hosts)):
+        error = None
+        if w < len(mine):
+            j = mine[w]
+            try:
+                if personal:
+                    local_personal(view, j, rounds)
+                else:
+                    worker.train(worker.task(j, rounds), state, extras, worker.scratch)
+            except Exception as exc:  # noqa: BLE001 - every rank stops with this line
+                line, _ = runtime_error_line(exc, run_objects(algo, b.flat.model, b.weighting,
+                                                              b.transforms))
+                error = (f"cross-site validation: the local training of site {names[j]!r} "
+                         f"(client {j}) failed: {line}")
+            else:
+                assert worker.trainer is not None, "a rank hosting sites"
+                pack(worker.trainer.flat)
+                algo.leave_personal_model(worker.trainer.flat)
+                b.reports.take_client_values(j)   # nothing is uploaded
+        agree_on_errors(comm, error, RuntimeError, "cross-site training agreement Allreduce")
+        share(w, 1, save)
+        if personal:
+            if w < len(mine):   # site j's personal model, as the per-site evaluation loads it
+                algo.personal_model(mine[w], state, ctx.flat)
+                pack(ctx.flat)
+                algo.leave_personal_model(ctx.flat)
+            share(w, K + 1, save / PERSONAL_DIR if save is not None else None)
 
     # 3. every cell to rank 0
     total = np.zeros_like(table) if view.is_server else None
     comm.reduce_sum(table, total, what="cross-site table Reduce")
     if total is None:
         return None
-    return CrossSite(rounds=rounds, sites=list(names), models=[GLOBAL, *names],
+    models = [GLOBAL, *names, *([f"{n}{PERSONAL}" for n in names] if personal else [])]
+    return CrossSite(rounds=rounds, sites=list(names), models=models,
                      matrices={m: total[:, :, i].T.copy() for i, m in enumerate(metric_names)},
                      test_samples=total[0, :, M].astype(np.int64))
+
+
+def local_personal(view: RankView, j: int, rounds: int) -> None:
+    """Site j's local model under a personalised method, left in the worker's model:
+    θ^T with the site's personal part, one round of plain local SGD (the round-T
+    optimizer, RNG stream (seed, j, T), no method hooks and no transforms — the method's
+    own client step would update the site's personal state)."""
+    from fedmpi.training.loop import StepHooks
+
+    worker, algo = view.worker, view.built.algo
+    trainer = worker.trainer
+    assert trainer is not None, "a rank hosting sites"
+    task = worker.task(j, rounds)
+    trainer.flat.load(view.state)
+    algo.enter_client(j, trainer.flat)
+    trainer.train(task.indices, algo.local_sgd(task), task.seed, StepHooks())
 
 
 def write_log(writer, result: CrossSite, files: Optional[list[str]] = None) -> None:
@@ -192,8 +243,9 @@ def write_log(writer, result: CrossSite, files: Optional[list[str]] = None) -> N
     if files is not None:
         writer.set_attr("cross_site", "model_files", [f"{MODELS_DIR}/{f}" for f in files])
     K = len(result.sites)
-    writer.event(result.rounds, 0, -1, f"cross-site validation: the global model and {K} local "
-                 f"models evaluated on {K} sites' held-out data (/cross_site)")
+    also = f" and {K} personal" if len(result.models) > K + 1 else ""
+    writer.event(result.rounds, 0, -1, f"cross-site validation: the global model, {K} local"
+                 f"{also} models evaluated on {K} sites' held-out data (/cross_site)")
 
 
 class CrossSiteValidation:
@@ -215,20 +267,27 @@ class CrossSiteValidation:
         from fedmpi.data.silos import site_names
         from fedmpi.job.outputs import claim
         from fedmpi.job.rundir import RUN_FILES
+        from fedmpi.runtime.evaluation import personal_models
 
         if any((out / name).exists() for name in RUN_FILES):
             return
         files = model_files(site_names(self.cfg))
-        claim([out / MODELS_DIR / f for f in files], overwrite,
+        folders = [out / MODELS_DIR, *([out / MODELS_DIR / PERSONAL_DIR]
+                                       if personal_models(self.cfg) else [])]
+        claim([d / f for d in folders for f in files], overwrite,
               "fedmpi run (eval.cross_site_models)")
 
     def run(self, view: RankView, rounds: int) -> None:
         """Collective: :func:`validate`, logged on rank 0."""
+        from fedmpi.runtime.evaluation import personal_models
+
         save = None
         if self.cfg.eval.cross_site_models and view.is_server:
             assert self.out is not None, "claimed at set-up"
             save = self.out / MODELS_DIR
             save.mkdir(exist_ok=True)
+            if personal_models(self.cfg):
+                (save / PERSONAL_DIR).mkdir(exist_ok=True)
         start = time.perf_counter()
         result = validate(view, rounds, save)
         writer = view.writer

@@ -132,9 +132,3 @@ def check(cfg: Config, method: type[Algorithm]) -> None:
         raise ConfigError(f"config keys 'runtime.ranks_per_silo' and {key}: a personal part is "
                           "kept by the rank hosting the client, not shared among a silo's "
                           "ranks; use runtime.ranks_per_silo: 1")
-    if cfg.eval.cross_site:
-        raise ConfigError(f"config keys 'eval.cross_site' and {key}: the cross-site matrix "
-                          "sends each site's local model to the other sites, and a personal "
-                          "part never leaves its site; use eval.where: clients (each site "
-                          "scores its personal model next to the global one)")
-
