@@ -79,10 +79,11 @@ def silos(tmp_path_factory):
 
 
 def _cells(root, models: list[dict]) -> dict[str, np.ndarray]:
-    """scikit-learn's [K, K + 1] matrices: site i's held-out rows (the documented hold-out
-    rule) through model c in plain torch, normalised by the training rows' statistics."""
+    """scikit-learn's [K, len(models)] matrices: site i's held-out rows (the documented
+    hold-out rule) through model c in plain torch, normalised by the training rows'
+    statistics."""
     _, test, mean, std = held_out_split(root)
-    out = {m: np.full((K, K + 1), np.nan) for m in ("test_accuracy", "balanced_accuracy",
+    out = {m: np.full((K, len(models)), np.nan) for m in ("test_accuracy", "balanced_accuracy",
                                                     "macro_f1", "auroc", "test_loss")}
     for i, t in enumerate(test):
         y = t["label"].to_numpy()
@@ -248,3 +249,88 @@ def test_a_local_training_that_raises_fails_the_run_naming_the_site(tmp_path):
     assert any(f"site 'client {crash}'" in str(m) for m in log.events["message"])
     assert not (tmp_path / "model.pt").exists() and (tmp_path / "checkpoint.pt").exists()
     assert "cross_site/test_accuracy" not in log.arrays
+
+
+def _fedper_run(config, out, n: int | None = None):
+    """configs/tabular_silos.yaml under FedPer with the cross-site matrix, in this process
+    (``n`` None) or under ``mpiexec -n n``; the run's log."""
+    sets = [*SETS, "algorithm.name=fedper"]
+    if n is None:
+        return read(fedmpi.run(config, sets, out=out).log_path)
+    proc = subprocess.run([mpiexec_path(), "-n", str(n), sys.executable, "-m", "fedmpi", "run",
+                           str(config), "--out", str(out), *(a for s in sets for a in ("--set", s))],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read(out / "log.h5")
+
+
+def _check_personal_matrix(log, out, root):
+    """The FedPer matrix [K, 2K + 1] against scikit-learn on the saved models; each
+    personal model is θ^T's body with the site's own head (the checkpoint's personal
+    part), and its diagonal is what the per-site evaluation logged."""
+    personal = [f"{n} (personal)" for n in NAMES]
+    assert [str(m) for m in log.arrays["cross_site/models"]] == ["global model", *NAMES, *personal]
+    glob = torch.load(out / "model.pt", weights_only=True)
+    locs = [torch.load(out / "local_models" / f, weights_only=True) for f in FILES]
+    mine = [torch.load(out / "local_models" / "personal" / f, weights_only=True) for f in FILES]
+    clients = torch.load(out / "checkpoint.pt", weights_only=True)["clients"]
+    for k, m in enumerate(mine):
+        for name, value in m.items():   # the shared body is θ^T's, the head the site's own
+            if not name.startswith("classifier."):
+                assert torch.equal(value, glob[name]), (k, name)
+        head = torch.cat([m["classifier.weight"].flatten(), m["classifier.bias"]])
+        assert torch.equal(head, clients[k]["personal"].to(head)), k
+        assert not torch.equal(m["classifier.weight"], glob["classifier.weight"]), k
+    expect = _cells(root, [glob, *locs, *mine])
+    assert np.array_equal(log.arrays["cross_site/test_samples"], expect.pop("test_samples"))
+    for name, matrix in expect.items():
+        got = log.arrays[f"cross_site/{name}"]
+        assert got.shape == (K, 2 * K + 1), name
+        np.testing.assert_allclose(got, matrix, atol=1e-5, err_msg=name)
+        # the diagonal of the personal block: the last round's per-site personal evaluation
+        # (before the cross-site pass) and the per-site table (after it) — nothing changed
+        own = np.diag(got[:, K + 1:])
+        np.testing.assert_array_equal(own, log.clients[f"personal_{name}"][-1], err_msg=name)
+        np.testing.assert_array_equal(own, log.arrays[f"site_models/{name}"][:, 2], err_msg=name)
+        np.testing.assert_array_equal(got[:, 0], log.clients[name][-1], err_msg=name)
+
+
+def test_personal_models_are_extra_columns_sklearns_at_n1(silos):
+    tmp, root, config = silos
+    log = _fedper_run(config, tmp / "fedper_n1")
+    _check_personal_matrix(log, tmp / "fedper_n1", root)
+    # the report: both blocks in the table, a site's own local and personal model in bold
+    from fedmpi.report import write_report
+
+    written = {p.name for p in write_report(log.path, tmp / "fedper_report")}
+    assert "cross_site.png" in written
+    summary = (tmp / "fedper_report" / "summary.md").read_text()
+    personal = [f"{n} (personal)" for n in NAMES]
+    assert "| data \\ model | global model | " + " | ".join([*NAMES, *personal]) + " |" in summary
+    acc = log.arrays["cross_site/test_accuracy"]
+    row = [f"{v:.4f}" for v in acc[1]]
+    row[2], row[K + 2] = f"**{row[2]}**", f"**{row[K + 2]}**"
+    assert f"| St Jude ({log.arrays['cross_site/test_samples'][1]}) | " + " | ".join(row) + " |" \
+        in summary
+    own = float(np.mean(np.diag(acc[:, K + 1:])))
+    assert f"each site's personal model on its own data {own:.4f}" in summary
+
+
+@pytest.mark.mpi
+def test_personal_models_matrix_at_n3_is_the_n1_matrix(silos):
+    if mpiexec_path() is None:
+        pytest.skip("mpiexec not found")
+    tmp, root, config = silos
+    log = _fedper_run(config, tmp / "fedper_n3", n=3)
+    _check_personal_matrix(log, tmp / "fedper_n3", root)
+    one = tmp / "fedper_n1"
+    log1 = read(one / "log.h5") if (one / "log.h5").exists() else _fedper_run(config, one)
+    for key, a in log.arrays.items():
+        if key.startswith("cross_site/"):
+            assert np.array_equal(a, log1.arrays[key], equal_nan=a.dtype.kind == "f"), key
+    for sub in ("", "personal"):
+        for f in FILES:
+            a, b = (torch.load(d / "local_models" / sub / f, weights_only=True)
+                    for d in (tmp / "fedper_n3", one))
+            assert all(torch.equal(a[n], b[n]) for n in a), (sub, f)

@@ -341,8 +341,9 @@ def _check(tmp_path, capsys, over: dict) -> str:
 @pytest.mark.parametrize("over, keys", [
     ({"personal.params": ["3.*"], "privacy.dp.level": "record", "privacy.dp.clip": 1.0,
       "privacy.dp.noise_multiplier": 1.0}, ("'privacy.dp.level'", "'personal.params'")),
-    ({"algorithm.name": "fedper", "eval.cross_site": True, "eval.client_holdout": 0.2},
-     ("'eval.cross_site'", "'algorithm.name'")),
+    ({"algorithm.name": "fedper", "eval.cross_site": True, "eval.client_holdout": 0.2,
+      "privacy.secure_aggregation": True},
+     ("'eval.cross_site'", "'privacy.secure_aggregation'")),
     ({"algorithm.name": "fedper", "runtime.ranks_per_silo": 2},
      ("'runtime.ranks_per_silo'", "'algorithm.name'")),
     ({"algorithm.name": "fedrep", "train.momentum": 0.5}, ("'train.momentum'", "'algorithm.name'")),
@@ -352,6 +353,34 @@ def _check(tmp_path, capsys, over: dict) -> str:
 def test_what_personal_parts_do_not_compose_with_is_refused(tmp_path, capsys, over, keys):
     line = _check(tmp_path, capsys, over)
     assert all(k in line for k in keys), line
+
+
+@pytest.mark.parametrize("method", ["fedbn", "fedrep", "ditto", "apfl"])
+def test_cross_site_composes_personal_models_are_extra_columns(tmp_path, method):
+    """eval.cross_site under each personalised method: [K, 2K + 1], column K + 1 + j site
+    j's personal model; on its own site the cell is the per-site personal evaluation the
+    last round logged (checked against hand above), elsewhere that model on another site
+    (tests/test_cross_site.py checks every cell against scikit-learn for FedPer)."""
+    import yaml
+
+    from fedmpi.log.reader import read
+
+    over = {"algorithm.name": method, "eval.where": "clients", "eval.client_holdout": 0.25,
+            "eval.cross_site": True, "train.rounds": 1}
+    if method == "fedbn":
+        over["model.name"] = "personal_models:bn_mlp"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg_dict(**over)))
+    run_here(["run", str(path), "--out", str(tmp_path / "run")])
+    log = read(tmp_path / "run" / "log.h5")
+    K = len(log.arrays["cross_site/sites"])
+    acc = np.asarray(log.arrays["cross_site/test_accuracy"])
+    assert acc.shape == (K, 2 * K + 1)
+    assert [str(m) for m in log.arrays["cross_site/models"]][K + 1:] == \
+        [f"client {k} (personal)" for k in range(K)]
+    np.testing.assert_array_equal(np.diag(acc[:, K + 1:]), log.clients["personal_test_accuracy"][-1])
+    np.testing.assert_array_equal(acc[:, 0], log.clients["test_accuracy"][-1])
+    assert np.isfinite(acc).all()
 
 
 def test_logged_bytes_leave_the_head_out(tmp_path):

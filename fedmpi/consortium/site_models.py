@@ -84,8 +84,9 @@ def table(view: RankView, rounds: int) -> np.ndarray | None:
     cfg, algo, ctx, evals, K = b.cfg, b.algo, b.ctx, view.evaluation, b.num_clients
     names = list(metrics.nan_scalars(cfg.eval.metrics))
     M = len(names)
+    # cell (model, site k) is non-zero on k's host only; an undefined value (AUROC of a
+    # site holding one class) stays NaN through the sum; columns not asked for: NaN below
     out = np.zeros((len(COLUMNS), K, M + 1), dtype=np.float64)
-    out[[0, 2, 3], :, :M] = np.nan     # columns not asked for stay NaN
     state, extras = view.state, view.extras
     if view.is_server and extras.numel():
         algo.fill_downlink(extras, rounds)
@@ -127,7 +128,7 @@ def table(view: RankView, rounds: int) -> np.ndarray | None:
             algo.leave_personal_model(trainer.flat)
     ctx.flat.load(state)
     total = np.zeros_like(out) if view.is_server else None
-    view.comm.reduce_sum(np.nan_to_num(out, nan=0.0), total, what="site models table Reduce")
+    view.comm.reduce_sum(out, total, what="site models table Reduce")
     if total is None:
         return None
     asked = [e.local_only, True, personal, bool(e.finetune_epochs)]
