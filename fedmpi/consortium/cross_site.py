@@ -12,8 +12,19 @@ it took part in round T — and nothing uploaded. With every client taking part 
 :math:`\theta^{T+1} = \theta^T + \sum_j s_j (\theta_j - \theta^T)` of a run one round
 longer (``tests/test_cross_site.py`` checks it).
 
+Personal models. Under a personalised method (:func:`fedmpi.runtime.evaluation.personal_models`:
+FedBN, FedPer, FedRep, Ditto, APFL or ``personal.params``) column K + 1 + j is site j's
+personal model, as :meth:`~fedmpi.methods.base.Algorithm.personal_model` loads it for the
+per-site evaluation (θ^T with the site's personal part; Ditto's :math:`v_j`; APFL's
+mixture), so the block's diagonal is the site's personal model on its own data. There the
+local model j is θ^T with site j's personal part after one round of plain local SGD (the
+round-T optimizer, RNG stream (seed, j, T), no method hooks and no transforms): the
+method's own client step would update the site's personal state, which the personal
+columns then score. Every model travels with its personal part (D + P entries): with
+``eval.cross_site`` a personal model leaves its site (docs/personalisation.md).
+
 The matrix. For every metric of the run (``test_loss``, ``test_accuracy`` and the other
-``eval.metrics``) a ``[K, K + 1]`` float64 matrix: row i = the site whose held-out samples
+``eval.metrics``) a ``[K, K + 1]`` (personalised: ``[K, 2K + 1]``) float64 matrix: row i = the site whose held-out samples
 (``eval.client_holdout`` or ``data.silos.client_test``, :mod:`fedmpi.data.heldout`)
 evaluate, column c = the model; each cell is that site's value of the metric
 (:meth:`fedmpi.runtime.evaluation.Evaluation.on_site`, the per-site evaluation's own
@@ -29,10 +40,11 @@ no prediction leaves the rank that holds it — models travel, data does not):
 2. waves w = 0, 1, …: every rank hosting a w-th site (in client order) trains that
    site's local model; then rank by rank one ``Bcast`` of that model from its host, and
    every rank evaluates it on the sites it hosts (rank 0, hosting none when the world
-   size is above 1, writes it to ``local_models/`` with ``eval.cross_site_models``); an
+   size is above 1, writes it to ``local_models/`` with ``eval.cross_site_models``); then,
+   personalised, the same for each host's w-th personal model (``local_models/personal/``); an
    ``Allreduce`` of one error line per rank after each wave's training stops every rank
    with the same line if a local training raised;
-3. one ``Reduce`` of the ``[K + 1, K, M + 1]`` table (M metrics and the sample count):
+3. one ``Reduce`` of the ``[K + 1, K, M + 1]`` (personalised ``[2K + 1, K, M + 1]``) table (M metrics and the sample count):
    the cell (model, site i) is non-zero on site i's host only, so the sum is exact and
    the matrix the same for every world size and rank layout.
 
