@@ -77,6 +77,11 @@ def plot_bytes(log: RunLog | PathLike, path: Path) -> Path | None:
               if n in log.rounds]
     if r is None or len(r) == 0 or not series:
         return None
+    encoded = all(f"{n}_encoded" in log.rounds for n, _ in series)
+    wire = not (encoded and all(not np.any(v) for _, v in series))
+    if not wire:   # world size 1 sends nothing: draw what each participant's message holds
+        series = [(n, np.asarray(log.rounds[f"{n}_encoded"], dtype=np.float64))
+                  for n, _ in series]
     unit, scale = byte_unit(max(float(np.max(v)) for _, v in series))
     cum_unit, cum_scale = byte_unit(max(float(np.sum(v)) for _, v in series))
     fig = canvas.figure(11, 4.6)
@@ -115,5 +120,7 @@ def plot_bytes(log: RunLog | PathLike, path: Path) -> Path | None:
     canvas.round_axis(ax_c)
     ax_c.grid(alpha=0.3)
     ax_c.legend(fontsize=8)
-    fig.suptitle(f"{run_title(log)}: bytes sent per round\n{run_components(log)}", fontsize=10)
+    what = ("bytes sent per round" if wire else
+            "bytes encoded per round (world size 1: nothing was sent)")
+    fig.suptitle(f"{run_title(log)}: {what}\n{run_components(log)}", fontsize=10)
     return canvas.save(fig, path)

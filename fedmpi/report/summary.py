@@ -178,11 +178,13 @@ def summary_markdown(log: RunLog | PathLike, target: float | None = None,
                  for v, (name, idx) in enumerate(zip(level_labels(log, la.shape[1]), last))]
         out.append(f"| final accuracy per submodel level | {'; '.join(cells)} |")
     out += _time_lines(log)
-    for key, label in (("bytes_up", "uplink"), ("bytes_down", "downlink")):
+    for key, label in (("bytes_up", "uplink bytes sent"), ("bytes_down", "downlink bytes sent"),
+                       ("bytes_up_encoded", "uplink bytes encoded"),
+                       ("bytes_down_encoded", "downlink bytes encoded")):
         if key in log.rounds and len(log.rounds[key]):
             total = float(np.sum(log.rounds[key]))
             unit, scale = byte_unit(total)
-            out.append(f"| {label} bytes (total) | {total / scale:.3g} {unit} |")
+            out.append(f"| {label} (total) | {total / scale:.3g} {unit} |")
 
     out += ["", "## Sites", ""]
     out += _client_lines(log)
