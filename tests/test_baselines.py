@@ -189,9 +189,9 @@ def test_scaffold_identical_clients_zero_correction(linear):
     sc, avg = fed_for("scaffold"), fed_for("fedavg")
     sc.round(0)
     avg.round(0)
-    assert float(sc.algo.c.abs().max()) > 1e-3
-    for k in range(sc.K):
-        torch.testing.assert_close(sc.algo.c_local[k], sc.algo.c, atol=1e-6, rtol=0)
+    assert float(sc.built.algo.c.abs().max()) > 1e-3
+    for k in range(sc.built.num_clients):
+        torch.testing.assert_close(sc.built.algo.c_local[k], sc.built.algo.c, atol=1e-6, rtol=0)
     sc.round(1)
     avg.round(1)
     torch.testing.assert_close(sc.global_state, avg.global_state, atol=1e-6, rtol=0)

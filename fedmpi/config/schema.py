@@ -172,7 +172,8 @@ def check_components(cfg: Config, method: Optional[type[Algorithm]] = None,
 
     * a transform that rewrites the whole update (``rewrites_update``, ECGR) does not
       compose with a method whose uploads are masked (``spec.masked_upload``, the
-      submodel family);
+      submodel family) nor with personal parameters (FedBN, FedPer, FedRep,
+      ``personal.params``: the upload leaves them out);
     * a per-client server rule (``per_client``) needs the method's update as a
       weighted statistic (``spec.weighted_update``; not the submodel family's coverage
       sums);
@@ -236,6 +237,17 @@ def check_components(cfg: Config, method: Optional[type[Algorithm]] = None,
                     f"config key {tr.enable_key!r}: transform {tr.name!r} rewrites the whole "
                     f"update and does not compose with algorithm.name={cfg.algorithm.name!r} "
                     "(submodel uploads are masked)")
+    personal_params = bool(cfg.personal.params) or (
+        method is not None and method.spec_for(cfg).personal
+        and not method.spec_for(cfg).own_loss)   # FedBN, FedPer, FedRep, personal.params
+    if personal_params:
+        for tr in transforms:
+            if tr.rewrites_update:
+                key = "personal.params" if cfg.personal.params else "algorithm.name"
+                raise ConfigError(
+                    f"config keys {tr.enable_key!r} and {key!r}: transform {tr.name!r} "
+                    "rewrites the whole model's update, but only the exchanged part (without "
+                    f"the personal parameters) is uploaded; set {tr.enable_key}: false")
 
 
 # --------------------------------------------------------------------------- #
