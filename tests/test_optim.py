@@ -19,10 +19,10 @@ BASE = {"name": "optim", "seed": 3, "runtime": {"progress": False, "device": TES
         "train": {"rounds": 1, "local_steps": 1, "batch_size": 16, "lr": 0.01}}
 
 
-def _reference_steps(fed, model, opt, batches, loss_of) -> None:
+def _reference_steps(data, model, opt, batches, loss_of) -> None:
     for b in batches:
         opt.zero_grad()
-        loss_of(model(fed.data.prepare(fed.data.x_train[b], train=True)), fed.data.y_train[b]) \
+        loss_of(model(data.prepare(data.x_train[b], train=True)), data.y_train[b]) \
             .backward()
         opt.step()
 
@@ -45,7 +45,7 @@ def test_flat_adaptive_optimizer_matches_torch_per_parameter_and_resets_each_rou
         opt = cls(model.parameters(), lr=0.01, betas=(0.8, 0.99), eps=1e-7, weight_decay=0.05)
         batches = list(LocalTrainer(fed.flat, fed.data).batches(idx, cfg, torch.Generator()
                                                                  .manual_seed(seed)))
-        _reference_steps(fed, model, opt, batches, torch.nn.functional.cross_entropy)
+        _reference_steps(fed.data, model, opt, batches, torch.nn.functional.cross_entropy)
         fed.trainer.train(idx, cfg, seed=seed)
         torch.testing.assert_close(fed.flat.params, _params(model), atol=2e-6, rtol=0)
     assert not torch.equal(fed.flat.vector, start)
@@ -85,7 +85,7 @@ def test_training_loss_with_class_weights_and_smoothing_matches_formula(loss, by
     idx = fed.client_idx[1]
     batches = list(LocalTrainer(fed.flat, fed.data).batches(idx, cfg, torch.Generator()
                                                              .manual_seed(5)))
-    _reference_steps(fed, model, opt, batches, lambda z, y: by_hand(z, y, w, 0.1).float())
+    _reference_steps(fed.data, model, opt, batches, lambda z, y: by_hand(z, y, w, 0.1).float())
     result = fed.trainer.train(idx, cfg, seed=5)
     torch.testing.assert_close(fed.flat.params, _params(model), atol=1e-5, rtol=0)
     assert result.steps == 2
@@ -159,20 +159,21 @@ def _federated_reference(fed, make_opt, rounds: int, keep: bool) -> torch.Tensor
 
     from fedmpi.training.loop import stream_seed
 
-    P = fed.flat.num_params
+    P = fed.built.flat.num_params
     theta = fed.global_state[:P].clone()
-    models = [copy.deepcopy(fed.flat.model) for _ in range(fed.K)]
+    models = [copy.deepcopy(fed.built.flat.model) for _ in range(fed.built.num_clients)]
     opts = [make_opt(m.parameters()) for m in models]
     for t in range(rounds):
-        chosen = [int(k) for k in fed.participants(t).nonzero()[0]]
+        chosen = [int(k) for k in fed.policy.participants(t).nonzero()[0]]
         new = theta.clone()
         for k in chosen:
             vector_to_parameters(theta.clone(), models[k].parameters())
             if not keep:
                 opts[k] = make_opt(models[k].parameters())
-            gen = torch.Generator().manual_seed(stream_seed(fed.cfg.seed, k, t))
-            batches = list(fed.trainer.batches(fed.client_idx[k], fed.algo.sgd, gen))
-            _reference_steps(fed, models[k], opts[k], batches, torch.nn.functional.cross_entropy)
+            gen = torch.Generator().manual_seed(stream_seed(fed.built.cfg.seed, k, t))
+            batches = list(fed.view.worker.trainer.batches(fed.view.worker.client_idx[k], fed.built.algo.sgd, gen))
+            _reference_steps(fed.built.data, models[k], opts[k], batches,
+                             torch.nn.functional.cross_entropy)
             new += (parameters_to_vector(models[k].parameters()).detach() - theta) / len(chosen)
         theta = new
     return theta
