@@ -172,8 +172,10 @@ def check_components(cfg: Config, method: Optional[type[Algorithm]] = None,
 
     * a transform that rewrites the whole update (``rewrites_update``, ECGR) does not
       compose with a method whose uploads are masked (``spec.masked_upload``, the
-      submodel family) nor with personal parameters (FedBN, FedPer, FedRep,
-      ``personal.params``: the upload leaves them out);
+      submodel family);
+    * a transform that records the local steps (overrides ``wrap_hooks``: ECGR) does not
+      compose with personal parameters (FedBN, FedPer, FedRep, ``personal.params``: the
+      upload leaves them out);
     * a per-client server rule (``per_client``) needs the method's update as a
       weighted statistic (``spec.weighted_update``; not the submodel family's coverage
       sums);
@@ -241,13 +243,16 @@ def check_components(cfg: Config, method: Optional[type[Algorithm]] = None,
         method is not None and method.spec_for(cfg).personal
         and not method.spec_for(cfg).own_loss)   # FedBN, FedPer, FedRep, personal.params
     if personal_params:
-        for tr in transforms:
-            if tr.rewrites_update:
+        from fedmpi.transforms.base import UpdateTransform
+
+        for tr in transforms:   # one that records the local steps (ECGR) sees every trained entry
+            if tr.wrap_hooks is not UpdateTransform.wrap_hooks:
                 key = "personal.params" if cfg.personal.params else "algorithm.name"
                 raise ConfigError(
                     f"config keys {tr.enable_key!r} and {key!r}: transform {tr.name!r} "
-                    "rewrites the whole model's update, but only the exchanged part (without "
-                    f"the personal parameters) is uploaded; set {tr.enable_key}: false")
+                    "rebuilds the update from the recorded local steps of every trained "
+                    "entry, but the upload leaves the personal parameters out; set "
+                    f"{tr.enable_key}: false")
 
 
 # --------------------------------------------------------------------------- #
