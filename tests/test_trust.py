@@ -341,7 +341,10 @@ def test_sigterm_during_start_up_reports_no_checkpoint(tmp_path, monkeypatch, ca
     err = capsys.readouterr().err
     assert not (out / "checkpoint.pt").exists()
     assert "round -1" not in err and str(out / "checkpoint.pt") not in err
-    assert "no checkpoint was written" in err and "--overwrite" in err
+    # a run stopped before it logged a round leaves nothing that blocks the plain rerun
+    # (issue 48, item 3): no log, no model, and the line says so
+    assert "nothing of it was kept" in err and "run the same command again" in err, err
+    assert not (out / "log.h5").exists() and not (out / "model.pt").exists()
 
 
 # ------------------------------------------------------------------ 10
