@@ -31,6 +31,7 @@ decided by one implementation whatever the clock.
 """
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -103,7 +104,7 @@ def sample_idle(seed: int, num_clients: int, m: int, t: int, busy: set[int]) -> 
     return sorted(chosen)
 
 
-class Mode:
+class Mode(abc.ABC):
     """A round policy: fed arrivals and timers, answers with :class:`Actions`."""
 
     #: the server steps this run applies (``train.rounds``)
@@ -113,11 +114,13 @@ class Mode:
     #: a round waited ``runtime.round_timeout`` for ``min_updates`` in vain
     timed_out: bool = False
 
+    @abc.abstractmethod
     def begin(self, now: float) -> Actions:
-        raise NotImplementedError
+        """The jobs (and steps) at the start of the run, at clock time ``now``."""
 
+    @abc.abstractmethod
     def arrive(self, job: Job, now: float) -> Actions:
-        raise NotImplementedError
+        """``job``'s update arrived at clock time ``now``."""
 
     def timer(self) -> float:
         """The clock time at which :meth:`wake` must be called (inf: none)."""
@@ -127,8 +130,9 @@ class Mode:
         return Actions()
 
     @property
+    @abc.abstractmethod
     def done(self) -> bool:
-        raise NotImplementedError
+        """Whether the policy has produced its last step."""
 
 
 class Deadline(Mode):

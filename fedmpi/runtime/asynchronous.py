@@ -26,6 +26,10 @@ Rank 0 runs the policy; one *job* is one client's local training from one model 
   in step again (checkpoint, final evaluations). A resumed run restarts the policy at
   the checkpointed step with no job in flight.
 
+One module: rank 0's event loop, its job bookkeeping and the worker's serve loop are
+one protocol (the tags, the message layouts and the stop handshake must agree), so they
+stay together.
+
 Every step's row records each update's model version, staleness weight and arrival time
 (``/clients/version``, ``/clients/staleness_weight``, ``/clients/arrival_seconds``) and
 the clock's time of the step (``/rounds/virtual_seconds`` on the virtual clock,

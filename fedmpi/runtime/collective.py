@@ -3,7 +3,10 @@
 The first (and default) :class:`~fedmpi.runtime.exchange.Exchange`: every rank reaches
 every step, so a round closes when every participant has reported (the policies that
 wait for all, :attr:`~fedmpi.runtime.policy.RoundPolicy.waits_for_all`). With the
-evaluation collectives it is the only user of :mod:`fedmpi.comm` in the round loop.
+evaluation collectives it is the synchronous round loop's only user of :mod:`fedmpi.comm`
+(the deadline and buffered rounds send point to point, :mod:`fedmpi.runtime.asynchronous`).
+It stays one module: the five steps share the uplink buffers, the row order and the
+byte counts that the round's metadata carries, and must change together.
 
 Per round, in order (the verbs of the protocol in brackets):
 

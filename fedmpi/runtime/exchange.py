@@ -30,27 +30,12 @@ per-client row ``Isend``\ s, metadata ``Allreduce``, statistics ``Reduce``): it 
 round only when every participant has reported, so it serves the policies that wait for
 all (:attr:`~fedmpi.runtime.policy.RoundPolicy.waits_for_all`).
 
-The verbs are cut so that a point-to-point exchange (non-blocking sends and receives, rank 0
-addressing only some ranks) can implement the same protocol; how the two asynchronous
-policies of issue 45 would use each verb:
-
-* **deadline rounds** — :meth:`control` and :meth:`send_state` address only the ranks that
-  are done (``to``: the round's participants on ranks that reported; a rank still training
-  gets its header and θ when it reports); :meth:`receive_updates` returns when the policy's
-  ``closes(...)`` says so (the deadline passed and ``min_updates`` arrived, or everyone
-  reported), late rows stay posted and arrive in a later call, tagged with the model version
-  they trained from; :meth:`reduce_updates` sums the set that made the deadline (the
-  point-to-point version adds the received rows on rank 0, in client-id order, as
-  :class:`~fedmpi.runtime.server.ArrivalSum` does today under ``runtime.reduction: exact``),
-  with each carried late update weighted by the policy's ``weight(staleness)``.
-* **buffered asynchronous rounds** — :meth:`receive_updates` returns after ``B`` arrivals
-  (``closes`` counts them); :meth:`reduce_updates` sums that buffer, weighted by
-  ``weight(staleness)`` (``None``: dropped); :meth:`send_state` then goes to exactly the
-  ranks whose clients just reported (``to``), with the newest θ; :meth:`control` tells
-  those ranks which client to train next. Rank 0 never waits for all ranks.
-
-The evaluation verbs stay collectives in both: an evaluation every rank joins happens at a
-point where the policy has brought every rank to the same model version.
+The deadline and buffered rounds (``round.mode``) do not go through these verbs yet:
+:class:`~fedmpi.runtime.asynchronous.AsyncRounds` moves jobs and updates with comm's
+point-to-point calls directly (a job header and θ_v down, a metadata and a statistics row
+up) and only shares the collective exchange's θ buffer and uplink plan. Expressing it as
+a second implementation of this protocol (``send_state`` to a set of ranks,
+``receive_updates`` returning when the policy closes a step) is the remaining cut.
 
 No implementation pickles anything: headers are int64 arrays, updates float buffers.
 """

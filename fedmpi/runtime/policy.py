@@ -14,11 +14,10 @@ A :class:`RoundPolicy` answers three questions for the round loop
 :class:`SynchronousRound` is today's round and the default: S_t is m = ``train.
 clients_per_round`` of the K clients drawn without replacement from the stream (seed, t);
 the round closes when every participant has reported, so no update is late (staleness 0,
-weight 1). The deadline and buffered policies of issue 45 (a round that closes at
-``round.deadline`` with at least ``round.min_updates``; a server step after ``round.buffer``
-arrivals with a staleness function such as the polynomial (s + 1)^-a of FedAsync, Xie et al.
-2019, eq. 3) answer the same three questions; the exchange they need is sketched in
-:mod:`fedmpi.runtime.exchange`.
+weight 1). It is the policy of the collective exchange. The deadline and buffered
+rounds (``round.mode``) are event-driven policies in :mod:`fedmpi.round.modes` (fed
+arrivals and timers rather than asked per round), run by the point-to-point rounds of
+:mod:`fedmpi.runtime.asynchronous`; they answer the same three questions.
 """
 from __future__ import annotations
 
@@ -77,7 +76,8 @@ class SynchronousRound:
 
 
 def round_policy(cfg: Config) -> RoundPolicy:
-    """The policy of a run. Only the synchronous one exists so far; ``round.mode`` will
-    choose among the others (issue 45)."""
+    """The per-round policy of the collective exchange (also the methods' view of future
+    participants); ``round.mode: deadline | buffered`` runs :mod:`fedmpi.round.modes`
+    instead (:class:`~fedmpi.runtime.asynchronous.AsyncRounds`)."""
     K = cfg.data.num_clients
     return SynchronousRound(cfg.seed, K, cfg.train.clients_per_round or K)
