@@ -172,6 +172,11 @@ class ClientTask:
     indices: torch.Tensor        # training-pool indices on the training device
     seed: int                    # RNG stream of (seed, client, round)
     flip_labels: bool = False    # label_flip adversary
+    #: round.time_budget: the local steps this task takes instead of the configured τ_k
+    #: (None: as configured), or the time.monotonic() after which no step starts that
+    #: would end past it (None: no limit)
+    local_steps: Optional[int] = None
+    until: Optional[float] = None
 
 
 @dataclass

@@ -50,7 +50,7 @@ def test_buffered_is_the_same_run_at_any_world_size_with_fedasync_weights(tmp_pa
     assert logs[1].rounds["bytes_up"].sum() == logs[1].rounds["bytes_down"].sum() == 0
     D = sum(v.numel() for v in models[3].values() if v.is_floating_point())
     down = logs[3].rounds["bytes_down"]
-    assert down.sum() > 0 and np.all(down % (4 * 8 + 4 * D) == 0), (down, D)
+    assert down.sum() > 0 and np.all(down % (6 * 8 + 4 * D) == 0), (down, D)
 
 
 def test_deadline_carry_is_the_same_run_at_any_world_size(tmp_path):
@@ -121,6 +121,64 @@ def test_a_log_that_cannot_be_replayed_is_one_line_naming_the_key(tmp_path, what
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "runtime.replay" in lines[0] and str(path) in lines[0], lines
+
+
+def test_a_time_budget_takes_the_steps_that_fit_and_fednova_normalises_them(tmp_path):
+    """round.time_budget on the virtual clock with FedNova: every participant takes
+    ⌊deadline / (slowdown_k · B · sample_seconds)⌋ local steps (the 4x slower client
+    1 instead of 4), no update is late, /fednova/a is a_k of those steps (plain SGD:
+    a_k = τ_k), and -n 1 and -n 3 give the same bits."""
+    deadline, batch, unit = 0.3, 64, 1e-3
+    logs, _ = _run(tmp_path, "--set", "round.mode=deadline", "--set", f"round.deadline={deadline}",
+                   "--set", "round.time_budget=true", "--set", "algorithm.name=fednova",
+                   "--set", "train.momentum=0")
+    assert_same_bits(tmp_path / "n1", tmp_path / "n3")
+    log = logs[1]
+    version, steps = log.clients["version"], log.clients["local_steps"]
+    took = ~np.isnan(version)
+    t = np.arange(version.shape[0])[:, None] * np.ones_like(version)
+    assert took.any() and np.all(version[took] == t[took]), "an update was late"
+    slow = np.array([4, 1, 1, 1, 1, 1], dtype=np.float64)
+    expect = np.floor(deadline / (slow * batch * unit) + 1e-9) * np.ones_like(version)
+    assert np.array_equal(steps[took], expect[took]), (steps, expect)
+    assert took[:, 0].any() and set(steps[:, 1:][took[:, 1:]].tolist()) == {4.0}
+    assert np.array_equal(np.asarray(log.arrays["fednova/a"]).reshape(version.shape)[took], steps[took])
+    assert np.all(log.clients["arrival_seconds"][took] <= (t[took] + 1) * deadline + 1e-9)
+
+
+def test_a_wall_clock_time_budget_is_replayed_with_the_steps_it_took(tmp_path):
+    """round.time_budget on the wall clock at -n 3 (the steps depend on the machine),
+    replayed in one process: each job takes the recorded steps again — the same
+    /clients/steps and the same model bits."""
+    args = ["run", "configs/quickstart.yaml", *SMALL, "--set", "train.rounds=4",
+            "--set", "runtime.reduction=exact", "--set", "round.mode=deadline",
+            "--set", "round.deadline=0.2", "--set", "round.time_budget=true",
+            "--set", "train.local_epochs=50"]
+    run_fedmpi([*args, "--out", str(tmp_path / "wall")], n=3)
+    run_here([*args, "--set", f"runtime.replay={tmp_path / 'wall'}",
+              "--out", str(tmp_path / "replay")])
+    a, b = read(tmp_path / "wall" / "log.h5"), read(tmp_path / "replay" / "log.h5")
+    took = ~np.isnan(a.clients["version"])
+    steps = a.clients["local_steps"][took]
+    # 50 epochs (~200 steps) never fit in 0.2 s: the budget, not the epochs, ended them
+    assert steps.min() >= 1 and steps.max() < 150, steps
+    assert np.array_equal(a.clients["local_steps"], b.clients["local_steps"], equal_nan=True)
+    assert (tmp_path / "wall" / "model.pt").read_bytes() == \
+        (tmp_path / "replay" / "model.pt").read_bytes()
+
+
+@pytest.mark.parametrize("over,keys", [
+    (["--set", "round.time_budget=true"], ("round.time_budget", "round.mode")),
+    (["--set", "round.mode=deadline", "--set", "round.deadline=1", "--set",
+      "round.time_budget=true", "--set", "ecgr.enabled=true"], ("ecgr.enabled", "round.time_budget")),
+])
+def test_a_time_budget_that_cannot_apply_is_one_line_naming_both_keys(tmp_path, over, keys):
+    proc = run_fedmpi(["run", "configs/quickstart.yaml", *SMALL, *over,
+                       "--out", str(tmp_path / "x")], n=0, check=False)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(k in lines[0] for k in keys), lines
+    assert not (tmp_path / "x").exists()
 
 
 def _rank_pid(launcher: int, rank: int) -> int:

@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from fedmpi.round.clock import RoundTimeout, simulate
 from fedmpi.round.modes import Buffered, Deadline, Replay, sample, sample_idle, synchronous
@@ -171,3 +172,47 @@ def test_replay_from_a_resumed_step_refuses_updates_from_before_it():
     Replay(record, start=2)
     with pytest.raises(ValueError, match="from version 0, before the resumed step 1"):
         Replay(record, start=1)
+
+
+def test_time_budget_gives_every_job_of_a_round_the_deadline_and_replay_the_recorded_steps():
+    """round.time_budget: each job of round t carries the deadline as its budget (a
+    late client's next job too, from its own start); without it no job has a budget; a
+    replay hands each job (k, v) the local steps the record lists for it."""
+    starts: list = []
+    steps = simulate(Deadline(5, 8, 4, 6, deadline=2.0, late="carry", time_budget=True),
+                     dur([1.0, 1.2, 5.0, 1.1, 3.0, 1.3, 0.9, 2.2]),
+                     log=lambda job, end: starts.append(job))
+    assert len(steps) == 6 and starts and all(job.budget == 2.0 for job in starts)
+    starts.clear()
+    simulate(Deadline(5, 8, 4, 6, deadline=2.0), dur([1.0] * 8),
+             log=lambda job, end: starts.append(job))
+    assert starts and all(math.isinf(job.budget) and job.steps == 0 for job in starts)
+    record = [[(0, 0, 1.0), (1, 0, 1.0)], [(0, 1, 1.0)]]
+    taken = {(0, 0): 3, (1, 0): 7, (0, 1): 2}
+    starts.clear()
+    simulate(Replay(record, local_steps=taken), dur([1.0, 1.0]),
+             log=lambda job, end: starts.append(job))
+    assert {(j.client, j.version): j.steps for j in starts} == taken
+
+
+def test_a_time_budget_takes_a_step_only_while_the_last_one_would_still_fit(monkeypatch):
+    """LocalTrainer.within on a scripted clock: steps of 1 s from t = 0 with the budget
+    ending at 3.5 take 3 steps (after the third, 3 + 1 > 3.5); one of 10 s takes 1."""
+    from fedmpi.training import loop
+
+    now = [0.0]
+    monkeypatch.setattr(loop.time, "monotonic", lambda: now[0])
+    trainer = loop.LocalTrainer.__new__(loop.LocalTrainer)
+    trainer.device = torch.device("cpu")
+
+    def taken(duration: float, until: float) -> list[int]:
+        now[0] = 0.0
+        out = []
+        for batch in trainer.within(iter(range(100)), until):
+            out.append(batch)
+            now[0] += duration   # the step itself
+        return out
+
+    assert taken(1.0, 3.5) == [0, 1, 2]
+    assert taken(10.0, 3.5) == [0]
+    assert taken(0.5, 3.0) == [0, 1, 2, 3, 4, 5]

@@ -32,6 +32,13 @@ class RoundConfig(CopyOnRead):
                                    "clock)", gt=0)
     min_updates: int = param(1, "round.mode deadline: a round never closes with fewer "
                              "updates; it waits for them up to runtime.round_timeout", ge=1)
+    time_budget: bool = param(False, "round.mode deadline: each participant trains as many "
+                              "local steps as fit before the deadline (virtual clock: "
+                              "floor(deadline / (slowdown_k x batch_size x "
+                              "round.sample_seconds)); wall clock: until its next step would "
+                              "end after the deadline), at least 1, instead of "
+                              "train.local_steps/local_epochs; with algorithm.name fednova "
+                              "unequal step counts do not bias the aggregate")
     late: str = param("drop", "round.mode deadline: an update that misses its round is "
                       "dropped, or carried into the next step with its staleness weight",
                       choices=("drop", "carry"))
@@ -59,6 +66,9 @@ def round_checks(cfg: Config) -> None:
     if slow is not None and len(slow) != cfg.data.num_clients:
         raise ConfigError(f"config key 'system.slowdown' must have one factor per client "
                           f"(data.num_clients = {cfg.data.num_clients}), got {len(slow)}")
+    if r.time_budget and r.mode != "deadline":
+        raise ConfigError(f"config key 'round.time_budget' needs round.mode 'deadline' (its "
+                          f"budget is the round's deadline), got round.mode {r.mode!r}")
     if r.mode == "sync":
         if cfg.runtime.replay is not None:
             raise ConfigError("config key 'runtime.replay' needs round.mode deadline or "

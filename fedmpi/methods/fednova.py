@@ -17,7 +17,12 @@ logged as ``/fednova/a``). The server, with p_k = s_k from
 
     τ_eff = Σ_k p_k a_k,        θ ← θ + η_g τ_eff Σ_k p_k d_k
 
-With equal τ_k this is FedAvg (up to float rounding of /a·a). FedVG
+With equal τ_k this is FedAvg (up to float rounding of /a·a). Under ``round.mode:
+deadline`` with ``round.time_budget`` the τ_k differ by design (each client takes the
+steps that fit before the deadline) and this is the rule that keeps the aggregate from
+leaning towards the fast clients' objectives (Wang et al. 2020, Theorem 1); a stale
+update (``round.late: carry``, buffered rounds) enters with its staleness weight s(τ) in
+p_k d_k, τ_eff = Σ_k p_k a_k over the step's updates. FedVG
 substitutes p_k (Table A.8 does not list FedNova; the composition is the
 natural one) and scores the client model θ + a_k d_k = θ_k (FedVG Eq. 4, via
 ``spec.delta_scale``), never θ + d_k. η_g = ``algorithm.server_lr`` (1).
@@ -59,9 +64,11 @@ class FedNovaParams:
 class FedNova(Algorithm):
     name = "fednova"
     # a_k normalises SGD steps (with momentum rho) from a zero momentum buffer each round;
-    # θ_k − θ = a_k d_k on the parameters (FedVG scores θ_k, not θ + d_k)
+    # θ_k − θ = a_k d_k on the parameters (FedVG scores θ_k, not θ + d_k); each update
+    # carries its own a_k, so a step of the deadline or buffered rounds is the same rule
+    # over the updates it aggregates (round.time_budget's unequal τ_k)
     spec = MethodSpec(optimizers=("sgd",), fresh_optimizer=True, record_dp=True,
-                      delta_scale=A_STAT)
+                      delta_scale=A_STAT, asynchronous=True)
     params = {"fednova": FedNovaParams}
 
     def exchange(self) -> Exchange:

@@ -20,7 +20,10 @@ decided by one implementation whatever the clock.
   next step that closes after it arrives, with staleness weight s(τ) (``late: carry``).
   A late client is busy until it reports, so the next rounds sample among the idle
   clients (S_t with the busy clients replaced by idle ones, RNG (seed, t)): with no late
-  client, the rounds are exactly :class:`Synchronous`'s.
+  client, the rounds are exactly :class:`Synchronous`'s. With ``time_budget`` each job
+  carries the round's deadline as its budget: the client trains as many local steps as
+  fit in it (FedNova's normalisation, ``algorithm.name: fednova``, removes the bias of
+  unequal step counts: Wang et al. 2020, Eq. 6).
 * :class:`Buffered` — FedBuff (Nguyen et al., AISTATS 2022, Alg. 1): ``concurrency``
   clients train at all times; each arriving update of staleness τ ≤ ``max_staleness`` is
   buffered with weight s(τ); after ``buffer`` updates the server applies a step. Clients
@@ -47,12 +50,17 @@ INF = math.inf
 class Job:
     """One local training: ``client`` from model version ``version``, started at ``start``
     (seconds on the driver's clock); ``round`` is the round it was started for (the
-    version for :class:`Buffered`)."""
+    version for :class:`Buffered`). The driver turns ``budget`` into local steps
+    (:mod:`fedmpi.runtime.asynchronous`)."""
 
     client: int
     version: int
     start: float
     round: int
+    #: seconds it may train before its round's deadline (``round.time_budget``); inf: none
+    budget: float = INF
+    #: local steps it must take (a replay of a time-budget run); 0: as configured
+    steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -141,12 +149,14 @@ class Deadline(Mode):
 
     def __init__(self, seed: int, num_clients: int, per_round: int, steps: int,
                  deadline: float = INF, min_updates: int = 1, late: str = "drop",
-                 staleness: Staleness = Staleness(), timeout: float = INF) -> None:
+                 staleness: Staleness = Staleness(), timeout: float = INF,
+                 time_budget: bool = False) -> None:
         if late not in ("drop", "carry"):
             raise ValueError(f"late must be drop or carry, got {late!r}")
         self.seed, self.K, self.m, self.steps = seed, num_clients, per_round, steps
         self.deadline, self.min_updates, self.late = deadline, min_updates, late
         self.staleness, self.timeout = staleness, timeout
+        self.budget = deadline if time_budget else INF
         self.version = 0
         self.opened = 0.0
         self.waiting: set[int] = set()     # this round's participants still training
@@ -167,7 +177,7 @@ class Deadline(Mode):
             return []
         self.opened = now
         clients = sample_idle(self.seed, self.K, self.m, self.version, set(self.busy))
-        jobs = [Job(k, self.version, now, self.version) for k in clients]
+        jobs = [Job(k, self.version, now, self.version, self.budget) for k in clients]
         self.waiting = set(clients)
         self.busy.update((j.client, j) for j in jobs)
         return jobs
@@ -282,11 +292,15 @@ class Replay(Mode):
     client's jobs in version order, as the original ran them); step t is applied once its
     updates are in *and* every job of version t has started (else a client still busy
     could not start from θ_t any more). Jobs whose updates the original dropped are not
-    run: they changed nothing.
+    run: they changed nothing. A job of a ``time_budget`` run takes the local steps the
+    original took (``local_steps``), which on the wall clock depended on the machine.
     """
 
-    def __init__(self, record: list[list[tuple[int, int, float]]], start: int = 0) -> None:
+    def __init__(self, record: list[list[tuple[int, int, float]]], start: int = 0,
+                 local_steps: Optional[dict[tuple[int, int], int]] = None) -> None:
         self.record, self.steps, self.version = record, len(record), start
+        #: (client, version) → the local steps the original job took (a time-budget run)
+        self.local_steps = local_steps or {}
         todo: dict[int, list[int]] = {}
         for t in range(start, self.steps):
             for k, v, _ in record[t]:
@@ -310,7 +324,8 @@ class Replay(Mode):
         for k in sorted(self.todo):
             vs = self.todo[k]
             if vs and vs[0] == self.version and k not in self.busy:
-                jobs.append(Job(k, vs.pop(0), now, self.version))
+                v = vs.pop(0)
+                jobs.append(Job(k, v, now, self.version, steps=self.local_steps.get((k, v), 0)))
                 self.busy.add(k)
         return jobs
 

@@ -4,10 +4,15 @@
 Rank 0 runs the policy; one *job* is one client's local training from one model version.
 
 * **Down.** A job (client k, version v) travels to the rank hosting k as an int64 header
-  [JOB, k, v, flags] and θ_v (a copy of θ kept on rank 0 until every send of that version
+  [JOB, k, v, flags, τ, budget µs] and θ_v (a copy of θ kept on rank 0 until every send of that version
   completed). The rank trains k from θ_v with the RNG stream (seed, k, v) — a client
   never trains twice from one version — so an update is a function of (k, v) alone,
-  whatever rank computes it and whenever.
+  whatever rank computes it and whenever. Under ``round.time_budget`` τ > 0 is the
+  number of local steps the job takes (the virtual clock: ⌊budget / (slowdown_k · B ·
+  round.sample_seconds)⌋, B the batch size, at least 1; a replay: the original's), or
+  the budget in µs has the rank train until its next step would end past the deadline
+  (the wall clock, counted from the job's arrival on the rank; the steps taken are
+  logged, ``/clients/local_steps``, and a replay takes them again).
 * **Up.** The update comes back as one metadata message (float64: status, raw weight,
   loss, samples, steps, training seconds, the components' per-client values, the rank's
   stop signal, then an error text) and one float32 row of every uplink statistic. A rank
@@ -37,6 +42,7 @@ the clock's time of the step (``/rounds/virtual_seconds`` on the virtual clock,
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +71,7 @@ if TYPE_CHECKING:
 # the round loop's commands (fedmpi.runtime.federation: CMD_ROUND, CMD_STOP, CMD_ABORT)
 CMD_ROUND, CMD_JOB = 0, 3
 HEAD_TAG, STATE_TAG, META_TAG, ROW_TAG = 41_001, 41_002, 41_003, 41_004
+HEAD_LEN = 6   # [command, client, version, flags, local steps, budget µs]
 ERR_BYTES = 1024
 
 
@@ -98,7 +105,7 @@ def make_mode(cfg: Config, start: int,
     """The run's round policy, at step ``start`` (a resumed run); the recorded steps
     again under ``runtime.replay``."""
     if record is not None:
-        return Replay(record, start)
+        return Replay(record, start, read_steps(cfg) if cfg.round.time_budget else None)
     r = cfg.round
     st = Staleness(r.staleness, r.staleness_a, r.staleness_b, r.max_staleness)
     K = cfg.data.num_clients
@@ -108,16 +115,32 @@ def make_mode(cfg: Config, start: int,
     if r.mode == "deadline":
         assert r.deadline is not None, "round_checks requires it"
         mode = Deadline(cfg.seed, K, m, steps, r.deadline, r.min_updates, r.late, st,
-                        timeout=cfg.runtime.round_timeout)
+                        timeout=cfg.runtime.round_timeout, time_budget=r.time_budget)
     else:
         mode = Buffered(cfg.seed, K, r.concurrency or m, steps, r.buffer, st)
     mode.version = start
     return mode
 
 
-def work(cfg: Config, num_samples: np.ndarray, client: int) -> float:
-    """Samples client ``client``'s local training processes (the virtual clock's work)."""
+def read_steps(cfg: Config) -> dict[tuple[int, int], int]:
+    """(client, version) → the local steps each update of the run ``runtime.replay`` names
+    took (``/clients/local_steps``): what a replay of a ``round.time_budget`` run takes again."""
+    path = Path(cfg.runtime.replay or "")
+    log = read(path / "log.h5" if path.is_dir() else path)
+    version, steps = log.clients["version"], log.clients.get("local_steps")
+    if steps is None:
+        raise ConfigError(f"config key 'runtime.replay': {path} records no /clients/local_steps, "
+                          "which a round.time_budget run replays")
+    return {(int(k), int(version[t, k])): int(steps[t, k])
+            for t in range(version.shape[0]) for k in np.flatnonzero(~np.isnan(version[t]))}
+
+
+def work(cfg: Config, num_samples: np.ndarray, client: int, steps: int = 0) -> float:
+    """Samples client ``client``'s local training processes (the virtual clock's work);
+    ``steps`` > 0: that many batches instead of the configured τ_k."""
     t = cfg.train
+    if steps:
+        return float(steps * t.batch_size)
     if t.local_steps:
         return float(t.local_steps * t.batch_size)
     return float(t.local_epochs * num_samples[client])
@@ -199,9 +222,20 @@ class AsyncRounds:
     def clock(self) -> float:
         return self.now if self.virtual else time.monotonic() - self.t0
 
-    def duration(self, job: Job) -> float:
-        return float(self.slowdown[job.client] * work(self.cfg, self.b.num_samples, job.client)
-                     * self.unit)
+    def duration(self, job: Job, steps: int = 0) -> float:
+        return float(self.slowdown[job.client] * work(self.cfg, self.b.num_samples, job.client,
+                                                      steps) * self.unit)
+
+    def budget(self, job: Job) -> tuple[int, float]:
+        """(τ, seconds) of ``job`` as its header carries them (module docstring): its local
+        steps (0: as configured) and, on the wall clock, the seconds it may still train
+        (inf: no limit)."""
+        if job.steps or job.budget == INF:
+            return job.steps, INF
+        if self.virtual:
+            per_step = self.slowdown[job.client] * self.cfg.train.batch_size * self.unit
+            return max(1, math.floor(job.budget / per_step + 1e-9)), INF
+        return 0, max(job.start + job.budget - self.clock(), 0.0)
 
     # ------------------------------------------------------------------ rank 0
     def round(self, t: int) -> int:
@@ -297,18 +331,21 @@ class AsyncRounds:
         D = self.D
         if job.version not in self.buffers and self.P < D:
             self.buffers[job.version] = state[self.P: D].clone()
-        end = self.clock() + self.duration(job) if self.virtual else INF
+        steps, seconds = self.budget(job)
+        end = self.clock() + self.duration(job, steps) if self.virtual else INF
         if dest == 0:   # world size 1: rank 0 trains the job itself, now
             meta = np.zeros(self.meta_len, dtype=np.float64)
             row = torch.zeros(self.plan.row_size, dtype=torch.float32, device=self.b.device)
-            self._train(job.client, job.version, state[:D], state[D:], meta, row)
+            self._train(job.client, job.version, state[:D], state[D:], meta, row, steps,
+                        time.monotonic() + seconds if seconds != INF else None)
             self.flights[job.client] = _Flight(job, [], meta, row, end)
             return
         if job.version not in self.versions:
             self._reap()
             self.versions[job.version] = (state.detach().to("cpu", copy=True), [])
         theta, sends = self.versions[job.version]
-        head = np.array([CMD_JOB, job.client, job.version, 0], dtype=np.int64)
+        micro = -1 if seconds == INF else round(seconds * 1e6)
+        head = np.array([CMD_JOB, job.client, job.version, 0, steps, micro], dtype=np.int64)
         self.sent_down += head.nbytes + theta.numpy().nbytes   # what this job hands MPI
         reqs = self.comm.start_send(head, dest, HEAD_TAG)
         self.heads.append((head, reqs))
@@ -396,7 +433,7 @@ class AsyncRounds:
         flags = self.calls.stop_flags(cmd, t)
         heads = []
         for r in range(1, self.comm.size):
-            head = np.array([cmd, -1, t, flags], dtype=np.int64)
+            head = np.array([cmd, -1, t, flags, 0, -1], dtype=np.int64)
             heads.append((head, self.comm.start_send(head, r, HEAD_TAG)))
         self.comm.wait([r for _, r in heads], "stop headers", patient=False)
         self.calls.after_stop(t, cmd, flags)
@@ -404,10 +441,11 @@ class AsyncRounds:
     # ------------------------------------------------------------------ workers
     def _serve(self, t: int) -> int:
         """A worker: train the jobs rank 0 sends until it sends STOP or ABORT."""
-        head = np.zeros(4, dtype=np.int64)
+        head = np.zeros(HEAD_LEN, dtype=np.int64)
         while True:
             self.comm.wait([self.comm.start_recv(head, 0, HEAD_TAG)], "next job header")
-            cmd, client, version, flags = (int(x) for x in head)
+            cmd, client, version, flags, steps, micro = (int(x) for x in head)
+            until = time.monotonic() + micro / 1e6 if micro >= 0 else None
             if cmd != CMD_JOB:
                 if self.up_reqs:
                     self.comm.wait([self.up_reqs], "last update send", patient=False)
@@ -421,13 +459,15 @@ class AsyncRounds:
                 self.comm.wait([self.up_reqs], "previous update send", patient=False)
                 self.up_reqs = []
             self._train(client, version, self.state.dev[: self.D], self.state.dev[self.D:],
-                        self.up_meta, self.up_row)
+                        self.up_meta, self.up_row, steps, until)
             self.up_reqs = self.comm.start_send(self.up_meta, 0, META_TAG) + \
                 self.comm.start_send(self.up_row.numpy(), 0, ROW_TAG)
 
     def _train(self, k: int, version: int, state: torch.Tensor, extras: torch.Tensor,
-               meta: np.ndarray, row: torch.Tensor) -> None:
-        """Client ``k``'s update from θ_version = ``state`` into ``meta`` and ``row``."""
+               meta: np.ndarray, row: torch.Tensor, steps: int = 0,
+               until: Optional[float] = None) -> None:
+        """Client ``k``'s update from θ_version = ``state`` into ``meta`` and ``row``;
+        ``steps``/``until`` as the job's header says (module docstring)."""
         b, worker = self.b, self.worker
         mask = np.zeros(self.K, dtype=bool)
         mask[k] = True
@@ -435,6 +475,7 @@ class AsyncRounds:
         meta.fill(0.0)
         t0 = time.perf_counter()
         task = worker.task(k, version)
+        task.local_steps, task.until = steps or None, until
         try:
             result = worker.train(task, b.transforms.received(state), extras, worker.scratch)
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, then the job stops

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from dataclasses import replace
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -77,6 +78,8 @@ class Worker:
         assert trainer is not None, "only a rank hosting clients trains"
         task = stages.before_training(task)
         sgd = algo.local_sgd(task)
+        if task.local_steps is not None:   # round.time_budget
+            sgd = replace(sgd, local_steps=task.local_steps)
         start = algo.trained(task, state)
         trainer.flat.load(start)
         algo.enter_client(task.client, trainer.flat)   # its personal part, if any
@@ -84,7 +87,8 @@ class Worker:
         if self.parallel is not None:
             hooks = self.parallel.wrap(hooks, sgd, trainer)
         kept = self.kept.of(task.client, state.device) if self.kept is not None else None
-        result = trainer.train(task.indices, sgd, task.seed, hooks, task.flip_labels, kept)
+        result = trainer.train(task.indices, sgd, task.seed, hooks, task.flip_labels, kept,
+                               until=task.until)
         if self.kept is not None:
             self.kept.drop_if_nonfinite(task.client)
         torch.sub(trainer.flat.vector, start, out=out["delta"])

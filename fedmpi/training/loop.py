@@ -17,6 +17,7 @@ keep`` b is the client's own buffer (:class:`~fedmpi.training.optim.KeptState`) 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
@@ -228,15 +229,30 @@ class LocalTrainer:
                 if done == steps:
                     return
 
+    def within(self, batches: Iterator[torch.Tensor], until: float) -> Iterator[torch.Tensor]:
+        """The batches of a time budget (``round.time_budget`` on the wall clock): the
+        first always; another only while the step before it, taken again, would end by
+        ``until`` (``time.monotonic``): now + (duration of the last step) ≤ until."""
+        before = time.monotonic()
+        for batch in batches:
+            yield batch
+            if self.device.type == "cuda":   # the step's kernels, not their launch
+                torch.cuda.synchronize(self.device)
+            now = time.monotonic()
+            if now + (now - before) > until:
+                return
+            before = now
+
     def train(self, indices: torch.Tensor, cfg: SGDConfig, seed: int,
               hooks: StepHooks = StepHooks(), flip_labels: bool = False,
-              kept: Optional[KeptState] = None) -> TrainResult:
+              kept: Optional[KeptState] = None, until: Optional[float] = None) -> TrainResult:
         """Run τ_k local SGD steps on the samples ``indices`` of the training pool.
 
         ``seed`` drives the batch order, augmentation and any other randomness,
         so the result depends only on (seed, client, round), not on the rank.
         ``kept``: the client's optimizer state to continue from and update
-        (``train.optimizer_state: keep``); None = a fresh optimizer.
+        (``train.optimizer_state: keep``); None = a fresh optimizer. ``until``: stop
+        early at this ``time.monotonic()`` (:meth:`within`); τ_k is then the steps taken.
         """
         flat, data, accel = self.flat, self.data, self.accel
         gen = torch.Generator().manual_seed(seed)
@@ -255,7 +271,10 @@ class LocalTrainer:
         adaptive = self._optimizer(cfg, kept) if cfg.optimizer != "sgd" else None
         loss_total = torch.zeros((), device=self.device)  # summed on device: no sync per step
         num_classes = data.num_classes
-        for batch in self.batches(indices, cfg, gen, hooks.sampler):
+        batches = self.batches(indices, cfg, gen, hooks.sampler)
+        if until is not None:
+            batches = self.within(batches, until)
+        for batch in batches:
             x = accel.input(data.prepare(data.x_train[batch], train=True, generator=self._device_gen))
             y = data.y_train[batch]
             if flip_labels:

@@ -330,6 +330,10 @@ class EcgrTransform(UpdateTransform):
             raise ConfigError(f"config keys 'ecgr.enabled' and 'train.optimizer': ECGR rewrites "
                               f"SGD steps (its math assumes sgd), got train.optimizer "
                               f"{cfg.train.optimizer!r}")
+        if cfg.round.time_budget:
+            raise ConfigError("config keys 'ecgr.enabled' and 'round.time_budget': ECGR sizes "
+                              "its step buffer from the configured local steps (tau_max), and a "
+                              "time budget lets a client take more; set round.time_budget: false")
         if cfg.train.optimizer_state == "keep" and cfg.train.momentum:
             raise ConfigError("config keys 'ecgr.enabled' and 'train.optimizer_state': ECGR "
                               "records and normalises this round's steps from a zero momentum "
