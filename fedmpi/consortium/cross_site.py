@@ -14,7 +14,7 @@ longer (``tests/test_cross_site.py`` checks it).
 
 Personal models. Under a personalised method (:func:`fedmpi.runtime.evaluation.personal_models`:
 FedBN, FedPer, FedRep, Ditto, APFL or ``personal.params``) column K + 1 + j is site j's
-personal model, as :meth:`~fedmpi.methods.base.Algorithm.personal_model` loads it for the
+personal model, as :meth:`~fedmpi.methods.base.Algorithm.client_models` loads it for the
 per-site evaluation (θ^T with the site's personal part; Ditto's :math:`v_j`; APFL's
 mixture), so the block's diagonal is the site's personal model on its own data. There the
 local model j is θ^T with site j's personal part after one round of plain local SGD (the
@@ -187,7 +187,7 @@ def validate(view: RankView, rounds: int, save: Optional[Path] = None) -> Option
                 evaluate_here(column + j)
             if folder is not None and view.is_server:
                 write_model(ctx.flat.model, folder / files[j])
-            algo.leave_personal_model(ctx.flat)
+            algo.client_models().reset(ctx.flat)
 
     for w in range(max(len(h) for h in hosts)):
         error = None
@@ -206,15 +206,15 @@ def validate(view: RankView, rounds: int, save: Optional[Path] = None) -> Option
             else:
                 assert worker.trainer is not None, "a rank hosting sites"
                 pack(worker.trainer.flat)
-                algo.leave_personal_model(worker.trainer.flat)
+                algo.client_models().reset(worker.trainer.flat)
                 b.reports.take_client_values(j)   # nothing is uploaded
         agree_on_errors(comm, error, RuntimeError, "cross-site training agreement Allreduce")
         share(w, 1, save)
         if personal:
             if w < len(mine):   # site j's personal model, as the per-site evaluation loads it
-                algo.personal_model(mine[w], state, ctx.flat)
+                algo.client_models().load(mine[w], state, ctx.flat)
                 pack(ctx.flat)
-                algo.leave_personal_model(ctx.flat)
+                algo.client_models().reset(ctx.flat)
             share(w, K + 1, save / PERSONAL_DIR if save is not None else None)
 
     # 3. every cell to rank 0
@@ -240,7 +240,7 @@ def local_personal(view: RankView, j: int, rounds: int) -> None:
     assert trainer is not None, "a rank hosting sites"
     task = worker.task(j, rounds)
     trainer.flat.load(view.state)
-    algo.enter_client(j, trainer.flat)
+    algo.client_models().enter(j, trainer.flat)
     trainer.train(task.indices, algo.local_sgd(task), task.seed, StepHooks())
 
 

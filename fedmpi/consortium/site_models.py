@@ -11,7 +11,7 @@ For every site k (on the rank hosting it; no model and no sample travels):
   settings), RNG stream (seed, k, T, 2);
 * ``global`` — the final global model :math:`\theta^T`;
 * ``personal`` — the site's personal model (a method with ``MethodSpec.personal`` or
-  ``personal.params``: :meth:`~fedmpi.methods.base.Algorithm.personal_model`);
+  ``personal.params``: :meth:`~fedmpi.methods.base.Algorithm.client_models`);
 * ``fine-tuned`` (``eval.finetune_epochs`` E > 0) — :math:`\theta^T` (with the site's
   personal part, if any) trained E local epochs on the site's data, RNG stream
   (seed, k, T, 1).
@@ -104,28 +104,28 @@ def table(view: RankView, rounds: int) -> np.ndarray | None:
         ctx.flat.load(state)
         score(1, k)
         if personal:
-            algo.personal_model(k, state, ctx.flat)
+            algo.client_models().load(k, state, ctx.flat)
             score(2, k)
-            algo.leave_personal_model(ctx.flat)
+            algo.client_models().reset(ctx.flat)
         trainer, idx = view.worker.trainer, view.worker.client_idx[k]
         if e.finetune_epochs and trainer is not None:
             trainer.flat.load(state)
-            algo.enter_client(k, trainer.flat)
+            algo.client_models().enter(k, trainer.flat)
             sgd = replace(algo.sgd, local_epochs=e.finetune_epochs, local_steps=None)
             trainer.train(idx, sgd, stream_seed(cfg.seed, k, rounds, 1), StepHooks())
             score(3, k)
-            algo.leave_personal_model(trainer.flat)
+            algo.client_models().reset(trainer.flat)
         if e.local_only and trainer is not None:
             steps = num_local_steps(idx.numel(), algo.sgd) * sum(
                 int(ctx.participants(t)[k]) for t in range(rounds))
             assert b.initial is not None, "kept by the build with eval.local_only"
             trainer.flat.load(b.initial)
-            algo.leave_personal_model(trainer.flat)   # the initial personal part, if any
+            algo.client_models().reset(trainer.flat)   # the initial personal part, if any
             if steps:
                 trainer.train(idx, replace(algo.sgd, local_steps=steps),
                               stream_seed(cfg.seed, k, rounds, 2), StepHooks())
             score(0, k)
-            algo.leave_personal_model(trainer.flat)
+            algo.client_models().reset(trainer.flat)
     ctx.flat.load(state)
     total = np.zeros_like(out) if view.is_server else None
     view.comm.reduce_sum(out, total, what="site models table Reduce")

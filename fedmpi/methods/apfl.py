@@ -38,6 +38,7 @@ from fedmpi.component import ClientTask
 from fedmpi.config.core import Config
 from fedmpi.config.params import param
 from fedmpi.methods.base import Algorithm, MethodSpec
+from fedmpi.methods.personal import ClientModels
 from fedmpi.training.flat import FlatModel
 from fedmpi.training.functional import loss_and_grad
 from fedmpi.training.loop import StepHooks
@@ -102,7 +103,10 @@ class APFL(Algorithm):
 
         return StepHooks(loss_fn=loss)
 
-    def personal_model(self, client: int, state: torch.Tensor, flat: FlatModel) -> bool:
-        v, alpha = self.personal_vector(client)
-        flat.load(self.mixture(v, alpha, state))
-        return True
+    def client_models(self) -> ClientModels:
+        """Client k's personal model is the mixture ᾱ_k v_k + (1 − ᾱ_k) θ."""
+        def load(client: int, state: torch.Tensor, flat: FlatModel) -> None:
+            v, alpha = self.personal_vector(client)
+            flat.load(self.mixture(v, alpha, state))
+
+        return ClientModels(None, load)

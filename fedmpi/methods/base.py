@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from fedmpi.component import ClientTask, Component, RoundInfo, Stat
-from fedmpi.methods.personal import PersonalParts, matching
+from fedmpi.methods.personal import ClientModels, PersonalParts, matching
 from fedmpi.training.flat import FlatModel
 from fedmpi.training.loop import SGDConfig, StepHooks, TrainResult, sgd_config, step_decay_lr
 
@@ -290,32 +290,12 @@ class Algorithm(Component):
         θ^{t−1}). Default: nothing."""
 
     # --------------------------------------------------------- per-client state
-    def enter_client(self, client: int, flat: FlatModel) -> None:
-        """Worker, before ``client`` trains on ``flat``: load its personal part."""
-        if self.personal is not None:
-            self.personal.enter(client, flat)
-
-    def leave_client(self, client: int, flat: FlatModel) -> None:
-        """Worker, after ``client`` trained: keep its personal part, reset the model's."""
-        if self.personal is not None:
-            self.personal.leave(client, flat)
-
-    def personal_model(self, client: int, state: torch.Tensor, flat: FlatModel) -> bool:
-        """Load hosted client ``client``'s personal model, given the global ``state``, into
-        ``flat`` for its evaluation (:attr:`MethodSpec.personal`); False when the method
-        gives clients none. Default: the global state with the client's personal
-        parameters; :meth:`leave_personal_model` puts the initial ones back."""
-        if self.personal is None:
-            return False
-        flat.load(state)
-        self.personal.enter(client, flat)
-        return True
-
-    def leave_personal_model(self, flat: FlatModel) -> None:
-        """After :meth:`personal_model`'s evaluation: the model's personal part back to the
-        initial one."""
-        if self.personal is not None:
-            flat.load_personal(self.personal.initial.to(flat.device))
+    def client_models(self) -> ClientModels:
+        """Each hosted client's own model (:class:`~fedmpi.methods.personal.ClientModels`):
+        its personal parameters swapped in and out around its training, and its personal
+        model for the per-site evaluation (:attr:`MethodSpec.personal`). Ditto and APFL
+        give their own personal model."""
+        return ClientModels(self.personal)
 
     def client_state(self, client: int) -> dict[str, torch.Tensor]:
         """Per-client tensors kept on the hosting worker (checkpointed by id):

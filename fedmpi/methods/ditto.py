@@ -37,6 +37,7 @@ from fedmpi.component import ClientTask
 from fedmpi.config.core import Config
 from fedmpi.config.params import param
 from fedmpi.methods.base import Algorithm, MethodSpec
+from fedmpi.methods.personal import ClientModels
 from fedmpi.training.flat import FlatModel
 from fedmpi.training.functional import loss_and_grad
 from fedmpi.training.loop import StepHooks
@@ -83,6 +84,6 @@ class Ditto(Algorithm):
 
         return StepHooks(loss_fn=loss)
 
-    def personal_model(self, client: int, state: torch.Tensor, flat: FlatModel) -> bool:
-        flat.load(self.personal_vector(client))
-        return True
+    def client_models(self) -> ClientModels:
+        """v_k is client k's personal model (its evaluation scores v_k, not θ)."""
+        return ClientModels(None, lambda client, state, flat: flat.load(self.personal_vector(client)))

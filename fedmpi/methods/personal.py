@@ -19,7 +19,7 @@ part, whatever the world size.
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -108,6 +108,50 @@ class PersonalParts:
         if bool(torch.isfinite(part).all()):
             self.parts[client] = part
         flat.load_personal(self.initial.to(flat.device))
+
+
+class ClientModels:
+    """Each hosted client's own model, as the worker and the per-site evaluation use it:
+    the method's one personalisation seam (:meth:`~fedmpi.methods.base.Algorithm.client_models`).
+
+    By default it serves personal parameters (``parts``; None: nothing is personal, every
+    call is a no-op and :meth:`load` says False). A method with a personal *model* of its
+    own (Ditto's v_k, APFL's mixture) passes ``load``, which puts client k's model, given
+    the global state, into ``flat`` for its evaluation."""
+
+    def __init__(self, parts: Optional[PersonalParts],
+                 load: Optional[Callable[[int, torch.Tensor, FlatModel], None]] = None) -> None:
+        self.parts, self._load = parts, load
+
+    def enter(self, client: int, flat: FlatModel) -> None:
+        """Worker, before ``client`` trains on ``flat``: load its personal part."""
+        if self.parts is not None:
+            self.parts.enter(client, flat)
+
+    def leave(self, client: int, flat: FlatModel) -> None:
+        """Worker, after ``client`` trained: keep its personal part, reset the model's."""
+        if self.parts is not None:
+            self.parts.leave(client, flat)
+
+    def load(self, client: int, state: torch.Tensor, flat: FlatModel) -> bool:
+        """Hosted client ``client``'s personal model, given the global ``state``, into
+        ``flat`` for its evaluation; False when the method gives clients none. Default:
+        the global state with the client's personal parameters; :meth:`reset` puts the
+        initial ones back."""
+        if self._load is not None:
+            self._load(client, state, flat)
+            return True
+        if self.parts is None:
+            return False
+        flat.load(state)
+        self.parts.enter(client, flat)
+        return True
+
+    def reset(self, flat: FlatModel) -> None:
+        """After :meth:`load`'s evaluation: the model's personal part back to the initial
+        one."""
+        if self.parts is not None:
+            flat.load_personal(self.parts.initial.to(flat.device))
 
 
 def check(cfg: Config, method: type[Algorithm]) -> None:

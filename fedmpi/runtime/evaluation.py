@@ -32,7 +32,7 @@ Policies (every rank derives them from the config, so no message decides them):
   test-set values keep those names and the combined ones are
   ``/rounds/clients_<metric>``. Not overlapped, not sharded. With a method that gives
   each client a model of its own (``MethodSpec.personal``, or ``personal.params``) every
-  site also scores its personal model (:meth:`Algorithm.personal_model`, on the rank
+  site also scores its personal model (:meth:`Algorithm.client_models`, on the rank
   hosting it: nothing personal travels, only the table's sums) in the same ``Reduce``:
   ``/clients/personal_<metric>`` and the combined ``/rounds/personal_<metric>``
   (docs/personalisation.md);
@@ -239,9 +239,9 @@ class Evaluation:
             self._row(table[0, k], k, ctx, algo, cells, scored)
         if self.personal:   # each site's own model, on the rank hosting it
             for k in sorted(self.client_tests):
-                algo.personal_model(k, theta, ctx.flat)
+                algo.client_models().load(k, theta, ctx.flat)
                 self._row(table[1, k], k, ctx, algo, cells, scored)
-                algo.leave_personal_model(ctx.flat)
+                algo.client_models().reset(ctx.flat)
             if self.client_tests:
                 ctx.flat.load(theta)
         total = exchange.reduce_eval(table.ravel())

@@ -82,7 +82,7 @@ class Worker:
             sgd = replace(sgd, local_steps=task.local_steps)
         start = algo.trained(task, state)
         trainer.flat.load(start)
-        algo.enter_client(task.client, trainer.flat)   # its personal part, if any
+        algo.client_models().enter(task.client, trainer.flat)   # its personal part, if any
         hooks = stages.wrap_hooks(algo.hooks(task, start, extras), task)
         if self.parallel is not None:
             hooks = self.parallel.wrap(hooks, sgd, trainer)
@@ -94,7 +94,7 @@ class Worker:
         torch.sub(trainer.flat.vector, start, out=out["delta"])
         stages.on_delta(task, out)
         algo.finish_client(task, start, extras, out, result)
-        algo.leave_client(task.client, trainer.flat)
+        algo.client_models().leave(task.client, trainer.flat)
         stages.on_upload(task, out)
         return result
 
