@@ -18,9 +18,11 @@ Dirichlet partition, as in ``bench/paper_direction.py``). Slowdown profiles
 drawn once with a fixed seed). On the virtual clock a job of client k takes
 slowdown_k · local_epochs · n_k · ``round.sample_seconds`` simulated seconds.
 
-Arms (``round.*`` only): ``sync`` (FedAvg's round), ``deadline`` (``late: carry``; the
-deadline is c times the median client's job time at slowdown 1), ``fedbuff`` (buffered,
-B > 1, concurrency = clients per round) and ``fedasync`` (buffered, B = 1). A synchronous
+Arms (``round.*`` only, but for FedNova): ``sync`` (FedAvg's round), ``deadline`` (``late:
+carry``; the deadline is c times the median client's job time at slowdown 1), ``fedbuff``
+(buffered, B > 1, concurrency = clients per round), ``fedasync`` (buffered, B = 1),
+``budget`` (``round.time_budget`` at the same deadline: each client trains the steps that
+fit, none is late) and ``budget_fednova`` (the same with ``algorithm.name: fednova``). A synchronous
 run logs no virtual time, so its step times are rebuilt from its log: round t lasts the
 longest job among the clients it selected. Each other arm runs for as many server steps as
 its policy (simulated ahead with :func:`fedmpi.round.clock.simulate`) applies within the
@@ -104,6 +106,11 @@ ARMS: dict[str, tuple[str, ...]] = {
                 "round.staleness_a=0.5"),
     "fedasync": ("round.mode=buffered", "round.buffer=1", "round.staleness=polynomial",
                  "round.staleness_a=0.5"),
+    # round.time_budget: every participant trains the steps that fit before the deadline
+    # (c = 1 as above), so none is late; with FedAvg, and with FedNova's normalisation
+    "budget": ("round.mode=deadline", "round.time_budget=true", "round.deadline={deadline:.6g}"),
+    "budget_fednova": ("round.mode=deadline", "round.time_budget=true",
+                       "round.deadline={deadline:.6g}", "algorithm.name=fednova"),
 }
 DEADLINE_C = 1.0
 #: --tune (seed TUNE_SEED): the deadline as a multiple c of the median client's job time,
@@ -199,8 +206,18 @@ def schedule(config: str, sets: list[str], secs: np.ndarray, steps: int) -> np.n
     from fedmpi.round.clock import simulate
     from fedmpi.runtime.asynchronous import make_mode
 
+    from fedmpi.round.modes import INF, Job
+    from fedmpi.runtime.asynchronous import budget_steps
+
     cfg = resolve_config(config, [*sets, f"train.rounds={steps}"])
-    return np.array([s.time for s in simulate(make_mode(cfg, 0), lambda j: secs[j.client])])
+    slow, B, unit = cfg.system.slowdown, cfg.train.batch_size, cfg.round.sample_seconds
+
+    def duration(job: Job) -> float:
+        if job.budget == INF:
+            return float(secs[job.client])
+        return budget_steps(job.budget, slow[job.client], B, unit) * slow[job.client] * B * unit
+
+    return np.array([s.time for s in simulate(make_mode(cfg, 0), duration)])
 
 
 def smooth(acc: np.ndarray) -> np.ndarray:

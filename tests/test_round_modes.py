@@ -216,3 +216,12 @@ def test_a_time_budget_takes_a_step_only_while_the_last_one_would_still_fit(monk
     assert taken(1.0, 3.5) == [0, 1, 2]
     assert taken(10.0, 3.5) == [0]
     assert taken(0.5, 3.0) == [0, 1, 2, 3, 4, 5]
+
+
+def test_updates_arriving_exactly_at_the_deadline_all_make_it():
+    """Every job takes exactly the deadline (what round.time_budget plans): each round
+    aggregates all its participants, none is late — not only the first one processed."""
+    steps = simulate(Deadline(5, 8, 4, 5, deadline=2.0, min_updates=1), dur([2.0] * 8))
+    assert [len(s.updates) for s in steps] == [4] * 5
+    assert all(not s.missing and not s.dropped for s in steps)
+    assert [s.time for s in steps] == [2.0, 4.0, 6.0, 8.0, 10.0]

@@ -200,7 +200,9 @@ class Deadline(Mode):
             self.updates.append(update)
         else:
             self.dropped.append(update)
-        past = now >= self.opened + self.deadline   # min_updates reached after the deadline
+        # min_updates reached after the deadline; an update arriving exactly at it makes it,
+        # and so do the others due at that instant (the timer, woken after them, closes)
+        past = now > self.opened + self.deadline
         if (past or not self.waiting) and len(self.updates) >= self.min_updates:
             return self._close(now)
         return Actions()

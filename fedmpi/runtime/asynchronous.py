@@ -135,6 +135,12 @@ def read_steps(cfg: Config) -> dict[tuple[int, int], int]:
             for t in range(version.shape[0]) for k in np.flatnonzero(~np.isnan(version[t]))}
 
 
+def budget_steps(budget: float, slowdown: float, batch_size: int, unit: float) -> int:
+    """Local steps of a job with ``budget`` virtual seconds (``round.time_budget``): the
+    most that fit, ⌊budget / (slowdown · B · unit)⌋, at least 1."""
+    return max(1, math.floor(budget / (slowdown * batch_size * unit) + 1e-9))
+
+
 def work(cfg: Config, num_samples: np.ndarray, client: int, steps: int = 0) -> float:
     """Samples client ``client``'s local training processes (the virtual clock's work);
     ``steps`` > 0: that many batches instead of the configured τ_k."""
@@ -233,8 +239,8 @@ class AsyncRounds:
         if job.steps or job.budget == INF:
             return job.steps, INF
         if self.virtual:
-            per_step = self.slowdown[job.client] * self.cfg.train.batch_size * self.unit
-            return max(1, math.floor(job.budget / per_step + 1e-9)), INF
+            return budget_steps(job.budget, float(self.slowdown[job.client]),
+                                self.cfg.train.batch_size, self.unit), INF
         return 0, max(job.start + job.budget - self.clock(), 0.0)
 
     # ------------------------------------------------------------------ rank 0
