@@ -75,8 +75,9 @@ class Store(dict):
         return self.setdefault(client, torch.zeros(5, device=device))
 
 
-def stage(**block) -> Compression:
-    cfg = config_from_dict({"compression": {"uplink": "int8", **block}})
+def stage(privacy=None, **block) -> Compression:
+    cfg = config_from_dict({"compression": {"uplink": "int8", **block}, "privacy": privacy or {},
+                            "aggregation": {"weighting": "uniform"}})
     tr = Compression(cfg)
     tr.D = 5
     tr.client_stores(lambda name, size: Store())
@@ -101,9 +102,14 @@ def test_error_feedback_sends_what_was_dropped():
     bad = {"delta": torch.tensor([float("nan"), 1.0, 0.0, 0.0, 0.0])}
     tr.on_upload(ClientTask(8, 2, torch.arange(1), 0), bad)        # excluded: e_k unchanged
     assert math.isnan(bad["delta"][0]) and tr.errors[8].tolist() == [0, -1.0, 0.5, 0, 2.0]
-    plain = stage(error_feedback=False)
-    assert plain.errors is None
+    ringed = stage(error_feedback=False)          # int8 codes formed in the ring, later
+    assert ringed.errors is None and ringed.ring == 16
     out = {"delta": d1.clone()}
+    ringed.on_upload(ClientTask(7, 0, torch.arange(1), 0), out)
+    assert torch.equal(out["delta"], d1)
+    # with client-level DP each client's int8 code is decoded on its worker
+    plain = stage(privacy={"dp": {"level": "client"}}, error_feedback=False)
+    assert plain.errors is None and plain.ring == 0
     plain.on_upload(ClientTask(7, 0, torch.arange(1), 0), out)
     assert np.array_equal(out["delta"].numpy(), int8_numpy(d1.numpy()))
 
@@ -118,13 +124,14 @@ def _bytes_up(out) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_logged_bytes_and_checkpointed_error(tmp_path):
-    """int8 bytes are D + 4⌈D/256⌉ per participant; a run resumed after round 1 (e_k
+    """int8 bytes are a 16-bit ring word per entry and an 8-byte block maximum per block of
+    256 per participant (the shared-scale codes' ring); a run resumed after round 1 (e_k
     restored from the checkpoint on the worker) ends with the uninterrupted run's model."""
     over = BASE + ["compression.uplink=int8", "train.rounds=2"]
     whole = api.run("configs/quickstart.yaml", over, out=tmp_path / "whole")
     up, selected = _bytes_up(whole.out_dir)
     D = torch.load(whole.out_dir / "checkpoint.pt", weights_only=True)["global_state"].numel()
-    assert np.array_equal(up, (D + 4 * math.ceil(D / 256)) * selected)
+    assert np.array_equal(up, (2 * D + 8 * math.ceil(D / 256)) * selected)
     ckpt = torch.load(whole.out_dir / "checkpoint.pt", weights_only=True)
     errors = {k: c["compression/error"] for k, c in ckpt["clients"].items()
               if "compression/error" in c}

@@ -107,18 +107,20 @@ class UplinkPlan:
     row_size: int
 
 
-def plan_uplink(stats: list[Stat], per_client_weighting: bool, exact: bool = False) -> UplinkPlan:
+def plan_uplink(stats: list[Stat], per_client_weighting: bool, exact: bool = False,
+                exact_sums: bool = False) -> UplinkPlan:
     """``client`` statistics, and ``weighted`` ones under a per-client weighting,
     travel as rows; the rest is summed on the workers and reduced — unless
-    ``exact`` (``runtime.reduction: exact``, world size > 1): then every statistic
-    travels as a row and rank 0 sums them in client-id order
+    ``exact`` (``runtime.reduction: exact``, world size > 1) and the uplink codec does
+    not sum exactly (``exact_sums``: the int8 codes' integer ring is the same sum at any
+    world size): then every statistic travels as a row and rank 0 sums them in client-id order
     (:func:`~fedmpi.runtime.server.ordered_sum`). The default grouping of the
     float64 sums (per worker, then over ranks) changes with the world size, and a
     last-bit difference can survive the rounding to float32. At world size 1 the
     default path already adds the clients in client-id order on one rank."""
     reduced, gathered, r, g = [], [], 0, 0
     for s in stats:
-        if exact or not is_summed(s, per_client_weighting):
+        if (exact and not exact_sums) or not is_summed(s, per_client_weighting):
             gathered.append((s, g))
             g += s.size
         else:
@@ -258,6 +260,9 @@ class CollectiveExchange:
         if self.codec is None:
             return
         send = self.codec.handshake()
+        if send is None:   # nothing to exchange (the unmasked int8 ring)
+            self._handshake_done = True
+            return
         recv = np.zeros_like(send)
         self.comm.allreduce_sum(send, recv, what="uplink codec handshake Allreduce")
         self.codec.on_handshake(recv)

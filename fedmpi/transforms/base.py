@@ -86,7 +86,7 @@ class SumCode(Protocol):
 
 class UplinkCodec(Protocol):
     """How the summed uplink statistics travel when a transform encodes them (secure
-    aggregation): each rank seals its float64 partial sum into a ring buffer of
+    aggregation; the int8 uplink's ring): each rank seals its float64 partial sum into a ring buffer of
     ``wire_dtype`` (int64), the buffers are summed by one ``Reduce``, rank 0 opens the
     total.
 
@@ -97,7 +97,9 @@ class UplinkCodec(Protocol):
     (``on_agreement``); ``open(total, start)``: the entries from ``start`` on.
 
     ``handshake``/``on_handshake``: one ``Allreduce`` of an int64 array before the first
-    round (secure aggregation's public keys). ``begin(participants)``: a new round with
+    round (secure aggregation's public keys; None: none). ``sums_exactly``: the opened sum
+    is the same at any world size and rank layout (integer codes of each client, as the
+    int8 uplink's), so ``runtime.reduction: exact`` keeps the codec's statistics reduced. ``begin(participants)``: a new round with
     that many participants; ``accepts(x, weight)``: whether a client's contribution
     ``weight·x`` decodes without wrapping (refused clients are excluded, never wrapped, and
     logged with ``refused_because``). With fewer than ``min_accepted`` accepted clients no
@@ -109,8 +111,9 @@ class UplinkCodec(Protocol):
     min_accepted: int
     withheld_because: str
     wire_dtype: np.dtype
+    sums_exactly: bool
 
-    def handshake(self) -> np.ndarray: ...
+    def handshake(self) -> Optional[np.ndarray]: ...
 
     def on_handshake(self, words: np.ndarray) -> None: ...
 

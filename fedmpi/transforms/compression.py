@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -74,7 +74,7 @@ import torch
 from fedmpi.component import ClientTask
 from fedmpi.config.params import load_group, param
 from fedmpi.errors import ConfigError
-from fedmpi.transforms.base import RunParts, UpdateTransform
+from fedmpi.transforms.base import RunParts, SumCode, UpdateTransform, UplinkCodec
 from fedmpi.training.vecops import all_finite
 
 if TYPE_CHECKING:
@@ -234,6 +234,73 @@ class SharedScaleInt8:
         return centred.to(torch.float64) * self._scale_cpu[block]
 
 
+def ring_wire(bits: int) -> np.dtype:
+    """The wire type of the ring 2^``bits`` (16 or 32): unsigned words that wrap exactly
+    modulo 2^bits in MPI's sum."""
+    return np.dtype(f"uint{bits}")
+
+
+class RingSum:
+    """The :class:`~fedmpi.transforms.base.UplinkCodec` that sums a
+    :class:`~fedmpi.transforms.base.SumCode`'s integers in its ring 2^b, unmasked (the
+    ``int8`` uplink without secure aggregation; secure aggregation adds its pairwise masks
+    to the same ring elements, :class:`~fedmpi.privacy.secagg.SecureAggregator`).
+
+    Every accepted client's contribution is kept by the code (``take``), the ranks agree
+    on its scale with one ``MAX`` ``Allreduce`` (``agreement``), each rank seals the sum of
+    its clients' codes mod 2^b (``seal``: ``partial`` is not read) and rank 0 decodes the
+    centred representative of the ring total (``open``). The codes are bounded by
+    construction, so no client is refused; the opened sum is an integer sum, the same at
+    any world size and rank layout (``sums_exactly``).
+    """
+
+    refused_because = "outside the int8 ring"   # never: codes are bounded by construction
+    min_accepted = 1
+    withheld_because = ""
+    sums_exactly = True
+
+    def __init__(self, code: SumCode) -> None:
+        self.code = code
+        self.mod = 1 << int(code.bits)
+        self.wire_dtype = ring_wire(int(code.bits))
+
+    def handshake(self) -> Optional[np.ndarray]:
+        return None   # nothing to exchange before the first round
+
+    def on_handshake(self, words: np.ndarray) -> None:
+        pass
+
+    def begin(self, participants: int) -> None:
+        self.code.begin()
+
+    def accepts(self, x: torch.Tensor, weight: float) -> bool:
+        return True   # finite (the channel's check): its codes are bounded by construction
+
+    def take(self, client: int, parts: Sequence[tuple[torch.Tensor, float]]) -> bool:
+        assert len(parts) == 1, "a sum code encodes one statistic (Compression.validate)"
+        x, weight = parts[0]
+        self.code.take(client, x, weight)
+        return True
+
+    def agreement(self, size: int) -> Optional[np.ndarray]:
+        return self.code.local_bound(size)
+
+    def on_agreement(self, agreed: np.ndarray) -> None:
+        self.code.agree(agreed)
+
+    def seal(self, partial: torch.Tensor, t: int, mine: Sequence[int], accepted: Sequence[int],
+             out: np.ndarray) -> None:
+        """Σ_{k∈mine} q_k mod 2^b into ``out`` (``partial`` is not read)."""
+        self.code.encode(out)
+
+    def open(self, total: np.ndarray, start: int = 0) -> torch.Tensor:
+        """s_b · Σ_k q_k (float64) from the ring total of the entries from ``start`` on:
+        the code decodes its centred representative."""
+        c = torch.from_numpy(total.astype(np.int64))
+        c.sub_(torch.where(c >= self.mod // 2, self.mod, 0))
+        return self.code.decode(c, start)
+
+
 class Compression(UpdateTransform):
     """``compression.uplink`` or ``compression.downlink`` other than ``none`` (module
     docstring)."""
@@ -252,9 +319,14 @@ class Compression(UpdateTransform):
         self.D = 0
         self.down = p.downlink
         self._received: Optional[torch.Tensor] = None   # θ̂, one buffer per worker
-        # with secure aggregation the codes are formed once the round's scale is agreed
+        # int8 codes are formed once the round's scale is agreed and summed in a ring;
+        # without secure aggregation only where the ring can carry the upload (else each
+        # client's code is decoded on its worker: ``validate``, module docstring)
         m = cfg.train.clients_per_round or cfg.data.num_clients
-        self.ring = ring_bits(m) if cfg.privacy.secure_aggregation and p.uplink == "int8" else 0
+        self.secure = bool(cfg.privacy.secure_aggregation)
+        ringed = p.uplink == "int8" and (self.secure or (cfg.privacy.dp.level != "client"
+                                                         and cfg.round.mode == "sync"))
+        self.ring = ring_bits(m) if ringed else 0
         self.levels = code_levels(self.ring, m) if self.ring else 0
 
     @classmethod
@@ -290,25 +362,37 @@ class Compression(UpdateTransform):
         self.report.attr("compression", "error_feedback", int(self.feedback))
         if self.kind == "topk":
             self.report.attr("compression", "topk_fraction", self.fraction)
-        if self.ring:
-            self.report.attr("compression", "ring_bits", self.ring)
-            self.report.attr("compression", "code_levels", self.levels)
 
     def validate(self, parts: RunParts) -> None:
-        """Under secure aggregation the int8 ring carries ``delta`` alone: another summed
-        statistic (SCAFFOLD's c, FedDyn's h, …) would have to share its codes' ring."""
+        """The int8 ring carries ``delta`` alone, as one sum: another summed statistic
+        (SCAFFOLD's c, FedDyn's h, …) would have to share its codes' ring, and a per-client
+        weighting or rule needs ``delta`` as rows. Under secure aggregation such a method
+        is refused; without it each client's int8 code is decoded on its worker instead
+        (per-client scale, module docstring)."""
         if not self.ring:
             return
         other = [s.name for s in parts.stats if s.name != "delta"]
+        per_client = (parts.weighting.per_client or parts.rule.per_client
+                      or any(tr.needs_rows for tr in parts.transforms))
+        if not self.secure and (other or per_client):
+            self.ring = self.levels = 0   # decoded on the worker
+            return
+        self.report.attr("compression", "ring_bits", self.ring)
+        self.report.attr("compression", "code_levels", self.levels)
         if other:
             raise ConfigError(f"config keys 'compression.uplink' and 'algorithm.name': with "
                               f"'privacy.secure_aggregation' the int8 ring carries only 'delta', "
                               f"but {parts.cfg.algorithm.name!r} also uploads {other[0]!r}")
 
     def sum_code(self) -> Optional[SharedScaleInt8]:
-        """With secure aggregation: the shared-scale codes the masked ring sums."""
+        """The shared-scale int8 codes the ring sums (masked under secure aggregation)."""
         return (SharedScaleInt8(self.ring, self.levels, self.sent if self.feedback else None)
                 if self.ring else None)
+
+    def codec(self, hosted: Sequence[int], num_clients: int,
+              code: Optional[SumCode] = None) -> Optional[UplinkCodec]:
+        """Without secure aggregation the int8 codes travel in their ring, unmasked."""
+        return RingSum(code) if code is not None and not self.secure else None
 
     def sent(self, client: int, sent: torch.Tensor) -> None:
         """x̂_k, what the ring sum carries of client k's x_k: e_k ← x_k − x̂_k
