@@ -336,17 +336,22 @@ class Recorder(UpdateTransform):
 '''
 
 
-def test_int8_secure_run_moves_the_model_by_the_decoded_code_sum(tmp_path, monkeypatch):
-    """One round in process: the global model moves by s_b · Σ_k q_k / m computed here from
-    the recorded uploads (uniform weights), not by the per-client-scale int8 mean; bytes_up
-    is 2 bytes per entry plus 8 per block per participant; the ring width is logged."""
-    pytest.importorskip("cryptography")
+@pytest.mark.parametrize("secure", [True, False])
+def test_int8_run_moves_the_model_by_the_decoded_code_sum(tmp_path, monkeypatch, secure):
+    """One round in process, with and without secure aggregation: the global model moves by
+    s_b · Σ_k q_k / m computed here from the recorded uploads (uniform weights), not by the
+    per-client-scale int8 mean; bytes_up is 2 bytes per entry plus 8 per block per
+    participant; the ring width is logged."""
+    if secure:
+        pytest.importorskip("cryptography")
     (tmp_path / "secrec.py").write_text(RECORD_SECURE)
     monkeypatch.syspath_prepend(str(tmp_path))
     import secrec
 
+    secrec.SEEN["uploads"].clear()
     out = tmp_path / "run"
-    run_here(["run", "configs/quickstart.yaml", *SECURE_INT8, "--set", "train.rounds=1",
+    args = SECURE_INT8 if secure else SECURE_INT8[:2] + SECURE_INT8[4:]
+    run_here(["run", "configs/quickstart.yaml", *args, "--set", "train.rounds=1",
               "--set", "aggregation.weighting=uniform", "--set", "transforms=[secrec:Recorder]",
               "--out", str(out)])
     theta0 = secrec.SEEN["theta"].double().numpy()
@@ -380,12 +385,17 @@ _Comm.reduce_sum = _spy
 
 
 @pytest.mark.mpi
-def test_int8_secure_run_does_not_depend_on_world_size(tmp_path):
-    """int8 + secure aggregation with error feedback, the default (not exact) reduction:
-    -n 1 (in process) and -n 3 (rank 0 and two workers) give the same model bit for bit
-    (integer code sums are exact) and the same bytes; the workers Reduce uint16 words."""
-    pytest.importorskip("cryptography")
-    args = ["run", "configs/quickstart.yaml", *SECURE_INT8, "--set", "train.rounds=2"]
+@pytest.mark.parametrize("secure", [True, False])
+def test_int8_run_does_not_depend_on_world_size(tmp_path, secure):
+    """int8 with error feedback, with and without secure aggregation, the default (not
+    exact) reduction: -n 1 (in process) and -n 3 (rank 0 and two workers) give the same
+    model bit for bit (integer code sums are exact) and the same bytes; the workers Reduce
+    uint16 words."""
+    if secure:
+        pytest.importorskip("cryptography")
+    args = ["run", "configs/quickstart.yaml",
+            *(SECURE_INT8 if secure else SECURE_INT8[:2] + SECURE_INT8[4:]),
+            "--set", "train.rounds=2"]
     run_here([*args, "--out", str(tmp_path / "n1")])
     proc = run_fedmpi_many([[*args, "--out", str(tmp_path / "n3")]], n=3, before=SPY_REDUCE,
                            after="print('WIRE', *_WIRE, flush=True) if _WIRE else None")
