@@ -230,6 +230,7 @@ SECURE_INT8 = ["--set", "compression.uplink=int8", "--set", "privacy.secure_aggr
                "--set", "data.num_clients=6", "--set", "train.clients_per_round=4",
                "--set", "train.local_epochs=1", "--set", "train.batch_size=64",
                "--set", "runtime.progress=false", "--set", "model.name=mlp"]
+INT8 = SECURE_INT8[:2] + SECURE_INT8[4:]   # the same without secure aggregation
 
 
 def shared_scale_numpy(y: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
@@ -350,7 +351,7 @@ def test_int8_run_moves_the_model_by_the_decoded_code_sum(tmp_path, monkeypatch,
 
     secrec.SEEN["uploads"].clear()
     out = tmp_path / "run"
-    args = SECURE_INT8 if secure else SECURE_INT8[:2] + SECURE_INT8[4:]
+    args = SECURE_INT8 if secure else INT8
     run_here(["run", "configs/quickstart.yaml", *args, "--set", "train.rounds=1",
               "--set", "aggregation.weighting=uniform", "--set", "transforms=[secrec:Recorder]",
               "--out", str(out)])
@@ -394,7 +395,7 @@ def test_int8_run_does_not_depend_on_world_size(tmp_path, secure):
     if secure:
         pytest.importorskip("cryptography")
     args = ["run", "configs/quickstart.yaml",
-            *(SECURE_INT8 if secure else SECURE_INT8[:2] + SECURE_INT8[4:]),
+            *(SECURE_INT8 if secure else INT8),
             "--set", "train.rounds=2"]
     run_here([*args, "--out", str(tmp_path / "n1")])
     proc = run_fedmpi_many([[*args, "--out", str(tmp_path / "n3")]], n=3, before=SPY_REDUCE,
@@ -406,3 +407,37 @@ def test_int8_run_does_not_depend_on_world_size(tmp_path, secure):
     up1, _ = _bytes_up(tmp_path / "n1")
     up3, _ = _bytes_up(tmp_path / "n3")
     assert np.array_equal(up1, up3)
+
+
+def test_int8_with_and_without_secure_aggregation_is_the_same_model(tmp_path):
+    """The masks cancel exactly in the ring: int8 with secure aggregation and without it sum
+    the same codes, so two rounds with error feedback give the same model bit for bit and
+    the same logged encoded bytes; the unmasked run logs the ring it used."""
+    pytest.importorskip("cryptography")
+    for name, sets in (("secure", SECURE_INT8), ("plain", INT8)):
+        run_here(["run", "configs/quickstart.yaml", *sets, "--set", "train.rounds=2",
+                  "--out", str(tmp_path / name)])
+    a = torch.load(tmp_path / "secure" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "plain" / "model.pt", weights_only=True)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert np.array_equal(_bytes_up(tmp_path / "secure")[0], _bytes_up(tmp_path / "plain")[0])
+    with h5py.File(tmp_path / "plain" / "log.h5", "r") as f:
+        assert int(f["compression"].attrs["ring_bits"]) == 16
+
+
+@pytest.mark.parametrize("extra", [["algorithm.name=scaffold"],
+                                   ["privacy.dp.level=client", "compression.error_feedback=false",
+                                    "aggregation.weighting=uniform"]])
+def test_int8_where_the_ring_cannot_carry_the_upload_is_decoded_on_the_worker(tmp_path, extra):
+    """Without secure aggregation a method with a second summed statistic (SCAFFOLD's c) and
+    client-level DP keep the per-client int8 code: D + 4⌈D/256⌉ bytes logged per
+    participant, no ring attribute."""
+    over = BASE + ["compression.uplink=int8", "train.rounds=1", *extra]
+    res = api.run("configs/quickstart.yaml", over, out=tmp_path / "r")
+    with h5py.File(res.log_path, "r") as f:
+        assert "ring_bits" not in f["compression"].attrs
+        up = f["rounds/bytes_up_encoded"][:]
+        selected = f["clients/selected"][:].sum(1)
+    D = torch.load(res.out_dir / "checkpoint.pt", weights_only=True)["global_state"].numel()
+    per = D + 4 * math.ceil(D / 256) + (4 * D if "scaffold" in extra[0] else 0)
+    assert np.array_equal(up, per * selected)

@@ -1,17 +1,55 @@
 r"""Compressed uplink (``compression.*``), an update transform.
 
 Each participant's upload Δ_k (``delta``, the method's weighted update over the exchanged
-state) is encoded as a real client would send it and decoded as the server would; the
-federation sums the decoded updates. Encodings of x ∈ ℝ^D (``compression.uplink``):
+state) is encoded as a real client would send it. Encodings of x ∈ ℝ^D
+(``compression.uplink``):
 
 ``bf16``   x̂ = bfloat16(x) (round to nearest even): 2 bytes per entry;
-``int8``   blocks of B = 256 entries (the last one shorter), one float32 scale per block
-           s_b = max_i |x_i| / 127 and codes q_i = round(x_i / s_b) ∈ [−127, 127];
-           x̂_i = s_b · q_i: D + 4·⌈D/B⌉ bytes (QSGD-style absmax quantization with a
-           per-block scale, Alistarh et al. 2017, deterministic rounding);
+``int8``   integer codes on a per-block scale shared by the round's participants, summed
+           exactly in a ring of b-bit words (below, :class:`SharedScaleInt8`): 2 bytes per
+           entry (b = 16, m ≤ 258 participants) plus 8 per block of 256 for the scale;
 ``topk``   the k = ⌈f·D⌉ entries of largest |x_i| (f = ``compression.topk_fraction``),
            sent as (int32 index, float32 value) pairs: 8k bytes; x̂ is zero elsewhere
            (Aji & Heafield 2017; Stich et al. 2018).
+
+``bf16`` and ``topk`` (and ``int8`` where its ring cannot carry the upload, below) are
+decoded on the worker, which adds w̃_k x̂_k to its float64 partial sum.
+
+**int8: shared-scale codes in an integer ring** (QSGD-style absmax quantization with a
+per-block scale, Alistarh et al. 2017, deterministic rounding). The codes are summed as
+integers, so their scale must be the same for every participant and known before the sum:
+each participant's weighted contribution y_k = w̃_k x_k (x_k = Δ_k + e_k) is coded with the
+round's common per-block scale
+
+.. math:: s_b = \max_{k \in A_t} \max_{i \in b} |y_{k,i}| \,/\, L, \qquad
+          q_{k,i} = \mathrm{round}(y_{k,i} / s_b) \in [-L, L],
+
+agreed by one ``MAX`` ``Allreduce`` of each rank's per-block maxima (every rank learns
+max_k |y_k| per block of 256 entries, one float64 per block, beyond the sum). Each worker
+sums its clients' codes exactly and sends Σ_k q_k mod 2^b as uint16 (uint32) words, b = 16
+(32 when 127·m ≥ 2^15; m = ``train.clients_per_round``); the ``Reduce`` adds them with
+unsigned wrap-around (:class:`RingSum`). Since a participant's share of the wire is a b-bit
+ring element whatever its code, the codes use the ring's whole range:
+L = ⌊(2^{b−1} − 1)/m⌋ levels per side (6,553 at m = 5), so that Σ_k q_k never wraps, where
+a per-client int8 code has 127 — the shared scale, set by the largest weighted
+contribution, would otherwise leave a client of small weight only a few levels. Rank 0
+decodes s_b · Σ_k q_{k,i}, the same integers at any world size (so
+``runtime.reduction: exact`` keeps this sum instead of sending rows). Error feedback keeps
+e_k ← x_k − s_b q_k / w̃_k (the update space: the next round's weight may differ).
+**With secure aggregation** the same ring elements are pairwise-masked
+(:class:`~fedmpi.privacy.secagg.SecureAggregator` adds its masks to :class:`RingSum`'s
+words): the same codes, the same sum, the same model bit for bit.
+
+Where the ring cannot carry the upload, int8 is the per-client code decoded on the worker:
+per block one float32 scale s_b = max_i |x_i| / 127 and codes q_i = round(x_i / s_b) ∈
+[−127, 127], x̂_i = s_b q_i (D + 4·⌈D/B⌉ bytes as a client would send them; the worker's
+float64 sum travels). That is the case for a method that uploads another statistic besides
+``delta`` or needs ``delta`` per client (SCAFFOLD's c, FedDyn's h, a per-client weighting or
+rule: the ring carries one sum), client-level DP (the shared scale couples every client's
+rounding to the others' updates, beyond the sensitivity the accountant assumes; the
+per-client code is post-processing), and ``round.mode`` other than ``sync``. Under secure
+aggregation these are refused instead (exit 2, both keys named), as are ``bf16`` (not a
+fixed-point code) and ``topk`` (indices differ per client).
 
 **Error feedback** (``compression.error_feedback``, default on; Seide et al. 2014, Karimireddy
 et al. 2019 "EF-SGD", Alg. 2): client k keeps e_k (zero at first) on the worker that hosts it,
@@ -26,30 +64,6 @@ protects, and the accountant is unchanged. Error feedback is refused there: e_k 
 data-dependent residual that would be added after the clip, beyond the sensitivity C the
 accountant assumes.
 
-**With secure aggregation** (``int8`` only; :class:`SharedScaleInt8`) the codes are summed
-in the masked ring, so their scale must be the same for every participant and known before
-sealing: each participant's weighted contribution y_k = w̃_k x_k (x_k = Δ_k + e_k) is coded
-with the round's common per-block scale
-
-.. math:: s_b = \max_{k \in A_t} \max_{i \in b} |y_{k,i}| \,/\, L, \qquad
-          q_{k,i} = \mathrm{round}(y_{k,i} / s_b) \in [-L, L],
-
-agreed by one ``MAX`` ``Allreduce`` of each rank's per-block maxima (every rank learns
-max_k |y_k| per block of 256 entries, one float64 per block, beyond the sum). Each worker
-sums its clients' codes exactly, seals Σ_k q_k in the ring 2^b, b = 16 (32 when
-127·m ≥ 2^15: the sum of m int8 codes must fit; m = ``train.clients_per_round``), and sends
-uint16 (uint32) words. Since a participant's share of the wire is a b-bit ring element
-whatever its code, the codes use the ring's whole range: L = ⌊(2^{b−1} − 1)/m⌋ levels per
-side (6,553 at m = 5), so that Σ_k q_k never wraps, where plain int8 has 127 — the shared
-scale, set by the largest weighted contribution, would otherwise leave a client of small
-weight only a few levels. Rank 0 decodes
-s_b · Σ_k q_{k,i}, the same integers at any world size. Error feedback keeps
-e_k ← x_k − s_b q_k / w̃_k (the update space: the next round's weight may differ).
-``bf16`` (not a fixed-point code) and ``topk`` (indices differ per client) cannot be summed
-in a ring and are refused with both keys named; so is client-level DP (the shared scale
-couples every client's rounding to the others' updates, beyond the sensitivity the
-accountant assumes), and a method that uploads summed statistics besides ``delta``.
-
 **Downlink** (``compression.downlink: bf16``): the clients of a worker train from
 θ̂ = bfloat16(θ), decoded once per round (:meth:`Compression.received`), and upload
 θ_k − θ̂; the server applies the aggregate to its float32 θ. Method extras (SCAFFOLD's c)
@@ -57,10 +71,11 @@ stay float32.
 
 The logged ``/rounds/bytes_up_encoded`` counts each participant's ``delta`` at its encoded size
 and ``/rounds/bytes_down_encoded`` θ at its (:meth:`Compression.traffic`); other statistics stay
-float32. With secure aggregation a participant's ``delta`` is its ring element, 2 (or 4) bytes
-per entry, plus its 8-byte block maxima; the agreed maxima come back in ``bytes_down_encoded``.
-``/rounds/bytes_up``/``bytes_down`` are what the ranks handed MPI: without secure aggregation
-the decoded float64 sums (docs/large-models.md, "What travels on the wire").
+float32. In the int8 ring a participant's ``delta`` is its ring element, 2 (or 4) bytes per
+entry, plus its 8-byte block maxima; the agreed maxima come back in ``bytes_down_encoded``.
+``/rounds/bytes_up``/``bytes_down`` are what the ranks handed MPI: the ring words and the
+maxima for int8, the float64 sums for the codes decoded on the worker (docs/large-models.md,
+"What travels on the wire").
 """
 from __future__ import annotations
 
@@ -90,8 +105,9 @@ class CompressionParams:
     """``compression.*`` (:mod:`fedmpi.config.params`)."""
 
     uplink: str = param("none", "encoding of each client's update (docs/large-models.md): "
-                                "none (float32), bf16, int8 (per-256-entry absmax scale), "
-                                "topk (the largest entries with their indices)",
+                                "none (float32), bf16, int8 (codes on a per-256-entry scale "
+                                "shared by the round, summed in a 16-bit ring), topk (the "
+                                "largest entries with their indices)",
                         choices=ENCODINGS)
     topk_fraction: float = param(0.01, "topk: the fraction of entries sent", gt=0, le=1)
     error_feedback: bool = param(True, "keep each client's encoding error on its worker and "
