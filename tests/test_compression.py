@@ -195,12 +195,15 @@ def test_int8_with_secure_aggregation_refuses_what_the_ring_cannot_carry(extra, 
 
 
 @pytest.mark.mpi
-def test_int8_with_error_feedback_does_not_depend_on_world_size(tmp_path):
-    """e_k lives on the worker hosting client k; -n 1 and -n 3 give the same model (the
-    exact reduction: a rounding step amplifies any difference in the order of sums)."""
+@pytest.mark.parametrize("uplink", ["int8", "bf16", "topk"])
+def test_error_feedback_does_not_depend_on_world_size(tmp_path, uplink):
+    """e_k lives on the worker hosting client k; -n 1 and -n 3 give the same model under
+    the exact reduction, with the codes travelling (int8's ring, bf16 and top-k messages
+    summed on rank 0 in client-id order)."""
     logs, models = run_at_world_sizes(
-        ["run", "configs/quickstart.yaml", *SMALL, "--set", "compression.uplink=int8",
-         "--set", "runtime.reduction=exact"], tmp_path)
+        ["run", "configs/quickstart.yaml", *SMALL, "--set", f"compression.uplink={uplink}",
+         "--set", "compression.topk_fraction=0.05", "--set", "runtime.reduction=exact"],
+        tmp_path)
     assert all(torch.equal(models[1][n], models[3][n]) for n in models[1])
     assert np.array_equal(logs[1].rounds["bytes_up_encoded"], logs[3].rounds["bytes_up_encoded"])
 
@@ -441,3 +444,38 @@ def test_int8_where_the_ring_cannot_carry_the_upload_is_decoded_on_the_worker(tm
     D = torch.load(res.out_dir / "checkpoint.pt", weights_only=True)["global_state"].numel()
     per = D + 4 * math.ceil(D / 256) + (4 * D if "scaffold" in extra[0] else 0)
     assert np.array_equal(up, per * selected)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "topk"])
+def test_encoded_messages_against_numpy(x, kind):
+    """The messages of bf16 and top-k (what travels to rank 0): bf16 as the uint16 words of
+    bfloat16(x), top-k as k int32 indices then their k float32 values; rank 0 adds
+    w·x̂ to a float64 sum, checked against numpy here. Re-encoding an already decoded upload
+    (error feedback formed on the worker) is exact."""
+    from fedmpi.transforms.compression import EncodedPayloads
+
+    frac = 0.05
+    code = EncodedPayloads(kind, x.size, frac)
+    k = math.ceil(frac * x.size)
+    xhat = bf16_numpy(x) if kind == "bf16" else topk_numpy(x, k)
+    code.begin()
+    code.take(3, torch.from_numpy(x))
+    code.take(5, torch.from_numpy(xhat))
+    for client in (3, 5):
+        msg = code.payload(client)
+        assert msg.dtype == np.uint8 and msg.nbytes == code.nbytes == encoded_bytes(kind, x.size, frac)
+        if kind == "bf16":
+            assert np.array_equal(msg.view(np.uint16),
+                                  (bf16_numpy(x).view(np.uint32) >> 16).astype(np.uint16))
+        else:
+            idx, val = msg[: 4 * k].view(np.int32), msg[4 * k:].view(np.float32)
+            assert sorted(idx.tolist()) == sorted(np.argsort(-np.abs(x))[:k].tolist())
+            assert np.array_equal(val, x[idx])
+    acc = torch.full((x.size,), 0.25, dtype=torch.float64)
+    recv = code.buffer()
+    recv[:] = code.payload(5)
+    code.add(acc, recv, 1.5)
+    code.add(acc, code.payload(3), 0.5)
+    expected = 0.25 + 1.5 * xhat.astype(np.float64) + 0.5 * xhat.astype(np.float64)
+    np.testing.assert_allclose(acc.numpy(), expected, rtol=1e-15, atol=0)
+    assert code.buffer() is recv                      # rank 0 keeps one receive buffer

@@ -147,6 +147,11 @@ def test_logged_bytes_are_the_buffers_handed_to_mpi(tmp_path, case):
         word = 8 if case == "none" else 4
         assert rounds["bytes_up"][0] == n * word * D + n * 8 * (K * F + 3 * n)
         assert rounds["bytes_down"][0] == 4 * D + 8 * (4 + K)   # θ once, the header once
+    if case in ("bf16", "topk"):   # each participant's code, one message to rank 0
+        from fedmpi.runtime.server import META_FIELDS
+
+        K, F, n = 6, len(META_FIELDS), 3
+        assert (rounds["bytes_up"] == rounds["bytes_up_encoded"] + n * 8 * (K * F + 3 * n)).all()
     if case.startswith("int8"):   # the codes' uint16 ring and the scale agreement (≈ 1/4
         # of the float64 sums' bytes)
         import math

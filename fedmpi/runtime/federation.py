@@ -94,14 +94,15 @@ class Federation:
         rows_needed = b.server.rows_needed
         K, m = b.num_clients, self.policy.max_participants
         self._codec = b.transforms.codec(b.hosted, K)
-        plan = plan_uplink(list(b.stats), rows_needed, exact,
-                           exact_sums=self._codec is not None and self._codec.sums_exactly)
+        payload = b.transforms.payload_code()   # summed on rank 0 in client-id order
+        plan = plan_uplink(list(b.stats), rows_needed, exact, exact_sums=payload is not None or (
+            self._codec is not None and self._codec.sums_exactly))
         assert self.policy.waits_for_all, "the collective exchange closes when all reported"
         self._exchange: Exchange = CollectiveExchange(
             comm, plan, self._D, b.algo.exchange().downlink, K,
             max_local=min(m, len(b.hosted)), max_rows=m, host=b.host, device=b.device,
             codec=self._codec, meta_fields=len(META_FIELDS) + len(b.reports.client_columns),
-            wire=cfg.runtime.wire)
+            wire=cfg.runtime.wire, payload=payload)
         if self._server:
             self._exchange.downlink[: self._D].copy_(b.flat.vector)
         client_idx = {k: torch.as_tensor(b.partition.client_indices[k], device=b.device)

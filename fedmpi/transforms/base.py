@@ -29,7 +29,9 @@ postprocessors do):
 
 A transform may also encode the uplink sum (:meth:`UpdateTransform.codec`: secure
 aggregation's masked ring elements), hand that codec the integer code its sums are
-formed in (:meth:`UpdateTransform.sum_code`: the int8 uplink's shared-scale codes), declare that rank 0 may hold only sums
+formed in (:meth:`UpdateTransform.sum_code`: the int8 uplink's shared-scale codes), send
+each participant's upload to rank 0 as its own encoded message instead of summing it on the
+worker (:meth:`UpdateTransform.payload_code`: bf16, top-k), declare that rank 0 may hold only sums
 (:attr:`UpdateTransform.sums_only`), and refuse what it cannot be combined with
 (:meth:`UpdateTransform.validate`, given the run's built parts).
 
@@ -133,6 +135,31 @@ class UplinkCodec(Protocol):
     def open(self, total: np.ndarray, start: int = 0) -> torch.Tensor: ...
 
 
+class PayloadCode(Protocol):
+    """Each accepted participant's encoded statistic travels to rank 0 as its own message
+    of :attr:`nbytes` bytes (the bf16 and top-k uplinks,
+    :class:`~fedmpi.transforms.compression.EncodedPayloads`), decoded there.
+
+    A worker: ``begin`` per round; ``take(client, x)`` keeps client k's encoded x_k (one
+    buffer per client it trains in the round); ``payload(client)`` is that message.
+    Rank 0: ``buffer()`` is its one receive buffer; ``add(acc, payload, weight)`` adds
+    weight·decode(payload) to the float64 ``acc`` (on the CPU), client after client in
+    id order: the same bits at any world size.
+    """
+
+    nbytes: int
+
+    def begin(self) -> None: ...
+
+    def take(self, client: int, x: torch.Tensor) -> None: ...
+
+    def payload(self, client: int) -> np.ndarray: ...
+
+    def buffer(self) -> np.ndarray: ...
+
+    def add(self, acc: torch.Tensor, payload: np.ndarray, weight: float) -> None: ...
+
+
 @dataclass(frozen=True)
 class RunParts:
     """The run's built parts, for the rules that span them (:meth:`UpdateTransform.validate`)."""
@@ -197,6 +224,11 @@ class UpdateTransform(Component):
     def sum_code(self) -> Optional[SumCode]:
         """The integer code in which this stage's encoded uploads are summed under another
         stage's :meth:`codec` (None: none; the codec's own fixed point)."""
+        return None
+
+    def payload_code(self) -> Optional[PayloadCode]:
+        """The encoding in which each participant's summed upload travels to rank 0 as its
+        own message, decoded there (None: summed on the workers)."""
         return None
 
     def stats(self) -> list[Stat]:
@@ -312,6 +344,11 @@ class TransformChain:
                   if c is not None]
         assert len(codecs) <= 1, "one transform encodes the uplink sums"
         return codecs[0] if codecs else None
+
+    def payload_code(self) -> Optional[PayloadCode]:
+        codes = [c for c in (tr.payload_code() for tr in self.transforms) if c is not None]
+        assert len(codes) <= 1, "one transform encodes the uplink messages"
+        return codes[0] if codes else None
 
     def plan_round(self, round: int, participants: np.ndarray) -> Optional[str]:
         for tr in reversed(self.transforms):

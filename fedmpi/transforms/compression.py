@@ -90,7 +90,7 @@ from fedmpi.component import ClientTask
 from fedmpi.config.params import load_group, param
 from fedmpi.errors import ConfigError
 from fedmpi.transforms.base import RunParts, SumCode, UpdateTransform, UplinkCodec
-from fedmpi.training.vecops import all_finite
+from fedmpi.training.vecops import add_scaled, all_finite
 
 if TYPE_CHECKING:
     from fedmpi.config.core import Config
@@ -317,6 +317,64 @@ class RingSum:
         return self.code.decode(c, start)
 
 
+class EncodedPayloads:
+    """The bf16 and top-k codes as messages (a :class:`~fedmpi.transforms.base.PayloadCode`):
+    bf16 as D uint16 words (2·D bytes), top-k as k int32 indices followed by their k float32
+    values (8k bytes, k = :func:`topk_count`).
+
+    The uploads reach :meth:`take` already decoded (x̂ = decode(encode(x)), error feedback
+    formed on the worker), so encoding them again is exact: bf16(x̂) = x̂, and x̂ has at most
+    k non-zero entries, all among the k kept. A worker keeps one message per client it trains
+    in the round; rank 0 one receive buffer and one float32 decode buffer (top-k).
+    """
+
+    def __init__(self, kind: str, size: int, fraction: float = 1.0) -> None:
+        self.kind, self.size = kind, size
+        self.k = topk_count(size, fraction) if kind == "topk" else 0
+        self.nbytes = encoded_bytes(kind, size, fraction)
+        self._kept: dict[int, np.ndarray] = {}
+        self._free: list[np.ndarray] = []     # messages kept between rounds
+        self._recv = np.zeros(0, dtype=np.uint8)
+        self._dense = torch.zeros(0)
+
+    def begin(self) -> None:
+        self._free += self._kept.values()
+        self._kept = {}
+
+    def take(self, client: int, x: torch.Tensor) -> None:
+        out = self._free.pop() if self._free else np.empty(self.nbytes, dtype=np.uint8)
+        x = x.detach()
+        if self.kind == "bf16":
+            words = x.to(torch.bfloat16).view(torch.int16).cpu().numpy()
+            out.view(np.int16)[:] = words
+        else:
+            idx = torch.topk(x.abs(), self.k, sorted=False).indices
+            out[: 4 * self.k].view(np.int32)[:] = idx.to(torch.int32).cpu().numpy()
+            out[4 * self.k:].view(np.float32)[:] = x[idx].to(torch.float32).cpu().numpy()
+        self._kept[client] = out
+
+    def payload(self, client: int) -> np.ndarray:
+        return self._kept[client]
+
+    def buffer(self) -> np.ndarray:
+        if self._recv.size != self.nbytes:
+            self._recv = np.empty(self.nbytes, dtype=np.uint8)
+        return self._recv
+
+    def add(self, acc: torch.Tensor, payload: np.ndarray, weight: float) -> None:
+        """acc += weight · x̂ (``add_scaled``, as a worker adds x̂ to its partial sum)."""
+        if self.kind == "bf16":
+            x = torch.from_numpy(payload.view(np.int16)).view(torch.bfloat16).to(torch.float32)
+            add_scaled(acc, x, weight)
+            return
+        if self._dense.numel() != self.size:
+            self._dense = torch.zeros(self.size)
+        idx = torch.from_numpy(payload[: 4 * self.k].view(np.int32)).to(torch.long)
+        self._dense[idx] = torch.from_numpy(payload[4 * self.k:].view(np.float32))
+        add_scaled(acc, self._dense, weight)
+        self._dense[idx] = 0.0
+
+
 class Compression(UpdateTransform):
     """``compression.uplink`` or ``compression.downlink`` other than ``none`` (module
     docstring)."""
@@ -344,6 +402,8 @@ class Compression(UpdateTransform):
                                                          and cfg.round.mode == "sync"))
         self.ring = ring_bits(m) if ringed else 0
         self.levels = code_levels(self.ring, m) if self.ring else 0
+        # bf16 and top-k codes travel to rank 0 as messages where they can (``validate``)
+        self.direct = p.uplink in ("bf16", "topk") and not self.secure and cfg.round.mode == "sync"
 
     @classmethod
     def enabled(cls, cfg: Config) -> bool:
@@ -385,13 +445,16 @@ class Compression(UpdateTransform):
         weighting or rule needs ``delta`` as rows. Under secure aggregation such a method
         is refused; without it each client's int8 code is decoded on its worker instead
         (per-client scale, module docstring)."""
-        if not self.ring:
-            return
         other = [s.name for s in parts.stats if s.name != "delta"]
         per_client = (parts.weighting.per_client or parts.rule.per_client
                       or any(tr.needs_rows for tr in parts.transforms))
         if not self.secure and (other or per_client):
             self.ring = self.levels = 0   # decoded on the worker
+            self.direct = False
+        wire = "ring" if self.ring else "messages" if self.direct else "decoded sum"
+        if self.kind != "none":
+            self.report.attr("compression", "wire", wire)
+        if not self.ring:
             return
         self.report.attr("compression", "ring_bits", self.ring)
         self.report.attr("compression", "code_levels", self.levels)
@@ -409,6 +472,10 @@ class Compression(UpdateTransform):
               code: Optional[SumCode] = None) -> Optional[UplinkCodec]:
         """Without secure aggregation the int8 codes travel in their ring, unmasked."""
         return RingSum(code) if code is not None and not self.secure else None
+
+    def payload_code(self) -> Optional[EncodedPayloads]:
+        """bf16 and top-k: each participant's code travels to rank 0 as its own message."""
+        return EncodedPayloads(self.kind, self.D, self.fraction) if self.direct else None
 
     def sent(self, client: int, sent: torch.Tensor) -> None:
         """x̂_k, what the ring sum carries of client k's x_k: e_k ← x_k − x̂_k
