@@ -33,7 +33,10 @@ Per round, in order (the verbs of the protocol in brackets):
    sealed by the codec for the participants the metadata ``Allreduce`` of step 4 showed
    accepted, summed in the codec's wire type and opened on rank 0 — after one ``MAX``
    ``Allreduce`` of what the codec agrees on first, if it does (the int8 uplink's
-   per-block scale).
+   per-block scale). When a transform sends each participant's encoded statistic as its
+   own message (its :class:`~fedmpi.transforms.base.PayloadCode`: bf16, top-k) there is no
+   ``Reduce``: one ``Isend`` per accepted participant, received by rank 0 one at a time in
+   client-id order, decoded and added to its float64 sum.
 
 Steps 1 and 4 are *patient* waits (they wait for other ranks' computation and
 sleep); everything else moves data between ranks that are already there.

@@ -12,8 +12,13 @@ state) is encoded as a real client would send it. Encodings of x ∈ ℝ^D
            sent as (int32 index, float32 value) pairs: 8k bytes; x̂ is zero elsewhere
            (Aji & Heafield 2017; Stich et al. 2018).
 
-``bf16`` and ``topk`` (and ``int8`` where its ring cannot carry the upload, below) are
-decoded on the worker, which adds w̃_k x̂_k to its float64 partial sum.
+``bf16`` and ``topk`` codes travel to rank 0 as one message per participant
+(:class:`EncodedPayloads`: D uint16 words; k int32 indices then k float32 values), which
+rank 0 receives one at a time in client-id order, decodes and adds as w̃_k x̂_k to its
+float64 sum: the same bits at any world size, one message held at a time. Where the codes
+cannot travel alone (a method uploading another statistic or needing ``delta`` per client,
+``round.mode`` other than ``sync``) each is decoded on its worker, which adds w̃_k x̂_k to
+its float64 partial sum, as int8's per-client code below.
 
 **int8: shared-scale codes in an integer ring** (QSGD-style absmax quantization with a
 per-block scale, Alistarh et al. 2017, deterministic rounding). The codes are summed as
@@ -74,8 +79,9 @@ and ``/rounds/bytes_down_encoded`` θ at its (:meth:`Compression.traffic`); othe
 float32. In the int8 ring a participant's ``delta`` is its ring element, 2 (or 4) bytes per
 entry, plus its 8-byte block maxima; the agreed maxima come back in ``bytes_down_encoded``.
 ``/rounds/bytes_up``/``bytes_down`` are what the ranks handed MPI: the ring words and the
-maxima for int8, the float64 sums for the codes decoded on the worker (docs/large-models.md,
-"What travels on the wire").
+maxima for int8, the messages for bf16 and top-k, the float64 sums for the codes decoded on
+the worker (docs/large-models.md, "What travels on the wire"). The ``compression``
+attribute ``wire`` says which of these a run took (``ring``, ``messages``, ``decoded sum``).
 """
 from __future__ import annotations
 
