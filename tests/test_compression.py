@@ -426,6 +426,7 @@ def test_int8_with_and_without_secure_aggregation_is_the_same_model(tmp_path):
     assert np.array_equal(_bytes_up(tmp_path / "secure")[0], _bytes_up(tmp_path / "plain")[0])
     with h5py.File(tmp_path / "plain" / "log.h5", "r") as f:
         assert int(f["compression"].attrs["ring_bits"]) == 16
+        assert f["compression"].attrs["wire"] == "ring"
 
 
 @pytest.mark.parametrize("extra", [["algorithm.name=scaffold"],
@@ -439,6 +440,7 @@ def test_int8_where_the_ring_cannot_carry_the_upload_is_decoded_on_the_worker(tm
     res = api.run("configs/quickstart.yaml", over, out=tmp_path / "r")
     with h5py.File(res.log_path, "r") as f:
         assert "ring_bits" not in f["compression"].attrs
+        assert f["compression"].attrs["wire"] == "decoded sum"
         up = f["rounds/bytes_up_encoded"][:]
         selected = f["clients/selected"][:].sum(1)
     D = torch.load(res.out_dir / "checkpoint.pt", weights_only=True)["global_state"].numel()

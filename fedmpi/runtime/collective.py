@@ -114,9 +114,10 @@ def plan_uplink(stats: list[Stat], per_client_weighting: bool, exact: bool = Fal
                 exact_sums: bool = False) -> UplinkPlan:
     """``client`` statistics, and ``weighted`` ones under a per-client weighting,
     travel as rows; the rest is summed on the workers and reduced — unless
-    ``exact`` (``runtime.reduction: exact``, world size > 1) and the uplink codec does
-    not sum exactly (``exact_sums``: the int8 codes' integer ring is the same sum at any
-    world size): then every statistic travels as a row and rank 0 sums them in client-id order
+    ``exact`` (``runtime.reduction: exact``, world size > 1) and the uplink's encoding does
+    not sum exactly (``exact_sums``: the same sum at any world size, as the int8 codes'
+    integer ring and the encoded messages rank 0 adds in client-id order are): then every
+    statistic travels as a row and rank 0 sums them in client-id order
     (:func:`~fedmpi.runtime.server.ordered_sum`). The default grouping of the
     float64 sums (per worker, then over ranks) changes with the world size, and a
     last-bit difference can survive the rounding to float32. At world size 1 the
@@ -457,7 +458,8 @@ class CollectiveExchange:
         if not self.is_server:
             sends = [self.comm.start_send(self.payload.payload(k), 0, tag=row_tag(k))
                      for k in remote if self.host[k] == self.rank]
-            self.comm.wait(sends, f"round {t} encoded update sends", patient=False)
+            # patient: rank 0 decodes the messages before this rank's one by one
+            self.comm.wait(sends, f"round {t} encoded update sends")
         elif self.red_recv is not None:
             acc = self.red_recv.host_t[off:off + stat.size]
             acc.zero_()
