@@ -75,8 +75,9 @@ class Store(dict):
         return self.setdefault(client, torch.zeros(5, device=device))
 
 
-def stage(**block) -> Compression:
-    cfg = config_from_dict({"compression": {"uplink": "int8", **block}})
+def stage(privacy=None, **block) -> Compression:
+    cfg = config_from_dict({"compression": {"uplink": "int8", **block}, "privacy": privacy or {},
+                            "aggregation": {"weighting": "uniform"}})
     tr = Compression(cfg)
     tr.D = 5
     tr.client_stores(lambda name, size: Store())
@@ -101,9 +102,14 @@ def test_error_feedback_sends_what_was_dropped():
     bad = {"delta": torch.tensor([float("nan"), 1.0, 0.0, 0.0, 0.0])}
     tr.on_upload(ClientTask(8, 2, torch.arange(1), 0), bad)        # excluded: e_k unchanged
     assert math.isnan(bad["delta"][0]) and tr.errors[8].tolist() == [0, -1.0, 0.5, 0, 2.0]
-    plain = stage(error_feedback=False)
-    assert plain.errors is None
+    ringed = stage(error_feedback=False)          # int8 codes formed in the ring, later
+    assert ringed.errors is None and ringed.ring == 16
     out = {"delta": d1.clone()}
+    ringed.on_upload(ClientTask(7, 0, torch.arange(1), 0), out)
+    assert torch.equal(out["delta"], d1)
+    # with client-level DP each client's int8 code is decoded on its worker
+    plain = stage(privacy={"dp": {"level": "client"}}, error_feedback=False)
+    assert plain.errors is None and plain.ring == 0
     plain.on_upload(ClientTask(7, 0, torch.arange(1), 0), out)
     assert np.array_equal(out["delta"].numpy(), int8_numpy(d1.numpy()))
 
@@ -118,13 +124,14 @@ def _bytes_up(out) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_logged_bytes_and_checkpointed_error(tmp_path):
-    """int8 bytes are D + 4⌈D/256⌉ per participant; a run resumed after round 1 (e_k
+    """int8 bytes are a 16-bit ring word per entry and an 8-byte block maximum per block of
+    256 per participant (the shared-scale codes' ring); a run resumed after round 1 (e_k
     restored from the checkpoint on the worker) ends with the uninterrupted run's model."""
     over = BASE + ["compression.uplink=int8", "train.rounds=2"]
     whole = api.run("configs/quickstart.yaml", over, out=tmp_path / "whole")
     up, selected = _bytes_up(whole.out_dir)
     D = torch.load(whole.out_dir / "checkpoint.pt", weights_only=True)["global_state"].numel()
-    assert np.array_equal(up, (D + 4 * math.ceil(D / 256)) * selected)
+    assert np.array_equal(up, (2 * D + 8 * math.ceil(D / 256)) * selected)
     ckpt = torch.load(whole.out_dir / "checkpoint.pt", weights_only=True)
     errors = {k: c["compression/error"] for k, c in ckpt["clients"].items()
               if "compression/error" in c}
@@ -188,12 +195,15 @@ def test_int8_with_secure_aggregation_refuses_what_the_ring_cannot_carry(extra, 
 
 
 @pytest.mark.mpi
-def test_int8_with_error_feedback_does_not_depend_on_world_size(tmp_path):
-    """e_k lives on the worker hosting client k; -n 1 and -n 3 give the same model (the
-    exact reduction: a rounding step amplifies any difference in the order of sums)."""
+@pytest.mark.parametrize("uplink", ["int8", "bf16", "topk"])
+def test_error_feedback_does_not_depend_on_world_size(tmp_path, uplink):
+    """e_k lives on the worker hosting client k; -n 1 and -n 3 give the same model under
+    the exact reduction, with the codes travelling (int8's ring, bf16 and top-k messages
+    summed on rank 0 in client-id order)."""
     logs, models = run_at_world_sizes(
-        ["run", "configs/quickstart.yaml", *SMALL, "--set", "compression.uplink=int8",
-         "--set", "runtime.reduction=exact"], tmp_path)
+        ["run", "configs/quickstart.yaml", *SMALL, "--set", f"compression.uplink={uplink}",
+         "--set", "compression.topk_fraction=0.05", "--set", "runtime.reduction=exact"],
+        tmp_path)
     assert all(torch.equal(models[1][n], models[3][n]) for n in models[1])
     assert np.array_equal(logs[1].rounds["bytes_up_encoded"], logs[3].rounds["bytes_up_encoded"])
 
@@ -223,6 +233,7 @@ SECURE_INT8 = ["--set", "compression.uplink=int8", "--set", "privacy.secure_aggr
                "--set", "data.num_clients=6", "--set", "train.clients_per_round=4",
                "--set", "train.local_epochs=1", "--set", "train.batch_size=64",
                "--set", "runtime.progress=false", "--set", "model.name=mlp"]
+INT8 = SECURE_INT8[:2] + SECURE_INT8[4:]   # the same without secure aggregation
 
 
 def shared_scale_numpy(y: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
@@ -329,17 +340,22 @@ class Recorder(UpdateTransform):
 '''
 
 
-def test_int8_secure_run_moves_the_model_by_the_decoded_code_sum(tmp_path, monkeypatch):
-    """One round in process: the global model moves by s_b · Σ_k q_k / m computed here from
-    the recorded uploads (uniform weights), not by the per-client-scale int8 mean; bytes_up
-    is 2 bytes per entry plus 8 per block per participant; the ring width is logged."""
-    pytest.importorskip("cryptography")
+@pytest.mark.parametrize("secure", [True, False])
+def test_int8_run_moves_the_model_by_the_decoded_code_sum(tmp_path, monkeypatch, secure):
+    """One round in process, with and without secure aggregation: the global model moves by
+    s_b · Σ_k q_k / m computed here from the recorded uploads (uniform weights), not by the
+    per-client-scale int8 mean; bytes_up is 2 bytes per entry plus 8 per block per
+    participant; the ring width is logged."""
+    if secure:
+        pytest.importorskip("cryptography")
     (tmp_path / "secrec.py").write_text(RECORD_SECURE)
     monkeypatch.syspath_prepend(str(tmp_path))
     import secrec
 
+    secrec.SEEN["uploads"].clear()
     out = tmp_path / "run"
-    run_here(["run", "configs/quickstart.yaml", *SECURE_INT8, "--set", "train.rounds=1",
+    args = SECURE_INT8 if secure else INT8
+    run_here(["run", "configs/quickstart.yaml", *args, "--set", "train.rounds=1",
               "--set", "aggregation.weighting=uniform", "--set", "transforms=[secrec:Recorder]",
               "--out", str(out)])
     theta0 = secrec.SEEN["theta"].double().numpy()
@@ -373,12 +389,17 @@ _Comm.reduce_sum = _spy
 
 
 @pytest.mark.mpi
-def test_int8_secure_run_does_not_depend_on_world_size(tmp_path):
-    """int8 + secure aggregation with error feedback, the default (not exact) reduction:
-    -n 1 (in process) and -n 3 (rank 0 and two workers) give the same model bit for bit
-    (integer code sums are exact) and the same bytes; the workers Reduce uint16 words."""
-    pytest.importorskip("cryptography")
-    args = ["run", "configs/quickstart.yaml", *SECURE_INT8, "--set", "train.rounds=2"]
+@pytest.mark.parametrize("secure", [True, False])
+def test_int8_run_does_not_depend_on_world_size(tmp_path, secure):
+    """int8 with error feedback, with and without secure aggregation, the default (not
+    exact) reduction: -n 1 (in process) and -n 3 (rank 0 and two workers) give the same
+    model bit for bit (integer code sums are exact) and the same bytes; the workers Reduce
+    uint16 words."""
+    if secure:
+        pytest.importorskip("cryptography")
+    args = ["run", "configs/quickstart.yaml",
+            *(SECURE_INT8 if secure else INT8),
+            "--set", "train.rounds=2"]
     run_here([*args, "--out", str(tmp_path / "n1")])
     proc = run_fedmpi_many([[*args, "--out", str(tmp_path / "n3")]], n=3, before=SPY_REDUCE,
                            after="print('WIRE', *_WIRE, flush=True) if _WIRE else None")
@@ -389,3 +410,74 @@ def test_int8_secure_run_does_not_depend_on_world_size(tmp_path):
     up1, _ = _bytes_up(tmp_path / "n1")
     up3, _ = _bytes_up(tmp_path / "n3")
     assert np.array_equal(up1, up3)
+
+
+def test_int8_with_and_without_secure_aggregation_is_the_same_model(tmp_path):
+    """The masks cancel exactly in the ring: int8 with secure aggregation and without it sum
+    the same codes, so two rounds with error feedback give the same model bit for bit and
+    the same logged encoded bytes; the unmasked run logs the ring it used."""
+    pytest.importorskip("cryptography")
+    for name, sets in (("secure", SECURE_INT8), ("plain", INT8)):
+        run_here(["run", "configs/quickstart.yaml", *sets, "--set", "train.rounds=2",
+                  "--out", str(tmp_path / name)])
+    a = torch.load(tmp_path / "secure" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "plain" / "model.pt", weights_only=True)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert np.array_equal(_bytes_up(tmp_path / "secure")[0], _bytes_up(tmp_path / "plain")[0])
+    with h5py.File(tmp_path / "plain" / "log.h5", "r") as f:
+        assert int(f["compression"].attrs["ring_bits"]) == 16
+        assert f["compression"].attrs["wire"] == "ring"
+
+
+@pytest.mark.parametrize("extra", [["algorithm.name=scaffold"],
+                                   ["privacy.dp.level=client", "compression.error_feedback=false",
+                                    "aggregation.weighting=uniform"]])
+def test_int8_where_the_ring_cannot_carry_the_upload_is_decoded_on_the_worker(tmp_path, extra):
+    """Without secure aggregation a method with a second summed statistic (SCAFFOLD's c) and
+    client-level DP keep the per-client int8 code: D + 4⌈D/256⌉ bytes logged per
+    participant, no ring attribute."""
+    over = BASE + ["compression.uplink=int8", "train.rounds=1", *extra]
+    res = api.run("configs/quickstart.yaml", over, out=tmp_path / "r")
+    with h5py.File(res.log_path, "r") as f:
+        assert "ring_bits" not in f["compression"].attrs
+        assert f["compression"].attrs["wire"] == "decoded sum"
+        up = f["rounds/bytes_up_encoded"][:]
+        selected = f["clients/selected"][:].sum(1)
+    D = torch.load(res.out_dir / "checkpoint.pt", weights_only=True)["global_state"].numel()
+    per = D + 4 * math.ceil(D / 256) + (4 * D if "scaffold" in extra[0] else 0)
+    assert np.array_equal(up, per * selected)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "topk"])
+def test_encoded_messages_against_numpy(x, kind):
+    """The messages of bf16 and top-k (what travels to rank 0): bf16 as the uint16 words of
+    bfloat16(x), top-k as k int32 indices then their k float32 values; rank 0 adds
+    w·x̂ to a float64 sum, checked against numpy here. Re-encoding an already decoded upload
+    (error feedback formed on the worker) is exact."""
+    from fedmpi.transforms.compression import EncodedPayloads
+
+    frac = 0.05
+    code = EncodedPayloads(kind, x.size, frac)
+    k = math.ceil(frac * x.size)
+    xhat = bf16_numpy(x) if kind == "bf16" else topk_numpy(x, k)
+    code.begin()
+    code.take(3, torch.from_numpy(x))
+    code.take(5, torch.from_numpy(xhat))
+    for client in (3, 5):
+        msg = code.payload(client)
+        assert msg.dtype == np.uint8 and msg.nbytes == code.nbytes == encoded_bytes(kind, x.size, frac)
+        if kind == "bf16":
+            assert np.array_equal(msg.view(np.uint16),
+                                  (bf16_numpy(x).view(np.uint32) >> 16).astype(np.uint16))
+        else:
+            idx, val = msg[: 4 * k].view(np.int32), msg[4 * k:].view(np.float32)
+            assert sorted(idx.tolist()) == sorted(np.argsort(-np.abs(x))[:k].tolist())
+            assert np.array_equal(val, x[idx])
+    acc = torch.full((x.size,), 0.25, dtype=torch.float64)
+    recv = code.buffer()
+    recv[:] = code.payload(5)
+    code.add(acc, recv, 1.5)
+    code.add(acc, code.payload(3), 0.5)
+    expected = 0.25 + 1.5 * xhat.astype(np.float64) + 0.5 * xhat.astype(np.float64)
+    np.testing.assert_allclose(acc.numpy(), expected, rtol=1e-15, atol=0)
+    assert code.buffer() is recv                      # rank 0 keeps one receive buffer

@@ -87,6 +87,7 @@ CASES = {
     "none": [],
     "bf16": ["compression.uplink=bf16", "compression.downlink=bf16"],
     "int8": ["compression.uplink=int8"],
+    "int8 exact": ["compression.uplink=int8", "runtime.reduction=exact"],
     "topk": ["compression.uplink=topk", "compression.topk_fraction=0.05"],
     "secagg": ["privacy.secure_aggregation=true"],
     "int8+secagg": ["compression.uplink=int8", "privacy.secure_aggregation=true"],
@@ -146,6 +147,23 @@ def test_logged_bytes_are_the_buffers_handed_to_mpi(tmp_path, case):
         word = 8 if case == "none" else 4
         assert rounds["bytes_up"][0] == n * word * D + n * 8 * (K * F + 3 * n)
         assert rounds["bytes_down"][0] == 4 * D + 8 * (4 + K)   # θ once, the header once
+    if case in ("bf16", "topk"):   # each participant's code, one message to rank 0
+        from fedmpi.runtime.server import META_FIELDS
+
+        K, F, n = 6, len(META_FIELDS), 3
+        assert (rounds["bytes_up"] == rounds["bytes_up_encoded"] + n * 8 * (K * F + 3 * n)).all()
+    if case.startswith("int8"):   # the codes' uint16 ring and the scale agreement (≈ 1/4
+        # of the float64 sums' bytes)
+        import math
+
+        from fedmpi.runtime.server import META_FIELDS
+
+        K, F, n = 6, len(META_FIELDS), 3
+        e = int(rounds["bytes_up_encoded"][0]) // 4   # per participant: 2D + 8⌈D/256⌉
+        D = next(d for d in range(e // 3, e // 2) if 2 * d + 8 * math.ceil(d / 256) == e)
+        blocks = math.ceil(D / 256)
+        # (round 1: secure aggregation's key exchange is round 0's)
+        assert rounds["bytes_up"][1] == n * 2 * D + n * 8 * blocks + n * 8 * (K * F + 3 * n)
 
 
 @pytest.mark.parametrize("wire", ["float64", "float32"])

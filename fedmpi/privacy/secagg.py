@@ -57,6 +57,7 @@ import torch
 
 from fedmpi.errors import ConfigError
 from fedmpi.transforms.base import SumCode, UpdateTransform
+from fedmpi.transforms.compression import RingSum, ring_wire
 
 if TYPE_CHECKING:
     from fedmpi.config.core import Config
@@ -70,7 +71,7 @@ _MASK = MOD - 1
 KEY_WORDS = 4   # an X25519 public key: 32 bytes = 4 int64 words
 #: the wire type of a ring 2^b: b = 48 in int64 (sums of up to 2^15 ranks cannot overflow),
 #: the narrow rings of a :class:`SumCode` in unsigned words that wrap exactly modulo 2^b
-WIRE: dict[int, np.dtype] = {RING_BITS: np.dtype(np.int64), 16: np.dtype(np.uint16), 32: np.dtype(np.uint32)}
+WIRE: dict[int, np.dtype] = {RING_BITS: np.dtype(np.int64), 16: ring_wire(16), 32: ring_wire(32)}
 
 __all__ = ["RING_BITS", "MOD", "KEY_WORDS", "WIRE", "SecureAggregator", "SecureAggregation", "encode",
            "decode", "limit"]
@@ -125,7 +126,10 @@ class SecureAggregator:
         self.hosted = list(hosted)
         self.K = num_clients
         self.scale_bits = scale_bits
-        self.code = code
+        # a sum code's integers are summed as the unmasked int8 uplink sums them; the
+        # masks are added to those ring elements
+        self.ring = RingSum(code) if code is not None else None
+        self.sums_exactly = code is not None
         self.bits = RING_BITS if code is None else int(code.bits)
         self.mod = 1 << self.bits
         self.ring_mask = self.mod - 1
@@ -153,35 +157,30 @@ class SecureAggregator:
     def begin(self, participants: int) -> None:
         """A round with ``participants`` clients: each may contribute up to :func:`limit`
         (the fixed point; a :class:`SumCode` bounds its own codes)."""
-        if self.code is not None:
-            self.code.begin()
+        if self.ring is not None:
+            self.ring.begin(participants)
             return
         self.range_limit = limit(self.scale_bits, participants)
 
     def accepts(self, x: torch.Tensor, weight: float) -> bool:
         """Whether ``weight·x`` decodes without wrapping (refused otherwise, never wrapped)."""
-        if self.code is not None:
-            return True   # finite (the channel's check): its codes are bounded by construction
+        if self.ring is not None:
+            return self.ring.accepts(x, weight)
         return not x.numel() or float(x.abs().max()) * weight <= self.range_limit
 
     def take(self, client: int, parts: Sequence[tuple[torch.Tensor, float]]) -> bool:
         """A :class:`SumCode` keeps each accepted client's contribution (True); the fixed
         point is applied to the rank's float64 partial sum (False)."""
-        if self.code is None:
-            return False
-        assert len(parts) == 1, "a sum code encodes one statistic (Compression.validate)"
-        x, weight = parts[0]
-        self.code.take(client, x, weight)
-        return True
+        return self.ring is not None and self.ring.take(client, parts)
 
     def agreement(self, size: int) -> Optional[np.ndarray]:
         """What this rank contributes to the ``MAX`` ``Allreduce`` before sealing (the
         code's per-block bound; None: nothing to agree on)."""
-        return None if self.code is None else self.code.local_bound(size)
+        return None if self.ring is None else self.ring.agreement(size)
 
     def on_agreement(self, agreed: np.ndarray) -> None:
-        assert self.code is not None
-        self.code.agree(agreed)
+        assert self.ring is not None
+        self.ring.on_agreement(agreed)
 
     # ------------------------------------------------------------- keys
     def public_words(self) -> np.ndarray:
@@ -268,8 +267,8 @@ class SecureAggregator:
         kept (:meth:`take`), modulo 2^b, and ``partial`` is not read."""
         own = {int(k) for k in mine}
         others = [int(j) for j in accepted if int(j) not in own]
-        if self.code is not None:
-            self.code.encode(out)
+        if self.ring is not None:
+            self.ring.seal(partial, t, mine, accepted, out)
         else:
             v = partial.detach().cpu()
             q = self._float_scratch(v.numel())
@@ -285,10 +284,8 @@ class SecureAggregator:
         ``total`` (overwritten) and a float64 buffer kept between rounds (the returned
         tensor, valid until the next call). ``total`` holds the entries from ``start`` on
         (a :class:`SumCode` decodes the centred sum of its codes there)."""
-        if self.code is not None:
-            c = torch.from_numpy(total.astype(np.int64))
-            c.sub_(torch.where(c >= self.mod // 2, self.mod, 0))   # the centred representative
-            return self.code.decode(c, start)
+        if self.ring is not None:
+            return self.ring.open(total, start)
         r = torch.from_numpy(total)
         # the centred representative: ((r + 2^{b-1}) mod 2^b) − 2^{b-1}
         r.add_(MOD // 2).bitwise_and_(_MASK).sub_(MOD // 2)

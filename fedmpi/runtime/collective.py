@@ -33,7 +33,10 @@ Per round, in order (the verbs of the protocol in brackets):
    sealed by the codec for the participants the metadata ``Allreduce`` of step 4 showed
    accepted, summed in the codec's wire type and opened on rank 0 — after one ``MAX``
    ``Allreduce`` of what the codec agrees on first, if it does (the int8 uplink's
-   per-block scale).
+   per-block scale). When a transform sends each participant's encoded statistic as its
+   own message (its :class:`~fedmpi.transforms.base.PayloadCode`: bf16, top-k) there is no
+   ``Reduce``: one ``Isend`` per accepted participant, received by rank 0 one at a time in
+   client-id order, decoded and added to its float64 sum.
 
 Steps 1 and 4 are *patient* waits (they wait for other ranks' computation and
 sleep); everything else moves data between ranks that are already there.
@@ -52,11 +55,11 @@ from fedmpi.component import Stat
 from fedmpi.comm.world import Comm
 from fedmpi.training.vecops import add_scaled, pieces
 from fedmpi.runtime.exchange import Closes, Header, OnUpdate
-from fedmpi.runtime.server import (META_FIELDS, M_STATUS, M_TIME, STATUS_FAILED, STATUS_OK,
+from fedmpi.runtime.server import (META_FIELDS, M_RAW, M_STATUS, M_TIME, STATUS_FAILED, STATUS_OK,
                                    STATUS_RANGE, STATUS_WITHHELD, Uplink, is_summed)
 
 if TYPE_CHECKING:
-    from fedmpi.transforms.base import UplinkCodec
+    from fedmpi.transforms.base import PayloadCode, UplinkCodec
 
 HEADER = 4
 ERR_BYTES = 1024
@@ -107,18 +110,21 @@ class UplinkPlan:
     row_size: int
 
 
-def plan_uplink(stats: list[Stat], per_client_weighting: bool, exact: bool = False) -> UplinkPlan:
+def plan_uplink(stats: list[Stat], per_client_weighting: bool, exact: bool = False,
+                exact_sums: bool = False) -> UplinkPlan:
     """``client`` statistics, and ``weighted`` ones under a per-client weighting,
     travel as rows; the rest is summed on the workers and reduced — unless
-    ``exact`` (``runtime.reduction: exact``, world size > 1): then every statistic
-    travels as a row and rank 0 sums them in client-id order
+    ``exact`` (``runtime.reduction: exact``, world size > 1) and the uplink's encoding does
+    not sum exactly (``exact_sums``: the same sum at any world size, as the int8 codes'
+    integer ring and the encoded messages rank 0 adds in client-id order are): then every
+    statistic travels as a row and rank 0 sums them in client-id order
     (:func:`~fedmpi.runtime.server.ordered_sum`). The default grouping of the
     float64 sums (per worker, then over ranks) changes with the world size, and a
     last-bit difference can survive the rounding to float32. At world size 1 the
     default path already adds the clients in client-id order on one rank."""
     reduced, gathered, r, g = [], [], 0, 0
     for s in stats:
-        if exact or not is_summed(s, per_client_weighting):
+        if (exact and not exact_sums) or not is_summed(s, per_client_weighting):
             gathered.append((s, g))
             g += s.size
         else:
@@ -135,7 +141,8 @@ class CollectiveExchange:
     def __init__(self, comm: Comm, plan: UplinkPlan, state_size: int, extras_size: int,
                  num_clients: int, max_local: int, max_rows: int, host: np.ndarray,
                  device: torch.device, codec: Optional[UplinkCodec] = None,
-                 meta_fields: int = len(META_FIELDS), wire: str = "float64") -> None:
+                 meta_fields: int = len(META_FIELDS), wire: str = "float64",
+                 payload: Optional[PayloadCode] = None) -> None:
         self.comm = comm
         self.rank, self.size = comm.rank, comm.size
         self.is_server = self.rank == 0
@@ -183,6 +190,10 @@ class CollectiveExchange:
         self.narrow_recv = (self.red_recv.host.view(self.wire)[: plan.reduce_size]
                             if narrow and self.red_recv is not None else None)
         self._handshake_done = False
+        # encoded messages (bf16, top-k): each participant's code to rank 0, decoded there
+        self.payload = payload if plan.reduce_size else None
+        assert self.payload is None or (len(plan.reduced) == 1 and self.codec is None), \
+            "an encoded message carries one statistic"
         self.rows_send = Mirror((max_local, plan.row_size), torch.float32, device)
         self.rows_recv = (Mirror((max_rows, plan.row_size), torch.float32, device)
                           if self.is_server and plan.row_size else None)
@@ -258,6 +269,9 @@ class CollectiveExchange:
         if self.codec is None:
             return
         send = self.codec.handshake()
+        if send is None:   # nothing to exchange (the unmasked int8 ring)
+            self._handshake_done = True
+            return
         recv = np.zeros_like(send)
         self.comm.allreduce_sum(send, recv, what="uplink codec handshake Allreduce")
         self.codec.on_handshake(recv)
@@ -266,6 +280,8 @@ class CollectiveExchange:
     def begin_uplink(self, participants: int = 1) -> None:
         if self.codec is not None:
             self.codec.begin(participants)
+        if self.payload is not None:
+            self.payload.begin()
         self.up_send.fill(0.0)
         self.err_send.fill(0)
         if self.plan.reduce_size and self.red_send is not None:
@@ -283,6 +299,9 @@ class CollectiveExchange:
         taken = accepted and self.codec is not None and self.codec.take(
             client, [(stats[stat.name], raw_weight if stat.combine == "weighted" else 1.0)
                      for stat, _ in self.plan.reduced])
+        if accepted and self.payload is not None:   # its code travels as a message
+            self.payload.take(client, stats[self.plan.reduced[0][0].name])
+            taken = True
         if accepted and not taken:
             assert self.red_send is not None, "a rank that trains clients holds a partial sum"
             for stat, off in self.plan.reduced:
@@ -351,6 +370,8 @@ class CollectiveExchange:
         after = 0   # bytes every rank hands MPI after the metadata Allreduce, summed
         if self.plan.reduce_size and self.codec is not None:
             after = self._encoded_reduce(t, mask)
+        elif self.plan.reduce_size and self.payload is not None:
+            after = self._payload_sum(t, mask)
         elif self.plan.reduce_size:
             after = self._reduce_sent(self.plan.reduce_size, self.wire)
             self._plain_reduce(t)
@@ -423,6 +444,35 @@ class CollectiveExchange:
             for s in reversed(list(pieces(self.plan.reduce_size))):
                 self.red_recv.host_t[s].copy_(self.codec.open(self.sealed_recv[s], s.start))
         return sent
+
+    def _payload_sum(self, t: int, mask: np.ndarray) -> int:
+        """Step 5 with encoded messages: every accepted participant's code goes to rank 0
+        as one ``Isend`` (tag :func:`row_tag`); rank 0 receives them one at a time in
+        client-id order into one buffer and adds w̃_k·x̂_k (``weighted``; x̂_k otherwise)
+        to its float64 sum — the same operations in the same order at any world size.
+        Returns the bytes all ranks handed MPI."""
+        assert self.payload is not None
+        stat, off = self.plan.reduced[0]
+        accepted = np.flatnonzero(mask & (self.meta_recv[:, M_STATUS] == STATUS_OK))
+        remote = [int(k) for k in accepted if self.host[k] != 0]
+        if not self.is_server:
+            sends = [self.comm.start_send(self.payload.payload(k), 0, tag=row_tag(k))
+                     for k in remote if self.host[k] == self.rank]
+            # patient: rank 0 decodes the messages before this rank's one by one
+            self.comm.wait(sends, f"round {t} encoded update sends")
+        elif self.red_recv is not None:
+            acc = self.red_recv.host_t[off:off + stat.size]
+            acc.zero_()
+            for k in accepted.tolist():
+                weight = float(self.meta_recv[k, M_RAW]) if stat.combine == "weighted" else 1.0
+                if self.host[k] == 0:
+                    data = self.payload.payload(k)
+                else:
+                    data = self.payload.buffer()
+                    self.comm.wait([self.comm.start_recv(data, int(self.host[k]), tag=row_tag(k))],
+                                   f"round {t} encoded update of client {k}", patient=False)
+                self.payload.add(acc, data, weight)
+        return len(remote) * self.payload.nbytes
 
     def _record(self, t: int, mask: np.ndarray, failed: bool, after: int) -> Uplink:
         meta = self.meta_recv

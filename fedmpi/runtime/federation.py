@@ -92,15 +92,17 @@ class Federation:
         # the point-to-point rounds sum each step's rows on rank 0 in client-id order
         exact = (cfg.runtime.reduction == "exact" and comm.size > 1) or asynchronous
         rows_needed = b.server.rows_needed
-        plan = plan_uplink(list(b.stats), rows_needed, exact)
         K, m = b.num_clients, self.policy.max_participants
         self._codec = b.transforms.codec(b.hosted, K)
+        payload = b.transforms.payload_code()   # summed on rank 0 in client-id order
+        plan = plan_uplink(list(b.stats), rows_needed, exact, exact_sums=payload is not None or (
+            self._codec is not None and self._codec.sums_exactly))
         assert self.policy.waits_for_all, "the collective exchange closes when all reported"
         self._exchange: Exchange = CollectiveExchange(
             comm, plan, self._D, b.algo.exchange().downlink, K,
             max_local=min(m, len(b.hosted)), max_rows=m, host=b.host, device=b.device,
             codec=self._codec, meta_fields=len(META_FIELDS) + len(b.reports.client_columns),
-            wire=cfg.runtime.wire)
+            wire=cfg.runtime.wire, payload=payload)
         if self._server:
             self._exchange.downlink[: self._D].copy_(b.flat.vector)
         client_idx = {k: torch.as_tensor(b.partition.client_indices[k], device=b.device)
@@ -116,7 +118,8 @@ class Federation:
                                  {k: torch.as_tensor(tests[k], device=b.device)
                                   for k in b.hosted} if tests else None)
         self.log = RoundRecorder(b.host, comm.size, b.reports, evaluate=self._evaluate)
-        summed = [s for s in b.stats if is_summed(s, rows_needed)]
+        reduced = {s.name for s, _ in plan.reduced}
+        summed = [s for s in b.stats if is_summed(s, rows_needed) and s.name not in reduced]
         self._sum_bufs = ({s.name: torch.zeros(s.size, dtype=torch.float64, device=b.device)
                            for s in summed} if self._server and exact else {})
         # runtime.reduction: exact — rank 0 adds the rows in client-id order as they arrive

@@ -29,7 +29,9 @@ postprocessors do):
 
 A transform may also encode the uplink sum (:meth:`UpdateTransform.codec`: secure
 aggregation's masked ring elements), hand that codec the integer code its sums are
-formed in (:meth:`UpdateTransform.sum_code`: the int8 uplink's shared-scale codes), declare that rank 0 may hold only sums
+formed in (:meth:`UpdateTransform.sum_code`: the int8 uplink's shared-scale codes), send
+each participant's upload to rank 0 as its own encoded message instead of summing it on the
+worker (:meth:`UpdateTransform.payload_code`: bf16, top-k), declare that rank 0 may hold only sums
 (:attr:`UpdateTransform.sums_only`), and refuse what it cannot be combined with
 (:meth:`UpdateTransform.validate`, given the run's built parts).
 
@@ -86,7 +88,7 @@ class SumCode(Protocol):
 
 class UplinkCodec(Protocol):
     """How the summed uplink statistics travel when a transform encodes them (secure
-    aggregation): each rank seals its float64 partial sum into a ring buffer of
+    aggregation; the int8 uplink's ring): each rank seals its float64 partial sum into a ring buffer of
     ``wire_dtype`` (int64), the buffers are summed by one ``Reduce``, rank 0 opens the
     total.
 
@@ -97,7 +99,9 @@ class UplinkCodec(Protocol):
     (``on_agreement``); ``open(total, start)``: the entries from ``start`` on.
 
     ``handshake``/``on_handshake``: one ``Allreduce`` of an int64 array before the first
-    round (secure aggregation's public keys). ``begin(participants)``: a new round with
+    round (secure aggregation's public keys; None: none). ``sums_exactly``: the opened sum
+    is the same at any world size and rank layout (integer codes of each client, as the
+    int8 uplink's), so ``runtime.reduction: exact`` keeps the codec's statistics reduced. ``begin(participants)``: a new round with
     that many participants; ``accepts(x, weight)``: whether a client's contribution
     ``weight·x`` decodes without wrapping (refused clients are excluded, never wrapped, and
     logged with ``refused_because``). With fewer than ``min_accepted`` accepted clients no
@@ -109,8 +113,9 @@ class UplinkCodec(Protocol):
     min_accepted: int
     withheld_because: str
     wire_dtype: np.dtype
+    sums_exactly: bool
 
-    def handshake(self) -> np.ndarray: ...
+    def handshake(self) -> Optional[np.ndarray]: ...
 
     def on_handshake(self, words: np.ndarray) -> None: ...
 
@@ -128,6 +133,31 @@ class UplinkCodec(Protocol):
              out: np.ndarray) -> None: ...
 
     def open(self, total: np.ndarray, start: int = 0) -> torch.Tensor: ...
+
+
+class PayloadCode(Protocol):
+    """Each accepted participant's encoded statistic travels to rank 0 as its own message
+    of :attr:`nbytes` bytes (the bf16 and top-k uplinks,
+    :class:`~fedmpi.transforms.compression.EncodedPayloads`), decoded there.
+
+    A worker: ``begin`` per round; ``take(client, x)`` keeps client k's encoded x_k (one
+    buffer per client it trains in the round); ``payload(client)`` is that message.
+    Rank 0: ``buffer()`` is its one receive buffer; ``add(acc, payload, weight)`` adds
+    weight·decode(payload) to the float64 ``acc`` (on the CPU), client after client in
+    id order: the same bits at any world size.
+    """
+
+    nbytes: int
+
+    def begin(self) -> None: ...
+
+    def take(self, client: int, x: torch.Tensor) -> None: ...
+
+    def payload(self, client: int) -> np.ndarray: ...
+
+    def buffer(self) -> np.ndarray: ...
+
+    def add(self, acc: torch.Tensor, payload: np.ndarray, weight: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -194,6 +224,11 @@ class UpdateTransform(Component):
     def sum_code(self) -> Optional[SumCode]:
         """The integer code in which this stage's encoded uploads are summed under another
         stage's :meth:`codec` (None: none; the codec's own fixed point)."""
+        return None
+
+    def payload_code(self) -> Optional[PayloadCode]:
+        """The encoding in which each participant's summed upload travels to rank 0 as its
+        own message, decoded there (None: summed on the workers)."""
         return None
 
     def stats(self) -> list[Stat]:
@@ -309,6 +344,11 @@ class TransformChain:
                   if c is not None]
         assert len(codecs) <= 1, "one transform encodes the uplink sums"
         return codecs[0] if codecs else None
+
+    def payload_code(self) -> Optional[PayloadCode]:
+        codes = [c for c in (tr.payload_code() for tr in self.transforms) if c is not None]
+        assert len(codes) <= 1, "one transform encodes the uplink messages"
+        return codes[0] if codes else None
 
     def plan_round(self, round: int, participants: np.ndarray) -> Optional[str]:
         for tr in reversed(self.transforms):

@@ -1,17 +1,60 @@
 r"""Compressed uplink (``compression.*``), an update transform.
 
 Each participant's upload Δ_k (``delta``, the method's weighted update over the exchanged
-state) is encoded as a real client would send it and decoded as the server would; the
-federation sums the decoded updates. Encodings of x ∈ ℝ^D (``compression.uplink``):
+state) is encoded as a real client would send it. Encodings of x ∈ ℝ^D
+(``compression.uplink``):
 
 ``bf16``   x̂ = bfloat16(x) (round to nearest even): 2 bytes per entry;
-``int8``   blocks of B = 256 entries (the last one shorter), one float32 scale per block
-           s_b = max_i |x_i| / 127 and codes q_i = round(x_i / s_b) ∈ [−127, 127];
-           x̂_i = s_b · q_i: D + 4·⌈D/B⌉ bytes (QSGD-style absmax quantization with a
-           per-block scale, Alistarh et al. 2017, deterministic rounding);
+``int8``   integer codes on a per-block scale shared by the round's participants, summed
+           exactly in a ring of b-bit words (below, :class:`SharedScaleInt8`): 2 bytes per
+           entry (b = 16, m ≤ 258 participants) plus 8 per block of 256 for the scale;
 ``topk``   the k = ⌈f·D⌉ entries of largest |x_i| (f = ``compression.topk_fraction``),
            sent as (int32 index, float32 value) pairs: 8k bytes; x̂ is zero elsewhere
            (Aji & Heafield 2017; Stich et al. 2018).
+
+``bf16`` and ``topk`` codes travel to rank 0 as one message per participant
+(:class:`EncodedPayloads`: D uint16 words; k int32 indices then k float32 values), which
+rank 0 receives one at a time in client-id order, decodes and adds as w̃_k x̂_k to its
+float64 sum: the same bits at any world size, one message held at a time. Where the codes
+cannot travel alone (a method uploading another statistic or needing ``delta`` per client,
+``round.mode`` other than ``sync``) each is decoded on its worker, which adds w̃_k x̂_k to
+its float64 partial sum, as int8's per-client code below.
+
+**int8: shared-scale codes in an integer ring** (QSGD-style absmax quantization with a
+per-block scale, Alistarh et al. 2017, deterministic rounding). The codes are summed as
+integers, so their scale must be the same for every participant and known before the sum:
+each participant's weighted contribution y_k = w̃_k x_k (x_k = Δ_k + e_k) is coded with the
+round's common per-block scale
+
+.. math:: s_b = \max_{k \in A_t} \max_{i \in b} |y_{k,i}| \,/\, L, \qquad
+          q_{k,i} = \mathrm{round}(y_{k,i} / s_b) \in [-L, L],
+
+agreed by one ``MAX`` ``Allreduce`` of each rank's per-block maxima (every rank learns
+max_k |y_k| per block of 256 entries, one float64 per block, beyond the sum). Each worker
+sums its clients' codes exactly and sends Σ_k q_k mod 2^b as uint16 (uint32) words, b = 16
+(32 when 127·m ≥ 2^15; m = ``train.clients_per_round``); the ``Reduce`` adds them with
+unsigned wrap-around (:class:`RingSum`). Since a participant's share of the wire is a b-bit
+ring element whatever its code, the codes use the ring's whole range:
+L = ⌊(2^{b−1} − 1)/m⌋ levels per side (6,553 at m = 5), so that Σ_k q_k never wraps, where
+a per-client int8 code has 127 — the shared scale, set by the largest weighted
+contribution, would otherwise leave a client of small weight only a few levels. Rank 0
+decodes s_b · Σ_k q_{k,i}, the same integers at any world size (so
+``runtime.reduction: exact`` keeps this sum instead of sending rows). Error feedback keeps
+e_k ← x_k − s_b q_k / w̃_k (the update space: the next round's weight may differ).
+**With secure aggregation** the same ring elements are pairwise-masked
+(:class:`~fedmpi.privacy.secagg.SecureAggregator` adds its masks to :class:`RingSum`'s
+words): the same codes, the same sum, the same model bit for bit.
+
+Where the ring cannot carry the upload, int8 is the per-client code decoded on the worker:
+per block one float32 scale s_b = max_i |x_i| / 127 and codes q_i = round(x_i / s_b) ∈
+[−127, 127], x̂_i = s_b q_i (D + 4·⌈D/B⌉ bytes as a client would send them; the worker's
+float64 sum travels). That is the case for a method that uploads another statistic besides
+``delta`` or needs ``delta`` per client (SCAFFOLD's c, FedDyn's h, a per-client weighting or
+rule: the ring carries one sum), client-level DP (the shared scale couples every client's
+rounding to the others' updates, beyond the sensitivity the accountant assumes; the
+per-client code is post-processing), and ``round.mode`` other than ``sync``. Under secure
+aggregation these are refused instead (exit 2, both keys named), as are ``bf16`` (not a
+fixed-point code) and ``topk`` (indices differ per client).
 
 **Error feedback** (``compression.error_feedback``, default on; Seide et al. 2014, Karimireddy
 et al. 2019 "EF-SGD", Alg. 2): client k keeps e_k (zero at first) on the worker that hosts it,
@@ -26,30 +69,6 @@ protects, and the accountant is unchanged. Error feedback is refused there: e_k 
 data-dependent residual that would be added after the clip, beyond the sensitivity C the
 accountant assumes.
 
-**With secure aggregation** (``int8`` only; :class:`SharedScaleInt8`) the codes are summed
-in the masked ring, so their scale must be the same for every participant and known before
-sealing: each participant's weighted contribution y_k = w̃_k x_k (x_k = Δ_k + e_k) is coded
-with the round's common per-block scale
-
-.. math:: s_b = \max_{k \in A_t} \max_{i \in b} |y_{k,i}| \,/\, L, \qquad
-          q_{k,i} = \mathrm{round}(y_{k,i} / s_b) \in [-L, L],
-
-agreed by one ``MAX`` ``Allreduce`` of each rank's per-block maxima (every rank learns
-max_k |y_k| per block of 256 entries, one float64 per block, beyond the sum). Each worker
-sums its clients' codes exactly, seals Σ_k q_k in the ring 2^b, b = 16 (32 when
-127·m ≥ 2^15: the sum of m int8 codes must fit; m = ``train.clients_per_round``), and sends
-uint16 (uint32) words. Since a participant's share of the wire is a b-bit ring element
-whatever its code, the codes use the ring's whole range: L = ⌊(2^{b−1} − 1)/m⌋ levels per
-side (6,553 at m = 5), so that Σ_k q_k never wraps, where plain int8 has 127 — the shared
-scale, set by the largest weighted contribution, would otherwise leave a client of small
-weight only a few levels. Rank 0 decodes
-s_b · Σ_k q_{k,i}, the same integers at any world size. Error feedback keeps
-e_k ← x_k − s_b q_k / w̃_k (the update space: the next round's weight may differ).
-``bf16`` (not a fixed-point code) and ``topk`` (indices differ per client) cannot be summed
-in a ring and are refused with both keys named; so is client-level DP (the shared scale
-couples every client's rounding to the others' updates, beyond the sensitivity the
-accountant assumes), and a method that uploads summed statistics besides ``delta``.
-
 **Downlink** (``compression.downlink: bf16``): the clients of a worker train from
 θ̂ = bfloat16(θ), decoded once per round (:meth:`Compression.received`), and upload
 θ_k − θ̂; the server applies the aggregate to its float32 θ. Method extras (SCAFFOLD's c)
@@ -57,16 +76,18 @@ stay float32.
 
 The logged ``/rounds/bytes_up_encoded`` counts each participant's ``delta`` at its encoded size
 and ``/rounds/bytes_down_encoded`` θ at its (:meth:`Compression.traffic`); other statistics stay
-float32. With secure aggregation a participant's ``delta`` is its ring element, 2 (or 4) bytes
-per entry, plus its 8-byte block maxima; the agreed maxima come back in ``bytes_down_encoded``.
-``/rounds/bytes_up``/``bytes_down`` are what the ranks handed MPI: without secure aggregation
-the decoded float64 sums (docs/large-models.md, "What travels on the wire").
+float32. In the int8 ring a participant's ``delta`` is its ring element, 2 (or 4) bytes per
+entry, plus its 8-byte block maxima; the agreed maxima come back in ``bytes_down_encoded``.
+``/rounds/bytes_up``/``bytes_down`` are what the ranks handed MPI: the ring words and the
+maxima for int8, the messages for bf16 and top-k, the float64 sums for the codes decoded on
+the worker (docs/large-models.md, "What travels on the wire"). The ``compression``
+attribute ``wire`` says which of these a run took (``ring``, ``messages``, ``decoded sum``).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -74,8 +95,8 @@ import torch
 from fedmpi.component import ClientTask
 from fedmpi.config.params import load_group, param
 from fedmpi.errors import ConfigError
-from fedmpi.transforms.base import RunParts, UpdateTransform
-from fedmpi.training.vecops import all_finite
+from fedmpi.transforms.base import RunParts, SumCode, UpdateTransform, UplinkCodec
+from fedmpi.training.vecops import add_scaled, all_finite
 
 if TYPE_CHECKING:
     from fedmpi.config.core import Config
@@ -90,8 +111,9 @@ class CompressionParams:
     """``compression.*`` (:mod:`fedmpi.config.params`)."""
 
     uplink: str = param("none", "encoding of each client's update (docs/large-models.md): "
-                                "none (float32), bf16, int8 (per-256-entry absmax scale), "
-                                "topk (the largest entries with their indices)",
+                                "none (float32), bf16, int8 (codes on a per-256-entry scale "
+                                "shared by the round, summed in a 16-bit ring), topk (the "
+                                "largest entries with their indices)",
                         choices=ENCODINGS)
     topk_fraction: float = param(0.01, "topk: the fraction of entries sent", gt=0, le=1)
     error_feedback: bool = param(True, "keep each client's encoding error on its worker and "
@@ -234,6 +256,131 @@ class SharedScaleInt8:
         return centred.to(torch.float64) * self._scale_cpu[block]
 
 
+def ring_wire(bits: int) -> np.dtype:
+    """The wire type of the ring 2^``bits`` (16 or 32): unsigned words that wrap exactly
+    modulo 2^bits in MPI's sum."""
+    return np.dtype(f"uint{bits}")
+
+
+class RingSum:
+    """The :class:`~fedmpi.transforms.base.UplinkCodec` that sums a
+    :class:`~fedmpi.transforms.base.SumCode`'s integers in its ring 2^b, unmasked (the
+    ``int8`` uplink without secure aggregation; secure aggregation adds its pairwise masks
+    to the same ring elements, :class:`~fedmpi.privacy.secagg.SecureAggregator`).
+
+    Every accepted client's contribution is kept by the code (``take``), the ranks agree
+    on its scale with one ``MAX`` ``Allreduce`` (``agreement``), each rank seals the sum of
+    its clients' codes mod 2^b (``seal``: ``partial`` is not read) and rank 0 decodes the
+    centred representative of the ring total (``open``). The codes are bounded by
+    construction, so no client is refused; the opened sum is an integer sum, the same at
+    any world size and rank layout (``sums_exactly``).
+    """
+
+    refused_because = "outside the int8 ring"   # never: codes are bounded by construction
+    min_accepted = 1
+    withheld_because = ""
+    sums_exactly = True
+
+    def __init__(self, code: SumCode) -> None:
+        self.code = code
+        self.mod = 1 << int(code.bits)
+        self.wire_dtype = ring_wire(int(code.bits))
+
+    def handshake(self) -> Optional[np.ndarray]:
+        return None   # nothing to exchange before the first round
+
+    def on_handshake(self, words: np.ndarray) -> None:
+        pass
+
+    def begin(self, participants: int) -> None:
+        self.code.begin()
+
+    def accepts(self, x: torch.Tensor, weight: float) -> bool:
+        return True   # finite (the channel's check): its codes are bounded by construction
+
+    def take(self, client: int, parts: Sequence[tuple[torch.Tensor, float]]) -> bool:
+        assert len(parts) == 1, "a sum code encodes one statistic (Compression.validate)"
+        x, weight = parts[0]
+        self.code.take(client, x, weight)
+        return True
+
+    def agreement(self, size: int) -> Optional[np.ndarray]:
+        return self.code.local_bound(size)
+
+    def on_agreement(self, agreed: np.ndarray) -> None:
+        self.code.agree(agreed)
+
+    def seal(self, partial: torch.Tensor, t: int, mine: Sequence[int], accepted: Sequence[int],
+             out: np.ndarray) -> None:
+        """Σ_{k∈mine} q_k mod 2^b into ``out`` (``partial`` is not read)."""
+        self.code.encode(out)
+
+    def open(self, total: np.ndarray, start: int = 0) -> torch.Tensor:
+        """s_b · Σ_k q_k (float64) from the ring total of the entries from ``start`` on:
+        the code decodes its centred representative."""
+        c = torch.from_numpy(total.astype(np.int64))
+        c.sub_(torch.where(c >= self.mod // 2, self.mod, 0))
+        return self.code.decode(c, start)
+
+
+class EncodedPayloads:
+    """The bf16 and top-k codes as messages (a :class:`~fedmpi.transforms.base.PayloadCode`):
+    bf16 as D uint16 words (2·D bytes), top-k as k int32 indices followed by their k float32
+    values (8k bytes, k = :func:`topk_count`).
+
+    The uploads reach :meth:`take` already decoded (x̂ = decode(encode(x)), error feedback
+    formed on the worker), so encoding them again is exact: bf16(x̂) = x̂, and x̂ has at most
+    k non-zero entries, all among the k kept. A worker keeps one message per client it trains
+    in the round; rank 0 one receive buffer and one float32 decode buffer (top-k).
+    """
+
+    def __init__(self, kind: str, size: int, fraction: float = 1.0) -> None:
+        self.kind, self.size = kind, size
+        self.k = topk_count(size, fraction) if kind == "topk" else 0
+        self.nbytes = encoded_bytes(kind, size, fraction)
+        self._kept: dict[int, np.ndarray] = {}
+        self._free: list[np.ndarray] = []     # messages kept between rounds
+        self._recv = np.zeros(0, dtype=np.uint8)
+        self._dense = torch.zeros(0)
+
+    def begin(self) -> None:
+        self._free += self._kept.values()
+        self._kept = {}
+
+    def take(self, client: int, x: torch.Tensor) -> None:
+        out = self._free.pop() if self._free else np.empty(self.nbytes, dtype=np.uint8)
+        x = x.detach()
+        if self.kind == "bf16":
+            words = x.to(torch.bfloat16).view(torch.int16).cpu().numpy()
+            out.view(np.int16)[:] = words
+        else:
+            idx = torch.topk(x.abs(), self.k, sorted=False).indices
+            out[: 4 * self.k].view(np.int32)[:] = idx.to(torch.int32).cpu().numpy()
+            out[4 * self.k:].view(np.float32)[:] = x[idx].to(torch.float32).cpu().numpy()
+        self._kept[client] = out
+
+    def payload(self, client: int) -> np.ndarray:
+        return self._kept[client]
+
+    def buffer(self) -> np.ndarray:
+        if self._recv.size != self.nbytes:
+            self._recv = np.empty(self.nbytes, dtype=np.uint8)
+        return self._recv
+
+    def add(self, acc: torch.Tensor, payload: np.ndarray, weight: float) -> None:
+        """acc += weight · x̂ (``add_scaled``, as a worker adds x̂ to its partial sum)."""
+        if self.kind == "bf16":
+            x = torch.from_numpy(payload.view(np.int16)).view(torch.bfloat16).to(torch.float32)
+            add_scaled(acc, x, weight)
+            return
+        if self._dense.numel() != self.size:
+            self._dense = torch.zeros(self.size)
+        idx = torch.from_numpy(payload[: 4 * self.k].view(np.int32)).to(torch.long)
+        self._dense[idx] = torch.from_numpy(payload[4 * self.k:].view(np.float32))
+        add_scaled(acc, self._dense, weight)
+        self._dense[idx] = 0.0
+
+
 class Compression(UpdateTransform):
     """``compression.uplink`` or ``compression.downlink`` other than ``none`` (module
     docstring)."""
@@ -252,10 +399,17 @@ class Compression(UpdateTransform):
         self.D = 0
         self.down = p.downlink
         self._received: Optional[torch.Tensor] = None   # θ̂, one buffer per worker
-        # with secure aggregation the codes are formed once the round's scale is agreed
+        # int8 codes are formed once the round's scale is agreed and summed in a ring;
+        # without secure aggregation only where the ring can carry the upload (else each
+        # client's code is decoded on its worker: ``validate``, module docstring)
         m = cfg.train.clients_per_round or cfg.data.num_clients
-        self.ring = ring_bits(m) if cfg.privacy.secure_aggregation and p.uplink == "int8" else 0
+        self.secure = bool(cfg.privacy.secure_aggregation)
+        ringed = p.uplink == "int8" and (self.secure or (cfg.privacy.dp.level != "client"
+                                                         and cfg.round.mode == "sync"))
+        self.ring = ring_bits(m) if ringed else 0
         self.levels = code_levels(self.ring, m) if self.ring else 0
+        # bf16 and top-k codes travel to rank 0 as messages where they can (``validate``)
+        self.direct = p.uplink in ("bf16", "topk") and not self.secure and cfg.round.mode == "sync"
 
     @classmethod
     def enabled(cls, cfg: Config) -> bool:
@@ -290,25 +444,44 @@ class Compression(UpdateTransform):
         self.report.attr("compression", "error_feedback", int(self.feedback))
         if self.kind == "topk":
             self.report.attr("compression", "topk_fraction", self.fraction)
-        if self.ring:
-            self.report.attr("compression", "ring_bits", self.ring)
-            self.report.attr("compression", "code_levels", self.levels)
 
     def validate(self, parts: RunParts) -> None:
-        """Under secure aggregation the int8 ring carries ``delta`` alone: another summed
-        statistic (SCAFFOLD's c, FedDyn's h, …) would have to share its codes' ring."""
+        """The int8 ring carries ``delta`` alone, as one sum: another summed statistic
+        (SCAFFOLD's c, FedDyn's h, …) would have to share its codes' ring, and a per-client
+        weighting or rule needs ``delta`` as rows. Under secure aggregation such a method
+        is refused; without it each client's int8 code is decoded on its worker instead
+        (per-client scale, module docstring)."""
+        other = [s.name for s in parts.stats if s.name != "delta"]
+        per_client = (parts.weighting.per_client or parts.rule.per_client
+                      or any(tr.needs_rows for tr in parts.transforms))
+        if not self.secure and (other or per_client):
+            self.ring = self.levels = 0   # decoded on the worker
+            self.direct = False
+        wire = "ring" if self.ring else "messages" if self.direct else "decoded sum"
+        if self.kind != "none":
+            self.report.attr("compression", "wire", wire)
         if not self.ring:
             return
-        other = [s.name for s in parts.stats if s.name != "delta"]
+        self.report.attr("compression", "ring_bits", self.ring)
+        self.report.attr("compression", "code_levels", self.levels)
         if other:
             raise ConfigError(f"config keys 'compression.uplink' and 'algorithm.name': with "
                               f"'privacy.secure_aggregation' the int8 ring carries only 'delta', "
                               f"but {parts.cfg.algorithm.name!r} also uploads {other[0]!r}")
 
     def sum_code(self) -> Optional[SharedScaleInt8]:
-        """With secure aggregation: the shared-scale codes the masked ring sums."""
+        """The shared-scale int8 codes the ring sums (masked under secure aggregation)."""
         return (SharedScaleInt8(self.ring, self.levels, self.sent if self.feedback else None)
                 if self.ring else None)
+
+    def codec(self, hosted: Sequence[int], num_clients: int,
+              code: Optional[SumCode] = None) -> Optional[UplinkCodec]:
+        """Without secure aggregation the int8 codes travel in their ring, unmasked."""
+        return RingSum(code) if code is not None and not self.secure else None
+
+    def payload_code(self) -> Optional[EncodedPayloads]:
+        """bf16 and top-k: each participant's code travels to rank 0 as its own message."""
+        return EncodedPayloads(self.kind, self.D, self.fraction) if self.direct else None
 
     def sent(self, client: int, sent: torch.Tensor) -> None:
         """x̂_k, what the ring sum carries of client k's x_k: e_k ← x_k − x̂_k
