@@ -2,7 +2,7 @@
 
 Run under MPI (≥ 2 ranks)::
 
-    mpiexec -n 3 python bench/comm.py [--sizes-mb 1,10,100] [--repeats 10]
+    mpiexec -n 3 python bench/comm.py [--sizes-mb 1,10,100] [--repeats 10] [--ops gatherv,...]
 
 For each message size (float32, model-sized) it times ``Bcast``, ``Reduce``
 (SUM) and ``Gatherv`` (one row per worker) through :class:`fedmpi.comm.world.Comm`
@@ -45,6 +45,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes-mb", default="1,10,100")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--ops", default="", help="comma-separated subset of bcast, reduce, "
+                    "gatherv, bcast_patient, reduce_patient, gatherv_patient (default: all)")
     args = ap.parse_args()
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
@@ -74,6 +76,8 @@ def main() -> None:
                                lambda: world.Reduce(buf, recv, op=MPI.SUM, root=0)),
             "gatherv_patient": (lambda: fc.gatherv_rows(send_rows, recv_rows, rows), raw_gatherv),
         }
+        if args.ops:
+            ops = {k: v for k, v in ops.items() if k in args.ops.split(",")}
         for name, (ours, raw) in ops.items():
             t_ours, t_raw = [], []
             for i in range(args.repeats + 1):
@@ -88,9 +92,10 @@ def main() -> None:
     if rank == 0:
         print(json.dumps({"world_size": size, "mpi": MPI.Get_library_version().splitlines()[0],
                           "max_sleep": fc.max_sleep, "results": results,
-                          "min_ratio": min(r["ratio"] for k, r in results.items() if "patient" not in k),
-                          "min_ratio_patient": min(r["ratio"] for k, r in results.items()
-                                                   if "patient" in k)}))
+                          "min_ratio": min((r["ratio"] for k, r in results.items() if "patient" not in k),
+                                          default=None),
+                          "min_ratio_patient": min((r["ratio"] for k, r in results.items()
+                                                    if "patient" in k), default=None)}))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ reports
 * ``overhead_fraction`` = (wall − slowest worker's local training − server
   aggregation/scoring) ÷ wall, evaluation included (issue 10's definition), and
   ``overhead_fraction_excluding_eval`` = overhead_seconds ÷ wall_seconds
-  (communication, waiting and bookkeeping only).
+  (communication, waiting and bookkeeping only), and ``overhead_parts_seconds``: its
+  measured parts (``wait_seconds``, ``comm_seconds``, …: docs/hdf5-log.md).
 
 Usage::
 
@@ -58,6 +59,7 @@ from fedmpi.training.accel import Accel  # noqa: E402
 from fedmpi.config.schema import load_config  # noqa: E402
 from fedmpi.data.datasets import load_dataset  # noqa: E402
 from fedmpi.log.reader import read  # noqa: E402
+from fedmpi.runtime.record import OVERHEAD_PARTS  # noqa: E402
 from fedmpi.models import build_model  # noqa: E402
 from fedmpi.training.loop import epoch_bounds  # noqa: E402
 
@@ -131,6 +133,9 @@ def run_fedmpi(model: str, world: int, rounds: int, batch: int, out: Path, extra
             "evaluation": float(r["eval_seconds"][sl].mean()),
             "communication_and_overhead": float(r["overhead_seconds"][sl].mean()),
         },
+        # the overhead's measured parts (issue 49.2; fedmpi.runtime.record.overhead_parts)
+        "overhead_parts_seconds": {k: float(np.nanmean(r[k][sl])) for k in OVERHEAD_PARTS
+                                   if k in r},
         "fedmpi_seconds_per_step": float(client_seconds / steps),
         "fedmpi_seconds_per_sample": float(client_seconds / np.nansum(samples[sl])),
         # the second half alone: shape-dependent caches (cuDNN plans for each partial

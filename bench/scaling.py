@@ -11,10 +11,11 @@ run itself costs on the aggregator).
 Part 3 (``--memory``, issue 35): bytes per parameter on each rank. ``mpiexec -n 2``
 (rank 0 + one worker, one thread each), the MLP sized to each ``--memory-params`` (100 M
 and 500 M by default), 2 clients of which 1 trains per round (one local step of batch 8,
-plain SGD), 1 round and the final evaluation, for each ``--methods`` entry
+plain SGD, or ``--momentum``), 1 round and the final evaluation, for each ``--methods`` entry
 (``fedavg``; ``fedadam``, ``scaffold``, ``fedavg+fedvg`` = FedVG's per-client weighting,
-…). Reported per rank: peak RSS minus the RSS after ``import torch, fedmpi``, in bytes per
-parameter, and the margin between the two sizes (what one more parameter costs).
+…). Reported per rank (``rank0_bytes_per_param``, ``worker_bytes_per_param``): peak RSS
+minus the RSS after ``import torch, fedmpi``, in bytes per parameter, and the margin between
+the two sizes (what one more parameter costs).
 
 Part 2 (``--cluster``, needs the 3-node test Slurm of
 ``slurm/testing/local-cluster start --nodes 3`` and ``SLURM_CONF``): the quickstart
@@ -26,7 +27,7 @@ Usage::
 
     python bench/scaling.py [--out bench/measured/<machine>/scaling.json] [--cluster]
     python bench/scaling.py --memory [--memory-params 100e6 500e6] [--methods fedavg scaffold]
-                            [--device cuda]
+                            [--device cuda] [--momentum 0.9]
 
 The last stdout line is the JSON written to ``--out``.
 """
@@ -102,20 +103,22 @@ def one_point(k: int, d: float, rounds: int, tmp: Path) -> dict:
             "total_seconds": time.perf_counter() - t0}
 
 
-def memory_point(d: float, method: str, tmp: Path, device: str = "cpu") -> dict:
-    """Peak RSS per rank of one round at ``-n 2`` (part 3)."""
+def memory_point(d: float, method: str, tmp: Path, device: str = "cpu",
+                 momentum: float = 0.0) -> dict:
+    """Peak RSS per rank of one round at ``-n 2`` (part 3): rank 0 (the aggregator) and
+    rank 1 (the worker) apart."""
     import yaml
 
     h = hidden_for(d)
     algo, _, weighting = method.partition("+")
-    cfg = {"name": f"memory-{method}-H{h}", "seed": 0,
+    cfg = {"name": f"memory-{method}-H{h}-m{momentum:g}", "seed": 0,
            "data": {"dataset": "digits", "num_clients": 2,
                     "partition": {"method": "iid", "min_size": 1}},
            "model": {"name": "mlp", "mlp": {"hidden": [h, h]}},
            "algorithm": {"name": algo},
            "aggregation": {"weighting": weighting or "samples"},
            "train": {"rounds": 1, "clients_per_round": 1, "local_steps": 1,
-                     "batch_size": 8, "lr": 0.01},
+                     "batch_size": 8, "lr": 0.01, "momentum": momentum},
            "eval": {"every": 1},
            "runtime": {"device": device, "progress": False, "threads": 1,
                        "round_timeout": 3600, "setup_timeout": 3600}}
@@ -131,8 +134,9 @@ def memory_point(d: float, method: str, tmp: Path, device: str = "cpu") -> dict:
     mem = [json.loads((out / f"mem_{r}.json").read_text()) for r in range(2)]
     D = params(h)
     run = [(m["peak_rss_kib"] - m["base_rss_kib"]) * 1024 for m in mem]
-    return {"method": method, "D": D, "hidden": h, "device": device,
+    return {"method": method, "D": D, "hidden": h, "device": device, "momentum": momentum,
             "run_bytes": run, "bytes_per_param": [b / D for b in run],
+            "rank0_bytes_per_param": run[0] / D, "worker_bytes_per_param": run[1] / D,
             "peak_rss_mib": [m["peak_rss_kib"] / 1024 for m in mem],
             "seconds": time.perf_counter() - t0}
 
@@ -180,6 +184,8 @@ def main() -> None:
     ap.add_argument("--memory-params", type=float, nargs="+", default=[100e6, 500e6])
     ap.add_argument("--methods", nargs="+", default=["fedavg"])
     ap.add_argument("--device", default="cpu", help="--memory: runtime.device of the run")
+    ap.add_argument("--momentum", type=float, default=0.0,
+                    help="--memory: train.momentum (SGD with momentum keeps one more buffer)")
     args = ap.parse_args()
     if args.memory:
         memory(args)
@@ -210,7 +216,7 @@ def memory(args) -> None:
     with tempfile.TemporaryDirectory() as tmpdir:
         for method in args.methods:
             for d in args.memory_params:
-                point = memory_point(d, method, Path(tmpdir), args.device)
+                point = memory_point(d, method, Path(tmpdir), args.device, args.momentum)
                 print(json.dumps(point), file=sys.stderr, flush=True)
                 points.append(point)
     margins = []

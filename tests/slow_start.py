@@ -4,7 +4,9 @@
   its data (a slow silo at start-up);
 * ``algorithm.name: slow_start:SlowFedAvg`` -- FedAvg, but that rank's local training
   in round FEDMPI_SLOW_ROUND takes FEDMPI_SLOW_SECONDS longer (a rank alive but
-  slower than ``runtime.round_timeout``).
+  slower than ``runtime.round_timeout``);
+* ``algorithm.name: slow_start:SlowBeginFedAvg`` -- that rank starts every round
+  FEDMPI_SLOW_SECONDS late, outside local training (tests/test_round_time.py).
 """
 from __future__ import annotations
 
@@ -41,3 +43,16 @@ class SlowFedAvg(FedAvg):
         if task.round == int(os.environ.get("FEDMPI_SLOW_ROUND", "-1")) and _slow_here():
             _pause()
         return super().hooks(task, state, extras)
+
+
+class SlowBeginFedAvg(FedAvg):
+    """FedAvg whose slow rank starts every round FEDMPI_SLOW_SECONDS late, outside local
+    training (its ``begin_round``): the others wait for it, and rank 0 logs that as
+    ``wait_seconds``, not as training."""
+
+    name = "slow_begin_fedavg"
+
+    def begin_round(self, t, mask, state, extras):
+        if _slow_here():
+            _pause()
+        return super().begin_round(t, mask, state, extras)

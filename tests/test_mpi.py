@@ -231,8 +231,8 @@ if r == 0:
                              for i, k in enumerate(rows)])
     assert np.array_equal(out, expect)
 
-# rows narrower than a call's share (5 float32, 2 senders, 25 per call): groups of 2 whole
-# rows straight into their places, for the contiguous and a strided-looking layout alike
+# rows narrower than a call's share (5 float32, 2 senders, 25 per call): element ranges of
+# 12 per rank straight into their places, for the contiguous and a strided-looking layout alike
 for rows in ([(2, 0, 3)[i % 3] for i in range(n)], [(1, 4, 0)[i % 3] for i in range(n)]):
     mine = np.arange(rows[r] * 5, dtype=np.float32).reshape(rows[r], 5) + 100 * r
     out = np.full((sum(rows), 5), np.nan, np.float32) if r == 0 else None

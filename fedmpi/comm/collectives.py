@@ -208,10 +208,12 @@ class Collectives(PointToPoint):
         """Gather row blocks: rank ``r`` sends ``rows[r]`` rows of width ``P``.
 
         ``sendbuf`` is ``[rows[rank], P]``; on ``root`` ``recvbuf`` is
-        ``[sum(rows), P]`` in rank order. A call larger than :meth:`chunk` elements
-        goes in groups of whole rows, each rank's group straight from its buffer into
-        its place in ``recvbuf`` (displacements); only rows wider than a chunk's share
-        go in column blocks, staged through a copy.
+        ``[sum(rows), P]`` in rank order. Each rank's rows are one contiguous block of
+        its buffer and of ``recvbuf``, so a call larger than :meth:`chunk` elements is
+        streamed (:meth:`_stream`) as ``Igatherv`` calls of element ranges: call ``k`` moves
+        elements ``[k·s, (k+1)·s)`` of every rank's block (s = chunk ÷ senders) straight
+        from its buffer into its place in ``recvbuf`` — no staging copy, at most
+        :data:`DEPTH` calls in flight.
         """
         width = sendbuf.shape[1]
         if self.size == 1:
@@ -219,53 +221,30 @@ class Collectives(PointToPoint):
             return
         t0 = time.perf_counter()
         mpi_type = self.MPI._typedict[sendbuf.dtype.char]
+        counts = [r * width for r in rows]
+        first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
         limit = self.chunk(sendbuf.dtype)
-        senders = max(1, sum(1 for k in rows if k))
-        if sum(rows) * width > limit and width * senders <= limit:
-            self._gatherv_row_groups(sendbuf, recvbuf, rows, root, what, patient,
-                                     limit // (width * senders))
-            self.traffic.add("gatherv", 0 if self.rank == root else sendbuf.nbytes,
-                             time.perf_counter() - t0)
-            return
-        step = width if sum(rows) * width <= limit else max(1, limit // max(1, sum(rows)))
-        for c0 in range(0, width, step):
-            c1 = min(width, c0 + step)
-            direct = c0 == 0 and c1 == width
-            part = sendbuf if direct else np.ascontiguousarray(sendbuf[:, c0:c1])
-            counts = [r * (c1 - c0) for r in rows]
-            displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
-            out = None
-            if self.rank == root:
-                out = recvbuf if direct else np.empty((sum(rows), c1 - c0), dtype=sendbuf.dtype)
-                req = self.comm.Igatherv([part, mpi_type], [out, counts, displs, mpi_type], root=root)
-            else:
-                req = self.comm.Igatherv([part, mpi_type], None, root=root)
-            self._wait([req], what, patient)
-            if out is not None and not direct:
-                recvbuf[:, c0:c1] = out
-        self.traffic.add("gatherv", 0 if self.rank == root else sendbuf.nbytes, time.perf_counter() - t0)
+        senders = max(1, sum(1 for c in counts if c))
+        step = max(1, max(counts)) if sum(counts) <= limit else max(1, limit // senders)
+        flat = np.ascontiguousarray(sendbuf).reshape(-1)
+        out = None
+        if self.rank == root:
+            assert recvbuf is not None and recvbuf.flags.c_contiguous
+            out = recvbuf.reshape(-1)
 
-    def _gatherv_row_groups(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None,
-                            rows: list[int], root: int, what: str, patient: bool,
-                            group: int) -> None:
-        """:meth:`gatherv_rows` in calls of at most ``group`` rows per rank: call ``k``
-        moves rows ``[k·group, (k+1)·group)`` of every rank that has them."""
-        width = sendbuf.shape[1]
-        mpi_type = self.MPI._typedict[sendbuf.dtype.char]
-        first = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(int).tolist()
-        for k0 in range(0, max(rows), group):
-            lo = [min(k0, k) for k in rows]
-            hi = [min(k0 + group, k) for k in rows]
-            part = sendbuf[lo[self.rank]: hi[self.rank]]
-            if self.rank == root:
-                assert recvbuf is not None
-                counts = [(h - q) * width for q, h in zip(lo, hi)]
-                displs = [(f + q) * width for f, q in zip(first, lo)]
-                req = self.comm.Igatherv([part, mpi_type],
-                                         [recvbuf, counts, displs, mpi_type], root=root)
-            else:
-                req = self.comm.Igatherv([part, mpi_type], None, root=root)
-            self._wait([req], what, patient and k0 == 0)
+        def post(piece: slice) -> Any:
+            lo = [min(piece.start, c) for c in counts]
+            hi = [min(piece.stop, c) for c in counts]
+            part = [flat[lo[self.rank]: hi[self.rank]], mpi_type]
+            if out is None:
+                return self.comm.Igatherv(part, None, root=root)
+            return self.comm.Igatherv(part, [out, [h - q for q, h in zip(lo, hi)],
+                                             [f + q for f, q in zip(first, lo)], mpi_type],
+                                      root=root)
+
+        self._stream([slice(k, k + step) for k in range(0, max(max(counts), 1), step)],
+                     post, what, patient)
+        self.traffic.add("gatherv", 0 if self.rank == root else sendbuf.nbytes, time.perf_counter() - t0)
 
     def scatterv_rows(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, rows: list[int],
                       root: int = 0, what: str = "Scatterv") -> None:

@@ -1,5 +1,7 @@
-"""What a round costs: ``time_per_round.png`` (wall time split into training,
-communication + other, aggregation, evaluation; :func:`~fedmpi.report.derived.time_split`)
+"""What a round costs: ``time_per_round.png`` (wall time split into training, the
+overhead's measured parts — waiting for the slowest rank, moving bytes, encoding, recording,
+rank 0's own work, the rest — or one "communication + other" bar in an older log,
+aggregation, evaluation; :func:`~fedmpi.report.derived.time_split`)
 and ``bytes_per_round.png`` (uplink and downlink bytes, and the cumulative traffic)."""
 from __future__ import annotations
 
@@ -12,25 +14,27 @@ from fedmpi.log.schema import PathLike
 from fedmpi.log.reader import RunLog, as_run_log
 
 from fedmpi.report import canvas
-from fedmpi.report.derived import (OVERLAPPED, TIME_PARTS, byte_unit, run_components, run_title,
+from fedmpi.report.derived import (OVERLAPPED, byte_unit, run_components, run_title, time_parts,
     time_split)
 
 __all__ = ["plot_bytes", "plot_time"]
 
 
 def plot_time(log: RunLog | PathLike, path: Path) -> Path | None:
-    """Stacked bars: time per round split into training/communication/aggregation/evaluation
-    (inside the round); an overlapped evaluation is drawn hatched on top."""
+    """Stacked bars: time per round split into training, each part of the overhead (the
+    parts that are not 0 throughout), aggregation, evaluation (inside the round); an
+    overlapped evaluation is drawn hatched on top."""
     log = as_run_log(log)
     r = log.rounds.get("round")
     if r is None or len(r) == 0:
         return None
     split = time_split(log)
-    parts = [(name, label, color) for name, label, color in TIME_PARTS if name in split]
+    parts = time_parts(split, nonzero=True)
     wall = log.rounds.get("wall_seconds")
     if not parts and wall is None:
         return None
-    fig = canvas.figure(min(14, 6 + 0.08 * len(r)), 5)
+    # the overhead's parts make a longer legend in two columns: a wider figure holds it
+    fig = canvas.figure(min(14, 6 + 0.08 * len(r)) + (3 if len(parts) > 4 else 0), 5)
     ax = fig.subplots()
     bottom = np.zeros(len(r))
     width = 0.85 if len(r) < 200 else 1.0

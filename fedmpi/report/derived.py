@@ -8,7 +8,8 @@ round)``; with ``eval.overlap`` round t is evaluated while the workers train
 round t + 1, outside round t's wall time, so the evaluation inside the round is
 ``wall − train − aggregate − overhead`` (0 for an overlapped round) and the rest
 of ``eval_seconds`` is reported apart: the in-round parts add up to 100 % of
-the wall time.
+the wall time. A log that splits the overhead (``wait_seconds``, ``comm_seconds``, …:
+:data:`OVERHEAD_PARTS`) is drawn with the parts in its place (:func:`time_parts`).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from fedmpi.compare.runs import config_value
 from fedmpi.log.schema import PathLike
 from fedmpi.log.reader import RunLog, as_run_log
 
-__all__ = ["OVERLAPPED", "TIME_PARTS", "byte_unit", "level_labels", "logged_array",
+__all__ = ["OVERHEAD_PARTS", "OVERLAPPED", "TIME_PARTS", "time_parts", "byte_unit", "level_labels", "logged_array",
            "METRIC_LABELS", "clean_label", "metric_names", "metric_text", "run_components",
            "run_title", "site_labels", "time_split"]
 
@@ -133,6 +134,13 @@ TIME_PARTS = (("train_seconds", "local training (slowest worker)", "C0"),
               ("overhead_seconds", "communication + other", "C1"),
               ("aggregate_seconds", "aggregation", "C2"),
               ("eval_seconds", "evaluation", "C3"))
+#: The parts of ``overhead_seconds`` (fedmpi.runtime.record.OVERHEAD_PARTS): name, label, colour.
+OVERHEAD_PARTS = (("wait_seconds", "waiting for the slowest rank", "C1"),
+                  ("comm_seconds", "moving bytes (MPI)", "C4"),
+                  ("codec_seconds", "encoding / decoding", "C5"),
+                  ("record_seconds", "recording the previous round", "C6"),
+                  ("busy_seconds", "rank 0's own work, waited for", "C8"),
+                  ("other_seconds", "other (not attributed)", "C7"))
 OVERLAPPED = "evaluation overlapped with the next round's training (not in the wall time)"
 
 
@@ -147,7 +155,7 @@ def time_split(log: RunLog | PathLike) -> dict[str, np.ndarray]:
     """
     log = as_run_log(log)
     parts = {name: np.nan_to_num(np.asarray(log.rounds[name], dtype=np.float64))
-             for name, _, _ in TIME_PARTS if name in log.rounds}
+             for name, _, _ in TIME_PARTS + OVERHEAD_PARTS if name in log.rounds}
     if "wall_seconds" in log.rounds:
         wall = np.nan_to_num(np.asarray(log.rounds["wall_seconds"], dtype=np.float64))
         parts["wall_seconds"] = wall
@@ -159,6 +167,21 @@ def time_split(log: RunLog | PathLike) -> dict[str, np.ndarray]:
             parts["eval_overlapped"] = parts["eval_seconds"] - inside
             parts["eval_seconds"] = inside
     return parts
+
+
+def time_parts(split: dict[str, np.ndarray], nonzero: bool = False
+               ) -> list[tuple[str, str, str]]:
+    """The in-round parts of a :func:`time_split` in drawing order: training, then the
+    overhead's parts where the log has every one of them (else ``overhead_seconds``),
+    aggregation, evaluation; ``nonzero``: only parts that are not 0 in every round."""
+    split_overhead = all(name in split for name, _, _ in OVERHEAD_PARTS)
+    out: list[tuple[str, str, str]] = []
+    for part in TIME_PARTS:
+        if part[0] == "overhead_seconds" and split_overhead:
+            out.extend(OVERHEAD_PARTS)
+        elif part[0] in split:
+            out.append(part)
+    return [p for p in out if not nonzero or np.any(split[p[0]])]
 
 
 def byte_unit(x: float) -> tuple[str, float]:

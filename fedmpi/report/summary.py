@@ -26,8 +26,8 @@ from fedmpi.log.reader import RunLog, as_run_log
 from fedmpi.report.arrivals import arrival_lines
 from fedmpi.report.cross_site import cross_site_lines
 from fedmpi.report.site_models import site_model_lines
-from fedmpi.report.derived import (METRIC_LABELS, OVERLAPPED, TIME_PARTS, byte_unit, level_labels,
-    metric_names, metric_text, site_labels, time_split)
+from fedmpi.report.derived import (METRIC_LABELS, OVERHEAD_PARTS, OVERLAPPED, TIME_PARTS,
+    byte_unit, level_labels, metric_names, metric_text, site_labels, time_parts, time_split)
 
 __all__ = ["DIGEST_KEYS", "RULE_COLUMNS", "relevant_keys", "set_keys", "summary_markdown"]
 
@@ -271,10 +271,25 @@ def _time_lines(log: RunLog) -> list[str]:
             share = f"{100 * v / mean_wall:.1f}%" if mean_wall > 0 else "—"
             label += " (in the round)" if key == "eval_seconds" else ""
             lines.append(f"| &nbsp;&nbsp;{label} | {v:.3f} s ({share}) |")
+            if key == "overhead_seconds":   # its measured parts, where the log splits it
+                lines += _overhead_lines(split, mean_wall)
     over = split.get("eval_overlapped")
     if over is not None and over.any():
         lines.append(f"| {OVERLAPPED} | {over.mean():.3f} s per round |")
     return lines
+
+
+def _overhead_lines(split: dict[str, np.ndarray], mean_wall: float) -> list[str]:
+    """One row per measured part of the overhead that is not 0 throughout (sub-rows: their
+    shares are of the wall time, and are part of the overhead's share)."""
+    split_parts = {p for p, _, _ in OVERHEAD_PARTS}
+    out = []
+    for part, what, _ in time_parts(split, nonzero=True):
+        if part in split_parts:
+            v = float(split[part].mean())
+            share = f", {100 * v / mean_wall:.1f}%" if mean_wall > 0 else ""
+            out.append(f"| &nbsp;&nbsp;&nbsp;&nbsp;of which {what} | {v:.4f} s{share} |")
+    return out
 
 
 def _cell(value: Any) -> str:

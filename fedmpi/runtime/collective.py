@@ -203,6 +203,9 @@ class CollectiveExchange:
         self.stream_rows = bool(plan.row_size) and self.size > 1
         self._row_sends: list = []
         self._exposed_seconds = 0.0
+        # rank 0's measured seconds of the round (take_split): the patient close of the
+        # uplink (the metadata Allreduce), the codec's work in control and in the reduction
+        self._split = dict.fromkeys(("close", "codec_control", "codec"), 0.0)
 
     def release(self) -> None:
         """The run is over: drop the uplink buffers (model-sized), so that writing the
@@ -218,6 +221,11 @@ class CollectiveExchange:
         seconds, self._exposed_seconds = self._exposed_seconds, 0.0
         return seconds
 
+    def take_split(self) -> dict[str, float]:
+        split = dict(self._split)
+        self._split = dict.fromkeys(self._split, 0.0)
+        return split
+
     # ------------------------------------------------------------- downlink
     def control(self, t: int, header: Optional[Header]) -> Header:
         """``Bcast`` of the header rank 0 passes: (command, round, flags, participant
@@ -228,7 +236,9 @@ class CollectiveExchange:
             self.header[HEADER:] = header.mask
         mark = self.comm.traffic.wire()
         if self.codec is not None and not self._handshake_done:
+            t0 = time.perf_counter()
             self.handshake()   # every rank sends: uplink bytes of the round
+            self._split["codec_control"] += time.perf_counter() - t0
         self._early_up = self.comm.traffic.wire() - mark
         self.comm.broadcast(self.header, what=f"round {t} header Bcast")
         self._down = self.comm.traffic.wire() - mark - self._early_up
@@ -353,6 +363,7 @@ class CollectiveExchange:
 
     def reduce_updates(self, t: int, mask: np.ndarray, signal: int) -> Optional[Uplink]:
         """Steps 4–5 of the round; the :class:`Uplink` record on rank 0, None elsewhere."""
+        t0 = time.perf_counter()
         self.signal_send[self.rank] = signal
         # what this rank handed MPI in the round, this Allreduce included; the sends after
         # it (the statistics Reduce) rank 0 adds in _wire
@@ -360,6 +371,7 @@ class CollectiveExchange:
         self.moved_send[self.rank] = (self.comm.traffic.wire() - self._mark + own + self._early_up,
                                       self._down)
         self.comm.allreduce_sum(self.up_send, self.up_recv, what=f"round {t} metadata Allreduce")
+        self._split["close"] += time.perf_counter() - t0
         if self._row_sends:
             self.comm.wait(self._row_sends, f"round {t} per-client row sends", patient=False)
             self._row_sends.clear()
@@ -395,8 +407,10 @@ class CollectiveExchange:
             self.red_send.pull()
             send = self.red_send.host
             if narrow:
+                t0 = time.perf_counter()
                 np.copyto(self.narrow_send, send, casting="same_kind")
                 send = self.narrow_send
+                self._split["codec"] += time.perf_counter() - t0
         recv = self.red_recv.host if self.red_recv is not None else None
         if narrow and recv is not None:
             recv = self.narrow_recv
@@ -405,8 +419,10 @@ class CollectiveExchange:
         if self.red_recv is not None and self.narrow_recv is not None:
             # widen in place, last piece first: a float32 piece lies at or before the
             # float64 piece it becomes (through a piece-sized copy: they may overlap)
+            t0 = time.perf_counter()
             for s in reversed(list(pieces(self.plan.reduce_size))):
                 self.red_recv.host[s] = self.narrow_recv[s].astype(np.float64)
+            self._split["codec"] += time.perf_counter() - t0
 
     def _reduce_sent(self, count: int, dtype: np.dtype | type) -> int:
         """Bytes all ranks together hand MPI in a statistics ``Reduce`` (comm's count)."""
@@ -422,18 +438,24 @@ class CollectiveExchange:
             self.meta_recv[accepted, M_STATUS] = STATUS_WITHHELD
             return 0
         mine = [int(k) for k in accepted if self.host[k] == self.rank]
+        t0 = time.perf_counter()
         bound = self.codec.agreement(self.plan.reduce_size)
+        self._split["codec"] += time.perf_counter() - t0
         sent = self._reduce_sent(self.plan.reduce_size, self.codec.wire_dtype)
         if bound is not None and self.size > 1:
             sent += self.size * bound.nbytes
         if bound is not None:
             agreed = np.empty_like(bound)
             self.comm.allreduce_max(bound, agreed, what=f"round {t} uplink codec agreement Allreduce")
+            t0 = time.perf_counter()
             self.codec.on_agreement(agreed)
+            self._split["codec"] += time.perf_counter() - t0
         sealed = None
         if self.red_send is not None:   # a rank without clients adds nothing to the ring
             self.red_send.pull()
+            t0 = time.perf_counter()
             self.codec.seal(self.red_send.host_t, t, mine, accepted.tolist(), self.sealed_send)
+            self._split["codec"] += time.perf_counter() - t0
             sealed = self.sealed_send
         self.comm.reduce_sum(sealed, self.sealed_recv,
                              what=f"round {t} encoded statistics Reduce", patient=False,
@@ -441,8 +463,10 @@ class CollectiveExchange:
         if self.red_recv is not None and self.sealed_recv is not None:
             # ring elements → float64 sums, in place; last piece first: a narrow wire
             # type's piece lies at or before the float64 piece it becomes
+            t0 = time.perf_counter()
             for s in reversed(list(pieces(self.plan.reduce_size))):
                 self.red_recv.host_t[s].copy_(self.codec.open(self.sealed_recv[s], s.start))
+            self._split["codec"] += time.perf_counter() - t0
         return sent
 
     def _payload_sum(self, t: int, mask: np.ndarray) -> int:
@@ -471,7 +495,9 @@ class CollectiveExchange:
                     data = self.payload.buffer()
                     self.comm.wait([self.comm.start_recv(data, int(self.host[k]), tag=row_tag(k))],
                                    f"round {t} encoded update of client {k}", patient=False)
+                t0 = time.perf_counter()
                 self.payload.add(acc, data, weight)
+                self._split["codec"] += time.perf_counter() - t0
         return len(remote) * self.payload.nbytes
 
     def _record(self, t: int, mask: np.ndarray, failed: bool, after: int) -> Uplink:

@@ -127,5 +127,11 @@ class Exchange(Protocol):
         """Rank 0: the server work after the last arrival of the round just closed (it
         counts as aggregation, not overhead); reset to 0."""
 
+    def take_split(self) -> dict[str, float]:
+        """Rank 0: the measured seconds of the round just closed, reset to 0: ``close``
+        (the patient collective that closes the uplink), ``codec_control`` (an uplink
+        codec's work inside :meth:`control`), ``codec`` (its work, and a narrow wire
+        type's casts, inside :meth:`reduce_updates`)."""
+
     def release(self) -> None:
         """The rounds are over: drop the uplink's model-sized buffers."""

@@ -40,7 +40,7 @@ from fedmpi.runtime.collective import CollectiveExchange, plan_uplink
 from fedmpi.runtime.evaluation import Evaluation
 from fedmpi.runtime.exchange import Exchange, Header
 from fedmpi.runtime.policy import RoundPolicy, round_policy
-from fedmpi.runtime.record import RoundRecorder
+from fedmpi.runtime.record import RoundRecorder, RoundSpans
 from fedmpi.runtime.server import (EXCLUDED_BECAUSE, META_FIELDS, STATUS_FAILED, STATUS_RANGE,
                                    STATUS_WITHHELD, ArrivalSum, Uplink, is_summed, server_step)
 from fedmpi.runtime.view import RankView, RunStatus
@@ -127,6 +127,7 @@ class Federation:
                              if self._sum_bufs and self._exchange.stream_rows else None)
         self.status = RunStatus()
         self._rounds_without_update = 0            # runtime.max_rounds_without_update
+        self._timed_end = 0.0   # rank 0: when the last round's timed part ended (0: none)
         self.view = RankView(b, comm, self._exchange, self._worker, self._evals, self.log)
         #: round.mode deadline | buffered: the policy's point-to-point rounds
         self._rounds = AsyncRounds(cfg, comm, b, self._exchange, self._worker, plan, LoopCalls(
@@ -162,38 +163,57 @@ class Federation:
         stop the uplink's model-sized buffers are released (θ and the model stay)."""
         if self._rounds is not None:
             return self._rounds.round(t)
-        t_start = time.perf_counter()
+        clock = time.perf_counter
+        t_start = clock()
+        # the previous round's recording (after its timed part) belongs to this round
+        spans = RoundSpans(record=t_start - self._timed_end if self._timed_end else 0.0)
+        self._timed_end = 0.0
         b, ex = self.built, self._exchange
-        head = ex.control(t, self._plan(t) if self._server else None)
+        header = self._plan(t) if self._server else None
+        t_plan = clock()
+        head = ex.control(t, header)
+        t_header = clock()
         cmd, flags, mask = head.command, head.flags, head.mask
         if flags & FLAG_INTERRUPTED and self.status.stop_reason is None:
             self.status.stop_reason = "interrupted"
         if flags & FLAG_CHECKPOINT:
             self._save_checkpoint(t)
-            t_start = time.perf_counter()   # checkpoint time is not part of round t
+            # checkpoint time is not part of round t, nor is anything before it
+            t_start = t_plan = t_header = clock()
+            spans.record = 0.0
         if cmd != CMD_ROUND:
             if cmd == CMD_STOP:
                 self._release()
             return cmd
         ex.send_state(t, mask)
+        t_state = clock()
         state, extras = ex.downlink[: self._D], ex.downlink[self._D:]
         b.algo.begin_round(t, mask, state, extras)
         if self._server:   # evaluate round t − 1 while the workers train round t
             self.log.finish_pending()
             if self._comm.size > 1:   # and the server rule's work on θ^t alone (FLTrust's g_0)
                 b.rule.begin_round(state, t)
-        t_train = time.perf_counter()
+        t_train = clock()
         if self._arrival_sum is not None:
             self._arrival_sum.start(mask)
         self._worker.run(t, mask, b.hosted, state, extras, ex)
+        t_local = clock()
         signal = self._comm.group_max(signals.requested_signum())
         ex.receive_updates(t, mask, lambda k, row: self._arrived(state, k, row),
                            self.policy.closes)
+        t_close = clock()
         up = ex.reduce_updates(t, mask, signal)
         if up is not None:
+            split = ex.take_split()
+            reduced = clock() - t_close
+            spans.plan, spans.header = t_plan - t_start, t_header - t_plan
+            spans.codec_header, spans.state = split["codec_control"], t_state - t_header
+            spans.pre, spans.local = t_train - t_state, t_local - t_train
+            spans.close = t_close - t_local + split["close"]
+            spans.after, spans.codec = reduced - split["close"], split["codec"]
             if self._arrival_sum is not None:
                 up = self._arrival_sum.into(up)
-            self._server_round(t, up, t_start, t_train)
+            self._server_round(t, up, t_start - spans.record, t_train, spans=spans)
         elif self._evals.collective(t):
             self._evals.join(t, state, b.ctx, b.algo, ex)
         return CMD_ROUND
@@ -310,7 +330,8 @@ class Federation:
 
     # ---------------------------------------------------------------- server
     def _server_round(self, t: int, up: Uplink, t_start: float, t_train: float,
-                      moved: Optional[tuple[int, int]] = None) -> None:
+                      moved: Optional[tuple[int, int]] = None,
+                      spans: Optional[RoundSpans] = None) -> None:
         b, st = self.built, self.status
         stopping = np.flatnonzero(up.signals)
         if stopping.size and st.stop_reason is None:
@@ -358,10 +379,14 @@ class Federation:
         traffic = [b.transforms.traffic(*b.algo.traffic(k, t)) for k in sel]
         wire = moved if moved is not None else up.moved
         assert wire is not None, "the exchange counts the bytes it hands MPI"
+        arrival = self._exchange.take_exposed_seconds()
+        if spans is not None:
+            spans.arrival = arrival
+            self._timed_end = t_end   # what follows until the next round is its recording
         row = self.log.row(up, result, {"start": t_start, "agg": t_agg, "eval": t_eval,
-                                        "end": t_end,
-                                        "arrival": self._exchange.take_exposed_seconds()},
-                           *wire, encoded=(sum(u for u, _ in traffic), sum(d for _, d in traffic)))
+                                        "end": t_end, "arrival": arrival},
+                           *wire, encoded=(sum(u for u, _ in traffic), sum(d for _, d in traffic)),
+                           spans=spans)
         row.scalars.update(evals)
         row.clients.update(self._evals.take_sites())   # /clients/<metric> of a per-site evaluation
         if overlapped:
