@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from fedmpi.round.clock import RoundTimeout, simulate
-from fedmpi.round.modes import (INF, Buffered, Deadline, LostQuorum, Replay, sample, sample_idle,
-                                synchronous)
+from fedmpi.round.modes import Buffered, Deadline, Replay, sample, sample_idle, synchronous
 from fedmpi.round.staleness import Staleness
 from fedmpi.runtime.build import participants
 
@@ -172,53 +171,3 @@ def test_replay_from_a_resumed_step_refuses_updates_from_before_it():
     Replay(record, start=2)
     with pytest.raises(ValueError, match="from version 0, before the resumed step 1"):
         Replay(record, start=1)
-
-
-def test_a_lost_silo_closes_the_round_it_blocked_and_is_never_sampled_again():
-    """Deadline with no deadline (every participant awaited), 4 clients, m = 4: client 3
-    dies while 0-2 have reported; the round closes at once with their three updates, and
-    every later round samples the three live clients only; losing two more leaves fewer
-    than min_updates = 2."""
-    mode = Deadline(0, 4, 4, 3, deadline=INF, min_updates=2)
-    jobs = mode.begin(0.0).start
-    assert sorted(j.client for j in jobs) == [0, 1, 2, 3]
-    for j in [j for j in jobs if j.client != 3]:
-        assert mode.arrive(j, 1.0).steps == []
-    acts = mode.lose({3}, 2.0)
-    assert len(acts.steps) == 1
-    step = acts.steps[0]
-    assert sorted(u.job.client for u in step.updates) == [0, 1, 2] and step.missing == ()
-    for t in (1, 2):
-        assert sorted(j.client for j in acts.start) == [0, 1, 2]
-        for j in acts.start[:-1]:
-            assert mode.arrive(j, 3.0 + t).steps == []
-        acts = mode.arrive(acts.start[-1], 3.0 + t)
-        assert [s.version for s in acts.steps] == [t]
-    assert mode.done and acts.start == []
-    with pytest.raises(LostQuorum, match="min_updates = 2"):
-        Deadline(0, 4, 4, 3, min_updates=2).lose({0, 1, 2}, 0.0)
-
-
-def test_a_lost_silo_is_replaced_in_buffered_rounds_by_live_idle_clients():
-    """FedBuff, 5 clients, concurrency 3, B = 2: when a training client's silo dies, an
-    idle live client starts at once (concurrency kept), and no job of the lost clients
-    ever starts again; losing until fewer than B clients live is refused."""
-    mode = Buffered(1, 5, 3, 6, buffer=2)
-    running = {j.client: j for j in mode.begin(0.0).start}
-    gone = {next(iter(running))}
-    started = mode.lose(gone, 0.5).start
-    assert len(started) == 1 and started[0].client not in gone | set(running)
-    running = {k: j for k, j in running.items() if k not in gone}
-    running[started[0].client] = started[0]
-    now, seen = 1.0, []
-    while not mode.done:
-        k = min(running)
-        acts = mode.arrive(running.pop(k), now)
-        for j in acts.start:
-            running[j.client] = j
-            seen.append(j.client)
-        now += 1.0
-    assert seen and not gone & set(seen)
-    assert len(running) <= 3
-    with pytest.raises(LostQuorum, match="round.buffer = 2"):
-        Buffered(1, 5, 3, 6, buffer=2).lose({0, 1, 2, 3}, 0.0)

@@ -28,12 +28,6 @@ decided by one implementation whatever the clock.
   fewer than ``concurrency`` train; a client whose update waits in the buffer is not idle
   until the step applies it (one update per client and step); ``buffer: 1`` applies every
   update as it arrives (FedAsync's schedule, Xie et al. 2019).
-
-A silo that dies (:meth:`Mode.lose`, called by the driver once it declared the rank
-hosting them dead) takes its clients out of the run: their jobs in flight are
-forgotten, later rounds sample among the others, and a round that waited only for them
-closes as it would have had they reported. :class:`LostQuorum` when what is left cannot
-meet ``min_updates`` (deadline) or fill the buffer (buffered).
 """
 from __future__ import annotations
 
@@ -84,10 +78,6 @@ class Step:
     missing: tuple[int, ...] = ()   # participants of the round still training at the close
 
 
-class LostQuorum(RuntimeError):
-    """Too few clients are left alive to meet ``round.min_updates`` / ``round.buffer``."""
-
-
 @dataclass
 class Actions:
     steps: list[Step] = field(default_factory=list)
@@ -123,8 +113,6 @@ class Mode(abc.ABC):
     version: int = 0
     #: a round waited ``runtime.round_timeout`` for ``min_updates`` in vain
     timed_out: bool = False
-    #: the clients of dead silos (:meth:`lose`): never sampled again
-    lost: frozenset[int] = frozenset()
 
     @abc.abstractmethod
     def begin(self, now: float) -> Actions:
@@ -145,13 +133,6 @@ class Mode(abc.ABC):
     @abc.abstractmethod
     def done(self) -> bool:
         """Whether the policy has produced its last step."""
-
-    def lose(self, clients: set[int], now: float) -> Actions:
-        """The silo hosting ``clients`` died at clock time ``now``: forget their jobs and
-        never start them again (module docstring). :class:`LostQuorum` when the others
-        cannot keep the run going."""
-        raise LostQuorum(f"{type(self).__name__} rounds cannot go on without clients "
-                         f"{sorted(clients)}")
 
 
 class Deadline(Mode):
@@ -185,8 +166,7 @@ class Deadline(Mode):
         if self.done:
             return []
         self.opened = now
-        clients = sample_idle(self.seed, self.K, self.m, self.version,
-                              set(self.busy) | self.lost)
+        clients = sample_idle(self.seed, self.K, self.m, self.version, set(self.busy))
         jobs = [Job(k, self.version, now, self.version) for k in clients]
         self.waiting = set(clients)
         self.busy.update((j.client, j) for j in jobs)
@@ -220,20 +200,6 @@ class Deadline(Mode):
             return self._close(now)
         if now >= self.opened + self.timeout:
             self.timed_out = True
-        return Actions()
-
-    def lose(self, clients: set[int], now: float) -> Actions:
-        self.lost = self.lost | frozenset(clients)
-        if self.K - len(self.lost) < self.min_updates:
-            raise LostQuorum(f"{self.K - len(self.lost)} clients are left alive, fewer than "
-                             f"round.min_updates = {self.min_updates}")
-        for k in clients:
-            self.busy.pop(k, None)
-            self.waiting.discard(k)
-        if self.done or len(self.updates) < self.min_updates:
-            return Actions()
-        if not self.waiting or now >= self.opened + self.deadline:
-            return self._close(now)
         return Actions()
 
     def _close(self, now: float) -> Actions:
@@ -291,31 +257,16 @@ class Buffered(Mode):
             self.version += 1
             self.updates, self.dropped = [], []
             self.parked.clear()
-        out.start += self._refill(now)
-        return out
-
-    def lose(self, clients: set[int], now: float) -> Actions:
-        self.lost = self.lost | frozenset(clients)
-        if self.K - len(self.lost) < self.B:
-            raise LostQuorum(f"{self.K - len(self.lost)} clients are left alive, fewer than "
-                             f"round.buffer = {self.B}")
-        self.busy -= set(clients)
-        return Actions(start=self._refill(now))
-
-    def _refill(self, now: float) -> list[Job]:
-        """Start idle live clients (RNG (seed, job number)) until ``concurrency`` train."""
-        start = []
         while not self.done and len(self.busy) < self.C:
-            idle = [k for k in range(self.K)
-                    if k not in self.busy and k not in self.parked and k not in self.lost]
+            idle = [k for k in range(self.K) if k not in self.busy and k not in self.parked]
             if not idle:
                 break
             rng = np.random.default_rng(np.random.SeedSequence([self.seed, 0xB0FF, self.started]))
             k = int(rng.choice(idle))
             self.busy.add(k)
             self.started += 1
-            start.append(Job(k, self.version, now, self.version))
-        return start
+            out.start.append(Job(k, self.version, now, self.version))
+        return out
 
 
 def synchronous(seed: int, num_clients: int, per_round: int, steps: int) -> Deadline:
