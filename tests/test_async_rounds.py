@@ -93,13 +93,15 @@ def test_a_method_that_needs_the_whole_cohort_is_refused_naming_both_keys(tmp_pa
 def test_a_wall_clock_run_replayed_at_another_world_size_is_the_same_model(tmp_path):
     """A deadline run on the wall clock at -n 3 (which updates are late depends on the
     machine), replayed from its log in one process: the same model bits and the same
-    recorded steps (runtime.replay, runtime.reduction: exact)."""
+    recorded steps (runtime.replay, runtime.reduction: exact), also with checkpoints every
+    2 steps that the original did not take."""
     args = ["run", "configs/quickstart.yaml", *SMALL, "--set", "train.rounds=5",
             "--set", "runtime.reduction=exact", "--set", "round.mode=deadline",
             "--set", "round.deadline=0.05", "--set", "round.late=carry"]
     run_fedmpi([*args, "--out", str(tmp_path / "wall")], n=3)
+    # with checkpoints the original did not take: taken only where the record restarts
     run_here([*args, "--set", f"runtime.replay={tmp_path / 'wall'}",
-              "--out", str(tmp_path / "replay")])
+              "--set", "runtime.checkpoint_every=2", "--out", str(tmp_path / "replay")])
     assert (tmp_path / "wall" / "model.pt").read_bytes() == \
         (tmp_path / "replay" / "model.pt").read_bytes()
     a, b = read(tmp_path / "wall" / "log.h5"), read(tmp_path / "replay" / "log.h5")
@@ -222,3 +224,6 @@ def test_a_killed_silo_ends_the_job_and_the_run_resumes_without_it_as_if_never_k
     assert list(b.attrs["resumed_world_sizes"]) == [3]
     for name in ("version", "staleness_weight"):
         assert np.array_equal(a.clients[name], b.clients[name], equal_nan=True)
+    # replayed with the same checkpoints (the record restarts where they are): same bits
+    run_here([*args, "--set", f"runtime.replay={out}", "--out", str(tmp_path / "replay")])
+    assert (tmp_path / "replay" / "model.pt").read_bytes() == (ref / "model.pt").read_bytes()

@@ -244,7 +244,11 @@ class AsyncRounds:
 
     def _checkpoint_due(self, t: int) -> bool:
         every = self.cfg.runtime.checkpoint_every
-        return bool(every) and t % every == 0
+        if not every or t % every:
+            return False
+        # a replay restarts at t only where the record does (no update of a step ≥ t
+        # trained before t): elsewhere its steps would not be the recorded ones
+        return self.record is None or all(v >= t for step in self.record[t:] for _, v, _ in step)
 
     def _hold(self, t: int) -> None:
         """Rank 0 before step ``t``: drain, every rank checkpoints steps < t (a HOLD
