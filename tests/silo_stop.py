@@ -8,7 +8,8 @@ client, either
   sends its pid and waits for an answer that never comes: the test, which accepted the
   connection, knows the member is mid-round and kills it (a readiness handshake, no
   sleeps); or
-* (``signal``) sends itself SIGTERM: a stop request that only this member has seen.
+* (``signal``) sends itself SIGTERM: a stop request that only this member has seen; or
+* (``kill``) sends itself SIGKILL: a silo that dies (tests/test_async_rounds.py).
 
 Everywhere else a no-op.
 """
@@ -30,8 +31,9 @@ class StopHere(UpdateTransform):
         if task.round != int(os.environ.get("FEDMPI_STOP_ROUND", "-1")) or \
                 launch_rank() != int(os.environ.get("FEDMPI_STOP_RANK", "-1")):
             return task
-        if os.environ.get("FEDMPI_STOP_HOW", "wait") == "signal":
-            os.kill(os.getpid(), signal.SIGTERM)
+        how = os.environ.get("FEDMPI_STOP_HOW", "wait")
+        if how in ("signal", "kill"):
+            os.kill(os.getpid(), signal.SIGTERM if how == "signal" else signal.SIGKILL)
             return task
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.connect(os.environ["FEDMPI_STOP_SOCKET"])

@@ -93,13 +93,15 @@ def test_a_method_that_needs_the_whole_cohort_is_refused_naming_both_keys(tmp_pa
 def test_a_wall_clock_run_replayed_at_another_world_size_is_the_same_model(tmp_path):
     """A deadline run on the wall clock at -n 3 (which updates are late depends on the
     machine), replayed from its log in one process: the same model bits and the same
-    recorded steps (runtime.replay, runtime.reduction: exact)."""
+    recorded steps (runtime.replay, runtime.reduction: exact), also with checkpoints every
+    2 steps that the original did not take."""
     args = ["run", "configs/quickstart.yaml", *SMALL, "--set", "train.rounds=5",
             "--set", "runtime.reduction=exact", "--set", "round.mode=deadline",
             "--set", "round.deadline=0.05", "--set", "round.late=carry"]
     run_fedmpi([*args, "--out", str(tmp_path / "wall")], n=3)
+    # with checkpoints the original did not take: taken only where the record restarts
     run_here([*args, "--set", f"runtime.replay={tmp_path / 'wall'}",
-              "--out", str(tmp_path / "replay")])
+              "--set", "runtime.checkpoint_every=2", "--out", str(tmp_path / "replay")])
     assert (tmp_path / "wall" / "model.pt").read_bytes() == \
         (tmp_path / "replay" / "model.pt").read_bytes()
     a, b = read(tmp_path / "wall" / "log.h5"), read(tmp_path / "replay" / "log.h5")
@@ -242,3 +244,44 @@ def test_a_stopped_silo_does_not_stop_deadline_rounds_and_rejoins(tmp_path):
     after = version[resumed:, :][:, theirs]
     assert np.any(~np.isnan(after) & (after >= resumed)), "its clients never trained again"
     assert log.rounds["test_accuracy"].size == 60
+
+
+@pytest.mark.parametrize("mode", [
+    ["round.mode=deadline", "round.deadline=0.3", "round.late=carry"],
+    ["round.mode=buffered", "round.buffer=2", "round.staleness=polynomial"]],
+    ids=["deadline", "buffered"])
+def test_a_killed_silo_ends_the_job_and_the_run_resumes_without_it_as_if_never_killed(
+        tmp_path, mode):
+    """Issue 45.5 as far as MPICH allows: -n 4, deadline (and buffered) rounds on the virtual clock with
+    a checkpoint every 2 steps; world rank 2 (clients 1 and 4) kills itself (SIGKILL)
+    before training a job of model version 3 (a deterministic hook, tests/silo_stop.py).
+    The launcher ends the job (hydra tears every rank down when one dies, with or without
+    -disable-auto-cleanup: docs/rounds.md), not with a clean exit; the checkpoint of steps
+    < 2 was written by every rank at the HOLD; resumed at -n 3 — without the dead silo —
+    the run ends with the same model bits as the run that nobody killed (-n 1), every step
+    logged once."""
+    args = ["run", "configs/quickstart.yaml", *SLOW, "--set", "train.rounds=6",
+            *[a for kv in mode for a in ("--set", kv)], "--set", "runtime.checkpoint_every=2",
+            "--set", "transforms=[silo_stop:StopHere]"]
+    ref, out = tmp_path / "ref", tmp_path / "killed"
+    run_here([*args, "--out", str(ref)])
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {"PYTHONPATH": os.pathsep.join([os.environ.get("PYTHONPATH", ""), tests]),
+           "FEDMPI_STOP_RANK": "2", "FEDMPI_STOP_ROUND": "3", "FEDMPI_STOP_HOW": "kill"}
+    proc = run_fedmpi([*args, "--out", str(out)], n=4, env=env, check=False)
+    assert proc.returncode not in (0, 75), proc.stderr[-3000:]
+    assert not (out / "model.pt").exists()
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert ckpt["round"] == 2 and ckpt["world_size"] == 4
+    killed = read(out / "log.h5")
+    assert killed.attrs["status"] != "completed" and killed.num_rounds >= 2
+    run_fedmpi([*args, "--out", str(out), "--resume"], n=3, env={"PYTHONPATH": env["PYTHONPATH"]})
+    assert (out / "model.pt").read_bytes() == (ref / "model.pt").read_bytes()
+    a, b = read(ref / "log.h5"), read(out / "log.h5")
+    assert list(b.rounds["round"]) == list(range(6))
+    assert list(b.attrs["resumed_world_sizes"]) == [3]
+    for name in ("version", "staleness_weight"):
+        assert np.array_equal(a.clients[name], b.clients[name], equal_nan=True)
+    # replayed with the same checkpoints (the record restarts where they are): same bits
+    run_here([*args, "--set", f"runtime.replay={out}", "--out", str(tmp_path / "replay")])
+    assert (tmp_path / "replay" / "model.pt").read_bytes() == (ref / "model.pt").read_bytes()

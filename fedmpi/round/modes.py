@@ -247,10 +247,12 @@ class Buffered(Mode):
         return self.version >= self.steps
 
     def begin(self, now: float) -> Actions:
-        clients = [int(k) for k in np.flatnonzero(sample(self.seed, self.K, self.C, 0))]
+        # from the step the run (re)starts at: 0, or a checkpoint's
+        v = self.version
+        clients = [int(k) for k in np.flatnonzero(sample(self.seed, self.K, self.C, v))]
         self.busy.update(clients)
         self.started = len(clients)
-        return Actions(start=[Job(k, 0, now, 0) for k in clients])
+        return Actions(start=[Job(k, v, now, v) for k in clients])
 
     def arrive(self, job: Job, now: float) -> Actions:
         self.busy.discard(job.client)

@@ -30,6 +30,12 @@ Rank 0 runs the policy; one *job* is one client's local training from one model 
   every rank a STOP (or ABORT) header with the checkpoint flag; from there all ranks are
   in step again (checkpoint, final evaluations). A resumed run restarts the policy at
   the checkpointed step with no job in flight.
+* **Checkpoints** (``runtime.checkpoint_every``). Before step t with t a multiple of it,
+  rank 0 drains the jobs in flight as at the stop, sends every rank a HOLD header with
+  the checkpoint flag, all ranks write the checkpoint of steps < t together, and the
+  policy restarts at step t with no job in flight — what a run resumed from that
+  checkpoint does, so a run killed after it and resumed (at any world size) is the run
+  that was not killed (on the virtual clock, bit for bit).
 
 One module: rank 0's event loop, its job bookkeeping and the worker's serve loop are
 one protocol (the tags, the message layouts and the stop handshake must agree), so they
@@ -68,8 +74,9 @@ if TYPE_CHECKING:
     from fedmpi.runtime.collective import CollectiveExchange, UplinkPlan
     from fedmpi.runtime.worker import Worker
 
-# the round loop's commands (fedmpi.runtime.federation: CMD_ROUND, CMD_STOP, CMD_ABORT)
-CMD_ROUND, CMD_JOB = 0, 3
+# the round loop's commands (fedmpi.runtime.federation: CMD_ROUND, CMD_STOP, CMD_ABORT);
+# CMD_HOLD: every rank checkpoints, then the rounds go on
+CMD_ROUND, CMD_JOB, CMD_HOLD = 0, 3, 4
 HEAD_TAG, STATE_TAG, META_TAG, ROW_TAG = 41_001, 41_002, 41_003, 41_004
 HEAD_LEN = 6   # [command, client, version, flags, local steps, budget µs]
 ERR_BYTES = 1024
@@ -255,9 +262,9 @@ class AsyncRounds:
             return cmd
         if self.mode is None:
             self.t0 = time.monotonic()
-            self.mode = make_mode(self.cfg, t, self.record)
-            self.applied = t
-            self._apply(self.mode.begin(self.clock()))
+            self._restart(t)
+        elif self._checkpoint_due(t):
+            self._hold(t)
         while not self.queue and not self.calls.failed():
             self._next_event()
         if self.calls.failed():
@@ -268,6 +275,31 @@ class AsyncRounds:
         for job in starts:
             self._send_job(job)
         return CMD_ROUND
+
+    def _restart(self, t: int) -> None:
+        """Rank 0: (re)start the policy at step ``t`` with no job in flight."""
+        self.mode = make_mode(self.cfg, t, self.record)
+        self.applied = t
+        self._apply(self.mode.begin(self.clock()))
+
+    def _checkpoint_due(self, t: int) -> bool:
+        every = self.cfg.runtime.checkpoint_every
+        if not every or t % every:
+            return False
+        # a replay restarts at t only where the record does (no update of a step ≥ t
+        # trained before t): elsewhere its steps would not be the recorded ones
+        return self.record is None or all(v >= t for step in self.record[t:] for _, v, _ in step)
+
+    def _hold(self, t: int) -> None:
+        """Rank 0 before step ``t``: drain, every rank checkpoints steps < t (a HOLD
+        header), then the policy restarts at t (module docstring)."""
+        flags = self.calls.stop_flags(CMD_ROUND, t)
+        if not flags:   # no output directory, or steps < t are saved already
+            return
+        self._drain()
+        self._headers(CMD_HOLD, t, flags)
+        self.calls.after_stop(t, CMD_HOLD, flags)
+        self._restart(t)
 
     def _next_event(self) -> None:
         mode = self.mode
@@ -425,6 +457,13 @@ class AsyncRounds:
 
     def _finish(self, t: int, cmd: int) -> None:
         """Rank 0 at the stop: wait for the jobs in flight (discarded), then STOP/ABORT."""
+        self._drain()
+        flags = self.calls.stop_flags(cmd, t)
+        self._headers(cmd, t, flags)
+        self.calls.after_stop(t, cmd, flags)
+
+    def _drain(self) -> None:
+        """Rank 0: complete every job in flight (their updates discarded) and every send."""
         if self.flights:
             self.comm.wait([f.reqs for f in self.flights.values()], "jobs in flight at the stop")
             self.flights.clear()
@@ -436,13 +475,14 @@ class AsyncRounds:
         if self.heads:
             self.comm.wait([r for _, r in self.heads], "job headers", patient=False)
             self.heads.clear()
-        flags = self.calls.stop_flags(cmd, t)
+
+    def _headers(self, cmd: int, t: int, flags: int) -> None:
+        """Rank 0: header (cmd, t, flags) to every worker, sent."""
         heads = []
         for r in range(1, self.comm.size):
             head = np.array([cmd, -1, t, flags, 0, -1], dtype=np.int64)
             heads.append((head, self.comm.start_send(head, r, HEAD_TAG)))
         self.comm.wait([r for _, r in heads], "stop headers", patient=False)
-        self.calls.after_stop(t, cmd, flags)
 
     # ------------------------------------------------------------------ workers
     def _serve(self, t: int) -> int:
@@ -457,6 +497,8 @@ class AsyncRounds:
                     self.comm.wait([self.up_reqs], "last update send", patient=False)
                     self.up_reqs = []
                 self.calls.after_stop(version, cmd, flags)
+                if cmd == CMD_HOLD:
+                    continue
                 return cmd
             self.comm.wait([self.comm.start_recv(self.state.host, 0, STATE_TAG)], "θ of a job",
                            patient=False)
