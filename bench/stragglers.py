@@ -121,10 +121,15 @@ TUNE: dict[str, tuple[tuple[str, ...], float]] = {
     **{f"deadline_const_c{c:g}": (CONSTANT, c) for c in (2.0, 3.0)},
     "fedbuff_k8_b5": (("round.mode=buffered", "round.concurrency=8", "round.buffer=5",
                        "round.staleness=polynomial", "round.staleness_a=0.5"), 1.0),
+    # round.time_budget (added with it, tuned on the same seed by the same rule)
+    **{f"budget_c{c:g}": (ARMS["budget"], c) for c in (1.5, 2.0, 3.0)},
+    **{f"budget_fednova_c{c:g}": (ARMS["budget_fednova"], c) for c in (1.5, 2.0, 3.0)},
 }
 #: the candidate --tune chose (the closest to the synchronous run at equal steps among
 #: those within 0.6x of its time), run on the reported seeds next to the a-priori arms
-TUNED = {"deadline_tuned": TUNE["deadline_const_c3"]}
+TUNED = {"deadline_tuned": TUNE["deadline_const_c3"],
+         # the time-budget candidates, tuned on the same seed by the same rule
+         "budget_tuned": TUNE["budget_fednova_c3"]}
 #: not chosen by --tune (-1.0 point at equal steps there), shown on the reported seeds for
 #: the trade-off between time and accuracy at equal steps; it decides nothing in goal()
 EXTRA = {"deadline_const_c2": TUNE["deadline_const_c2"]}
