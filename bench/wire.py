@@ -224,13 +224,15 @@ def exchange(args: argparse.Namespace) -> dict:
 
         D = params(hidden_for(args.params))
         for name, over in EXCHANGE.items():
+            if args.only and name not in args.only:
+                continue
             out = Path(tmp) / name.replace(" ", "_").replace("%", "")
             fed = fedmpi_exchange(config, args.n, over, out)
             raw = raw_exchange(args.n, 4 * D, raw_uplink(name, D, args.n, 2), args.repeats)
             rows[name] = {**fed, "raw_seconds": raw["median"], "raw_times": raw["times"],
                           "ratio": fed["exchange_seconds"] / raw["median"]}
             print(json.dumps({name: rows[name]}), flush=True)
-    base = rows["float64 (default)"]["bytes_up"]
+    base = rows["float64 (default)"]["bytes_up"] if "float64 (default)" in rows else float("nan")
     print("| setting | bytes up / round | × float64 | bytes down | exchange s (fedmpi) | "
           "raw mpi4py s | fedmpi ÷ raw |")
     print("|---|---|---|---|---|---|---|")
@@ -258,6 +260,7 @@ def main() -> None:
     e.add_argument("--rounds", type=int, default=4)
     e.add_argument("--n", type=int, default=3)
     e.add_argument("--repeats", type=int, default=5)
+    e.add_argument("--only", nargs="+", help="settings by name, e.g. int8")
     e.add_argument("--json")
     args = ap.parse_args()
     result = {"rounding": rounding, "bytes": wire_bytes, "exchange": exchange}[args.what](args)

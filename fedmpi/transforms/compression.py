@@ -103,6 +103,8 @@ if TYPE_CHECKING:
 
 #: entries per int8 block (one float32 scale each)
 INT8_BLOCK = 256
+#: blocks one piece of :meth:`SharedScaleInt8.encode` codes at a time (1 Mi entries)
+ENCODE_BLOCKS = 4096
 ENCODINGS = ("none", "bf16", "int8", "topk")
 
 
@@ -215,9 +217,6 @@ class SharedScaleInt8:
         self._rows[i].copy_(x)
         self._kept.append((client, float(weight)))
 
-    def _y(self, i: int) -> torch.Tensor:
-        return _blocks(self._rows[i].to(torch.float64) * self._kept[i][1])
-
     def local_bound(self, size: int) -> np.ndarray:
         """max_{k kept} max_{i∈b} |y_{k,i}| per block (zeros where none is kept)."""
         out = torch.zeros(math.ceil(size / INT8_BLOCK), dtype=torch.float64)
@@ -235,25 +234,41 @@ class SharedScaleInt8:
         self._scale = self._scale_cpu.to(device)
 
     def encode(self, out: np.ndarray) -> None:
-        """Σ_k q_k mod 2^b (q_k = round(y_k / s_b), s_b = 0: q = 0) into ``out``."""
+        """Σ_k q_k mod 2^b (q_k = round(y_k / s_b), s_b = 0: q = 0) into ``out``, in
+        pieces of :data:`ENCODE_BLOCKS` blocks (each entry's arithmetic is the same; the
+        float64 temporaries stay a piece, not the uplink, in size)."""
         n = out.size
-        s = self._scale.unsqueeze(1)
-        nonzero = s > 0
-        total = torch.zeros(s.shape[0], INT8_BLOCK, dtype=torch.int64, device=s.device)
-        for i, (client, weight) in enumerate(self._kept):
-            q = torch.where(nonzero, torch.round(self._y(i) / torch.where(nonzero, s, 1.0)),
-                            0.0).clamp_(-self.levels, self.levels)
-            total += q.to(torch.int64)
-            if self.sent is not None:
-                sent = (q * s).view(-1)[:n]
-                self.sent(client, sent.div_(weight) if weight else sent.zero_())
-        total.bitwise_and_((1 << self.bits) - 1)
-        out[:] = total.view(-1)[:n].cpu().numpy()
+        nblocks = self._scale.shape[0]
+        mask = (1 << self.bits) - 1
+        sent = ([torch.empty_like(self._rows[i]) for i in range(len(self._kept))]
+                if self.sent is not None else [])
+        for b0 in range(0, nblocks, ENCODE_BLOCKS):
+            b1 = min(b0 + ENCODE_BLOCKS, nblocks)
+            lo, hi = b0 * INT8_BLOCK, min(b1 * INT8_BLOCK, n)
+            s = self._scale[b0:b1].unsqueeze(1)
+            nonzero = s > 0
+            safe = torch.where(nonzero, s, 1.0)
+            total = torch.zeros(b1 - b0, INT8_BLOCK, dtype=torch.int64, device=s.device)
+            for i, (client, weight) in enumerate(self._kept):
+                y = _blocks(self._rows[i][lo:hi].to(torch.float64) * weight)
+                q = torch.where(nonzero, torch.round(y / safe), 0.0).clamp_(-self.levels,
+                                                                           self.levels)
+                total += q.to(torch.int64)
+                if self.sent is not None:
+                    piece = (q * s).view(-1)[: hi - lo]
+                    sent[i][lo:hi].copy_(piece.div_(weight) if weight else piece.zero_())
+            total.bitwise_and_(mask)
+            out[lo:hi] = total.view(-1)[: hi - lo].cpu().numpy()
+        for i, (client, _) in enumerate(self._kept[: len(sent)]):
+            assert self.sent is not None
+            self.sent(client, sent[i])
 
     def decode(self, centred: torch.Tensor, start: int) -> torch.Tensor:
         """s_b · Σ_k q_{k,i} (float64) for the entries i = start, start + 1, …"""
-        block = torch.arange(start, start + centred.numel()) // INT8_BLOCK
-        return centred.to(torch.float64) * self._scale_cpu[block]
+        b0, end = start // INT8_BLOCK, start + centred.numel()
+        scale = self._scale_cpu[b0: -(-end // INT8_BLOCK)].repeat_interleave(INT8_BLOCK)
+        off = start - b0 * INT8_BLOCK
+        return centred.to(torch.float64) * scale[off: off + centred.numel()]
 
 
 def ring_wire(bits: int) -> np.dtype:
