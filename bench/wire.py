@@ -19,7 +19,8 @@ today's float64 default.
 ``exchange``: the 46.5 side-by-side. An MLP of about ``--params`` parameters, 2 clients (one
 per worker at ``-n 3``), one local step per round, under each uplink setting; per round (the
 first skipped) the bytes the ranks handed MPI and the seconds rank 0 measured moving and
-coding them (``/rounds/comm_seconds + codec_seconds``), against raw mpi4py moving the same
+coding them (``/rounds/wait_seconds + comm_seconds + codec_seconds``: with one local step
+the wait beyond training is the workers' side of the exchange), against raw mpi4py moving the same
 bytes (θ ``Bcast`` and the setting's ``Reduce`` or per-participant messages, the slowest
 rank's time, median of ``--repeats``), one fedmpi run then its raw twin.
 """
@@ -106,8 +107,9 @@ def rounding(args: argparse.Namespace) -> dict:
 #: the uplink settings the exchange table compares (46.5)
 EXCHANGE = {k: SETTINGS[k] for k in ("float64 (default)", "float32 wire", "bf16", "int8",
                                      "topk 1%")}
-#: a rank's share of a round's time moving and coding bytes (the round's time columns)
-EXCHANGE_COLUMNS = ("comm_seconds", "codec_seconds")
+#: rank 0's measured time of a round's exchange (the round's time columns): waiting for the
+#: workers' sends (their sealing included) beyond their training, moving bytes, coding
+EXCHANGE_COLUMNS = ("wait_seconds", "comm_seconds", "codec_seconds")
 
 
 def exchange_config(tmp: Path, d: float, rounds: int) -> Path:
@@ -135,7 +137,7 @@ def exchange_config(tmp: Path, d: float, rounds: int) -> Path:
 
 def fedmpi_exchange(config: Path, n: int, over: list[str], out: Path) -> dict:
     """One run at ``-n n``: per round (the first skipped: start-up) the bytes handed to MPI
-    and the seconds rank 0 measured moving and coding them (medians)."""
+    and the seconds rank 0 measured waiting for, moving and coding them (medians)."""
     sets = [a for kv in over for a in ("--set", kv)]
     cmd = [str(BIN / "mpiexec"), "-n", str(n), str(BIN / "fedmpi"), "run", str(config),
            *sets, "--out", str(out)]
@@ -144,7 +146,8 @@ def fedmpi_exchange(config: Path, n: int, over: list[str], out: Path) -> dict:
     with h5py.File(out / "log.h5", "r") as f:
         r = f["rounds"]
         row = {k: float(np.median(r[k][1:])) for k in
-               ("bytes_up", "bytes_down", "wall_seconds", *EXCHANGE_COLUMNS) if k in r}
+               ("bytes_up", "bytes_down", "wall_seconds", "train_seconds", *EXCHANGE_COLUMNS)
+               if k in r}
         row["D"] = int(f.attrs.get("num_params", 0)) if "num_params" in f.attrs else None
     row["exchange_seconds"] = sum(row.get(k, 0.0) for k in EXCHANGE_COLUMNS)
     return row
@@ -213,7 +216,7 @@ def raw_uplink(name: str, D: int, n: int, participants: int) -> tuple[str, int, 
 
 
 def exchange(args: argparse.Namespace) -> dict:
-    """46.5: per setting, fedmpi's exchange seconds per round (comm + codec, rank 0's
+    """46.5: per setting, fedmpi's exchange seconds per round (wait + comm + codec, rank 0's
     measured columns) and bytes, against raw mpi4py moving the same bytes, alternating
     fedmpi and raw runs (A B A B) so background load hits both alike."""
     rows: dict = {}
