@@ -37,8 +37,8 @@ class RoundConfig(CopyOnRead):
                               "floor(deadline / (slowdown_k x batch_size x "
                               "round.sample_seconds)); wall clock: until its next step would "
                               "end after the deadline), at least 1, instead of "
-                              "train.local_steps/local_epochs; with algorithm.name fednova "
-                              "unequal step counts do not bias the aggregate")
+                              "train.local_steps/local_epochs; FedNova's normalisation keeps "
+                              "unequal step counts from biasing the aggregate")
     late: str = param("drop", "round.mode deadline: an update that misses its round is "
                       "dropped, or carried into the next step with its staleness weight",
                       choices=("drop", "carry"))
