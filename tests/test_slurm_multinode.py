@@ -116,18 +116,31 @@ def _sbatch(tmp_path: Path, config: Path, out: Path, *args: str) -> str:
 PMI2_START_FAILURE = "value not properly terminated"
 
 
+def _pmi2_failed(tmp_path: Path, job: str, after: str = "") -> bool:
+    """The job's output (after its last ``after`` line, if given) shows
+    :data:`PMI2_START_FAILURE`; False while the job has written no output yet."""
+    if not (tmp_path / f"slurm-{job}.out").exists():
+        return False
+    text = _output(tmp_path, job)
+    return PMI2_START_FAILURE in (text.rsplit(after, 1)[-1] if after else text)
+
+
 def _sbatch_started(tmp_path: Path, config: Path, out: Path, *args: str) -> str:
-    """:func:`_sbatch`, and once more if the job ended with :data:`PMI2_START_FAILURE`
-    before fedmpi opened its log; any other ending is the test's to judge."""
+    """:func:`_sbatch`, and once more if the job met :data:`PMI2_START_FAILURE` before
+    fedmpi opened its log — whether its step then ended or hung in MPI_Init (both seen;
+    a hung one is cancelled first); any other ending is the test's to judge."""
     for attempt in (1, 2):
         job = _sbatch(tmp_path, config, out, *args)
         deadline = time.monotonic() + 120
+        failed = False
         while time.monotonic() < deadline and not (out / "log.h5").exists():
-            if _job(job).get("JobState") in TERMINAL:
+            failed = attempt == 1 and _pmi2_failed(tmp_path, job)
+            if failed or _job(job).get("JobState") in TERMINAL:
                 break
             time.sleep(0.2)
-        ended = _job(job).get("JobState") in TERMINAL and not (out / "log.h5").exists()
-        if attempt == 1 and ended and PMI2_START_FAILURE in _output(tmp_path, job):
+        if failed and not (out / "log.h5").exists():
+            subprocess.run(["scancel", job], env=_env(), timeout=60)
+            _wait_end(job, 120)
             print(f"job {job}: pmi2 start-up failure, submitted again", file=sys.stderr)
             continue
         return job
@@ -135,16 +148,25 @@ def _sbatch_started(tmp_path: Path, config: Path, out: Path, *args: str) -> str:
 
 
 def _wait_end_restarted(tmp_path: Path, job: str, timeout: float) -> dict[str, str]:
-    """:func:`_wait_end` for a job Slurm restarted; when that restart ended with
-    :data:`PMI2_START_FAILURE` (in the output after its last ``resuming`` line) the job
-    is requeued once more, as :func:`_sbatch_started` submits a first start again."""
-    info = _wait_end(job, timeout)
-    restart = _output(tmp_path, job).rsplit("resuming this job's checkpoint", 1)[-1]
-    if info["JobState"] != "COMPLETED" and PMI2_START_FAILURE in restart:
-        print(f"job {job}: pmi2 start-up failure after a restart, requeued", file=sys.stderr)
-        subprocess.run(["scontrol", "requeue", job], check=True, env=_env(), timeout=60)
-        info = _wait_end(job, timeout)
-    return info
+    """:func:`_wait_end` for a job Slurm restarted; when that restart meets
+    :data:`PMI2_START_FAILURE` (in the output after its last ``resuming`` line; its step
+    then ends or hangs) the job is requeued once more, as :func:`_sbatch_started` submits
+    a first start again."""
+    deadline = time.monotonic() + timeout
+    requeued = False
+    while time.monotonic() < deadline:
+        info = _job(job)
+        if not requeued and info.get("JobState") != "COMPLETED" and \
+                _pmi2_failed(tmp_path, job, after="resuming this job's checkpoint"):
+            print(f"job {job}: pmi2 start-up failure after a restart, requeued", file=sys.stderr)
+            subprocess.run(["scontrol", "requeue", job], check=True, env=_env(), timeout=60)
+            requeued = True
+            continue
+        if info.get("JobState") in TERMINAL:
+            return info
+        time.sleep(0.5)
+    subprocess.run(["scancel", job])
+    raise AssertionError(f"job {job} did not end within {timeout} s: {_job(job)}")
 
 
 def _bridge_bytes() -> int:
