@@ -57,7 +57,7 @@ import torch
 
 from fedmpi.errors import ConfigError
 from fedmpi.transforms.base import SumCode, UpdateTransform
-from fedmpi.transforms.compression import RingSum, ring_wire
+from fedmpi.transforms.ring import RingSum, ring_wire
 
 if TYPE_CHECKING:
     from fedmpi.config.core import Config

@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 class SumCode(Protocol):
     """Integer codes of the clients' contributions, summed exactly in a ring 2^``bits``
     under an :class:`UplinkCodec` (the int8 uplink with secure aggregation,
-    :class:`~fedmpi.transforms.compression.SharedScaleInt8`).
+    :class:`~fedmpi.transforms.ring.SharedScaleInt8`).
 
     Per round on every rank: ``begin``; ``take(client, x, weight)`` for each accepted
     client it hosts (the contribution is ``weight·x``); ``local_bound(size)`` → what the
