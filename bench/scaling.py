@@ -60,6 +60,21 @@ def params(h: int) -> int:
     return INPUT * h + h + h * h + h + h * 10 + 10
 
 
+def mlp_config(name: str, h: int, clients: int, rounds: int, per_round: int,
+               device: str = "cpu", timeout: int = 600, **train) -> dict:
+    """The digits MLP 64 → H → H → 10 over ``clients`` IID sites, one local step of batch 8
+    a round, evaluated after the last (the runs of this bench and of bench/wire.py)."""
+    return {"name": name, "seed": 0,
+            "data": {"dataset": "digits", "num_clients": clients,
+                     "partition": {"method": "iid", "min_size": 1}},
+            "model": {"name": "mlp", "mlp": {"hidden": [h, h]}},
+            "train": {"rounds": rounds, "clients_per_round": per_round, "local_steps": 1,
+                      "batch_size": 8, "lr": 0.01, **train},
+            "eval": {"every": rounds},
+            "runtime": {"device": device, "progress": False, "threads": 1,
+                        "round_timeout": timeout}}
+
+
 def median(xs: list[float]) -> float:
     s = sorted(xs)
     return s[len(s) // 2] if len(s) % 2 else 0.5 * (s[len(s) // 2 - 1] + s[len(s) // 2])
@@ -75,15 +90,7 @@ def one_point(k: int, d: float, rounds: int, tmp: Path) -> dict:
     import yaml
 
     h = hidden_for(d)
-    cfg = {"name": f"scaling-K{k}-H{h}", "seed": 0,
-           "data": {"dataset": "digits", "num_clients": k,
-                    "partition": {"method": "iid", "min_size": 1}},
-           "model": {"name": "mlp", "mlp": {"hidden": [h, h]}},
-           "train": {"rounds": rounds, "clients_per_round": 10, "local_steps": 1,
-                     "batch_size": 8, "lr": 0.01},
-           "eval": {"every": rounds},
-           "runtime": {"device": "cpu", "progress": False, "threads": 1,
-                       "round_timeout": 600}}
+    cfg = mlp_config(f"scaling-K{k}-H{h}", h, k, rounds, 10)
     path = tmp / f"{cfg['name']}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     out = tmp / cfg["name"]
@@ -111,17 +118,11 @@ def memory_point(d: float, method: str, tmp: Path, device: str = "cpu",
 
     h = hidden_for(d)
     algo, _, weighting = method.partition("+")
-    cfg = {"name": f"memory-{method}-H{h}-m{momentum:g}", "seed": 0,
-           "data": {"dataset": "digits", "num_clients": 2,
-                    "partition": {"method": "iid", "min_size": 1}},
-           "model": {"name": "mlp", "mlp": {"hidden": [h, h]}},
-           "algorithm": {"name": algo},
-           "aggregation": {"weighting": weighting or "samples"},
-           "train": {"rounds": 1, "clients_per_round": 1, "local_steps": 1,
-                     "batch_size": 8, "lr": 0.01, "momentum": momentum},
-           "eval": {"every": 1},
-           "runtime": {"device": device, "progress": False, "threads": 1,
-                       "round_timeout": 3600, "setup_timeout": 3600}}
+    cfg = mlp_config(f"memory-{method}-H{h}-m{momentum:g}", h, 2, 1, 1, device, 3600,
+                     momentum=momentum)
+    cfg["algorithm"] = {"name": algo}
+    cfg["aggregation"] = {"weighting": weighting or "samples"}
+    cfg["runtime"]["setup_timeout"] = 3600
     path = tmp / f"{cfg['name']}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     out = tmp / cfg["name"]

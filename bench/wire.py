@@ -118,18 +118,10 @@ def exchange_config(tmp: Path, d: float, rounds: int) -> Path:
     import yaml
 
     sys.path.insert(0, str(ROOT / "bench"))
-    from scaling import hidden_for
+    from scaling import hidden_for, mlp_config
 
     h = hidden_for(d)
-    cfg = {"name": f"wire-exchange-H{h}", "seed": 0,
-           "data": {"dataset": "digits", "num_clients": 2,
-                    "partition": {"method": "iid", "min_size": 1}},
-           "model": {"name": "mlp", "mlp": {"hidden": [h, h]}},
-           "train": {"rounds": rounds, "clients_per_round": 2, "local_steps": 1,
-                     "batch_size": 8, "lr": 0.01},
-           "eval": {"every": rounds},
-           "runtime": {"device": "cpu", "progress": False, "threads": 1,
-                       "round_timeout": 900}}
+    cfg = mlp_config(f"wire-exchange-H{h}", h, 2, rounds, 2, timeout=900)
     path = tmp / "exchange.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
