@@ -18,6 +18,10 @@ step: exclusion, weights, server rule), :mod:`~fedmpi.runtime.evaluation` (polic
 
 Everything else uses a :class:`Federation` through the attributes in :data:`PUBLIC` and the
 narrow views of :mod:`~fedmpi.runtime.view`; the rest is private to the loop.
+
+One module, just over 400 lines: the loop, its stop/checkpoint handshake and the timing of
+each of its calls (the overhead's parts, :mod:`~fedmpi.runtime.record`) are one sequence
+that every rank must take in the same order; the parts that are not are the modules above.
 """
 from __future__ import annotations
 
